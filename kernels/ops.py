@@ -1,0 +1,101 @@
+"""The one dispatch point: every kernel call of the model goes through here.
+
+CUDA tensors take the Triton kernels, everything else the torch reference.
+``KVMESH_KERNELS=torch`` forces the reference anywhere; ``KVMESH_KERNELS=triton``
+forces Triton (on the CPU that needs ``TRITON_INTERPRET=1``, for tests).
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+from kvmesh.kernels.attention_metadata import AttentionMetadata
+from kvmesh.kernels.reference import attention as ref_attention
+from kvmesh.kernels.reference import cache_ops as ref_cache
+
+
+@functools.cache
+def triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def use_triton(tensor: torch.Tensor) -> bool:
+    mode = os.environ.get("KVMESH_KERNELS", "auto")
+    if mode == "torch":
+        return False
+    if mode == "triton":
+        return True
+    if mode != "auto":
+        raise ValueError(f"KVMESH_KERNELS={mode!r}: expected auto, torch or triton")
+    return tensor.is_cuda and triton_available()
+
+
+def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Write new K/V [T, H_kv, D] into one layer's caches by slot (slot -1: skipped)."""
+    if use_triton(key):
+        from kvmesh.kernels.triton import cache_ops
+        cache_ops.store_kv(key, value, k_cache, v_cache, slot_mapping)
+    else:
+        ref_cache.store_kv(key, value, k_cache, v_cache, slot_mapping)
+
+
+def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    md: AttentionMetadata, scale: float) -> torch.Tensor:
+    """Attention for a mixed batch: decode kernel on the leading decodes, prefill kernel on the rest."""
+    num_decode_tokens = md.num_decodes
+    out = torch.empty_like(query)
+    if num_decode_tokens:
+        out[:num_decode_tokens] = decode_attention(
+            query[:num_decode_tokens], k_cache, v_cache, md.block_tables[:num_decode_tokens],
+            md.seq_lens[:num_decode_tokens], max(md.seq_lens_cpu[:num_decode_tokens]), scale)
+    if md.num_prefills:
+        d = md.num_decodes
+        qsl = md.query_start_loc[d:] - num_decode_tokens
+        out[num_decode_tokens:] = prefill_attention(
+            query[num_decode_tokens:], k_cache, v_cache, md.block_tables[d:], md.seq_lens[d:], qsl,
+            md.query_lens_cpu[d:], md.seq_lens_cpu[d:], max(md.query_lens_cpu[d:]), scale)
+    return out
+
+
+def prefill_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
+                      query_lens_cpu: list[int], seq_lens_cpu: list[int], max_query_len: int,
+                      scale: float) -> torch.Tensor:
+    if use_triton(query):
+        from kvmesh.kernels.triton import attention
+        return attention.prefill_attention(query, k_cache, v_cache, block_tables, seq_lens,
+                                           query_start_loc, max_query_len, scale)
+    return ref_attention.prefill_attention(query, k_cache, v_cache, block_tables,
+                                           query_lens_cpu, seq_lens_cpu, scale)
+
+
+def decode_attention(query, k_cache, v_cache, block_tables, seq_lens, max_seq_len: int,
+                     scale: float) -> torch.Tensor:
+    if use_triton(query):
+        from kvmesh.kernels.triton import attention
+        return attention.decode_attention(query, k_cache, v_cache, block_tables, seq_lens, scale)
+    return ref_attention.decode_attention(query, k_cache, v_cache, block_tables, seq_lens,
+                                          max_seq_len, scale)
+
+
+def pack_blocks(kv_buffer: torch.Tensor, block_ids: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Gather whole blocks into one contiguous staging tensor (for transfer engines without gather)."""
+    if use_triton(kv_buffer):
+        from kvmesh.kernels.triton import cache_ops
+        return cache_ops.pack_blocks(kv_buffer, block_ids, out)
+    return ref_cache.pack_blocks(kv_buffer, block_ids, out)
+
+
+def unpack_blocks(kv_buffer: torch.Tensor, block_ids: torch.Tensor, packed: torch.Tensor) -> None:
+    """Scatter a staging tensor of whole blocks into ``kv_buffer[block_ids]``."""
+    if use_triton(kv_buffer):
+        from kvmesh.kernels.triton import cache_ops
+        cache_ops.unpack_blocks(kv_buffer, block_ids, packed)
+    else:
+        ref_cache.unpack_blocks(kv_buffer, block_ids, packed)

@@ -1,0 +1,1 @@
+"""Torch reference implementations of every kernel: the CPU path and the oracle for Triton."""

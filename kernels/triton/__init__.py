@@ -1,0 +1,1 @@
+"""Triton kernels (the CUDA path); each has a torch twin in ``kernels.reference``."""

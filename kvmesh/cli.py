@@ -1,0 +1,65 @@
+"""The ``kvmesh`` command line: ``kvmesh generate`` (more subcommands join as nodes land)."""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from kvmesh.errors import KvmeshError
+
+
+def _add_generate(sub) -> None:
+    p = sub.add_parser("generate", help="generate a completion offline on this machine")
+    p.add_argument("--model", default="smollm2-135m",
+                   help="preset (tiny-llama, tiny-qwen3, smollm2-135m), HF directory or .gguf file")
+    p.add_argument("--prompt", required=True, action="append", help="prompt text (repeat for a batch)")
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=-1)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--verbose", action="store_true", help="print load time and token ids")
+    p.set_defaults(func=_run_generate)
+
+
+def _run_generate(args: argparse.Namespace) -> int:
+    from kvmesh.engine.llm import LLM
+    from kvmesh.engine.sampling_params import SamplingParams
+
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            top_k=args.top_k, seed=args.seed)
+    llm = LLM(model=args.model, dtype=args.dtype, device=args.device, progress=sys.stderr.isatty())
+    start = time.perf_counter()
+    outputs = llm.generate(args.prompt, params, use_tqdm=sys.stderr.isatty())
+    elapsed = time.perf_counter() - start
+    for prompt, out in zip(args.prompt, outputs):
+        print(prompt + out.text)
+        if args.verbose:
+            print(f"  token_ids={out.token_ids} finish_reason={out.outputs[0].finish_reason}", file=sys.stderr)
+    if args.verbose:
+        num_tokens = sum(len(o.token_ids) for o in outputs)
+        print(f"model loaded in {llm.loaded.load_seconds:.2f} s; {num_tokens} tokens in {elapsed:.2f} s; "
+              f"fingerprint {llm.loaded.fingerprint}", file=sys.stderr)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvmesh", description="kvmesh: disaggregated LLM serving")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_generate(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except KvmeshError as e:
+        print(f"kvmesh: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Engine: sequences, sampling, the model runner and the offline LLM API."""

