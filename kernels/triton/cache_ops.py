@@ -16,9 +16,11 @@ def _store_kv_kernel(
 ):
     token = tl.program_id(0)
     slot = tl.load(slot_ptr + token).to(tl.int64)
+    if slot < 0:  # padding token: nothing to store
+        return
     heads = tl.arange(0, BLOCK_H)[:, None]
     dims = tl.arange(0, BLOCK_D)[None, :]
-    mask = (heads < num_heads) & (dims < head_dim) & (slot >= 0)
+    mask = (heads < num_heads) & (dims < head_dim)
     block = slot // block_size
     offset = slot % block_size
     dst = block * cache_stride_block + offset * cache_stride_pos + heads * cache_stride_h + dims

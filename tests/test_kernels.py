@@ -1,0 +1,175 @@
+"""Kernels: torch references against a dense float64 oracle; Triton against the torch references.
+
+On machines without CUDA, Triton runs in its interpreter (TRITON_INTERPRET=1, set in
+conftest) in fp32 and fp16; bf16 ``tl.dot`` is wrong in the interpreter, so bf16 is
+checked in tests/gpu only.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from kvmesh.kernels.reference import attention as ref_attn
+from kvmesh.kernels.reference import cache_ops as ref_cache
+
+triton_attn = pytest.importorskip("kvmesh.kernels.triton.attention")
+triton_cache = pytest.importorskip("kvmesh.kernels.triton.cache_ops")
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPES = [torch.float32, torch.float16] if DEVICE == "cpu" else [torch.float32, torch.float16, torch.bfloat16]
+TOL = {torch.float32: 2e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}
+
+
+@dataclass
+class PagedCase:
+    query: torch.Tensor  # [T, Hq, D], sequences back to back
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    block_tables: torch.Tensor
+    query_lens: list[int]
+    seq_lens: list[int]
+    dense_k: list[torch.Tensor]  # per sequence [seq_len, Hkv, D]
+    dense_v: list[torch.Tensor]
+
+
+def make_case(seed: int, query_lens: list[int], seq_lens: list[int], num_heads: int, num_kv_heads: int,
+              head_dim: int, block_size: int, dtype: torch.dtype, num_layers: int = 2) -> PagedCase:
+    """Random K/V per sequence, scattered into a block-major buffer under a shuffled block table."""
+    gen = torch.Generator().manual_seed(seed)
+    blocks_per_seq = [-(-s // block_size) for s in seq_lens]
+    num_blocks = sum(blocks_per_seq) + 5
+    buffer = torch.randn(num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim, generator=gen).to(dtype)
+    k_cache, v_cache = buffer[:, 1, 0], buffer[:, 1, 1]  # a strided layer view, as the model uses
+    order = torch.randperm(num_blocks, generator=gen).tolist()
+    tables, dense_k, dense_v = [], [], []
+    for n in blocks_per_seq:
+        table, order = order[:n], order[n:]
+        tables.append(table + [0] * (max(blocks_per_seq) - n))
+    for table, s in zip(tables, seq_lens):
+        dense_k.append(torch.cat([k_cache[b] for b in table])[:s])
+        dense_v.append(torch.cat([v_cache[b] for b in table])[:s])
+    query = torch.randn(sum(query_lens), num_heads, head_dim, generator=gen).to(dtype)
+    to = lambda t: t.to(DEVICE)  # noqa: E731
+    return PagedCase(to(query), to(k_cache), to(v_cache), to(torch.tensor(tables, dtype=torch.int32)),
+                     query_lens, seq_lens, dense_k, dense_v)
+
+
+def dense_oracle(case: PagedCase, scale: float) -> torch.Tensor:
+    """Textbook causal attention in float64 on contiguous K/V."""
+    outs = []
+    start = 0
+    group = case.query.shape[1] // case.dense_k[0].shape[1]
+    for q_len, s_len, k, v in zip(case.query_lens, case.seq_lens, case.dense_k, case.dense_v):
+        q = case.query[start : start + q_len].cpu().double()
+        k = k.double().repeat_interleave(group, dim=1)
+        v = v.double().repeat_interleave(group, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+        q_pos = torch.arange(s_len - q_len, s_len)[:, None]
+        scores = scores.masked_fill(torch.arange(s_len)[None, :] > q_pos, -math.inf)
+        outs.append(torch.einsum("hqk,khd->qhd", scores.softmax(-1), v))
+        start += q_len
+    return torch.cat(outs)
+
+
+PREFILL_SHAPES = [
+    # query_lens, seq_lens, Hq, Hkv, D, block_size
+    ([5], [5], 2, 2, 16, 16),
+    ([17, 1, 40], [17, 30, 77], 4, 2, 32, 16),  # odd lengths, a prefill chunk on a cached prefix
+    ([33, 7], [100, 7], 6, 2, 24, 16),  # head_dim not a power of two, GQA 3
+    ([20], [52], 3, 1, 64, 32),
+]
+
+
+@pytest.mark.parametrize("shape", PREFILL_SHAPES)
+def test_reference_prefill_attention_matches_dense_oracle(shape):
+    q_lens, s_lens, hq, hkv, d, bs = shape
+    case = make_case(11, q_lens, s_lens, hq, hkv, d, bs, torch.float32)
+    scale = d**-0.5
+    out = ref_attn.prefill_attention(case.query, case.k_cache, case.v_cache, case.block_tables,
+                                     q_lens, s_lens, scale)
+    assert (out.cpu().double() - dense_oracle(case, scale)).abs().max().item() < 1e-5
+
+
+def test_reference_decode_attention_matches_dense_oracle():
+    s_lens = [1, 16, 17, 90]
+    case = make_case(12, [1] * 4, s_lens, 8, 2, 32, 16, torch.float32)
+    seq_lens = torch.tensor(s_lens, dtype=torch.int32, device=DEVICE)
+    out = ref_attn.decode_attention(case.query, case.k_cache, case.v_cache, case.block_tables, seq_lens,
+                                    max(s_lens), 0.2)
+    assert (out.cpu().double() - dense_oracle(case, 0.2)).abs().max().item() < 1e-5
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", PREFILL_SHAPES)
+def test_triton_prefill_attention_matches_reference(shape, dtype):
+    q_lens, s_lens, hq, hkv, d, bs = shape
+    case = make_case(21, q_lens, s_lens, hq, hkv, d, bs, dtype)
+    starts = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0)), dtype=torch.int32, device=DEVICE)
+    seq_lens = torch.tensor(s_lens, dtype=torch.int32, device=DEVICE)
+    scale = d**-0.5
+    got = triton_attn.prefill_attention(case.query, case.k_cache, case.v_cache, case.block_tables, seq_lens,
+                                        starts, max(q_lens), scale)
+    want = ref_attn.prefill_attention(case.query.float(), case.k_cache.float(), case.v_cache.float(),
+                                      case.block_tables, q_lens, s_lens, scale)
+    assert (got.float() - want).abs().max().item() < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("s_lens,hq,hkv,d", [([3, 16, 17, 61], 4, 4, 16), ([200, 9], 9, 3, 40)])
+def test_triton_decode_attention_matches_reference(s_lens, hq, hkv, d, dtype):
+    case = make_case(22, [1] * len(s_lens), s_lens, hq, hkv, d, 16, dtype)
+    seq_lens = torch.tensor(s_lens, dtype=torch.int32, device=DEVICE)
+    got = triton_attn.decode_attention(case.query, case.k_cache, case.v_cache, case.block_tables, seq_lens, 0.3)
+    want = ref_attn.decode_attention(case.query.float(), case.k_cache.float(), case.v_cache.float(),
+                                     case.block_tables, seq_lens, max(s_lens), 0.3)
+    assert (got.float() - want).abs().max().item() < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_heads,head_dim", [(2, 16), (3, 24)])
+def test_triton_store_kv_matches_reference(num_heads, head_dim, dtype):
+    gen = torch.Generator().manual_seed(31)
+    buf = torch.randn(9, 3, 2, 16, num_heads, head_dim, generator=gen).to(dtype).to(DEVICE)
+    key = torch.randn(23, num_heads, head_dim, generator=gen).to(dtype).to(DEVICE)
+    value = torch.randn(23, num_heads, head_dim, generator=gen).to(dtype).to(DEVICE)
+    slots = torch.randperm(9 * 16, generator=gen)[:23]
+    slots[[4, 11]] = -1  # padding tokens: must not be written
+    slots = slots.to(DEVICE)
+    want = buf.clone()
+    ref_cache.store_kv(key, value, want[:, 2, 0], want[:, 2, 1], slots)
+    got = buf.clone()
+    triton_cache.store_kv(key, value, got[:, 2, 0], got[:, 2, 1], slots)
+    assert torch.equal(got, want)
+    assert not torch.equal(want, buf)  # the reference really wrote something
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_triton_pack_unpack_match_reference(dtype):
+    gen = torch.Generator().manual_seed(41)
+    buf = torch.randn(12, 2, 2, 16, 3, 20, generator=gen).to(dtype).to(DEVICE)
+    ids = torch.tensor([7, 2, 3, 11, 0], device=DEVICE)
+    packed = triton_cache.pack_blocks(buf, ids)
+    assert torch.equal(packed, ref_cache.pack_blocks(buf, ids))
+    dest_ref, dest = torch.zeros_like(buf), torch.zeros_like(buf)
+    dest_ids = torch.tensor([1, 9, 4, 5, 10], device=DEVICE)
+    ref_cache.unpack_blocks(dest_ref, dest_ids, packed)
+    triton_cache.unpack_blocks(dest, dest_ids, packed)
+    assert torch.equal(dest, dest_ref)
+    assert torch.equal(dest[9], buf[2]) and dest[0].abs().sum() == 0
+
+
+def test_model_forward_through_triton_dispatch_matches_torch(tiny_llama, monkeypatch):
+    """The whole model with every kernel call dispatched to Triton (interpreter on CPU)."""
+    from tests.conftest import run_prefill
+
+    tokens = list(range(30, 100))
+    want, _, _ = run_prefill(tiny_llama, tokens[:50])
+    want_next, _, _ = run_prefill(tiny_llama, tokens)
+    monkeypatch.setenv("KVMESH_KERNELS", "triton")
+    got, kv, blocks = run_prefill(tiny_llama, tokens[:50])
+    got_next, _, _ = run_prefill(tiny_llama, tokens[50:], kv=kv, block_ids=blocks, start=50)
+    assert (got - want).abs().max().item() < 1e-4
+    assert (got_next - want_next[50:]).abs().max().item() < 1e-4

@@ -1,0 +1,71 @@
+"""kvmesh's forward against Hugging Face transformers on the same weights."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvmesh import LLM, SamplingParams
+from tests.conftest import hf_reference, run_prefill
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a land far"]
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen3"])
+def test_tiny_preset_logits_match_transformers(name, request):
+    loaded = request.getfixturevalue(name.replace("-", "_"))
+    hf = hf_reference(loaded)
+    gen = torch.Generator().manual_seed(7)
+    for length in (1, 15, 16, 17, 77, 300):  # 300 passes llama3 scaling's original context of 64
+        ids = torch.randint(0, 256, (length,), generator=gen).tolist()
+        ours, _, _ = run_prefill(loaded, ids)
+        with torch.inference_mode():
+            ref = hf(torch.tensor([ids])).logits[0]
+        assert (ours - ref).abs().max().item() < 1e-4, f"{name} length {length}"
+
+
+def test_smollm2_logits_match_transformers(smollm2, smollm2_hf):
+    tok = smollm2.tokenizer
+    worst = 0.0
+    for prompt in PROMPTS:
+        ids = tok.encode(prompt)
+        ours, _, _ = run_prefill(smollm2, ids)
+        with torch.inference_mode():
+            ref = smollm2_hf(torch.tensor([ids])).logits[0]
+        worst = max(worst, (ours - ref).abs().max().item())
+    print(f"SmolLM2 max |dlogit| = {worst:.2e}")
+    assert worst < 2e-3  # logits of magnitude ~20 through 30 fp32 layers
+
+
+def _hf_greedy(hf, prompt_ids: list[int], n: int) -> list[int]:
+    with torch.inference_mode():
+        out = hf.generate(torch.tensor([prompt_ids]), max_new_tokens=n, do_sample=False,
+                          attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long), pad_token_id=0,
+                          eos_token_id=None)
+    return out[0, len(prompt_ids):].tolist()
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen3"])
+def test_tiny_greedy_streams_match_transformers_batched_and_unbatched(name):
+    llm = LLM(name, num_kv_blocks=64, progress=False)
+    hf = hf_reference(llm.loaded)
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    prompt_ids = [llm.tokenizer.encode(p) for p in PROMPTS]
+    batched = llm.generate(prompt_ids, params, use_tqdm=False)
+    for ids, out in zip(prompt_ids, batched):
+        expected = _hf_greedy(hf, ids, 40)
+        assert out.token_ids == expected
+        assert llm.generate(ids, params, use_tqdm=False)[0].token_ids == expected
+    llm.engine.allocator.check_integrity()
+
+
+def test_smollm2_greedy_streams_match_transformers(smollm2_hf):
+    llm = LLM("smollm2-135m", num_kv_blocks=64, progress=False)
+    params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+    batched = llm.generate(PROMPTS, params, use_tqdm=False)
+    for prompt, out in zip(PROMPTS, batched):
+        ids = llm.tokenizer.encode(prompt)
+        assert out.prompt_token_ids == ids
+        assert out.token_ids == _hf_greedy(smollm2_hf, ids, 32)
+    assert llm.generate(PROMPTS[0], params, use_tqdm=False)[0].token_ids == batched[0].token_ids
+    assert "Paris" in batched[0].text
+    llm.engine.allocator.check_integrity()

@@ -1,0 +1,75 @@
+"""Sampling parameters: validation, greedy, seeds, top-k/top-p, stop conditions."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvmesh import LLM, SamplingParams
+from kvmesh.engine.sampler import sample
+from kvmesh.errors import InvalidRequestError
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM("tiny-llama", num_kv_blocks=128, progress=False)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(max_tokens=0), "max_tokens"),
+    (dict(max_tokens=-3), "max_tokens"),
+    (dict(temperature=-0.1), "temperature"),
+    (dict(temperature=float("nan")), "temperature"),
+    (dict(top_p=0.0), "top_p"),
+    (dict(top_p=1.5), "top_p"),
+    (dict(top_k=0), "top_k"),
+    (dict(stop=[""]), "stop"),
+])
+def test_invalid_sampling_params_are_refused(kwargs, match):
+    with pytest.raises(InvalidRequestError, match=match):
+        SamplingParams(**kwargs)
+
+
+def test_sampler_top_k_and_top_p_restrict_the_support():
+    logits = torch.tensor([[3.0, 2.9, 2.8, -5.0, -5.0, 0.0]] * 1)
+    gen = torch.Generator().manual_seed(0)
+    seen_k = {sample(logits, [SamplingParams(temperature=5.0, top_k=2)], [gen])[0][0] for _ in range(200)}
+    assert seen_k == {0, 1}
+    probs = torch.softmax(logits[0], -1)  # p(0)+p(1) ~ 0.66 < 0.7 <= p(0)+p(1)+p(2)
+    assert probs[:2].sum() < 0.7 <= probs[:3].sum()
+    seen_p = {sample(logits, [SamplingParams(top_p=0.7)], [gen])[0][0] for _ in range(300)}
+    assert seen_p == {0, 1, 2}
+    tok, lp = sample(logits, [SamplingParams(temperature=0.0)], [None])
+    assert tok == [0] and lp[0] == pytest.approx(torch.log_softmax(logits[0], -1)[0].item())
+
+
+def test_seeded_sampling_is_reproducible_and_seed_dependent(llm):
+    prompt = "abc"
+    a = llm.generate(prompt, SamplingParams(max_tokens=24, temperature=1.0, seed=5, ignore_eos=True), use_tqdm=False)
+    b = llm.generate(prompt, SamplingParams(max_tokens=24, temperature=1.0, seed=5, ignore_eos=True), use_tqdm=False)
+    c = llm.generate(prompt, SamplingParams(max_tokens=24, temperature=1.0, seed=6, ignore_eos=True), use_tqdm=False)
+    assert a[0].token_ids == b[0].token_ids
+    assert a[0].token_ids != c[0].token_ids
+    greedy = llm.generate(prompt, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    top1 = llm.generate(prompt, SamplingParams(max_tokens=24, temperature=0.8, top_k=1, ignore_eos=True),
+                        use_tqdm=False)
+    assert greedy[0].token_ids == top1[0].token_ids
+
+
+def test_stop_token_ids_and_max_tokens(llm):
+    free = llm.generate("hello", SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True), use_tqdm=False)[0]
+    assert len(free.token_ids) == 12 and free.outputs[0].finish_reason == "length"
+    stop_at = free.token_ids[5]
+    first = free.token_ids.index(stop_at)
+    stopped = llm.generate("hello", SamplingParams(max_tokens=12, temperature=0.0, stop_token_ids=[stop_at]),
+                           use_tqdm=False)[0]
+    assert stopped.token_ids == free.token_ids[: first + 1]
+    assert stopped.outputs[0].finish_reason == "stop"
+
+
+def test_stop_strings_cut_the_text(llm):
+    free = llm.generate("hello", SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True), use_tqdm=False)[0]
+    needle = free.text[3:5]
+    assert needle
+    cut = llm.generate("hello", SamplingParams(max_tokens=16, temperature=0.0, stop=needle), use_tqdm=False)[0]
+    assert cut.text == free.text[: free.text.find(needle)]
+    assert cut.outputs[0].finish_reason == "stop"
