@@ -1,0 +1,260 @@
+"""BlockPool: the mechanism of a node's KV blocks.
+
+It allocates, counts references, keeps the LRU free queue and the hash -> block
+map (the local prefix cache), and nothing else: eviction order is an
+EvictionPolicy, admission and scheduling live in the engine.
+
+Every block is in exactly one of three states::
+
+    used    ref_count > 0 or pinned        not in the free queue
+    cached  free, holds a block hash       in the free queue, matchable
+    free    free, no hash                  in the free queue
+
+A freed block keeps its hash and stays matchable until allocation takes it
+from the head of the free queue. Per-block records are parallel lists of ints
+(not objects) to keep memory per block small. All public methods take a lock,
+so the transfer layer may pin from its own thread.
+"""
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from typing import NamedTuple
+
+from kvmesh.errors import OutOfBlocksError
+from kvmesh.kv.block_hash import BlockHash
+from kvmesh.kv.eviction import EvictionPolicy, TailFirstLRU
+
+NO_BLOCK = -1
+
+
+class PoolUsage(NamedTuple):
+    num_used: int
+    num_cached: int
+    num_free: int  # free and holding no hash
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int, policy: EvictionPolicy | None = None):
+        if num_blocks < 1:
+            raise ValueError("a block pool needs at least one block")
+        self.num_blocks = num_blocks
+        self.policy = policy or TailFirstLRU()
+        self._lock = threading.RLock()
+        self._ref = [0] * num_blocks
+        self._pins = [0] * num_blocks
+        self._hash: list[BlockHash | None] = [None] * num_blocks
+        self._parent = [NO_BLOCK] * num_blocks  # cached block holding the previous hash of the chain
+        self._num_children = [0] * num_blocks  # cached blocks whose parent this is
+        self._hash_to_block: dict[BlockHash, int] = {}
+        # Free queue: a doubly linked list through _prev/_next, sentinel at index num_blocks.
+        sentinel = num_blocks
+        self._next = list(range(1, num_blocks + 1)) + [0]
+        self._prev = [sentinel] + list(range(num_blocks))
+        self._num_queued = num_blocks
+        self._evicted: list[BlockHash] = []
+
+    # ---- queries (no side effects) ----------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks allocation may take: free plus cached."""
+        return self._num_queued
+
+    def can_allocate(self, num_blocks: int) -> bool:
+        return num_blocks <= self._num_queued
+
+    def ref_count(self, block_id: int) -> int:
+        return self._ref[block_id]
+
+    def block_hash(self, block_id: int) -> BlockHash | None:
+        return self._hash[block_id]
+
+    def cached_block(self, block_hash: BlockHash) -> int | None:
+        return self._hash_to_block.get(block_hash)
+
+    def match(self, block_hashes: Sequence[BlockHash]) -> list[int]:
+        """Block ids of the longest cached prefix of ``block_hashes`` (takes no reference)."""
+        get = self._hash_to_block.get
+        out: list[int] = []
+        for h in block_hashes:
+            block = get(h)
+            if block is None:
+                break
+            out.append(block)
+        return out
+
+    def num_free_among(self, block_ids: Sequence[int]) -> int:
+        """How many of ``block_ids`` sit in the free queue (touching them would take them out)."""
+        ref, pins = self._ref, self._pins
+        return sum(1 for b in block_ids if ref[b] == 0 and pins[b] == 0)
+
+    def usage(self) -> PoolUsage:
+        num_cached = sum(1 for b, h in enumerate(self._hash) if h is not None and self._is_queued(b))
+        return PoolUsage(self.num_blocks - self._num_queued, num_cached, self._num_queued - num_cached)
+
+    # ---- references ------------------------------------------------------------------------
+    def allocate(self, num_blocks: int) -> list[int]:
+        """Take ``num_blocks`` blocks (ref count 1) from the head of the free queue.
+
+        A cached block taken loses its hash (its digest goes to ``take_evicted``).
+        The caller owns the references and gives them back with ``free``.
+        """
+        with self._lock:
+            if num_blocks > self._num_queued:
+                raise OutOfBlocksError(f"asked for {num_blocks} blocks, {self._num_queued} free of {self.num_blocks}")
+            out = []
+            for _ in range(num_blocks):
+                block = self._pop_evictable()
+                self._uncache(block)
+                self._ref[block] = 1
+                out.append(block)
+            return out
+
+    def touch(self, block_ids: Sequence[int]) -> None:
+        """Take one more reference on each block (prefix hits); free ones leave the queue."""
+        with self._lock:
+            ref, pins = self._ref, self._pins
+            for b in block_ids:
+                if ref[b] == 0 and pins[b] == 0:
+                    self._unlink(b)
+                ref[b] += 1
+
+    def free(self, block_ids: Sequence[int]) -> None:
+        """Drop one reference on each block; blocks reaching zero join the free queue in policy order."""
+        with self._lock:
+            ref, pins = self._ref, self._pins
+            for b in self.policy.order_for_free(block_ids):
+                if ref[b] <= 0:
+                    raise ValueError(f"block {b} freed with ref count {ref[b]}")
+                ref[b] -= 1
+                if ref[b] == 0 and pins[b] == 0:
+                    self._append(b)
+
+    def pin(self, block_ids: Sequence[int]) -> None:
+        """Keep blocks (a system prompt) out of eviction until ``unpin``."""
+        with self._lock:
+            for b in block_ids:
+                if self._ref[b] == 0 and self._pins[b] == 0:
+                    self._unlink(b)
+                self._pins[b] += 1
+
+    def unpin(self, block_ids: Sequence[int]) -> None:
+        with self._lock:
+            for b in reversed(block_ids):
+                if self._pins[b] <= 0:
+                    raise ValueError(f"block {b} is not pinned")
+                self._pins[b] -= 1
+                if self._ref[b] == 0 and self._pins[b] == 0:
+                    self._append(b)
+
+    # ---- the prefix cache --------------------------------------------------------------------
+    def cache_block(self, block_id: int, block_hash: BlockHash, parent_block_id: int = NO_BLOCK) -> int:
+        """Make a full, computed block matchable under ``block_hash``; returns the block holding it.
+
+        If another block already holds the hash, nothing changes and that block's id
+        is returned: the caller should switch to it (same KV) and free its own copy,
+        so every hash lives in one block and chains stay single.
+        """
+        with self._lock:
+            holder = self._hash_to_block.get(block_hash)
+            if holder is not None:
+                return holder
+            if self._hash[block_id] is not None:
+                raise ValueError(f"block {block_id} already holds a hash")
+            self._hash[block_id] = block_hash
+            self._hash_to_block[block_hash] = block_id
+            self._parent[block_id] = parent_block_id
+            if parent_block_id != NO_BLOCK:
+                self._num_children[parent_block_id] += 1
+            return block_id
+
+    def evict(self, num_blocks: int) -> int:
+        """Drop the hashes of up to ``num_blocks`` cached free blocks, LRU first; returns how many.
+
+        Only leaves of the cached chains go (a parent once its children are gone);
+        the blocks stay free for allocation.
+        """
+        with self._lock:
+            sentinel, evicted, progress = self.num_blocks, 0, True
+            while evicted < num_blocks and progress:  # another pass only if a parent became a leaf
+                progress = False
+                block = self._next[sentinel]
+                while evicted < num_blocks and block != sentinel:
+                    if self._hash[block] is not None and self._num_children[block] == 0:
+                        self._uncache(block)
+                        evicted += 1
+                        progress = True
+                    block = self._next[block]
+            return evicted
+
+    def take_evicted(self) -> list[BlockHash]:
+        """Hashes evicted since the last call (for unpublishing from the global index)."""
+        with self._lock:
+            out, self._evicted = self._evicted, []
+            return out
+
+    # ---- internals -----------------------------------------------------------------------------
+    def _is_queued(self, block: int) -> bool:
+        return self._ref[block] == 0 and self._pins[block] == 0
+
+    def _unlink(self, block: int) -> None:
+        prev, nxt = self._prev[block], self._next[block]
+        self._next[prev] = nxt
+        self._prev[nxt] = prev
+        self._num_queued -= 1
+
+    def _append(self, block: int) -> None:
+        sentinel = self.num_blocks
+        tail = self._prev[sentinel]
+        self._next[tail] = block
+        self._prev[block] = tail
+        self._next[block] = sentinel
+        self._prev[sentinel] = block
+        self._num_queued += 1
+
+    def _pop_evictable(self) -> int:
+        """The least recently used free block that is no cached block's parent."""
+        block = self._next[self.num_blocks]
+        while self._num_children[block] > 0:
+            block = self._next[block]
+        self._unlink(block)
+        return block
+
+    def _uncache(self, block: int) -> None:
+        h = self._hash[block]
+        if h is None:
+            return
+        del self._hash_to_block[h]
+        self._hash[block] = None
+        parent = self._parent[block]
+        if parent != NO_BLOCK:
+            self._num_children[parent] -= 1
+        self._parent[block] = NO_BLOCK
+        self._evicted.append(h)
+
+    def check_integrity(self) -> None:
+        """Raise AssertionError unless every invariant holds."""
+        with self._lock:
+            n = self.num_blocks
+            queued, block, steps = set(), self._next[n], 0
+            while block != n:
+                assert block not in queued, f"block {block} twice in the free queue"
+                assert self._next[self._prev[block]] == block, "broken free-queue links"
+                queued.add(block)
+                block, steps = self._next[block], steps + 1
+                assert steps <= n, "free queue has a cycle"
+            assert len(queued) == self._num_queued, "queue length != counter"
+            for b in range(n):
+                assert self._ref[b] >= 0 and self._pins[b] >= 0, f"block {b}: negative count"
+                assert (b in queued) == self._is_queued(b), f"block {b}: queue membership != ref/pin state"
+            used, cached, free = self.usage()
+            assert used + cached + free == n, "used + cached + free != total"
+            children = [0] * n
+            for h, b in self._hash_to_block.items():
+                assert self._hash[b] == h, f"hash map points at block {b} which holds another hash"
+                parent = self._parent[b]
+                if parent != NO_BLOCK:
+                    assert self._hash[parent] is not None, f"block {b} is an orphaned tail (parent {parent} evicted)"
+                    children[parent] += 1
+            assert sum(h is not None for h in self._hash) == len(self._hash_to_block), "stray block hash"
+            assert children == self._num_children, "child counts drifted"
