@@ -1,0 +1,53 @@
+"""The chained block hash of DESIGN §4: exact definition, fast path, stability across processes."""
+from __future__ import annotations
+
+import hashlib
+import subprocess
+import sys
+
+import torch
+
+from kvmesh.kv.block_hash import HashNamespace, hash_block, hash_blocks, root_hash
+
+
+def test_definition_by_hand():
+    ns = b"fp|16|float32|0/1|"
+    root = hashlib.blake2b(ns, digest_size=16, person=b"kvmesh-ns-v1").digest()
+    assert root_hash(ns) == root
+    tokens = [1, 2, 70000, 4]
+    payload = root + b"".join(t.to_bytes(4, "little") for t in tokens)
+    assert hash_block(root, tokens) == hashlib.blake2b(payload, digest_size=16, person=b"kvmesh-kv-v1").digest()
+    assert hash_block(root, tokens, b"lora-7") != hash_block(root, tokens)
+
+
+def test_fast_path_equals_pure_chain_and_extends():
+    root = root_hash(b"x")
+    tokens = list(range(1000, 1000 + 16 * 9 + 5))  # 9 full blocks and a partial one
+    chain, prev = [], root
+    for i in range(9):
+        prev = hash_block(prev, tokens[i * 16 : (i + 1) * 16])
+        chain.append(prev)
+    assert hash_blocks(root, tokens, 16) == chain
+    assert hash_blocks(chain[3], tokens, 16, start_block=4) == chain[4:]
+    assert hash_blocks(root, tokens[:15], 16) == []
+    extras = [None, b"img"] + [None] * 7
+    with_extra = hash_blocks(root, tokens, 16, extras=extras)
+    assert with_extra[0] == chain[0] and with_extra[1] != chain[1] and with_extra[2] != chain[2]
+
+
+def test_namespace_separates_models_dtypes_and_tenants():
+    base = HashNamespace.for_model("abc", 16, torch.float32)
+    others = [HashNamespace.for_model("abd", 16, torch.float32), HashNamespace.for_model("abc", 32, torch.float32),
+              HashNamespace.for_model("abc", 16, torch.bfloat16), HashNamespace.for_model("abc", 16, torch.float32, "t2"),
+              HashNamespace.for_model("abc", 16, torch.float32, tp_rank=1, tp_size=2)]
+    roots = {ns.root() for ns in others}
+    assert base.root() not in roots and len(roots) == len(others)
+    assert base.encode() == b"abc|16|float32|0/1|"
+
+
+def test_same_digest_in_a_fresh_process():
+    code = ("from kvmesh.kv.block_hash import hash_blocks, root_hash;"
+            "print(hash_blocks(root_hash(b'ns'), list(range(64)), 16)[-1].hex())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={"PYTHONHASHSEED": "123", "PATH": ""}).stdout.strip()
+    assert out == hash_blocks(root_hash(b"ns"), list(range(64)), 16)[-1].hex()

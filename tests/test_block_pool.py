@@ -1,0 +1,126 @@
+"""BlockPool, vLLM-style exact tests on small pools: ids, queue order, hits, eviction, pins."""
+from __future__ import annotations
+
+import pytest
+
+from kvmesh.errors import OutOfBlocksError
+from kvmesh.kv.block_hash import hash_blocks, root_hash
+from kvmesh.kv.block_pool import NO_BLOCK, BlockPool
+from kvmesh.kv.eviction import ChainOrderLRU
+
+ROOT = root_hash(b"test")
+
+
+def free_queue(pool: BlockPool) -> list[int]:
+    out, b = [], pool._next[pool.num_blocks]
+    while b != pool.num_blocks:
+        out.append(b)
+        b = pool._next[b]
+    return out
+
+
+def cache_chain(pool: BlockPool, blocks: list[int], hashes: list[bytes]) -> None:
+    parent = NO_BLOCK
+    for b, h in zip(blocks, hashes):
+        assert pool.cache_block(b, h, parent) == b
+        parent = b
+
+
+def test_allocate_free_order_and_counts():
+    pool = BlockPool(11)
+    a = pool.allocate(4)
+    assert a == [0, 1, 2, 3] and pool.num_free_blocks == 7
+    b = pool.allocate(3)
+    assert b == [4, 5, 6]
+    pool.free(a)  # tail first: 3, 2, 1, 0 join the queue's tail
+    assert free_queue(pool) == [7, 8, 9, 10, 3, 2, 1, 0]
+    assert pool.usage() == (3, 0, 8)
+    with pytest.raises(OutOfBlocksError):
+        pool.allocate(9)
+    with pytest.raises(ValueError):
+        pool.free([0])  # already free
+    pool.check_integrity()
+
+
+def test_freed_blocks_stay_matchable_until_reused():
+    pool = BlockPool(11)
+    tokens = list(range(16 * 3))
+    hashes = hash_blocks(ROOT, tokens, 16)
+    blocks = pool.allocate(3)
+    cache_chain(pool, blocks, hashes)
+    pool.free(blocks)
+    assert pool.usage() == (0, 3, 8)
+    assert pool.match(hashes) == [0, 1, 2]
+    assert pool.match(hashes[:2] + [b"x" * 16]) == [0, 1]
+    # A hit takes the blocks out of the queue.
+    pool.touch(pool.match(hashes[:2]))
+    assert pool.ref_count(0) == 1 and 0 not in free_queue(pool) and 2 in free_queue(pool)
+    pool.free([0, 1])
+    # Allocating 8 takes the 8 never-used blocks; 9 takes the chain's tail (block 2) before its head.
+    pool.allocate(8)
+    assert pool.match(hashes) == [0, 1, 2]
+    pool.allocate(1)
+    assert pool.match(hashes) == [0, 1]
+    assert pool.take_evicted() == [hashes[2]]
+    pool.check_integrity()
+
+
+def test_duplicate_hash_returns_the_holder():
+    pool = BlockPool(6)
+    h = hash_blocks(ROOT, list(range(16)), 16)[0]
+    x, y = pool.allocate(2)
+    assert pool.cache_block(x, h) == x
+    assert pool.cache_block(y, h) == x  # the caller switches to x and frees y
+    assert pool.block_hash(y) is None
+    pool.check_integrity()
+
+
+@pytest.mark.parametrize("policy", [None, ChainOrderLRU()])
+def test_chain_aware_eviction_never_orphans_tails(policy):
+    """Even when a request's blocks enter the queue head first, heads outlive their tails."""
+    pool = BlockPool(8, policy)
+    hashes = hash_blocks(ROOT, list(range(16 * 4)), 16)
+    blocks = pool.allocate(4)
+    cache_chain(pool, blocks, hashes)
+    pool.free(blocks)
+    pool.allocate(4)  # the never-used blocks go first
+    for expected_len in (3, 2, 1, 0):
+        pool.allocate(1)
+        assert len(pool.match(hashes)) == expected_len
+        pool.check_integrity()
+
+
+def test_evict_takes_leaves_lru_first():
+    pool = BlockPool(11)
+    a_hashes = hash_blocks(ROOT, list(range(48)), 16)
+    b_hashes = hash_blocks(ROOT, list(range(100, 132)), 16)
+    a = pool.allocate(3)
+    cache_chain(pool, a, a_hashes)
+    b = pool.allocate(2)
+    cache_chain(pool, b, b_hashes)
+    pool.free(a)
+    pool.free(b)
+    assert pool.evict(2) == 2
+    assert len(pool.match(a_hashes)) == 1 and len(pool.match(b_hashes)) == 2
+    assert pool.evict(10) == 3
+    assert pool.usage() == (0, 0, 11)
+    pool.check_integrity()
+
+
+def test_pinned_prefix_survives_pressure():
+    pool = BlockPool(6)
+    hashes = hash_blocks(ROOT, list(range(32)), 16)
+    sys_prompt = pool.allocate(2)
+    cache_chain(pool, sys_prompt, hashes)
+    pool.pin(sys_prompt)
+    pool.free(sys_prompt)
+    assert pool.num_free_blocks == 4
+    pool.allocate(4)
+    with pytest.raises(OutOfBlocksError):
+        pool.allocate(1)
+    assert pool.match(hashes) == sys_prompt
+    pool.unpin(sys_prompt)
+    assert pool.num_free_blocks == 2
+    with pytest.raises(ValueError):
+        pool.unpin(sys_prompt)
+    pool.check_integrity()
