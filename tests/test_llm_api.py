@@ -30,8 +30,8 @@ def test_chunked_prefill_and_small_budgets_give_identical_outputs():
     narrow_llm = LLM("tiny-llama", num_kv_blocks=64, max_num_batched_tokens=24, max_num_seqs=2, progress=False)
     narrow = narrow_llm.generate(prompts, params, use_tqdm=False)
     assert [o.token_ids for o in narrow] == [o.token_ids for o in wide]
-    narrow_llm.engine.allocator.check_integrity()
-    assert narrow_llm.engine.allocator.num_free_blocks == 64
+    narrow_llm.engine.check_integrity()
+    assert narrow_llm.engine.pool.num_free_blocks == 64
 
 
 def test_prompt_past_the_context_is_refused(llm):
@@ -50,7 +50,7 @@ def test_bad_prompts_are_refused_and_nothing_runs(llm):
     with pytest.raises(InvalidRequestError):  # one bad prompt in a batch: none is queued
         llm.generate(["fine", ""], SamplingParams(), use_tqdm=False)
     assert not llm.engine.has_unfinished()
-    llm.engine.allocator.check_integrity()
+    llm.engine.check_integrity()
 
 
 def test_unknown_model_is_a_clear_error():

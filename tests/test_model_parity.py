@@ -55,7 +55,7 @@ def test_tiny_greedy_streams_match_transformers_batched_and_unbatched(name):
         expected = _hf_greedy(hf, ids, 40)
         assert out.token_ids == expected
         assert llm.generate(ids, params, use_tqdm=False)[0].token_ids == expected
-    llm.engine.allocator.check_integrity()
+    llm.engine.check_integrity()
 
 
 def test_smollm2_greedy_streams_match_transformers(smollm2_hf):
@@ -68,4 +68,4 @@ def test_smollm2_greedy_streams_match_transformers(smollm2_hf):
         assert out.token_ids == _hf_greedy(smollm2_hf, ids, 32)
     assert llm.generate(PROMPTS[0], params, use_tqdm=False)[0].token_ids == batched[0].token_ids
     assert "Paris" in batched[0].text
-    llm.engine.allocator.check_integrity()
+    llm.engine.check_integrity()

@@ -1,10 +1,7 @@
 """LLMEngine: requests in, tokens out, one batched forward per ``step``.
 
-Scheduling here is deliberately simple (the continuous-batching scheduler with
-prefix caching and preemption replaces it): a request is admitted only when
-blocks for its whole prompt + max_tokens are free, so a running request never
-runs out of blocks. Each step runs every running decode, then prompt chunks
-FCFS within ``max_num_batched_tokens``.
+Owns the KV buffer, the block pool (prefix cache), the scheduler and the model
+runner. ``step`` = schedule -> forward -> advance -> stop checks -> free.
 """
 from __future__ import annotations
 
@@ -13,12 +10,17 @@ from dataclasses import dataclass
 
 import torch
 
-from kvmesh.engine.block_allocator import SimpleBlockAllocator
+from kvmesh.engine.kv_cache_manager import KVCacheManager
 from kvmesh.engine.model_runner import ModelRunner
 from kvmesh.engine.outputs import CompletionOutput, RequestOutput
+from kvmesh.engine.request_state import RequestStatus
 from kvmesh.engine.sampling_params import SamplingParams
+from kvmesh.engine.scheduler import Scheduler, SchedulerConfig
 from kvmesh.engine.sequence import Sequence
 from kvmesh.errors import InvalidRequestError
+from kvmesh.kv.block_hash import HashNamespace
+from kvmesh.kv.block_pool import BlockPool
+from kvmesh.kv.eviction import POLICIES
 from kvmesh.kv.kv_buffer import KVLayout
 from kvmesh.model.loader import LoadedModel
 
@@ -28,9 +30,11 @@ class EngineConfig:
     block_size: int = 16
     num_kv_blocks: int | None = None  # None: as many as fit kv_cache_memory_gib
     kv_cache_memory_gib: float = 0.5
-    max_num_batched_tokens: int = 2048
-    max_num_seqs: int = 64
     max_model_len: int | None = None  # None: the model's context length
+    enable_prefix_caching: bool = True
+    eviction_policy: str = "tail-first-lru"
+    cache_salt: str = ""
+    scheduler: SchedulerConfig = SchedulerConfig()
 
 
 class LLMEngine:
@@ -43,17 +47,22 @@ class LLMEngine:
         self.layout = KVLayout.for_model(loaded.config, loaded.dtype, config.block_size,
                                          num_blocks=config.num_kv_blocks,
                                          memory_bytes=int(config.kv_cache_memory_gib * 2**30))
-        self.allocator = SimpleBlockAllocator(self.layout.num_blocks)
+        if config.eviction_policy not in POLICIES:
+            raise ValueError(f"unknown eviction policy {config.eviction_policy!r} (choose from {', '.join(POLICIES)})")
+        self.pool = BlockPool(self.layout.num_blocks, POLICIES[config.eviction_policy]())
+        self.namespace = HashNamespace.for_model(loaded.fingerprint, config.block_size, loaded.dtype,
+                                                 cache_salt=config.cache_salt)
+        self.kv = KVCacheManager(self.pool, config.block_size, self.namespace.root(), config.enable_prefix_caching)
+        self.scheduler = Scheduler(config.scheduler, self.kv)
         self.runner = ModelRunner(loaded.model, self.layout.allocate(loaded.device), config.block_size)
-        self.waiting: list[Sequence] = []
-        self.running: list[Sequence] = []
         self._ids = itertools.count()
+        self.num_steps = 0
 
     # ---- requests -------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None) -> Sequence:
         """Validate and queue a request; raises InvalidRequestError on bad input."""
         seq = self.prepare_request(prompt, params, request_id)
-        self.waiting.append(seq)
+        self.scheduler.add(seq)
         return seq
 
     def prepare_request(self, prompt: str | list[int], params: SamplingParams,
@@ -68,10 +77,11 @@ class LLMEngine:
         if params.seed is not None:
             generator = torch.Generator(device="cpu").manual_seed(params.seed)
         seq = Sequence(request_id or str(next(self._ids)), text, token_ids, params, generator)
-        if self._blocks_needed(seq) > self.layout.num_blocks:
+        final_len = min(seq.num_prompt_tokens + params.max_tokens, self.max_model_len)
+        if -(-final_len // self.config.block_size) > self.layout.num_blocks:
             raise InvalidRequestError(
-                f"request {seq.request_id} needs {self._blocks_needed(seq)} KV blocks, the buffer has "
-                f"{self.layout.num_blocks}: lower max_tokens or raise num_kv_blocks")
+                f"request {seq.request_id} needs {-(-final_len // self.config.block_size)} KV blocks, the buffer "
+                f"has {self.layout.num_blocks}: lower max_tokens or raise num_kv_blocks")
         return seq
 
     def _validate(self, token_ids: list[int]) -> None:
@@ -86,75 +96,57 @@ class LLMEngine:
                 f"the prompt has {len(token_ids)} tokens; the context is {self.max_model_len}, "
                 "which leaves no room for a new token")
 
-    def _final_length(self, seq: Sequence) -> int:
-        return min(seq.num_prompt_tokens + seq.params.max_tokens, self.max_model_len)
-
-    def _blocks_needed(self, seq: Sequence) -> int:
-        return -(-self._final_length(seq) // self.config.block_size)
-
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return self.scheduler.has_unfinished()
+
+    def abort(self, seq: Sequence) -> None:
+        if not seq.is_finished:
+            self.scheduler.finish(seq, RequestStatus.ABORTED)
 
     # ---- one step --------------------------------------------------------------------------
-    def _schedule(self) -> list[tuple[Sequence, int]]:
-        while self.waiting and len(self.running) < self.config.max_num_seqs:
-            needed = self._blocks_needed(self.waiting[0])
-            if not self.allocator.can_allocate(needed):
-                break
-            seq = self.waiting.pop(0)
-            seq.block_ids = self.allocator.allocate(needed)
-            self.running.append(seq)
-        budget = self.config.max_num_batched_tokens
-        batch: list[tuple[Sequence, int]] = []
-        for seq in self.running:  # decodes first
-            if seq.num_computed_tokens >= seq.num_prompt_tokens and budget > 0:
-                batch.append((seq, 1))
-                budget -= 1
-        for seq in self.running:  # then prompt chunks, FCFS
-            if seq.num_computed_tokens < seq.num_prompt_tokens and budget > 0:
-                n = min(seq.num_uncomputed_tokens, budget)
-                batch.append((seq, n))
-                budget -= n
-        return batch
-
     def step(self) -> list[Sequence]:
         """Run one forward; returns the sequences that finished in it (their blocks are freed)."""
-        batch = self._schedule()
-        if not batch:
+        out = self.scheduler.schedule()
+        if not out.batch:
             return []
-        results = self.runner.execute(batch)
+        results = self.runner.execute(out.batch)
+        self.num_steps += 1
         finished = []
-        for (seq, n), sampled in zip(batch, results):
-            seq.num_computed_tokens += n
+        for (seq, n), sampled in zip(out.batch, results):
+            self.scheduler.advance(seq, n)
             if sampled is None:
                 continue
             seq.output_token_ids.append(sampled.token_id)
             seq.cumulative_logprob += sampled.logprob
-            self._check_stop(seq)
-            if seq.is_finished:
+            if self._check_stop(seq):
+                self.scheduler.finish(seq, RequestStatus.FINISHED)
                 finished.append(seq)
-        for seq in finished:
-            self.running.remove(seq)
-            self.allocator.free(seq.block_ids)
-            seq.block_ids = []
         return finished
 
-    def _check_stop(self, seq: Sequence) -> None:
+    def _check_stop(self, seq: Sequence) -> bool:
+        """Sets ``finish_reason`` and returns True when ``seq`` is done."""
         params, last = seq.params, seq.output_token_ids[-1]
         if last in params.stop_token_ids or (not params.ignore_eos and last in self.tokenizer.eos_token_ids):
             seq.finish_reason = "stop"
-            return
+            return True
         if params.stop:
             text = self.tokenizer.decode(seq.output_token_ids)
             cut = min((text.find(s) for s in params.stop if s in text), default=-1)
             if cut >= 0:
                 seq.output_text = text[:cut]
                 seq.finish_reason = "stop"
-                return
+                return True
         if len(seq.output_token_ids) >= params.max_tokens or seq.num_tokens >= self.max_model_len:
             seq.finish_reason = "length"
+            return True
+        return False
 
     def to_output(self, seq: Sequence) -> RequestOutput:
         text = seq.output_text if seq.output_text is not None else self.tokenizer.decode(seq.output_token_ids)
         completion = CompletionOutput(0, text, list(seq.output_token_ids), seq.cumulative_logprob, seq.finish_reason)
-        return RequestOutput(seq.request_id, seq.prompt, list(seq.prompt_token_ids), [completion], seq.is_finished)
+        return RequestOutput(seq.request_id, seq.prompt, list(seq.prompt_token_ids), [completion], seq.is_finished,
+                             num_cached_tokens=seq.num_prefix_hit_tokens)
+
+    def check_integrity(self) -> None:
+        self.pool.check_integrity()
+        self.kv.stats.check_integrity()

@@ -14,6 +14,7 @@ from tqdm import tqdm
 from kvmesh.engine.engine import EngineConfig, LLMEngine
 from kvmesh.engine.outputs import RequestOutput
 from kvmesh.engine.sampling_params import SamplingParams
+from kvmesh.engine.scheduler import SchedulerConfig
 from kvmesh.model.loader import load_model
 
 
@@ -21,12 +22,17 @@ class LLM:
     def __init__(self, model: str = "tiny-llama", *, dtype: str = "float32", device: str = "cpu",
                  block_size: int = 16, num_kv_blocks: int | None = None, kv_cache_memory_gib: float = 0.5,
                  max_num_batched_tokens: int = 2048, max_num_seqs: int = 64, max_model_len: int | None = None,
+                 enable_prefix_caching: bool = True, long_prefill_token_threshold: int = 0,
+                 max_num_partial_prefills: int = 4, eviction_policy: str = "tail-first-lru",
                  progress: bool = True):
         self.loaded = load_model(model, dtype=dtype, device=device, progress=progress)
+        scheduler = SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
+                                    long_prefill_token_threshold=long_prefill_token_threshold,
+                                    max_num_partial_prefills=max_num_partial_prefills)
         self.engine = LLMEngine(self.loaded, EngineConfig(
             block_size=block_size, num_kv_blocks=num_kv_blocks, kv_cache_memory_gib=kv_cache_memory_gib,
-            max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
-            max_model_len=max_model_len))
+            max_model_len=max_model_len, enable_prefix_caching=enable_prefix_caching,
+            eviction_policy=eviction_policy, scheduler=scheduler))
 
     @property
     def tokenizer(self):
@@ -46,7 +52,8 @@ class LLM:
         if len(params_list) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params_list)} sampling params")
         seqs = [self.engine.prepare_request(p, sp) for p, sp in zip(prompts, params_list)]
-        self.engine.waiting.extend(seqs)
+        for seq in seqs:
+            self.engine.scheduler.add(seq)
         with tqdm(total=len(seqs), desc="generating", disable=not use_tqdm, leave=False) as bar:
             while self.engine.has_unfinished():
                 bar.update(len(self.engine.step()))

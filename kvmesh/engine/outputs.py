@@ -20,6 +20,7 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool
+    num_cached_tokens: int = 0  # prompt tokens reused from the prefix cache
 
     @property
     def text(self) -> str:

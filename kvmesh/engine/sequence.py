@@ -5,7 +5,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvmesh.engine.request_state import RequestStatus
 from kvmesh.engine.sampling_params import SamplingParams
+from kvmesh.kv.block_hash import BlockHash
 
 
 @dataclass(slots=True, eq=False)
@@ -18,6 +20,11 @@ class Sequence:
     output_token_ids: list[int] = field(default_factory=list)
     block_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0  # tokens whose K/V are in this sequence's blocks
+    status: RequestStatus = RequestStatus.WAITING
+    block_hashes: list[BlockHash] = field(default_factory=list)  # of every full block of its tokens
+    num_cached_blocks: int = 0  # leading blocks registered in the prefix cache
+    num_prefix_hit_tokens: int = 0  # tokens reused from the prefix cache at admission
+    was_admitted: bool = False
     cumulative_logprob: float = 0.0
     output_text: str | None = None  # set when a stop string cut the text
     finish_reason: str | None = None
@@ -36,7 +43,12 @@ class Sequence:
 
     @property
     def is_finished(self) -> bool:
-        return self.finish_reason is not None
+        return self.status.is_final
+
+    @property
+    def is_prefilling(self) -> bool:
+        """More than one token lacks K/V: a prompt (or, after preemption, a recompute) is in progress."""
+        return self.num_tokens - self.num_computed_tokens > 1
 
     def token_ids(self, start: int, end: int) -> list[int]:
         """Tokens ``[start, end)`` of prompt + output."""

@@ -1,0 +1,89 @@
+"""KVCacheManager: a request's view of the block pool (prefix hits, slots, caching full blocks).
+
+Ties a Sequence's tokens to its blocks:
+
+    tokens   [0 ........................ num_computed ............ num_tokens)
+    blocks   | cached (hashed, shared) | private, computed | to compute  |
+             0 .......... num_cached_blocks
+
+Hits are limited to ``(num_tokens - 1) // block_size`` blocks, so at least the last
+token is always computed (its logits give the next token) and a shared block is
+never written. Full blocks are registered in the pool once computed.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+
+from kvmesh.engine.sequence import Sequence
+from kvmesh.kv.block_hash import BlockHash, hash_blocks
+from kvmesh.kv.block_pool import NO_BLOCK, BlockPool
+from kvmesh.kv.cache_stats import PrefixCacheStats
+
+
+class KVCacheManager:
+    def __init__(self, pool: BlockPool, block_size: int, root_hash: BlockHash, enable_prefix_caching: bool = True):
+        self.pool = pool
+        self.block_size = block_size
+        self.root_hash = root_hash
+        self.enable_prefix_caching = enable_prefix_caching
+        self.stats = PrefixCacheStats()
+
+    def update_hashes(self, seq: Sequence) -> None:
+        """Extend ``seq.block_hashes`` to every full block of its tokens (prompt and output)."""
+        num_full = seq.num_tokens // self.block_size
+        have = len(seq.block_hashes)
+        if num_full <= have:
+            return
+        parent = seq.block_hashes[-1] if have else self.root_hash
+        tokens = seq.token_ids(have * self.block_size, num_full * self.block_size)
+        seq.block_hashes.extend(hash_blocks(parent, tokens, self.block_size))
+
+    def find_cached_prefix(self, seq: Sequence) -> list[int]:
+        """Block ids of the longest usable cached prefix (no reference taken)."""
+        if not self.enable_prefix_caching:
+            return []
+        self.update_hashes(seq)
+        max_blocks = (seq.num_tokens - 1) // self.block_size
+        return self.pool.match(seq.block_hashes[:max_blocks])
+
+    def can_fit(self, seq: Sequence, num_tokens: int, cached_block_ids: Seq[int] = ()) -> bool:
+        need = -(-num_tokens // self.block_size) - len(seq.block_ids) - len(cached_block_ids)
+        return need <= self.pool.num_free_blocks - self.pool.num_free_among(cached_block_ids)
+
+    def allocate(self, seq: Sequence, num_tokens: int, cached_block_ids: Seq[int] = ()) -> bool:
+        """Make ``seq``'s blocks cover ``num_tokens`` tokens, first adopting ``cached_block_ids``.
+
+        Returns False, changing nothing, when the pool cannot supply the blocks.
+        """
+        if not self.can_fit(seq, num_tokens, cached_block_ids):
+            return False
+        if cached_block_ids:
+            self.pool.touch(cached_block_ids)
+            seq.block_ids.extend(cached_block_ids)
+            seq.num_cached_blocks = len(seq.block_ids)
+        need = -(-num_tokens // self.block_size) - len(seq.block_ids)
+        if need > 0:
+            seq.block_ids.extend(self.pool.allocate(need))
+        return True
+
+    def cache_full_blocks(self, seq: Sequence) -> None:
+        """Register the blocks ``seq`` has completely computed; switch to an existing copy if one exists."""
+        num_full = seq.num_computed_tokens // self.block_size
+        if not self.enable_prefix_caching or num_full <= seq.num_cached_blocks:
+            return
+        self.update_hashes(seq)
+        for i in range(seq.num_cached_blocks, num_full):
+            parent = seq.block_ids[i - 1] if i else NO_BLOCK
+            own = seq.block_ids[i]
+            holder = self.pool.cache_block(own, seq.block_hashes[i], parent)
+            if holder != own:  # same tokens computed twice: keep one copy
+                self.pool.touch([holder])
+                self.pool.free([own])
+                seq.block_ids[i] = holder
+        seq.num_cached_blocks = num_full
+
+    def free(self, seq: Sequence) -> None:
+        """Give back every block of ``seq``; cached ones stay matchable until reused."""
+        self.pool.free(seq.block_ids)
+        seq.block_ids = []
+        seq.num_cached_blocks = 0
