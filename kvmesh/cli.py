@@ -45,10 +45,28 @@ def _run_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_bench(sub) -> None:
+    p = sub.add_parser("bench", help="benchmarks (JSON + table)")
+    which = p.add_subparsers(dest="bench", required=True)
+    pc = which.add_parser("prefix-cache", help="hashing, match, insert, evict, memory; engine hit rates")
+    pc.add_argument("--json", default=None, help="write the results here")
+    pc.add_argument("--repeat", type=int, default=7)
+    pc.add_argument("--no-engine", action="store_true", help="skip the engine workload")
+    pc.set_defaults(func=_run_bench_prefix_cache)
+
+
+def _run_bench_prefix_cache(args: argparse.Namespace) -> int:
+    from kvmesh.bench import prefix_cache
+
+    prefix_cache.run(args.json, repeat=args.repeat, with_engine=not args.no_engine)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvmesh", description="kvmesh: disaggregated LLM serving")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
+    _add_bench(sub)
     return parser
 
 

@@ -72,14 +72,15 @@ class KVCacheManager:
         if not self.enable_prefix_caching or num_full <= seq.num_cached_blocks:
             return
         self.update_hashes(seq)
-        for i in range(seq.num_cached_blocks, num_full):
-            parent = seq.block_ids[i - 1] if i else NO_BLOCK
-            own = seq.block_ids[i]
-            holder = self.pool.cache_block(own, seq.block_hashes[i], parent)
-            if holder != own:  # same tokens computed twice: keep one copy
-                self.pool.touch([holder])
-                self.pool.free([own])
-                seq.block_ids[i] = holder
+        start = seq.num_cached_blocks
+        own = seq.block_ids[start:num_full]
+        holders = self.pool.cache_blocks(own, seq.block_hashes[start:num_full],
+                                         seq.block_ids[start - 1] if start else NO_BLOCK)
+        if holders != own:  # some tokens were computed twice: keep one copy of each block
+            duplicates = [(o, h) for o, h in zip(own, holders) if o != h]
+            self.pool.touch([h for _, h in duplicates])
+            self.pool.free([o for o, _ in duplicates])
+            seq.block_ids[start:num_full] = holders
         seq.num_cached_blocks = num_full
 
     def free(self, seq: Sequence) -> None:

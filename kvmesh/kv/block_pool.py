@@ -73,15 +73,30 @@ class BlockPool:
         return self._hash_to_block.get(block_hash)
 
     def match(self, block_hashes: Sequence[BlockHash]) -> list[int]:
-        """Block ids of the longest cached prefix of ``block_hashes`` (takes no reference)."""
+        """Block ids of the longest cached prefix of ``block_hashes`` (takes no reference).
+
+        No cached block is ever an orphaned tail, so the cached blocks of a chain
+        form a prefix of it and the match length is a binary search.
+        """
         get = self._hash_to_block.get
-        out: list[int] = []
-        for h in block_hashes:
-            block = get(h)
-            if block is None:
-                break
-            out.append(block)
-        return out
+        n = len(block_hashes)
+        if n == 0 or get(block_hashes[0]) is None:
+            return []
+        if get(block_hashes[-1]) is not None:
+            length = n
+        else:
+            lo, hi = 0, n - 1  # block_hashes[lo] cached, block_hashes[hi] not
+            while hi - lo > 1:
+                mid = (lo + hi) // 2
+                if get(block_hashes[mid]) is not None:
+                    lo = mid
+                else:
+                    hi = mid
+            length = lo + 1
+        found = list(map(get, block_hashes[:length]))
+        if None in found:  # pragma: no cover - only if the no-orphan invariant were broken
+            found = found[: found.index(None)]
+        return found
 
     def num_free_among(self, block_ids: Sequence[int]) -> int:
         """How many of ``block_ids`` sit in the free queue (touching them would take them out)."""
@@ -156,17 +171,21 @@ class BlockPool:
         so every hash lives in one block and chains stay single.
         """
         with self._lock:
-            holder = self._hash_to_block.get(block_hash)
-            if holder is not None:
-                return holder
-            if self._hash[block_id] is not None:
-                raise ValueError(f"block {block_id} already holds a hash")
-            self._hash[block_id] = block_hash
-            self._hash_to_block[block_hash] = block_id
-            self._parent[block_id] = parent_block_id
-            if parent_block_id != NO_BLOCK:
-                self._num_children[parent_block_id] += 1
-            return block_id
+            return self._cache_one(block_id, block_hash, parent_block_id)
+
+    def cache_blocks(self, block_ids: Sequence[int], block_hashes: Sequence[BlockHash],
+                     parent_block_id: int = NO_BLOCK) -> list[int]:
+        """``cache_block`` for a run of consecutive chain blocks under one lock; returns the holders.
+
+        Each block's parent is the holder of the previous hash (``parent_block_id`` for the first).
+        """
+        with self._lock:
+            holders = []
+            parent, cache_one = parent_block_id, self._cache_one
+            for block, h in zip(block_ids, block_hashes):
+                parent = cache_one(block, h, parent)
+                holders.append(parent)
+            return holders
 
     def evict(self, num_blocks: int) -> int:
         """Drop the hashes of up to ``num_blocks`` cached free blocks, LRU first; returns how many.
@@ -194,6 +213,19 @@ class BlockPool:
             return out
 
     # ---- internals -----------------------------------------------------------------------------
+    def _cache_one(self, block_id: int, block_hash: BlockHash, parent_block_id: int) -> int:
+        holder = self._hash_to_block.get(block_hash)
+        if holder is not None:
+            return holder
+        if self._hash[block_id] is not None:
+            raise ValueError(f"block {block_id} already holds a hash")
+        self._hash[block_id] = block_hash
+        self._hash_to_block[block_hash] = block_id
+        self._parent[block_id] = parent_block_id
+        if parent_block_id != NO_BLOCK:
+            self._num_children[parent_block_id] += 1
+        return block_id
+
     def _is_queued(self, block: int) -> bool:
         return self._ref[block] == 0 and self._pins[block] == 0
 

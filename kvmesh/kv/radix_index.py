@@ -102,7 +102,7 @@ class RadixPrefixIndex:
                 break
             common = _common_prefix(child.key, hashes, pos)
             if child.values is not None:
-                values.extend(child.values[:common])
+                values += child.values if common == len(child.values) else child.values[:common]
             pos += common
             if common < len(child.key):
                 if split:

@@ -1,0 +1,1 @@
+"""Benchmarks that print JSON and a readable table (``kvmesh bench ...``)."""

@@ -1,0 +1,19 @@
+"""``kvmesh bench prefix-cache`` runs end to end and reports every figure (no timing asserted)."""
+from __future__ import annotations
+
+import json
+
+from kvmesh.cli import main
+
+
+def test_bench_prefix_cache_writes_json_and_table(tmp_path, capsys):
+    path = tmp_path / "pc.json"
+    assert main(["bench", "prefix-cache", "--json", str(path), "--repeat", "1"]) == 0
+    res = json.loads(path.read_text())
+    s = res["structures"]
+    for key in ("match_us", "insert_us", "evict10_us"):
+        assert s[key]["pool"] > 0 and s[key]["radix"] > 0
+    assert s["hash"]["tokens_per_s"] > 0 and s["memory"]["pool_bytes_per_block"] > 0
+    engine = res["engine_shared_prompt"]
+    assert engine["tokens_computed_drop"] >= 0.3 and engine["cache_on"]["hit_rate"] >= 0.6
+    assert "match 32K prompt" in capsys.readouterr().out
