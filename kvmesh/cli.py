@@ -53,6 +53,21 @@ def _add_bench(sub) -> None:
     pc.add_argument("--repeat", type=int, default=7)
     pc.add_argument("--no-engine", action="store_true", help="skip the engine workload")
     pc.set_defaults(func=_run_bench_prefix_cache)
+    m = which.add_parser("model", help="prefill latency and batched decode throughput vs transformers")
+    m.add_argument("--model", default="smollm2-135m")
+    m.add_argument("--json", default=None)
+    m.add_argument("--batch", type=int, default=16)
+    m.add_argument("--decode-tokens", type=int, default=64)
+    m.add_argument("--prefill-lens", default="512,2048", help="comma-separated prompt lengths")
+    m.set_defaults(func=_run_bench_model)
+
+
+def _run_bench_model(args: argparse.Namespace) -> int:
+    from kvmesh.bench import model
+
+    lens = tuple(int(x) for x in args.prefill_lens.split(",") if x)
+    model.run(args.model, args.json, prefill_lens=lens, batch=args.batch, decode_tokens=args.decode_tokens)
+    return 0
 
 
 def _run_bench_prefix_cache(args: argparse.Namespace) -> int:

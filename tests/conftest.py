@@ -50,7 +50,7 @@ def hf_reference(loaded: LoadedModel):
     from kvmesh.model.config import to_hf_dict
 
     hf = AutoModelForCausalLM.from_config(AutoConfig.for_model(**to_hf_dict(loaded.config)), dtype=torch.float32)
-    hf.load_state_dict(loaded.model.state_dict(), strict=True)
+    hf.load_state_dict(loaded.model.hf_state_dict(), strict=True)
     return hf.eval()
 
 

@@ -66,9 +66,9 @@ def test_fingerprint_tracks_weights_config_and_dtype(tmp_path):
 def test_presets_are_deterministic():
     a, b = load_model("tiny-llama"), load_model("tiny-llama")
     assert a.fingerprint == b.fingerprint
-    for (name, p), (_, q) in zip(a.model.state_dict().items(), b.model.state_dict().items()):
+    for (name, p), (_, q) in zip(a.model.hf_state_dict().items(), b.model.hf_state_dict().items()):
         assert torch.equal(p, q), name
-    assert a.model.state_dict()["model.layers.0.self_attn.q_proj.weight"].abs().sum() > 0
+    assert a.model.hf_state_dict()["model.layers.0.self_attn.q_proj.weight"].abs().sum() > 0
 
 
 def test_unknown_model_names_the_choices(tmp_path):

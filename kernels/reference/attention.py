@@ -28,15 +28,18 @@ def prefill_attention(
     out = torch.empty_like(query)
     start = 0
     for i, (q_len, s_len) in enumerate(zip(query_lens, seq_lens)):
-        q = query[start : start + q_len].transpose(0, 1)  # [Hq, q_len, D]
-        k = gather_kv(k_cache, block_tables[i], s_len).transpose(0, 1).to(q.dtype)
-        v = gather_kv(v_cache, block_tables[i], s_len).transpose(0, 1).to(q.dtype)
+        # 4-D inputs: torch's fused CPU kernels skip 3-D inputs (4-7x slower).
+        q = query[start : start + q_len].transpose(0, 1)[None]  # [1, Hq, q_len, D]
+        k = gather_kv(k_cache, block_tables[i], s_len).transpose(0, 1)[None].to(q.dtype)
+        v = gather_kv(v_cache, block_tables[i], s_len).transpose(0, 1)[None].to(q.dtype)
         context_len = s_len - q_len
-        q_pos = torch.arange(context_len, s_len, device=query.device)
-        k_pos = torch.arange(s_len, device=query.device)
-        mask = k_pos[None, :] <= q_pos[:, None]
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
-        out[start : start + q_len] = o.transpose(0, 1)
+        if context_len == 0:  # plain causal: the fastest path
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+        else:  # causal, offset by the cached prefix
+            q_pos = torch.arange(context_len, s_len, device=query.device)
+            mask = torch.arange(s_len, device=query.device)[None, :] <= q_pos[:, None]
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+        out[start : start + q_len] = o[0].transpose(0, 1)
         start += q_len
     return out
 

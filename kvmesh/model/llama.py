@@ -17,7 +17,8 @@ from kvmesh.kernels import ops
 from kvmesh.kernels.attention_metadata import AttentionMetadata
 from kvmesh.model.config import ModelConfig
 from kvmesh.model.layers import RMSNorm, SwiGLU
-from kvmesh.model.rope import RotaryEmbedding
+from kvmesh.model.rope import RotaryEmbedding, apply_rope
+from kvmesh.model.weight_names import fuse_hf_state_dict, split_to_hf
 
 
 class Attention(nn.Module):
@@ -29,23 +30,23 @@ class Attention(nn.Module):
         self.head_dim = cfg.head_dim
         self.scale = cfg.head_dim**-0.5
         q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        self.q_proj = nn.Linear(cfg.hidden_size, q_size, bias=cfg.attention_bias)
-        self.k_proj = nn.Linear(cfg.hidden_size, kv_size, bias=cfg.attention_bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, kv_size, bias=cfg.attention_bias)
+        self.split_sizes = [q_size, kv_size, kv_size]
+        self.qkv_proj = nn.Linear(cfg.hidden_size, q_size + 2 * kv_size, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(q_size, cfg.hidden_size, bias=False)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                 kv_buffer: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
         num_tokens = x.shape[0]
-        q = self.q_proj(x).view(num_tokens, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
+        q, k, v = self.qkv_proj(x).split(self.split_sizes, dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rope(positions, q, k)
+        q, k = apply_rope(q, k, *rope)
         k_cache = kv_buffer[:, self.layer_idx, 0]
         v_cache = kv_buffer[:, self.layer_idx, 1]
         ops.store_kv(k, v, k_cache, v_cache, md.slot_mapping)
@@ -61,8 +62,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, positions, rope, kv_buffer, md):
-        x = x + self.self_attn(self.input_layernorm(x), positions, rope, kv_buffer, md)
+    def forward(self, x, rope, kv_buffer, md):
+        x = x + self.self_attn(self.input_layernorm(x), rope, kv_buffer, md)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -107,12 +108,17 @@ class LlamaForCausalLM(nn.Module):
                 md: AttentionMetadata) -> torch.Tensor:
         """input_ids, positions [T] -> final hidden states [T, hidden]; K/V of all T tokens are stored."""
         x = self.model.embed_tokens(input_ids)
+        rope = self.rope.lookup(positions, x.dtype)
         for layer in self.model.layers:
-            x = layer(x, positions, self.rope, kv_buffer, md)
+            x = layer(x, rope, kv_buffer, md)
         return self.model.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
+
+    def hf_state_dict(self) -> dict[str, torch.Tensor]:
+        """The weights under Hugging Face's names (for exporting and for reference models)."""
+        return split_to_hf(self.state_dict(), self.config)
 
     def load_weights_assign(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Adopt a Hugging Face-named state dict (tensors are taken, not copied).
@@ -120,6 +126,7 @@ class LlamaForCausalLM(nn.Module):
         Missing or unexpected names raise; tied embeddings end up as one parameter.
         """
         state = {k: v for k, v in state_dict.items() if not k.endswith("rotary_emb.inv_freq")}
+        state = fuse_hf_state_dict(state, self.config)
         if self.config.tie_word_embeddings:
             state.pop("lm_head.weight", None)
         expected = {name for name, _ in self.named_parameters()}

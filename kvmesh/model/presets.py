@@ -59,7 +59,10 @@ def random_state_dict(config: ModelConfig, seed: int) -> dict[str, torch.Tensor]
     """Seeded weights, the same on every machine: large enough that greedy choices are not near-ties."""
     from kvmesh.model.llama import LlamaForCausalLM
 
-    shapes = {name: p.shape for name, p in LlamaForCausalLM.uninitialized(config).named_parameters()}
+    from kvmesh.model.weight_names import split_to_hf
+
+    model = LlamaForCausalLM.uninitialized(config)
+    shapes = {name: t.shape for name, t in split_to_hf(dict(model.named_parameters()), config).items()}
     gen = torch.Generator().manual_seed(seed)
     state = {}
     for name in sorted(shapes):

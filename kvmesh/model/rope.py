@@ -44,13 +44,15 @@ class RotaryEmbedding(torch.nn.Module):
         self.register_buffer("cos_table", angles.cos(), persistent=False)
         self.register_buffer("sin_table", angles.sin(), persistent=False)
 
-    def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotate ``q`` [T, Hq, D] and ``k`` [T, Hkv, D] by their token positions [T]."""
-        cos = self.cos_table[positions].unsqueeze(1).to(q.dtype)
-        sin = self.sin_table[positions].unsqueeze(1).to(q.dtype)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [T, 1, D] for the positions of one forward (shared by every layer)."""
+        return (self.cos_table[positions].unsqueeze(1).to(dtype), self.sin_table[positions].unsqueeze(1).to(dtype))
+
+
+def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate ``q`` [T, Hq, D] and ``k`` [T, Hkv, D] with ``RotaryEmbedding.lookup``'s tables."""
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
