@@ -84,17 +84,25 @@ def hash_blocks(parent: BlockHash, token_ids: Sequence[int], block_size: int, st
     num_full = len(token_ids) // block_size
     if num_full <= start_block:
         return []
-    data = tokens_to_bytes(token_ids[start_block * block_size : num_full * block_size])
+    data = memoryview(tokens_to_bytes(token_ids[start_block * block_size : num_full * block_size]))
     step = 4 * block_size
     out: list[BlockHash] = []
-    append, base = out.append, _BLOCK_HASHER
+    append, copy = out.append, _BLOCK_HASHER.copy
     prev = parent
-    for i, offset in enumerate(range(0, len(data), step)):
-        h = base.copy()
+    if extras is None:
+        for offset in range(0, len(data), step):
+            h = copy()
+            h.update(prev)
+            h.update(data[offset : offset + step])
+            prev = h.digest()
+            append(prev)
+        return out
+    for extra, offset in zip(extras, range(0, len(data), step)):
+        h = copy()
         h.update(prev)
         h.update(data[offset : offset + step])
-        if extras is not None and extras[i]:
-            h.update(extras[i])
+        if extra:
+            h.update(extra)
         prev = h.digest()
         append(prev)
     return out
