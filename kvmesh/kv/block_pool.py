@@ -41,6 +41,7 @@ class BlockPool:
         self.num_blocks = num_blocks
         self.policy = policy or TailFirstLRU()
         self._lock = threading.RLock()
+        self._cached_cond = threading.Condition(self._lock)  # notified when blocks become matchable
         self._ref = [0] * num_blocks
         self._pins = [0] * num_blocks
         self._hash: list[BlockHash | None] = [None] * num_blocks
@@ -171,7 +172,9 @@ class BlockPool:
         so every hash lives in one block and chains stay single.
         """
         with self._lock:
-            return self._cache_one(block_id, block_hash, parent_block_id)
+            holder = self._cache_one(block_id, block_hash, parent_block_id)
+            self._cached_cond.notify_all()
+            return holder
 
     def cache_blocks(self, block_ids: Sequence[int], block_hashes: Sequence[BlockHash],
                      parent_block_id: int = NO_BLOCK) -> list[int]:
@@ -185,7 +188,24 @@ class BlockPool:
             for block, h in zip(block_ids, block_hashes):
                 parent = cache_one(block, h, parent)
                 holders.append(parent)
+            self._cached_cond.notify_all()
             return holders
+
+    def match_and_pin(self, block_hashes: Sequence[BlockHash], skip: int = 0) -> list[int]:
+        """Atomically match the cached prefix of ``block_hashes`` and pin its blocks from index ``skip`` on.
+
+        Returns the pinned block ids (``unpin`` them when done). Used by a holder that
+        pushes blocks: pinned blocks cannot be evicted while their bytes are in flight.
+        """
+        with self._lock:
+            found = self.match(block_hashes)[skip:]
+            self.pin(found)
+            return found
+
+    def wait_for_cached(self, timeout_s: float) -> None:
+        """Block until some block is cached, or ``timeout_s`` passes (for holders awaiting a prefill)."""
+        with self._cached_cond:
+            self._cached_cond.wait(timeout_s)
 
     def evict(self, num_blocks: int) -> int:
         """Drop the hashes of up to ``num_blocks`` cached free blocks, LRU first; returns how many.

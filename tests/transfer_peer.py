@@ -1,0 +1,73 @@
+"""A KV holder in its own process, for the transfer tests and benchmark.
+
+Fills a block-major buffer with seeded random data, caches a chain of blocks
+under known hashes (optionally one block every --delay-ms, like a prefill in
+progress), serves push requests, and answers commands on stdin:
+``check`` -> integrity of its pool and how many blocks are pinned; ``quit``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import torch
+
+from kvmesh.kv.block_hash import hash_blocks, root_hash
+from kvmesh.kv.block_pool import BlockPool
+from kvmesh.transfer.engine import create_transfer_engine
+from kvmesh.transfer.kv_agent import TransferAgent
+
+BLOCK_SHAPE = (2, 2, 16, 2, 8)  # layers, K/V, block_size, kv heads, head dim
+
+
+def seeded_buffer(num_blocks: int, seed: int, shape=BLOCK_SHAPE) -> torch.Tensor:
+    return torch.randn((num_blocks, *shape), generator=torch.Generator().manual_seed(seed))
+
+
+def chain_hashes(num_blocks: int, salt: bytes = b"peer-test") -> list[bytes]:
+    return hash_blocks(root_hash(salt), list(range(num_blocks * 16)), 16)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--backend", default="zmq")
+    p.add_argument("--num-blocks", type=int, default=64)
+    p.add_argument("--chain", type=int, default=20, help="blocks of the cached chain")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--delay-ms", type=int, default=0)
+    p.add_argument("--block-elems", type=int, default=0, help="override the block size (benchmark)")
+    args = p.parse_args()
+    shape = (args.block_elems,) if args.block_elems else BLOCK_SHAPE
+    kv = seeded_buffer(args.num_blocks, args.seed, shape)
+    pool = BlockPool(args.num_blocks)
+    agent = TransferAgent(f"holder-{args.seed}", pool, kv, create_transfer_engine(args.backend))
+    # Scattered source ids: the chain lives in a shuffled set of blocks.
+    everything = pool.allocate(args.num_blocks)
+    order = torch.randperm(args.num_blocks, generator=torch.Generator().manual_seed(args.seed + 1)).tolist()
+    pool.free(everything)
+    chain_ids = order[: args.chain]
+    pool.touch(chain_ids)
+    hashes = chain_hashes(args.chain)
+    print(json.dumps({"side_channel": agent.side_channel, "node_id": agent.node_id, "chain_ids": chain_ids,
+                      "transport": agent.engine.transport}), flush=True)
+    parent = -1
+    for block, h in zip(chain_ids, hashes):
+        if args.delay_ms:
+            time.sleep(args.delay_ms / 1000)
+        parent = pool.cache_block(block, h, parent)
+    pool.free(chain_ids)  # cached and free: matchable, evictable only when unpinned
+    for line in sys.stdin:
+        cmd = line.strip()
+        if cmd == "check":
+            pool.check_integrity()
+            print(json.dumps({"ok": True, "num_pinned": sum(1 for x in pool._pins if x),
+                              "num_malformed": agent.num_malformed}), flush=True)
+        elif cmd == "quit":
+            break
+    agent.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""Moving KV blocks between nodes: transfer engines (Mooncake, ZMQ), the push protocol, coalescing."""

@@ -1,0 +1,56 @@
+"""Mooncake transfer engine backend (rdma where a device exists, tcp otherwise)."""
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+import torch
+
+from kvmesh.transfer.coalesce import Descriptor
+from kvmesh.transfer.errors import TransferError, check_status
+from kvmesh.transfer.rdma_devices import choose_transport
+
+
+class MooncakeTransferEngine:
+    name = "mooncake"
+
+    def __init__(self, host: str = "127.0.0.1", transport: str = "auto", metadata_server: str = "P2PHANDSHAKE"):
+        choice = choose_transport(transport)
+        # Mooncake's TCP transport binds to this address; its glog INFO lines are noise.
+        os.environ.setdefault("MC_TCP_BIND_ADDRESS", host)
+        os.environ.setdefault("GLOG_minloglevel", "1")
+        try:
+            from mooncake.engine import TransferEngine as _Engine
+        except Exception as e:
+            raise TransferError(f"Mooncake cannot be loaded here ({e}); use the zmq backend") from None
+        self._engine = _Engine()
+        device = ",".join(choice.devices) if choice.protocol == "rdma" else ""
+        check_status(self._engine.initialize(host, metadata_server, choice.protocol, device),
+                     what=f"Mooncake initialize ({choice.protocol} on {host})")
+        self.transport = choice.protocol
+        self.transport_reason = choice.reason
+        self.endpoint = f"{host}:{self._engine.get_rpc_port()}"
+        self._registered: list[torch.Tensor] = []
+
+    def register(self, tensor: torch.Tensor) -> int:
+        if not tensor.is_contiguous():
+            raise ValueError("only contiguous tensors can be registered")
+        addr, size = tensor.data_ptr(), tensor.numel() * tensor.element_size()
+        check_status(self._engine.register_memory(addr, size), what="Mooncake register_memory")
+        self._registered.append(tensor)  # keep the memory alive while registered
+        return addr
+
+    def write(self, peer_endpoint: str, descriptors: Sequence[Descriptor], *, request_id: str = "",
+              timeout_s: float = 30.0) -> None:
+        if not descriptors:
+            return
+        status = self._engine.batch_transfer_sync_write(
+            peer_endpoint, [d.src_addr for d in descriptors], [d.dst_addr for d in descriptors],
+            [d.length for d in descriptors])
+        check_status(status, what=f"Mooncake batch_transfer_sync_write of {len(descriptors)} descriptors",
+                     request_id=request_id, peer=peer_endpoint)
+
+    def close(self) -> None:
+        for tensor in self._registered:
+            self._engine.unregister_memory(tensor.data_ptr())
+        self._registered.clear()
