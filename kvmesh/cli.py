@@ -60,6 +60,18 @@ def _add_bench(sub) -> None:
     m.add_argument("--decode-tokens", type=int, default=64)
     m.add_argument("--prefill-lens", default="512,2048", help="comma-separated prompt lengths")
     m.set_defaults(func=_run_bench_model)
+    t = which.add_parser("transfer", help="KV pushes between two processes vs memcpy and TCP ceilings")
+    t.add_argument("--json", default=None)
+    t.add_argument("--backends", default="", help="comma-separated (default: mooncake if it loads, and zmq)")
+    t.add_argument("--repeat", type=int, default=3)
+    t.set_defaults(func=_run_bench_transfer)
+
+
+def _run_bench_transfer(args: argparse.Namespace) -> int:
+    from kvmesh.bench import transfer
+
+    transfer.run(args.json, [b for b in args.backends.split(",") if b] or None, repeat=args.repeat)
+    return 0
 
 
 def _run_bench_model(args: argparse.Namespace) -> int:

@@ -2,12 +2,12 @@
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import msgpack
 import pytest
@@ -21,7 +21,7 @@ from kvmesh.transfer.engine import create_transfer_engine, mooncake_available
 from kvmesh.transfer.errors import TransferError, TransferTimeout, check_status
 from kvmesh.transfer.kv_agent import PeerInfo, TransferAgent
 from kvmesh.transfer.rdma_devices import choose_transport
-from tests.transfer_peer import BLOCK_SHAPE, chain_hashes, seeded_buffer
+from kvmesh.transfer.peer_process import BLOCK_SHAPE, chain_hashes, seeded_buffer
 
 BACKENDS = ["zmq"] + (["mooncake"] if mooncake_available() else [])
 
@@ -32,10 +32,9 @@ class Holder:
     def __init__(self, backend: str, seed: int, chain: int = 20, delay_ms: int = 0, num_blocks: int = 64):
         self.seed, self.num_blocks = seed, num_blocks
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tests.transfer_peer", "--backend", backend, "--seed", str(seed),
+            [sys.executable, "-m", "kvmesh.transfer.peer_process", "--backend", backend, "--seed", str(seed),
              "--chain", str(chain), "--delay-ms", str(delay_ms), "--num-blocks", str(num_blocks)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-            cwd=os.path.dirname(os.path.dirname(__file__)))
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
         self.info = json.loads(self.proc.stdout.readline())
         self.peer = PeerInfo(self.info["node_id"], self.info["side_channel"])
 
@@ -71,6 +70,7 @@ def test_coalescing_exact_runs():
     assert coalesce([3, 2, 1], [4, 5, 6]) == [BlockRun(3, 4, 1), BlockRun(2, 5, 1), BlockRun(1, 6, 1)]
     assert coalesce([], []) == []
     assert to_descriptors([BlockRun(5, 2, 3)], 1000, 5000, 10) == [(1050, 5020, 30)]
+    assert to_descriptors([BlockRun(5, 2, 3)], 1000, 5000, 10, max_bytes=20) == [(1050, 5020, 20), (1070, 5040, 10)]
     with pytest.raises(ValueError):
         coalesce([1], [1, 2])
 
@@ -230,3 +230,11 @@ def test_native_status_codes_become_typed_errors():
     check_status(0, what="x")
     with pytest.raises(TransferError, match=r"write failed \(request r1, peer p:1, status -1\)"):
         check_status(-1, what="write", request_id="r1", peer="p:1")
+
+
+def test_softroce_script_explains_what_is_missing():
+    script = Path(__file__).resolve().parents[1] / "deploy" / "softroce.sh"
+    res = subprocess.run(["bash", str(script), "no-such-if0"], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 1
+    assert "softroce:" in res.stderr and ("no network interface 'no-such-if0'" in res.stderr
+                                          or "run as root" in res.stderr)

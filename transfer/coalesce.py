@@ -38,6 +38,18 @@ def coalesce(src_block_ids: Sequence[int], dst_block_ids: Sequence[int]) -> list
     return runs
 
 
-def to_descriptors(runs: Sequence[BlockRun], src_base: int, dst_base: int, block_bytes: int) -> list[Descriptor]:
-    return [Descriptor(src_base + r.src_start * block_bytes, dst_base + r.dst_start * block_bytes,
-                       r.num_blocks * block_bytes) for r in runs]
+def to_descriptors(runs: Sequence[BlockRun], src_base: int, dst_base: int, block_bytes: int,
+                   max_bytes: int = 0) -> list[Descriptor]:
+    """Byte ranges of the runs; with ``max_bytes`` a long run is cut into pieces of at most that size.
+
+    (Mooncake's TCP transport moves one descriptor over one stream: a few pieces in
+    flight beat one huge descriptor there; RDMA wants one descriptor per run.)
+    """
+    out: list[Descriptor] = []
+    for r in runs:
+        src, dst, length = src_base + r.src_start * block_bytes, dst_base + r.dst_start * block_bytes, \
+            r.num_blocks * block_bytes
+        step = max_bytes if 0 < max_bytes < length else length
+        for offset in range(0, length, step):
+            out.append(Descriptor(src + offset, dst + offset, min(step, length - offset)))
+    return out

@@ -20,6 +20,7 @@ class TransferEngine(Protocol):
     transport: str  # what really moves the bytes: "rdma", "tcp", "zmq-tcp"
     transport_reason: str  # why (e.g. "no RDMA device found: using tcp")
     endpoint: str  # where peers' writes land (give it to them)
+    max_descriptor_bytes: int  # cut longer runs into pieces of this size (0: never)
 
     def register(self, tensor: torch.Tensor) -> int:
         """Register a tensor's memory for incoming and outgoing writes; returns its base address."""

@@ -53,6 +53,8 @@ class TransferAgent:
         self.kv_buffer = kv_buffer
         self.block_bytes = kv_buffer[0].numel() * kv_buffer.element_size()
         self.base_addr = engine.register(kv_buffer)
+        log.info("%s: transfer engine %s at %s, transport %s (%s)", node_id, engine.name, engine.endpoint,
+                 engine.transport, engine.transport_reason)
         self._ctx = zmq.Context.instance()
         self._router = self._ctx.socket(zmq.ROUTER)
         self._router.linger = 0
@@ -138,7 +140,8 @@ class TransferAgent:
                     pinned += new
                     runs = coalesce(new, req.dst_block_ids[start : len(pinned)])
                     self.engine.write(req.transfer_endpoint,
-                                      to_descriptors(runs, self.base_addr, req.dst_base_addr, self.block_bytes),
+                                      to_descriptors(runs, self.base_addr, req.dst_base_addr, self.block_bytes,
+                                                     self.engine.max_descriptor_bytes),
                                       request_id=req.request_id)
                     written[start : len(pinned)] = [True] * len(new)
                     if len(pinned) < num:
@@ -180,9 +183,8 @@ class TransferAgent:
         req = m.PushRequest(request_id, self.node_id, self.engine.endpoint, self.base_addr, self.block_bytes,
                             list(dst_block_ids), list(block_hashes), wait_ms)
         req.validate()
-        sock = self._ctx.socket(zmq.DEALER)
-        sock.linger = 0
-        sock.connect(f"tcp://{peer.side_channel}")
+        sock = self._side_channel_to(peer)
+        ok = False
         try:
             sock.send(m.encode(req))
             deadline = time.monotonic() + timeout_s
@@ -193,13 +195,32 @@ class TransferAgent:
                     raise TransferTimeout(f"no final push result within {timeout_s} s", request_id=request_id,
                                           peer=peer.node_id)
                 msg = m.decode(sock.recv())
+                if msg.request_id not in (request_id, ""):
+                    continue  # a late answer to an earlier request on this socket
                 if isinstance(msg, m.Abort):
                     raise TransferAborted(msg.reason or "aborted", request_id=request_id, peer=peer.node_id)
-                if isinstance(msg, m.PushResult) and msg.request_id == request_id and msg.final:
+                if isinstance(msg, m.PushResult) and msg.final:
+                    ok = True
                     if msg.error:
                         raise TransferError(f"push failed: {msg.error}", request_id=request_id, peer=peer.node_id)
                     return msg.written
         finally:
+            if not ok:  # a socket that timed out or was aborted on is not reused
+                self._forget_side_channel(peer)
+
+    def _side_channel_to(self, peer: PeerInfo) -> zmq.Socket:
+        """This thread's DEALER to ``peer``'s side channel, connected once and reused."""
+        sockets = self._local.__dict__.setdefault("dealers", {})
+        sock = sockets.get(peer.side_channel)
+        if sock is None:
+            sock = sockets[peer.side_channel] = self._ctx.socket(zmq.DEALER)
+            sock.linger = 0
+            sock.connect(f"tcp://{peer.side_channel}")
+        return sock
+
+    def _forget_side_channel(self, peer: PeerInfo) -> None:
+        sock = self._local.__dict__.get("dealers", {}).pop(peer.side_channel, None)
+        if sock is not None:
             sock.close()
 
     def pull_prefix(self, peer: PeerInfo, block_hashes: list[BlockHash], *, parent_block_id: int = NO_BLOCK,

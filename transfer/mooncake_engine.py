@@ -30,6 +30,8 @@ class MooncakeTransferEngine:
         self.transport = choice.protocol
         self.transport_reason = choice.reason
         self.endpoint = f"{host}:{self._engine.get_rpc_port()}"
+        # Over TCP one descriptor is one stream: 1 MiB pieces keep several in flight (~2x on 64 MiB here).
+        self.max_descriptor_bytes = 2**20 if self.transport == "tcp" else 0
         self._registered: list[torch.Tensor] = []
 
     def register(self, tensor: torch.Tensor) -> int:

@@ -23,6 +23,7 @@ class ZmqTransferEngine:
     name = "zmq"
     transport = "zmq-tcp"
     transport_reason = "pure pyzmq backend over tcp"
+    max_descriptor_bytes = 0
 
     def __init__(self, host: str = "127.0.0.1"):
         self._ctx = zmq.Context.instance()

@@ -1,4 +1,4 @@
-"""A KV holder in its own process, for the transfer tests and benchmark.
+"""A KV holder in its own process (``python -m kvmesh.transfer.peer_process``), for tests and benchmarks.
 
 Fills a block-major buffer with seeded random data, caches a chain of blocks
 under known hashes (optionally one block every --delay-ms, like a prefill in
@@ -23,6 +23,7 @@ BLOCK_SHAPE = (2, 2, 16, 2, 8)  # layers, K/V, block_size, kv heads, head dim
 
 
 def seeded_buffer(num_blocks: int, seed: int, shape=BLOCK_SHAPE) -> torch.Tensor:
+    """Random blocks, the same in every process for the same seed (the receiver checks against it)."""
     return torch.randn((num_blocks, *shape), generator=torch.Generator().manual_seed(seed))
 
 
@@ -37,7 +38,8 @@ def main() -> None:
     p.add_argument("--chain", type=int, default=20, help="blocks of the cached chain")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--delay-ms", type=int, default=0)
-    p.add_argument("--block-elems", type=int, default=0, help="override the block size (benchmark)")
+    p.add_argument("--block-elems", type=int, default=0, help="fp32 elements per block (default: a small model's)")
+    p.add_argument("--contiguous", action="store_true", help="the chain in blocks 0..chain-1, not shuffled")
     args = p.parse_args()
     shape = (args.block_elems,) if args.block_elems else BLOCK_SHAPE
     kv = seeded_buffer(args.num_blocks, args.seed, shape)
@@ -47,7 +49,7 @@ def main() -> None:
     everything = pool.allocate(args.num_blocks)
     order = torch.randperm(args.num_blocks, generator=torch.Generator().manual_seed(args.seed + 1)).tolist()
     pool.free(everything)
-    chain_ids = order[: args.chain]
+    chain_ids = list(range(args.chain)) if args.contiguous else order[: args.chain]
     pool.touch(chain_ids)
     hashes = chain_hashes(args.chain)
     print(json.dumps({"side_channel": agent.side_channel, "node_id": agent.node_id, "chain_ids": chain_ids,

@@ -1,0 +1,140 @@
+"""``kvmesh bench transfer``: KV pushes between two real processes, against this machine's ceilings.
+
+In one run: memcpy bandwidth (numpy, 64 MiB), a plain TCP socket stream over
+loopback between two processes (the ceiling any TCP transport can reach), then
+for each backend a sweep of push sizes from 1 block to 64 MiB with contiguous
+block ids (one descriptor) and scattered ones (one descriptor per block). Each
+figure is the end-to-end push as a requester sees it: side-channel request,
+holder match + pin, the batched write, the final answer.
+"""
+from __future__ import annotations
+
+import json
+import socket
+import statistics
+import subprocess
+import sys
+import time
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from kvmesh.bench.report import machine, print_table, write_json
+from kvmesh.kv.block_pool import BlockPool
+from kvmesh.transfer.coalesce import coalesce, to_descriptors
+from kvmesh.transfer.engine import create_transfer_engine, mooncake_available
+from kvmesh.transfer.kv_agent import PeerInfo, TransferAgent
+from kvmesh.transfer.peer_process import chain_hashes
+
+BLOCK_ELEMS = 64 * 1024  # 256 KiB fp32 blocks
+BLOCK_BYTES = BLOCK_ELEMS * 4
+SIZES_BLOCKS = (1, 4, 16, 64, 256)  # 256 KiB ... 64 MiB
+GIB = 2**30
+
+
+def memcpy_gib_per_s(nbytes: int = 64 * 2**20, repeat: int = 5) -> float:
+    src, dst = np.ones(nbytes, dtype=np.uint8), np.empty(nbytes, dtype=np.uint8)
+    np.copyto(dst, src)
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        np.copyto(dst, src)
+        times.append(time.perf_counter() - start)
+    return nbytes / statistics.median(times) / GIB
+
+
+_SINK = """
+import socket, sys
+srv = socket.create_server(("127.0.0.1", 0)); print(srv.getsockname()[1], flush=True)
+conn, _ = srv.accept(); buf = bytearray(1 << 22); view = memoryview(buf)
+while True:
+    n = conn.recv_into(view)
+    if n == 0: break
+    if buf[n - 1] == 255: conn.sendall(b"k")
+"""
+
+
+def socket_gib_per_s(nbytes: int = 64 * 2**20, repeat: int = 5) -> float:
+    """A plain TCP stream to another process over loopback; the sink acks each message's last byte."""
+    sink = subprocess.Popen([sys.executable, "-c", _SINK], stdout=subprocess.PIPE, text=True)
+    try:
+        port = int(sink.stdout.readline())
+        payload = bytearray(nbytes)
+        payload[-1] = 255
+        with socket.create_connection(("127.0.0.1", port)) as conn:
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            times = []
+            for _ in range(repeat + 1):
+                start = time.perf_counter()
+                conn.sendall(payload)
+                conn.recv(1)
+                times.append(time.perf_counter() - start)
+        return nbytes / statistics.median(times[1:]) / GIB
+    finally:
+        sink.kill()
+        sink.wait()
+
+
+def _holder(backend: str, num_blocks: int, contiguous: bool) -> tuple[subprocess.Popen, PeerInfo]:
+    args = [sys.executable, "-m", "kvmesh.transfer.peer_process", "--backend", backend, "--num-blocks",
+            str(num_blocks), "--chain", str(num_blocks), "--block-elems", str(BLOCK_ELEMS)]
+    proc = subprocess.Popen(args + (["--contiguous"] if contiguous else []), stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    info = json.loads(proc.stdout.readline())
+    return proc, PeerInfo(info["node_id"], info["side_channel"])
+
+
+def bench_backend(backend: str, repeat: int, bar: tqdm) -> list[dict]:
+    num_blocks = max(SIZES_BLOCKS)
+    hashes = chain_hashes(num_blocks)
+    results = []
+    kv = torch.zeros((num_blocks, BLOCK_ELEMS))
+    pool = BlockPool(num_blocks)
+    agent = TransferAgent("bench-requester", pool, kv, create_transfer_engine(backend))
+    try:
+        for layout in ("contiguous", "scattered"):
+            proc, peer = _holder(backend, num_blocks, contiguous=layout == "contiguous")
+            try:
+                agent.request_push(peer, [0], hashes[:1], timeout_s=60)  # warm-up: connections, handshakes
+                for n in SIZES_BLOCKS:
+                    dst = list(range(n)) if layout == "contiguous" else list(range(0, num_blocks, 2))[:n]
+                    if len(dst) < n:  # not enough even ids: interleave from the end
+                        dst += list(range(num_blocks - 1, 0, -2))[: n - len(dst)]
+                    times = []
+                    for _ in range(repeat + 1):
+                        start = time.perf_counter()
+                        written = agent.request_push(peer, dst, hashes[:n], timeout_s=120)
+                        times.append(time.perf_counter() - start)
+                        assert all(written), "the holder must hold every block of the chain"
+                    seconds = statistics.median(times[1:])
+                    results.append({"backend": backend, "transport": agent.engine.transport, "layout": layout,
+                                    "size_bytes": n * BLOCK_BYTES, "num_blocks": n,
+                                    "descriptors": len(to_descriptors(
+                                        coalesce(dst, dst), 0, 0, BLOCK_BYTES, agent.engine.max_descriptor_bytes)),
+                                    "seconds": seconds, "gib_per_s": n * BLOCK_BYTES / seconds / GIB})
+                    bar.update(1)
+            finally:
+                proc.stdin.write("quit\n")
+                proc.stdin.flush()
+                proc.wait(timeout=30)
+    finally:
+        agent.close()
+    return results
+
+
+def run(json_path: str | None, backends: list[str] | None = None, repeat: int = 3) -> dict:
+    backends = backends or (["mooncake", "zmq"] if mooncake_available() else ["zmq"])
+    res = {"machine": machine(), "block_bytes": BLOCK_BYTES, "memcpy_gib_per_s": memcpy_gib_per_s(),
+           "socket_gib_per_s": socket_gib_per_s(), "results": []}
+    with tqdm(total=len(backends) * 2 * len(SIZES_BLOCKS), desc="transfer sweep", leave=False) as bar:
+        for backend in backends:
+            res["results"] += bench_backend(backend, repeat, bar)
+    ceiling = res["socket_gib_per_s"]
+    rows = [[r["backend"], r["transport"], r["layout"], f"{r['size_bytes'] / 2**20:g} MiB", r["descriptors"],
+             f"{r['gib_per_s']:.2f}", f"{r['gib_per_s'] / ceiling:.2f}"] for r in res["results"]]
+    print(f"\nceilings: memcpy {res['memcpy_gib_per_s']:.2f} GiB/s, TCP socket {ceiling:.2f} GiB/s")
+    print_table("KV push between two processes (end to end)",
+                ["backend", "transport", "layout", "size", "descriptors", "GiB/s", "of socket"], rows)
+    write_json(json_path, res)
+    return res
