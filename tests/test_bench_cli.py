@@ -17,3 +17,14 @@ def test_bench_prefix_cache_writes_json_and_table(tmp_path, capsys):
     engine = res["engine_shared_prompt"]
     assert engine["tokens_computed_drop"] >= 0.3 and engine["cache_on"]["hit_rate"] >= 0.6
     assert "match 32K prompt" in capsys.readouterr().out
+
+
+def test_bench_transfer_reports_ceilings_and_the_sweep(tmp_path):
+    path = tmp_path / "tr.json"
+    assert main(["bench", "transfer", "--json", str(path), "--backends", "zmq", "--repeat", "1"]) == 0
+    res = json.loads(path.read_text())
+    assert res["memcpy_gib_per_s"] > 0 and res["socket_gib_per_s"] > 0
+    layouts = {(r["layout"], r["size_bytes"]) for r in res["results"]}
+    assert len(layouts) == 10 and {r["layout"] for r in res["results"]} == {"contiguous", "scattered"}
+    for r in res["results"]:
+        assert r["backend"] == "zmq" and r["transport"] == "zmq-tcp" and r["gib_per_s"] > 0
