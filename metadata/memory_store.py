@@ -1,0 +1,97 @@
+"""In-memory MetadataStore for a single process: revisions, leases with expiry, prefix watches."""
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+
+from kvmesh.metadata.store import KeyValue, WatchCallback, WatchEvent
+
+
+class MemoryStore:
+    def __init__(self) -> None:
+        self._lock = threading.RLock()
+        self._data: dict[str, tuple[bytes, int | None]] = {}  # key -> (value, lease)
+        self._revision = 1
+        self._leases: dict[int, tuple[float, int]] = {}  # id -> (deadline, ttl)
+        self._next_lease = 1
+        self._watches: dict[int, tuple[str, WatchCallback]] = {}
+        self._next_watch = 1
+
+    def grant_lease(self, ttl_s: int) -> int:
+        with self._lock:
+            lease = self._next_lease
+            self._next_lease += 1
+            self._leases[lease] = (time.monotonic() + ttl_s, ttl_s)
+            return lease
+
+    def keepalive(self, lease_id: int) -> None:
+        with self._lock:
+            self._expire()
+            if lease_id not in self._leases:
+                raise KeyError(f"lease {lease_id} has expired")
+            ttl = self._leases[lease_id][1]
+            self._leases[lease_id] = (time.monotonic() + ttl, ttl)
+
+    def revoke_lease(self, lease_id: int) -> None:
+        with self._lock:
+            self._leases.pop(lease_id, None)
+            self._drop_keys_of({lease_id})
+
+    def put_many(self, items: Sequence[KeyValue], lease_id: int | None = None) -> None:
+        with self._lock:
+            self._expire()
+            if lease_id is not None and lease_id not in self._leases:
+                raise KeyError(f"lease {lease_id} has expired")
+            self._revision += 1
+            events = []
+            for key, value in items:
+                self._data[key] = (value, lease_id)
+                events.append(WatchEvent("put", key, value, self._revision))
+            self._notify(events)
+
+    def delete_many(self, keys: Sequence[str]) -> None:
+        with self._lock:
+            self._revision += 1
+            events = [WatchEvent("delete", k, b"", self._revision) for k in keys if self._data.pop(k, None)]
+            self._notify(events)
+
+    def get_prefix(self, prefix: str) -> tuple[list[KeyValue], int]:
+        with self._lock:
+            self._expire()
+            items = [KeyValue(k, v) for k, (v, _) in sorted(self._data.items()) if k.startswith(prefix)]
+            return items, self._revision
+
+    def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
+        with self._lock:
+            self._expire()
+            return [self._data[k][0] if k in self._data else None for k in keys]
+
+    def watch_prefix(self, prefix: str, start_revision: int, callback: WatchCallback):
+        with self._lock:
+            watch_id = self._next_watch
+            self._next_watch += 1
+            self._watches[watch_id] = (prefix, callback)
+        return lambda: self._watches.pop(watch_id, None)
+
+    def close(self) -> None:
+        self._watches.clear()
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        dead = {lease for lease, (deadline, _) in self._leases.items() if deadline < now}
+        for lease in dead:
+            del self._leases[lease]
+        if dead:
+            self._drop_keys_of(dead)
+
+    def _drop_keys_of(self, leases: set[int]) -> None:
+        keys = [k for k, (_, lease) in self._data.items() if lease in leases]
+        if keys:
+            self.delete_many(keys)
+
+    def _notify(self, events: list[WatchEvent]) -> None:
+        for prefix, callback in list(self._watches.values()):
+            mine = [e for e in events if e.key.startswith(prefix)]
+            if mine:
+                callback(mine)

@@ -1,0 +1,94 @@
+"""PrefixMirror: an in-memory copy of every key under a prefix, kept current by a watch.
+
+Revision-consistent: range-read the prefix at revision R, then watch from R + 1,
+so no event is missed or applied twice. When the watch breaks (etcd down, the
+revision compacted) the mirror marks itself unhealthy and a background thread
+resyncs (a fresh range read, a fresh watch) until it succeeds. Readers check
+``healthy`` and treat an unhealthy mirror as "knows nothing".
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+
+from kvmesh.metadata.store import MetadataStore, StoreUnavailable, WatchEvent
+
+log = logging.getLogger("kvmesh.metadata")
+
+# on_change(kind, key, value): kind "put" | "delete" | "reset" (key/value empty: the copy was rebuilt)
+ChangeCallback = Callable[[str, str, bytes], None]
+
+
+class PrefixMirror:
+    def __init__(self, store: MetadataStore, prefix: str, on_change: ChangeCallback,
+                 retry_interval_s: float = 0.5):
+        self.store = store
+        self.prefix = prefix
+        self._on_change = on_change
+        self._retry = retry_interval_s
+        self._lock = threading.Lock()
+        self._healthy = threading.Event()
+        self._stop = threading.Event()
+        self._cancel_watch: Callable[[], None] | None = None
+        self._generation = 0  # events from an older watch are ignored
+        self.revision = 0
+        self.num_resyncs = 0
+        self._thread = threading.Thread(target=self._keep_synced, name=f"kvmesh-mirror{prefix}", daemon=True)
+        self._thread.start()
+
+    @property
+    def healthy(self) -> bool:
+        return self._healthy.is_set()
+
+    def wait_healthy(self, timeout_s: float) -> bool:
+        return self._healthy.wait(timeout_s)
+
+    def _keep_synced(self) -> None:
+        while not self._stop.is_set():
+            if not self._healthy.is_set():
+                try:
+                    self._resync()
+                except StoreUnavailable:
+                    pass
+                except Exception:  # never let the sync thread die
+                    log.exception("mirror %s: resync failed", self.prefix)
+            self._stop.wait(self._retry)
+
+    def _resync(self) -> None:
+        items, revision = self.store.get_prefix(self.prefix)
+        with self._lock:
+            if self._cancel_watch is not None:
+                self._cancel_watch()
+            self._generation += 1
+            generation = self._generation
+            self.revision = revision
+            self._on_change("reset", "", b"")
+            for kv in items:
+                self._on_change("put", kv.key, kv.value)
+        self._cancel_watch = self.store.watch_prefix(
+            self.prefix, revision + 1, lambda batch: self._on_watch(generation, batch))
+        self.num_resyncs += 1
+        self._healthy.set()
+
+    def _on_watch(self, generation: int, batch: list[WatchEvent] | BaseException) -> None:
+        with self._lock:
+            if generation != self._generation:
+                return
+            if isinstance(batch, BaseException):
+                log.warning("mirror %s: watch broke (%s); resyncing", self.prefix, type(batch).__name__)
+                self._healthy.clear()
+                return
+            for event in batch:
+                self.revision = max(self.revision, event.revision)
+                self._on_change(event.kind, event.key, event.value)
+
+    def mark_unhealthy(self) -> None:
+        """Force a resync (used when a caller learns the store was unreachable)."""
+        self._healthy.clear()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        if self._cancel_watch is not None:
+            self._cancel_watch()

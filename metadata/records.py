@@ -1,0 +1,70 @@
+"""Typed values stored under the keys of ``metadata.keys`` (msgpack), with validating decode."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+import msgpack
+
+from kvmesh.errors import KvmeshError
+
+
+class RecordError(KvmeshError, ValueError):
+    """A stored value that does not decode into its record type."""
+
+
+@dataclass(frozen=True)
+class NodeRecord:
+    node_id: str
+    role: str  # "prefill" | "decode" | "both"
+    host: str
+    transfer_endpoint: str
+    side_channel: str
+    kv_layout: dict = field(default_factory=dict)  # num_blocks, block_size, num_layers, ...
+    capacity_blocks: int = 0
+    load: dict = field(default_factory=dict)  # queue length, free blocks, ...
+
+    def encode(self) -> bytes:
+        return msgpack.packb(dataclasses.asdict(self), use_bin_type=True)
+
+    @classmethod
+    def decode(cls, data: bytes) -> NodeRecord:
+        payload = _unpack_map(data)
+        try:
+            record = cls(**payload)
+        except TypeError as e:
+            raise RecordError(f"node record: {e}") from None
+        if record.role not in ("prefill", "decode", "both"):
+            raise RecordError(f"node record: unknown role {record.role!r}")
+        if not all(isinstance(getattr(record, f), str) for f in ("node_id", "host", "transfer_endpoint",
+                                                                  "side_channel")):
+            raise RecordError("node record: ids and endpoints must be strings")
+        return record
+
+
+@dataclass(frozen=True)
+class BlockEntry:
+    published_at: float  # unix time
+
+    def encode(self) -> bytes:
+        return msgpack.packb([self.published_at])
+
+    @classmethod
+    def decode(cls, data: bytes) -> BlockEntry:
+        try:
+            value = msgpack.unpackb(data)
+        except Exception as e:
+            raise RecordError(f"block entry: not msgpack ({e})") from None
+        if not (isinstance(value, list) and len(value) == 1 and isinstance(value[0], (int, float))):
+            raise RecordError("block entry: expected [published_at]")
+        return cls(float(value[0]))
+
+
+def _unpack_map(data: bytes) -> dict:
+    try:
+        payload = msgpack.unpackb(data, raw=False)
+    except Exception as e:
+        raise RecordError(f"not msgpack ({e})") from None
+    if not isinstance(payload, dict):
+        raise RecordError("expected a msgpack map")
+    return payload

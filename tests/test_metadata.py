@@ -1,0 +1,203 @@
+"""Global pool metadata against a real etcd: round trips, two processes, leases, outages, bad input."""
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from kvmesh.metadata.block_index import BlockIndex, BlockPublisher
+from kvmesh.metadata.embedded_etcd import EmbeddedEtcd, etcd_binary
+from kvmesh.metadata.etcd_store import EtcdStore, split_batches
+from kvmesh.metadata.keys import InvalidNameError, KeyLayout
+from kvmesh.metadata.memory_store import MemoryStore
+from kvmesh.metadata.records import NodeRecord
+from kvmesh.metadata.registry import NodeDirectory, NodeRegistry
+from tests.metadata_node import chain
+
+
+def wait_for(predicate, timeout_s: float = 10.0, what: str = "condition") -> float:
+    start = time.monotonic()
+    while not predicate():
+        if time.monotonic() - start > timeout_s:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.02)
+    return time.monotonic() - start
+
+
+@pytest.fixture(scope="module")
+def etcd():
+    with EmbeddedEtcd() as server:
+        yield server
+
+
+@pytest.fixture(params=["etcd", "memory"])
+def store(request, etcd):
+    s = EtcdStore(etcd.endpoint) if request.param == "etcd" else MemoryStore()
+    yield s
+    s.close()
+
+
+def node(store, cluster: str, node_id: str, ttl_s: int = 10):
+    registry = NodeRegistry(store, cluster, ttl_s=ttl_s)
+    publisher = BlockPublisher(store, cluster, "ns", node_id)
+    registry.on_new_lease(publisher.set_lease)
+    registry.register(NodeRecord(node_id, "prefill", "127.0.0.1", "127.0.0.1:9", "127.0.0.1:8"))
+    return registry, publisher
+
+
+def test_unsafe_names_are_refused():
+    for bad in ("a/b", "", "../x", "a b", "x" * 200, "-lead"):
+        with pytest.raises(InvalidNameError):
+            KeyLayout(bad)
+    keys = KeyLayout("prod-1")
+    with pytest.raises(InvalidNameError):
+        keys.node("n/1")
+    h = bytes(range(16))
+    key = keys.block("ns", h, "node-a")
+    assert key == f"/kvmesh/prod-1/blocks/ns/{h.hex()}/node-a"
+    assert keys.parse_block(key) == ("ns", h, "node-a")
+    assert keys.parse_block("/kvmesh/prod-1/blocks/ns/zz/node-a") is None
+
+
+def test_batches_respect_etcd_limits():
+    batches = split_batches(list(range(300)))
+    assert [len(b) for b in batches] == [128, 128, 44]
+    big = split_batches([b"x" * 400_000] * 5, len)
+    assert all(sum(map(len, b)) <= 1 << 20 for b in big) and sum(map(len, big)) == 5
+
+
+def test_publish_lookup_unpublish_round_trip(store):
+    registry, publisher = node(store, "rt", "node-a")
+    index = BlockIndex(store, "rt", "ns")
+    try:
+        assert index.mirror.wait_healthy(5)
+        hashes = chain("rt", 300)  # more than one transaction's worth
+        publisher.publish(hashes[:200])
+        wait_for(lambda: index.lookup(hashes) == {"node-a": 200}, what="publish visible in the mirror")
+        assert index.lookup_direct(hashes) == {"node-a": 200}
+        assert index.lookup(hashes, exclude="node-a") == {}
+        assert index.lookup(chain("other", 10)) == {}
+        publisher.unpublish(hashes[150:])
+        wait_for(lambda: index.lookup(hashes) == {"node-a": 150}, what="unpublish visible")
+        assert index.lookup_direct(hashes) == {"node-a": 150}
+    finally:
+        publisher.close()
+        registry.deregister()
+        index.close()
+    # Deregistering revokes the lease: the node's entries go with it.
+    index2 = BlockIndex(store, "rt", "ns")
+    assert index2.mirror.wait_healthy(5)
+    assert index2.lookup(chain("rt", 300)) == {}
+    index2.close()
+
+
+def test_mirror_lookup_of_2048_blocks_is_fast(etcd):
+    store = EtcdStore(etcd.endpoint)
+    registry, publisher = node(store, "fast", "node-a")
+    index = BlockIndex(store, "fast", "ns")
+    hashes = chain("fast", 2048)
+    publisher.publish(hashes)
+    wait_for(lambda: index.lookup(hashes) == {"node-a": 2048}, what="2048 blocks visible")
+    start = time.perf_counter()
+    for _ in range(100):
+        index.lookup(hashes)
+    per_lookup_us = (time.perf_counter() - start) / 100 * 1e6
+    print(f"mirror lookup of 2048 blocks: {per_lookup_us:.1f} us")  # reported, not asserted (noisy machines)
+    publisher.close()
+    registry.deregister()
+    index.close()
+
+
+def spawn_node(etcd, cluster: str, node_id: str, salt: str, n: int, ttl_s: int = 10) -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, "-m", "tests.metadata_node", etcd.endpoint, cluster, node_id, salt,
+                             str(n), str(ttl_s)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert json.loads(proc.stdout.readline()) == {"ready": True}
+    return proc
+
+
+def ask(proc: subprocess.Popen, line: str) -> dict:
+    proc.stdin.write(line + "\n")
+    proc.stdin.flush()
+    return json.loads(proc.stdout.readline())
+
+
+def test_two_processes_see_each_other_and_a_killed_node_vanishes(etcd):
+    store = EtcdStore(etcd.endpoint)
+    events: list[tuple[str, str]] = []
+    directory = NodeDirectory(store, "two", on_event=lambda kind, nid, rec: events.append((kind, nid)))
+    registry, publisher = node(store, "two", "here")
+    index = BlockIndex(store, "two", "ns")
+    publisher.publish(chain("mine", 12))
+    other = spawn_node(etcd, "two", "there", "theirs", 40, ttl_s=2)
+    try:
+        wait_for(lambda: index.lookup(chain("theirs", 64)) == {"there": 40}, what="the other process's blocks")
+        wait_for(lambda: ask(other, "lookup mine 20") == {"here": 12}, what="our blocks in the other mirror")
+        wait_for(lambda: ("joined", "there") in events, what="join event")
+        other.send_signal(signal.SIGKILL)
+        other.wait()
+        gone_after = wait_for(lambda: index.lookup(chain("theirs", 64)) == {}, timeout_s=10, what="entries gone")
+        wait_for(lambda: ("left", "there") in events, what="death event")
+        assert "there" not in directory.nodes and "here" in directory.nodes
+        assert gone_after < 2 + 3  # within the 2 s lease TTL (plus etcd's expiry granularity)
+    finally:
+        if other.poll() is None:
+            other.kill()
+        publisher.close()
+        registry.deregister()
+        index.close()
+        directory.close()
+
+
+def test_etcd_outage_degrades_then_catches_up():
+    with EmbeddedEtcd() as server:
+        store = EtcdStore(server.endpoint)
+        registry, publisher = node(store, "outage", "node-a", ttl_s=10)
+        index = BlockIndex(EtcdStore(server.endpoint), "outage", "ns")
+        hashes = chain("o", 100)
+        publisher.publish(hashes[:50])
+        wait_for(lambda: index.lookup(hashes) == {"node-a": 50}, what="first publish")
+        server.stop()
+        wait_for(lambda: not index.mirror.healthy, what="mirror notices the outage")
+        start = time.monotonic()
+        assert index.lookup(hashes) == {} and index.lookup_direct(hashes) == {}
+        assert time.monotonic() - start < 1.0  # no hang
+        publisher.publish(hashes[50:])
+        time.sleep(0.3)
+        assert publisher.num_pending == 50  # queued, not lost
+        server.start()
+        wait_for(lambda: index.lookup(hashes) == {"node-a": 100}, timeout_s=15, what="catch-up after restart")
+        assert publisher.num_pending == 0 and index.mirror.num_resyncs >= 2
+        publisher.close()
+        registry.deregister()
+        index.close()
+
+
+def test_hand_written_garbage_is_skipped_with_a_warning(etcd, caplog):
+    store = EtcdStore(etcd.endpoint)
+    registry, publisher = node(store, "junk", "node-a")
+    etcdctl = str(etcd_binary().with_name("etcdctl"))
+    h = chain("junk", 1)[0].hex()
+    for key, value in ((f"/kvmesh/junk/blocks/ns/{h}/node-b", "not-msgpack\xc1"),
+                       ("/kvmesh/junk/blocks/ns/nothex/node-b", "x"),
+                       ("/kvmesh/junk/nodes/node-z", "garbage")):
+        subprocess.run([etcdctl, f"--endpoints={etcd.endpoint}", "put", key, value], check=True,
+                       capture_output=True)
+    caplog.set_level(logging.WARNING, logger="kvmesh.metadata")
+    index = BlockIndex(store, "junk", "ns")
+    directory = NodeDirectory(store, "junk")
+    try:
+        publisher.publish(chain("junk", 3))
+        wait_for(lambda: index.lookup(chain("junk", 3)) == {"node-a": 3}, what="good entries despite junk")
+        assert index.num_skipped == 2
+        assert "node-z" not in directory.nodes and "node-a" in directory.nodes
+        assert any("skipping" in r.message for r in caplog.records)
+    finally:
+        publisher.close()
+        registry.deregister()
+        index.close()
+        directory.close()
