@@ -65,6 +65,18 @@ def _add_bench(sub) -> None:
     t.add_argument("--backends", default="", help="comma-separated (default: mooncake if it loads, and zmq)")
     t.add_argument("--repeat", type=int, default=3)
     t.set_defaults(func=_run_bench_transfer)
+    md = which.add_parser("metadata", help="global block index on etcd: publish, lookup, visibility, memory")
+    md.add_argument("--json", default=None)
+    md.add_argument("--etcd", default=None, help="host:port of an etcd to use (default: start a private one)")
+    md.add_argument("--keys", type=int, default=100_000, help="keys written to measure etcd's memory")
+    md.set_defaults(func=_run_bench_metadata)
+
+
+def _run_bench_metadata(args: argparse.Namespace) -> int:
+    from kvmesh.bench import metadata
+
+    metadata.run(args.json, args.etcd, num_keys=args.keys)
+    return 0
 
 
 def _run_bench_transfer(args: argparse.Namespace) -> int:

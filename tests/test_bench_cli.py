@@ -28,3 +28,14 @@ def test_bench_transfer_reports_ceilings_and_the_sweep(tmp_path):
     assert len(layouts) == 10 and {r["layout"] for r in res["results"]} == {"contiguous", "scattered"}
     for r in res["results"]:
         assert r["backend"] == "zmq" and r["transport"] == "zmq-tcp" and r["gib_per_s"] > 0
+
+
+def test_bench_metadata_against_a_private_etcd(tmp_path):
+    path = tmp_path / "md.json"
+    assert main(["bench", "metadata", "--json", str(path), "--keys", "4096"]) == 0
+    res = json.loads(path.read_text())
+    assert res["publish_blocks_per_s"]["batched"] > 0 and res["publish_blocks_per_s"]["one_by_one"] > 0
+    assert set(res["lookup_us"]) == {"128", "2048"}
+    assert res["lookup_us"]["2048"]["mirror"] > 0 and res["lookup_us"]["2048"]["direct"] > 0
+    assert res["publish_to_visible_ms"]["p50"] > 0
+    assert res["etcd_memory"]["keys"] == 4096 and res["etcd_memory"]["db_bytes_per_key"] > 0
