@@ -1,24 +1,18 @@
 """Side-channel wire messages (DESIGN §6): one typed class each, MessagePack on the wire.
 
-Every message is a msgpack map with a ``type`` field. ``decode`` validates type,
-field names and field types, and raises MessageError naming what is wrong, so a
-malformed message is refused without disturbing anything else.
+Encoded by ``kvmesh.wire``: a msgpack map with a ``type`` field; ``decode``
+validates type, field names and field types and raises MessageError naming what
+is wrong, so a malformed message is refused without disturbing anything else.
 """
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import ClassVar
 
-import msgpack
-
-from kvmesh.errors import KvmeshError
+from kvmesh.wire import MessageError, encode, register
+from kvmesh.wire import decode as _decode
 
 MAX_BLOCKS_PER_REQUEST = 1 << 20
-
-
-class MessageError(KvmeshError, ValueError):
-    """A side-channel message that cannot be decoded or fails validation."""
 
 
 @dataclass(frozen=True)
@@ -89,57 +83,14 @@ class Abort:
         pass
 
 
-MESSAGE_TYPES: dict[str, type] = {cls.TYPE: cls for cls in (PushRequest, PushResult, PrefillDone, Abort)}
 Message = PushRequest | PushResult | PrefillDone | Abort
-
-
-def encode(msg: Message) -> bytes:
-    payload = {f.name: getattr(msg, f.name) for f in dataclasses.fields(msg)}
-    payload["type"] = msg.TYPE
-    return msgpack.packb(payload, use_bin_type=True)
+register(PushRequest, PushResult, PrefillDone, Abort)
+_MESSAGES = (PushRequest, PushResult, PrefillDone, Abort)
 
 
 def decode(data: bytes) -> Message:
-    try:
-        payload = msgpack.unpackb(data, raw=False)
-    except Exception as e:  # msgpack raises several unrelated types
-        raise MessageError(f"not a msgpack message: {e}") from None
-    if not isinstance(payload, dict):
-        raise MessageError(f"expected a map, got {type(payload).__name__}")
-    cls = MESSAGE_TYPES.get(payload.pop("type", None))
-    if cls is None:
-        raise MessageError(f"unknown message type (known: {', '.join(MESSAGE_TYPES)})")
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    unknown = set(payload) - set(fields)
-    if unknown:
-        raise MessageError(f"{cls.TYPE}: unknown fields {sorted(unknown)}")
-    missing = [n for n, f in fields.items() if n not in payload
-               and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
-    if missing:
-        raise MessageError(f"{cls.TYPE}: missing fields {missing}")
-    for name, value in payload.items():
-        _check_type(cls.TYPE, name, fields[name].type, value)
-    msg = cls(**payload)
-    msg.validate()
-    return msg
-
-
-_SCALARS = {"str": str, "int": int, "bool": bool, "float": (float, int), "bytes": bytes}
-
-
-def _check_type(kind: str, name: str, annotation: str, value) -> None:
-    if annotation.startswith("list["):
-        inner = _SCALARS[annotation[5:-1]]
-        ok = isinstance(value, list) and all(isinstance(v, inner) and not _is_bool_for_int(v, inner) for v in value)
-    else:
-        expected = _SCALARS[annotation]
-        ok = isinstance(value, expected) and not _is_bool_for_int(value, expected)
-    if not ok:
-        raise MessageError(f"{kind}.{name}: expected {annotation}, got {type(value).__name__}")
-
-
-def _is_bool_for_int(value, expected) -> bool:
-    return isinstance(value, bool) and expected is int
+    """Decode a side-channel message (any other kvmesh message type is refused)."""
+    return _decode(data, _MESSAGES)
 
 
 __all__ = ["Abort", "Message", "MessageError", "PrefillDone", "PushRequest", "PushResult", "decode", "encode"]
