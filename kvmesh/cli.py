@@ -101,11 +101,21 @@ def _run_bench_prefix_cache(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_nodes(sub) -> None:
+    from kvmesh.cluster.node_main import add_node_arguments, run_node
+
+    for role in ("prefill", "decode"):
+        p = sub.add_parser(f"{role}-node", help=f"run a {role} node (until stdin closes)")
+        add_node_arguments(p)
+        p.set_defaults(func=lambda args, role=role: run_node(role, args))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvmesh", description="kvmesh: disaggregated LLM serving")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
     _add_bench(sub)
+    _add_nodes(sub)
     return parser
 
 

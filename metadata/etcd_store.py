@@ -49,6 +49,8 @@ class EtcdStore:
         except Exception as e:  # grpc and pyetcd raise several types for "cannot reach etcd"
             if _is_unavailable(e):
                 raise StoreUnavailable(f"etcd at {self.endpoint} is unreachable: {type(e).__name__}") from None
+            if isinstance(e, grpc.RpcError) and e.code() == grpc.StatusCode.NOT_FOUND and "lease" in str(e.details()):
+                raise KeyError("lease not found (expired or revoked)") from None
             raise
 
     def grant_lease(self, ttl_s: int) -> int:

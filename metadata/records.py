@@ -20,6 +20,7 @@ class NodeRecord:
     host: str
     transfer_endpoint: str
     side_channel: str
+    request_endpoint: str = ""  # where clients and peers send GenerateRequest / PrefillRequest
     kv_layout: dict = field(default_factory=dict)  # num_blocks, block_size, num_layers, ...
     capacity_blocks: int = 0
     load: dict = field(default_factory=dict)  # queue length, free blocks, ...
@@ -37,7 +38,7 @@ class NodeRecord:
         if record.role not in ("prefill", "decode", "both"):
             raise RecordError(f"node record: unknown role {record.role!r}")
         if not all(isinstance(getattr(record, f), str) for f in ("node_id", "host", "transfer_endpoint",
-                                                                  "side_channel")):
+                                                                  "side_channel", "request_endpoint")):
             raise RecordError("node record: ids and endpoints must be strings")
         return record
 

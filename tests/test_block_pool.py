@@ -43,7 +43,7 @@ def test_allocate_free_order_and_counts():
 
 
 def test_freed_blocks_stay_matchable_until_reused():
-    pool = BlockPool(11)
+    pool = BlockPool(11, track_changes=True)
     tokens = list(range(16 * 3))
     hashes = hash_blocks(ROOT, tokens, 16)
     blocks = pool.allocate(3)
@@ -62,6 +62,7 @@ def test_freed_blocks_stay_matchable_until_reused():
     pool.allocate(1)
     assert pool.match(hashes) == [0, 1]
     assert pool.take_evicted() == [hashes[2]]
+    assert pool.take_cached() == hashes and pool.take_cached() == []
     pool.check_integrity()
 
 

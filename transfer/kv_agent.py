@@ -69,6 +69,8 @@ class TransferAgent:
         self._workers = ThreadPoolExecutor(num_workers, thread_name_prefix=f"kvmesh-push-{node_id}")
         self._stop = threading.Event()
         self.num_malformed = 0
+        self.bytes_sent = 0  # as a holder
+        self.bytes_received = 0  # as a requester (blocks peers wrote into our buffer)
         self._loop = threading.Thread(target=self._serve, name=f"kvmesh-side-channel-{node_id}", daemon=True)
         self._loop.start()
 
@@ -144,6 +146,7 @@ class TransferAgent:
                                                      self.engine.max_descriptor_bytes),
                                       request_id=req.request_id)
                     written[start : len(pinned)] = [True] * len(new)
+                    self.bytes_sent += len(new) * self.block_bytes
                     if len(pinned) < num:
                         self._reply(req.request_id, m.PushResult(req.request_id, list(written), final=False))
                 if len(pinned) == num or self._is_aborted(req.request_id):
@@ -203,6 +206,7 @@ class TransferAgent:
                     ok = True
                     if msg.error:
                         raise TransferError(f"push failed: {msg.error}", request_id=request_id, peer=peer.node_id)
+                    self.bytes_received += sum(msg.written) * self.block_bytes
                     return msg.written
         finally:
             if not ok:  # a socket that timed out or was aborted on is not reused

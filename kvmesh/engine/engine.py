@@ -6,6 +6,7 @@ runner. ``step`` = schedule -> forward -> advance -> stop checks -> free.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -34,6 +35,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     eviction_policy: str = "tail-first-lru"
     cache_salt: str = ""
+    track_pool_changes: bool = False  # nodes that publish to the global index drain the pool's change log
     scheduler: SchedulerConfig = SchedulerConfig()
 
 
@@ -49,7 +51,8 @@ class LLMEngine:
                                          memory_bytes=int(config.kv_cache_memory_gib * 2**30))
         if config.eviction_policy not in POLICIES:
             raise ValueError(f"unknown eviction policy {config.eviction_policy!r} (choose from {', '.join(POLICIES)})")
-        self.pool = BlockPool(self.layout.num_blocks, POLICIES[config.eviction_policy]())
+        self.pool = BlockPool(self.layout.num_blocks, POLICIES[config.eviction_policy](),
+                              track_changes=config.track_pool_changes)
         self.namespace = HashNamespace.for_model(loaded.fingerprint, config.block_size, loaded.dtype,
                                                  cache_salt=config.cache_salt)
         self.kv = KVCacheManager(self.pool, config.block_size, self.namespace.root(), config.enable_prefix_caching)
@@ -57,6 +60,7 @@ class LLMEngine:
         self.runner = ModelRunner(loaded.model, self.layout.allocate(loaded.device), config.block_size)
         self._ids = itertools.count()
         self.num_steps = 0
+        self.on_token: Callable[[Sequence, int], None] | None = None  # called for every sampled token
 
     # ---- requests -------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None) -> Sequence:
@@ -118,6 +122,8 @@ class LLMEngine:
                 continue
             seq.output_token_ids.append(sampled.token_id)
             seq.cumulative_logprob += sampled.logprob
+            if self.on_token is not None:
+                self.on_token(seq, sampled.token_id)
             if self._check_stop(seq):
                 self.scheduler.finish(seq, RequestStatus.FINISHED)
                 finished.append(seq)

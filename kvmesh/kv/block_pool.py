@@ -35,7 +35,9 @@ class PoolUsage(NamedTuple):
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, policy: EvictionPolicy | None = None):
+    def __init__(self, num_blocks: int, policy: EvictionPolicy | None = None, track_changes: bool = False):
+        """``track_changes``: log cached / evicted hashes for ``take_cached`` / ``take_evicted``
+        (nodes that publish to the global index drain them; a lone engine leaves it off)."""
         if num_blocks < 1:
             raise ValueError("a block pool needs at least one block")
         self.num_blocks = num_blocks
@@ -53,7 +55,9 @@ class BlockPool:
         self._next = list(range(1, num_blocks + 1)) + [0]
         self._prev = [sentinel] + list(range(num_blocks))
         self._num_queued = num_blocks
+        self.track_changes = track_changes
         self._evicted: list[BlockHash] = []
+        self._newly_cached: list[BlockHash] = []
 
     # ---- queries (no side effects) ----------------------------------------------------------
     @property
@@ -232,6 +236,12 @@ class BlockPool:
             out, self._evicted = self._evicted, []
             return out
 
+    def take_cached(self) -> list[BlockHash]:
+        """Hashes made matchable since the last call (for publishing to the global index)."""
+        with self._lock:
+            out, self._newly_cached = self._newly_cached, []
+            return out
+
     # ---- internals -----------------------------------------------------------------------------
     def _cache_one(self, block_id: int, block_hash: BlockHash, parent_block_id: int) -> int:
         holder = self._hash_to_block.get(block_hash)
@@ -244,6 +254,8 @@ class BlockPool:
         self._parent[block_id] = parent_block_id
         if parent_block_id != NO_BLOCK:
             self._num_children[parent_block_id] += 1
+        if self.track_changes:
+            self._newly_cached.append(block_hash)
         return block_id
 
     def _is_queued(self, block: int) -> bool:
@@ -282,7 +294,8 @@ class BlockPool:
         if parent != NO_BLOCK:
             self._num_children[parent] -= 1
         self._parent[block] = NO_BLOCK
-        self._evicted.append(h)
+        if self.track_changes:
+            self._evicted.append(h)
 
     def check_integrity(self) -> None:
         """Raise AssertionError unless every invariant holds."""

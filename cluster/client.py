@@ -1,0 +1,89 @@
+"""NodeClient: send GenerateRequests to a decode node and collect the streamed tokens."""
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+
+import zmq
+
+from kvmesh.engine.sampling_params import SamplingParams
+from kvmesh.errors import KvmeshError
+from kvmesh.node import messages as nm
+from kvmesh.wire import decode, encode
+
+
+class RequestFailed(KvmeshError, RuntimeError):
+    pass
+
+
+@dataclass
+class Completion:
+    request_id: str
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str = ""
+    error: str = ""
+    stats: dict = field(default_factory=dict)
+    ttft_s: float = 0.0
+    latency_s: float = 0.0
+
+
+def _sampling_dict(params: SamplingParams) -> dict:
+    out = {"max_tokens": params.max_tokens, "temperature": params.temperature, "top_p": params.top_p,
+           "top_k": params.top_k, "ignore_eos": params.ignore_eos, "stop_token_ids": list(params.stop_token_ids)}
+    if params.seed is not None:
+        out["seed"] = params.seed
+    return out
+
+
+class NodeClient:
+    """One DEALER per client; many requests can be in flight at once (``generate_many``)."""
+
+    def __init__(self, endpoint: str):
+        self.endpoint = endpoint
+        self._sock = zmq.Context.instance().socket(zmq.DEALER)
+        self._sock.linger = 0
+        self._sock.connect(f"tcp://{endpoint}")
+
+    def generate_many(self, prompts: list[list[int]], params: SamplingParams, timeout_s: float = 120.0,
+                      prefill_node: str = "") -> list[Completion]:
+        start = time.perf_counter()
+        completions = {}
+        for prompt in prompts:
+            rid = uuid.uuid4().hex
+            completions[rid] = Completion(rid)
+            self._sock.send(encode(nm.GenerateRequest(rid, list(prompt), _sampling_dict(params), prefill_node)))
+        pending = set(completions)
+        deadline = time.monotonic() + timeout_s
+        while pending:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or not self._sock.poll(remaining * 1000):
+                raise RequestFailed(f"{len(pending)} of {len(prompts)} requests unfinished after {timeout_s} s "
+                                    f"(decode node {self.endpoint})")
+            event = decode(self._sock.recv(), (nm.TokenEvent,))
+            c = completions.get(event.request_id)
+            if c is None:
+                continue
+            if event.token_ids and not c.token_ids:
+                c.ttft_s = time.perf_counter() - start
+            c.token_ids += event.token_ids
+            if event.finished:
+                c.finish_reason, c.error, c.stats = event.finish_reason, event.error, event.stats
+                c.latency_s = time.perf_counter() - start
+                pending.discard(event.request_id)
+        return list(completions.values())
+
+    def generate(self, prompt: list[int], params: SamplingParams, **kwargs) -> Completion:
+        return self.generate_many([prompt], params, **kwargs)[0]
+
+    def stats(self, check: bool = False, timeout_s: float = 10.0) -> dict:
+        self._sock.send(encode(nm.StatsRequest(check)))
+        if not self._sock.poll(timeout_s * 1000):
+            raise RequestFailed(f"no stats from {self.endpoint}")
+        reply = decode(self._sock.recv(), (nm.StatsReply,))
+        if reply.error:
+            raise RequestFailed(f"{reply.node_id}: {reply.error}")
+        return reply.stats
+
+    def close(self) -> None:
+        self._sock.close()

@@ -1,0 +1,38 @@
+"""``kvmesh prefill-node`` / ``kvmesh decode-node``: run one node process until stdin closes."""
+from __future__ import annotations
+
+import argparse
+import logging
+
+from kvmesh.node.runtime import NodeConfig
+
+
+def add_node_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--node-id", required=True)
+    p.add_argument("--etcd", required=True, help="host:port of the cluster's etcd")
+    p.add_argument("--cluster", default="kvmesh")
+    p.add_argument("--model", default="tiny-llama")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--num-kv-blocks", type=int, default=1024)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--transfer-backend", default="auto", choices=["auto", "mooncake", "zmq"])
+    p.add_argument("--lease-ttl", type=int, default=10)
+    p.add_argument("--prefill-timeout", type=float, default=10.0)
+    p.add_argument("--local-prefill-tokens", type=int, default=-1,
+                   help="decode nodes compute uncached suffixes up to this many tokens (-1: cost model)")
+    p.add_argument("--log-level", default="WARNING")
+
+
+def run_node(role: str, args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level, format=f"%(asctime)s {args.node_id} %(name)s %(levelname)s %(message)s")
+    cfg = NodeConfig(node_id=args.node_id, role=role, etcd=args.etcd, cluster=args.cluster, model=args.model,
+                     dtype=args.dtype, num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
+                     host=args.host, transfer_backend=args.transfer_backend, lease_ttl_s=args.lease_ttl,
+                     prefill_timeout_s=args.prefill_timeout, local_prefill_tokens=args.local_prefill_tokens)
+    if role == "prefill":
+        from kvmesh.prefill_node.worker import PrefillWorker as Worker
+    else:
+        from kvmesh.decode_node.worker import DecodeWorker as Worker
+    Worker(cfg).serve_forever()
+    return 0

@@ -1,0 +1,1 @@
+"""The decode node: takes generate requests, gathers their KV (local, peers, prefill nodes), decodes, streams."""

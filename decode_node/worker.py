@@ -1,0 +1,173 @@
+"""DecodeWorker: ``kvmesh decode-node``.
+
+For each GenerateRequest (DESIGN §2):
+1. allocate the request's blocks; its own prefix hits need no transfer;
+2. the uncached part: if it is short (cost model: compute time vs transfer time),
+   compute it here; otherwise, in a worker thread, ask the peer that holds the
+   longest prefix to push it, then send the rest to a prefill node and ask it to
+   push the blocks by hash as they are computed (retrying another prefill node
+   once if one fails);
+3. whatever arrived, the request runs: the scheduler computes what is missing
+   (at least the prompt's last partial block) and decodes with continuous batching,
+   streaming tokens back. A failed or timed-out transfer only means more local work.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+
+import zmq
+
+from kvmesh.engine.sequence import Sequence
+from kvmesh.errors import KvmeshError, OutOfBlocksError
+from kvmesh.node import messages as nm
+from kvmesh.node.runtime import NodeRuntime
+from kvmesh.transfer.errors import TransferError
+from kvmesh.transfer.kv_agent import PeerInfo
+from kvmesh.wire import encode
+
+log = logging.getLogger("kvmesh.decode")
+
+
+def _leading_true(flags: list[bool]) -> int:
+    return flags.index(False) if False in flags else len(flags)
+
+
+class DecodeWorker(NodeRuntime):
+    def __init__(self, cfg):
+        self._clients: dict[str, bytes] = {}
+        self._remote_tokens: dict[str, int] = {}
+        self._round_robin = itertools.count()
+        self.num_remote = 0
+        self.num_local = 0
+        self.num_fallbacks = 0
+        self.rtt_s = 0.005  # side-channel round trip assumed by the cost model
+        super().__init__(cfg)  # starts the threads: our state must exist first
+
+    # ---- admission (engine thread) ------------------------------------------------------------------
+    def handle(self, identity: bytes, msg) -> None:
+        if isinstance(msg, nm.GenerateRequest):
+            self.call_soon(lambda: self._admit(identity, msg))
+        else:
+            super().handle(identity, msg)
+
+    def local_prefill_limit(self) -> int:
+        """Uncached tokens worth computing here rather than fetching (DESIGN §2 cost model)."""
+        if self.cfg.local_prefill_tokens >= 0:
+            return self.cfg.local_prefill_tokens
+        per_token_compute = 1 / self.prefill_tokens_per_s
+        per_token_transfer = self.engine.layout.bytes_per_token / (self.cfg.transfer_gib_per_s * 2**30)
+        if per_token_compute <= per_token_transfer:
+            return 1 << 30  # computing is always cheaper
+        return int(self.rtt_s / (per_token_compute - per_token_transfer))
+
+    def _admit(self, identity: bytes, msg: nm.GenerateRequest) -> None:
+        rid = msg.request_id
+        try:
+            seq = self.engine.prepare_request(msg.prompt_token_ids, msg.sampling_params(), request_id=rid)
+        except (KvmeshError, ValueError, TypeError) as e:
+            self.endpoint.send(identity, encode(nm.TokenEvent(rid, [], finished=True, error=str(e))))
+            return
+        self._clients[rid] = identity
+        local = self.engine.kv.find_cached_prefix(seq)
+        bs = self.cfg.block_size
+        fetchable_end = (seq.num_prompt_tokens - 1) // bs  # the last token is always computed here
+        uncached = seq.num_prompt_tokens - len(local) * bs
+        if fetchable_end <= len(local) or uncached <= self.local_prefill_limit():
+            self.num_local += 1
+            self.engine.scheduler.add(seq)
+            return
+        try:
+            self.engine.scheduler.add_awaiting_remote_kv(seq)
+        except OutOfBlocksError:
+            self.num_local += 1
+            self.engine.scheduler.add(seq)
+            return
+        self.num_remote += 1
+        self.workers.submit(self._fetch, seq, seq.num_prefix_hit_tokens // bs, fetchable_end, msg.prefill_node)
+
+    # ---- fetching (worker thread) -----------------------------------------------------------------------
+    def _fetch(self, seq: Sequence, num_local: int, end: int, preferred: str) -> None:
+        got = num_local
+        try:
+            got = self._fetch_from_holders(seq, got, end)
+            tried: set[str] = set()
+            while got < end and len(tried) < 2:
+                prefill = self._choose_prefill(preferred, tried)
+                if prefill is None:
+                    break
+                tried.add(prefill.node_id)
+                got = self._fetch_from_prefill(seq, got, end, prefill)
+        except Exception:
+            log.exception("%s: fetching KV for %s failed", self.cfg.node_id, seq.request_id)
+        finally:
+            self.call_soon(lambda: self._kv_arrived(seq, num_local, got))
+
+    def _fetch_from_holders(self, seq: Sequence, got: int, end: int) -> int:
+        """A peer (any role) already holding a longer prefix pushes it straight away."""
+        hits = self.index.lookup(seq.block_hashes[:end], exclude=self.cfg.node_id)
+        for node_id, length in sorted(hits.items(), key=lambda kv: -kv[1]):
+            peer = self.peer(node_id)
+            if length <= got or peer is None:
+                continue
+            try:
+                written = self.agent.request_push(peer, seq.block_ids[got:length], seq.block_hashes[got:length],
+                                                  request_id=f"{seq.request_id}:hold", timeout_s=5.0)
+                return got + _leading_true(written)
+            except TransferError as e:
+                log.warning("%s: holder %s failed: %s", self.cfg.node_id, node_id, e)
+        return got
+
+    def _choose_prefill(self, preferred: str, tried: set[str]):
+        candidates = sorted(n for n, r in self.directory.nodes.items() if r.role == "prefill" and n not in tried)
+        if not candidates:
+            return None
+        if preferred in candidates:
+            return self.directory.nodes[preferred]
+        return self.directory.nodes[candidates[next(self._round_robin) % len(candidates)]]
+
+    def _fetch_from_prefill(self, seq: Sequence, got: int, end: int, record) -> int:
+        sock = zmq.Context.instance().socket(zmq.DEALER)
+        sock.linger = 0
+        try:
+            sock.connect(f"tcp://{record.request_endpoint}")
+            sock.send(encode(nm.PrefillRequest(seq.request_id, list(seq.prompt_token_ids))))
+            timeout = self.cfg.prefill_timeout_s
+            written = self.agent.request_push(PeerInfo(record.node_id, record.side_channel),
+                                              seq.block_ids[got:end], seq.block_hashes[got:end],
+                                              request_id=f"{seq.request_id}:{record.node_id}", timeout_s=timeout,
+                                              wait_ms=int(timeout * 1000))
+            return got + _leading_true(written)
+        except TransferError as e:
+            self.num_fallbacks += 1
+            log.warning("%s: prefill node %s failed for %s: %s", self.cfg.node_id, record.node_id,
+                        seq.request_id, e)
+            return got
+        finally:
+            sock.close()
+
+    # ---- back on the engine thread --------------------------------------------------------------------------
+    def _kv_arrived(self, seq: Sequence, num_local: int, got: int) -> None:
+        bs = self.cfg.block_size
+        self._remote_tokens[seq.request_id] = (got - num_local) * bs
+        self.engine.scheduler.remote_kv_ready(seq.request_id, got * bs)
+
+    def on_token(self, seq: Sequence, token_id: int) -> None:
+        identity = self._clients.get(seq.request_id)
+        if identity is not None and not seq.is_finished:
+            self.endpoint.send(identity, encode(nm.TokenEvent(seq.request_id, [token_id])))
+
+    def on_finish(self, seq: Sequence) -> None:
+        identity = self._clients.pop(seq.request_id, None)
+        remote = self._remote_tokens.pop(seq.request_id, 0)
+        if identity is None:
+            return
+        stats = {"tokens_reused_local": seq.num_prefix_hit_tokens, "tokens_reused_remote": remote,
+                 "tokens_computed": seq.num_prompt_tokens - seq.num_prefix_hit_tokens - remote}
+        self.endpoint.send(identity, encode(nm.TokenEvent(seq.request_id, [], finished=True,
+                                                          finish_reason=seq.finish_reason or "", stats=stats)))
+
+    def role_stats(self) -> dict:
+        return {"num_remote": self.num_remote, "num_local": self.num_local, "num_fallbacks": self.num_fallbacks,
+                "local_prefill_limit": self.local_prefill_limit()}
+

@@ -1,0 +1,1 @@
+"""What prefill and decode nodes share: wire messages and the node runtime."""

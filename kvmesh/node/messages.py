@@ -1,0 +1,89 @@
+"""Node request messages (client/router <-> nodes, decode node -> prefill node), via ``kvmesh.wire``."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+from kvmesh.engine.sampling_params import SamplingParams
+from kvmesh.wire import MessageError, register
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    """Client -> decode node: generate for these prompt tokens, stream the tokens back."""
+
+    TYPE: ClassVar[str] = "generate"
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: dict = field(default_factory=dict)  # SamplingParams fields
+    prefill_node: str = ""  # "" lets the decode node choose
+
+    def validate(self) -> None:
+        if not self.request_id:
+            raise MessageError("generate: empty request_id")
+
+    def sampling_params(self) -> SamplingParams:
+        allowed = {"max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids", "ignore_eos"}
+        unknown = set(self.sampling) - allowed
+        if unknown:
+            raise MessageError(f"generate: unknown sampling fields {sorted(unknown)}")
+        return SamplingParams(**self.sampling)
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """Decode node -> client: new tokens; the last event has ``finished`` (and stats, or an error)."""
+
+    TYPE: ClassVar[str] = "tokens"
+    request_id: str
+    token_ids: list[int]
+    finished: bool = False
+    finish_reason: str = ""
+    error: str = ""
+    stats: dict = field(default_factory=dict)  # tokens_reused_local / _remote, tokens_computed
+
+    def validate(self) -> None:
+        pass
+
+
+@dataclass(frozen=True)
+class PrefillRequest:
+    """Decode node -> prefill node: compute the KV of this prompt.
+
+    No reply: the decode node asks for the blocks by hash on the side channel, and
+    the prefill node's holder pushes them as they are computed.
+    """
+
+    TYPE: ClassVar[str] = "prefill"
+    request_id: str
+    prompt_token_ids: list[int]
+
+    def validate(self) -> None:
+        if not self.prompt_token_ids:
+            raise MessageError("prefill: empty prompt")
+
+
+@dataclass(frozen=True)
+class StatsRequest:
+    """Anyone -> node: counters; with ``check``, also run every integrity check."""
+
+    TYPE: ClassVar[str] = "stats"
+    check: bool = False
+
+    def validate(self) -> None:
+        pass
+
+
+@dataclass(frozen=True)
+class StatsReply:
+    TYPE: ClassVar[str] = "stats_reply"
+    node_id: str
+    stats: dict = field(default_factory=dict)
+    error: str = ""
+
+    def validate(self) -> None:
+        pass
+
+
+register(GenerateRequest, TokenEvent, PrefillRequest, StatsRequest, StatsReply)
+REQUESTS = (GenerateRequest, PrefillRequest, StatsRequest)

@@ -1,0 +1,213 @@
+"""NodeRuntime: what every kvmesh node process runs, whatever its role.
+
+    request socket (ROUTER) ──> handlers ──call_soon──> engine thread: LLMEngine.step loop
+    TransferAgent: side channel + transfer engine over the engine's pool and KV buffer
+    etcd: NodeRegistry (lease), BlockPublisher (pool changes), BlockIndex, NodeDirectory
+
+Only the engine thread touches the engine and scheduler; other threads hand it
+work with ``call_soon``. The block pool is shared with the transfer agent (it
+has its own lock). Role-specific behaviour lives in ``prefill_node`` and
+``decode_node`` subclasses, which add handlers and finish hooks.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import queue
+import sys
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from kvmesh.engine.engine import EngineConfig, LLMEngine
+from kvmesh.engine.scheduler import SchedulerConfig
+from kvmesh.engine.sequence import Sequence
+from kvmesh.kv.cache_stats import PrefixCacheStats
+from kvmesh.metadata.block_index import BlockIndex, BlockPublisher
+from kvmesh.metadata.etcd_store import EtcdStore
+from kvmesh.metadata.records import NodeRecord
+from kvmesh.metadata.registry import NodeDirectory, NodeRegistry
+from kvmesh.model.loader import load_model
+from kvmesh.node import messages as nm
+from kvmesh.node.router_endpoint import RouterEndpoint
+from kvmesh.transfer.engine import create_transfer_engine
+from kvmesh.transfer.kv_agent import PeerInfo, TransferAgent
+from kvmesh.wire import MessageError, decode, encode
+
+log = logging.getLogger("kvmesh.node")
+
+
+@dataclass(frozen=True)
+class NodeConfig:
+    node_id: str
+    role: str  # "prefill" | "decode"
+    etcd: str  # host:port
+    cluster: str = "kvmesh"
+    model: str = "tiny-llama"
+    dtype: str = "float32"
+    block_size: int = 16
+    num_kv_blocks: int = 1024
+    max_num_seqs: int = 64
+    host: str = "127.0.0.1"
+    transfer_backend: str = "auto"
+    lease_ttl_s: int = 10
+    prefill_timeout_s: float = 10.0
+    local_prefill_tokens: int = -1  # decode: uncached suffixes up to this are computed locally; -1: cost model
+    transfer_gib_per_s: float = 1.0  # assumed by the cost model
+
+
+class NodeRuntime:
+    def __init__(self, cfg: NodeConfig):
+        self.cfg = cfg
+        self.loaded = load_model(cfg.model, dtype=cfg.dtype, progress=False)
+        self.engine = LLMEngine(self.loaded, EngineConfig(
+            block_size=cfg.block_size, num_kv_blocks=cfg.num_kv_blocks, track_pool_changes=True,
+            scheduler=SchedulerConfig(max_num_seqs=cfg.max_num_seqs)))
+        self.pool = self.engine.pool
+        self.prefill_tokens_per_s = self._measure_prefill_rate()
+        self.engine.on_token = self.on_token
+        self.store = EtcdStore(cfg.etcd)
+        self.agent = TransferAgent(cfg.node_id, self.pool, self.engine.runner.kv_buffer,
+                                   create_transfer_engine(cfg.transfer_backend, host=cfg.host), host=cfg.host)
+        namespace = "m" + hashlib.blake2b(self.engine.namespace.encode(), digest_size=8).hexdigest()
+        self.publisher = BlockPublisher(self.store, cfg.cluster, namespace, cfg.node_id)
+        self.index = BlockIndex(self.store, cfg.cluster, namespace)
+        self.directory = NodeDirectory(self.store, cfg.cluster)
+        self.registry = NodeRegistry(self.store, cfg.cluster, ttl_s=cfg.lease_ttl_s)
+        self.registry.on_new_lease(self.publisher.set_lease)
+        self.workers = ThreadPoolExecutor(16, thread_name_prefix=f"kvmesh-{cfg.node_id}")
+        self._commands: queue.Queue[Callable[[], None]] = queue.Queue()
+        self._stop = threading.Event()
+        self.endpoint = RouterEndpoint(cfg.host, self._on_request, f"requests-{cfg.node_id}")
+        self._engine_thread = threading.Thread(target=self._engine_loop, name=f"kvmesh-engine-{cfg.node_id}",
+                                               daemon=True)
+        self._engine_thread.start()
+        self.registry.register(self.record())
+
+    # ---- identity ------------------------------------------------------------------------------
+    def record(self) -> NodeRecord:
+        layout = self.engine.layout
+        return NodeRecord(self.cfg.node_id, self.cfg.role, self.cfg.host, self.agent.engine.endpoint,
+                          self.agent.side_channel, self.endpoint.endpoint,
+                          {"num_blocks": layout.num_blocks, "block_size": layout.block_size,
+                           "num_layers": layout.num_layers, "bytes_per_block": layout.bytes_per_block,
+                           "transport": self.agent.engine.transport},
+                          layout.num_blocks, {"free_blocks": self.pool.num_free_blocks})
+
+    def peer(self, node_id: str) -> PeerInfo | None:
+        record = self.directory.nodes.get(node_id)
+        return PeerInfo(node_id, record.side_channel) if record else None
+
+    def _measure_prefill_rate(self) -> float:
+        """Tokens per second of one 64-token prefill (after a warm-up), for the decode-side cost model."""
+        from kvmesh.engine.sampling_params import SamplingParams
+
+        params = SamplingParams(max_tokens=1, temperature=0.0)
+        rates = []
+        for offset in range(3):
+            seq = self.engine.add_request([(7 * i + offset) % 250 for i in range(64)], params)
+            start = time.perf_counter()
+            while not seq.is_finished:
+                self.engine.step()
+            rates.append(64 / (time.perf_counter() - start))
+        self.pool.evict(self.pool.num_blocks)  # the probe's blocks are not worth publishing
+        self.pool.take_cached(), self.pool.take_evicted()
+        self.engine.kv.stats = PrefixCacheStats()  # counters start with the first real request
+        return max(rates)
+
+    # ---- threads ---------------------------------------------------------------------------------
+    def call_soon(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` on the engine thread (the only one that touches the engine)."""
+        self._commands.put(fn)
+
+    def _engine_loop(self) -> None:
+        scheduler = self.engine.scheduler
+        while not self._stop.is_set():
+            busy = bool(scheduler.waiting or scheduler.running)
+            try:
+                fn = self._commands.get_nowait() if busy else self._commands.get(timeout=0.005)
+                fn()
+                while True:
+                    self._commands.get_nowait()()
+            except queue.Empty:
+                pass
+            except Exception:
+                log.exception("%s: command failed", self.cfg.node_id)
+            if scheduler.waiting or scheduler.running:
+                try:
+                    for seq in self.engine.step():
+                        self.on_finish(seq)
+                except Exception:
+                    log.exception("%s: engine step failed", self.cfg.node_id)
+            self.publisher.publish(self.pool.take_cached())
+            self.publisher.unpublish(self.pool.take_evicted())
+
+    def _on_request(self, identity: bytes, payload: bytes) -> None:
+        try:
+            msg = decode(payload, nm.REQUESTS)
+        except MessageError as e:
+            log.warning("%s: refused a malformed request: %s", self.cfg.node_id, e)
+            self.endpoint.send(identity, encode(nm.TokenEvent("", [], finished=True, error=f"malformed: {e}")))
+            return
+        if isinstance(msg, nm.StatsRequest):
+            self.call_soon(lambda: self.endpoint.send(identity, encode(self._stats(msg.check))))
+            return
+        self.handle(identity, msg)
+
+    def _stats(self, check: bool) -> nm.StatsReply:
+        error = ""
+        if check:
+            try:
+                self.engine.check_integrity()
+            except AssertionError as e:
+                error = f"integrity: {e}"
+        usage = self.pool.usage()
+        stats = {**self.engine.kv.stats.as_dict(), "bytes_received": self.agent.bytes_received,
+                 "bytes_sent": self.agent.bytes_sent, "num_used_blocks": usage.num_used,
+                 "num_cached_blocks": usage.num_cached, "num_pinned": sum(1 for p in self.pool._pins if p),
+                 "num_running": len(self.engine.scheduler.running), "prefill_tokens_per_s": self.prefill_tokens_per_s,
+                 **self.role_stats()}
+        return nm.StatsReply(self.cfg.node_id, stats, error)
+
+    # ---- role hooks -----------------------------------------------------------------------------------
+    def handle(self, identity: bytes, msg) -> None:
+        self.endpoint.send(identity, encode(nm.TokenEvent(getattr(msg, "request_id", ""), [], finished=True,
+                                                          error=f"{self.cfg.role} node does not take {msg.TYPE}")))
+
+    def on_token(self, seq: Sequence, token_id: int) -> None:
+        pass
+
+    def on_finish(self, seq: Sequence) -> None:
+        pass
+
+    def role_stats(self) -> dict:
+        return {}
+
+    # ---- life ---------------------------------------------------------------------------------------------
+    def announce(self) -> None:
+        """One JSON line on stdout for launchers: the node is registered and serving."""
+        print(json.dumps({"node_id": self.cfg.node_id, "role": self.cfg.role, "requests": self.endpoint.endpoint,
+                          "side_channel": self.agent.side_channel, "transport": self.agent.engine.transport}),
+              flush=True)
+
+    def serve_forever(self) -> None:
+        self.announce()
+        try:
+            for line in sys.stdin:  # a launcher closes stdin (or writes "quit") to stop the node
+                if line.strip() == "quit":
+                    break
+        except KeyboardInterrupt:
+            pass
+        self.close()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._engine_thread.join(timeout=5)
+        self.publisher.close()
+        self.registry.deregister()
+        for part in (self.index, self.directory, self.endpoint, self.agent):
+            part.close()
+        self.workers.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,1 @@
+"""The prefill node: computes prompts' KV, reusing local and cluster-wide prefixes, and serves it by hash."""
