@@ -10,7 +10,7 @@ TORCH_CPU_VERSION := 2.13.0
 HAS_NVIDIA := $(shell test -e /proc/driver/nvidia/version && echo 1)
 PYTEST_ARGS ?=
 
-.PHONY: all install test test-gpu generate clean
+.PHONY: all install test test-gpu generate serve clean
 
 all: test
 
@@ -42,6 +42,11 @@ test-gpu: $(STAMP)
 
 generate: $(STAMP)
 	$(VENV)/bin/kvmesh generate --model smollm2-135m --prompt "The capital of France is" --max-tokens 8
+
+# etcd + 1 prefill + 1 decode node of SmolLM2 on this machine, until Ctrl-C.
+# (The gRPC / OpenAI HTTP router in front of them is the next issue.)
+serve: $(STAMP)
+	$(VENV)/bin/kvmesh local-cluster --model smollm2-135m --prefill 1 --decode 1
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -19,6 +19,7 @@ import logging
 import zmq
 
 from kvmesh.engine.sequence import Sequence
+from kvmesh.metadata.records import NodeRecord
 from kvmesh.errors import KvmeshError, OutOfBlocksError
 from kvmesh.node import messages as nm
 from kvmesh.node.runtime import NodeRuntime
@@ -88,24 +89,28 @@ class DecodeWorker(NodeRuntime):
 
     # ---- fetching (worker thread) -----------------------------------------------------------------------
     def _fetch(self, seq: Sequence, num_local: int, end: int, preferred: str) -> None:
+        """Holders push the prefix they have while a prefill node computes the rest (overlapped)."""
         got = num_local
         try:
-            got = self._fetch_from_holders(seq, got, end)
+            hits = self.index.lookup(seq.block_hashes[:end], exclude=self.cfg.node_id)
             tried: set[str] = set()
-            while got < end and len(tried) < 2:
-                prefill = self._choose_prefill(preferred, tried)
+            prefill = None
+            if max(hits.values(), default=0) < end:  # some blocks exist nowhere: start computing them now
+                prefill = self._start_prefill(seq, preferred, tried)
+            got = self._fetch_from_holders(seq, got, end, hits)
+            while got < end and (prefill is not None or len(tried) < 2):
+                prefill = prefill or self._start_prefill(seq, preferred, tried)
                 if prefill is None:
                     break
-                tried.add(prefill.node_id)
                 got = self._fetch_from_prefill(seq, got, end, prefill)
+                prefill = None
         except Exception:
             log.exception("%s: fetching KV for %s failed", self.cfg.node_id, seq.request_id)
         finally:
             self.call_soon(lambda: self._kv_arrived(seq, num_local, got))
 
-    def _fetch_from_holders(self, seq: Sequence, got: int, end: int) -> int:
+    def _fetch_from_holders(self, seq: Sequence, got: int, end: int, hits: dict[str, int]) -> int:
         """A peer (any role) already holding a longer prefix pushes it straight away."""
-        hits = self.index.lookup(seq.block_hashes[:end], exclude=self.cfg.node_id)
         for node_id, length in sorted(hits.items(), key=lambda kv: -kv[1]):
             peer = self.peer(node_id)
             if length <= got or peer is None:
@@ -118,21 +123,27 @@ class DecodeWorker(NodeRuntime):
                 log.warning("%s: holder %s failed: %s", self.cfg.node_id, node_id, e)
         return got
 
-    def _choose_prefill(self, preferred: str, tried: set[str]):
+    def _start_prefill(self, seq: Sequence, preferred: str, tried: set[str]) -> NodeRecord | None:
+        """Send the prompt to a prefill node not tried yet (the preferred one first); None if none is left."""
         candidates = sorted(n for n, r in self.directory.nodes.items() if r.role == "prefill" and n not in tried)
         if not candidates:
             return None
-        if preferred in candidates:
-            return self.directory.nodes[preferred]
-        return self.directory.nodes[candidates[next(self._round_robin) % len(candidates)]]
-
-    def _fetch_from_prefill(self, seq: Sequence, got: int, end: int, record) -> int:
+        node_id = preferred if preferred in candidates else candidates[next(self._round_robin) % len(candidates)]
+        record = self.directory.nodes[node_id]
+        tried.add(node_id)
         sock = zmq.Context.instance().socket(zmq.DEALER)
-        sock.linger = 0
+        sock.linger = 1000
         try:
             sock.connect(f"tcp://{record.request_endpoint}")
             sock.send(encode(nm.PrefillRequest(seq.request_id, list(seq.prompt_token_ids))))
-            timeout = self.cfg.prefill_timeout_s
+        finally:
+            sock.close()
+        return record
+
+    def _fetch_from_prefill(self, seq: Sequence, got: int, end: int, record: NodeRecord) -> int:
+        """Ask the prefill node to push blocks ``[got, end)`` as it computes them."""
+        timeout = self.cfg.prefill_timeout_s
+        try:
             written = self.agent.request_push(PeerInfo(record.node_id, record.side_channel),
                                               seq.block_ids[got:end], seq.block_hashes[got:end],
                                               request_id=f"{seq.request_id}:{record.node_id}", timeout_s=timeout,
@@ -143,8 +154,6 @@ class DecodeWorker(NodeRuntime):
             log.warning("%s: prefill node %s failed for %s: %s", self.cfg.node_id, record.node_id,
                         seq.request_id, e)
             return got
-        finally:
-            sock.close()
 
     # ---- back on the engine thread --------------------------------------------------------------------------
     def _kv_arrived(self, seq: Sequence, num_local: int, got: int) -> None:

@@ -70,6 +70,20 @@ def _add_bench(sub) -> None:
     md.add_argument("--etcd", default=None, help="host:port of an etcd to use (default: start a private one)")
     md.add_argument("--keys", type=int, default=100_000, help="keys written to measure etcd's memory")
     md.set_defaults(func=_run_bench_metadata)
+    ru = which.add_parser("reuse", help="TTFT with the prefix on another node vs a full recompute (local cluster)")
+    ru.add_argument("--json", default=None)
+    ru.add_argument("--model", default="smollm2-135m")
+    ru.add_argument("--prompt-tokens", type=int, default=2048)
+    ru.add_argument("--suffix-tokens", type=int, default=32)
+    ru.add_argument("--rounds", type=int, default=3)
+    ru.set_defaults(func=_run_bench_reuse)
+
+
+def _run_bench_reuse(args: argparse.Namespace) -> int:
+    from kvmesh.bench import reuse
+
+    reuse.run(args.json, args.model, args.prompt_tokens, args.suffix_tokens, args.rounds)
+    return 0
 
 
 def _run_bench_metadata(args: argparse.Namespace) -> int:
@@ -110,12 +124,42 @@ def _add_nodes(sub) -> None:
         p.set_defaults(func=lambda args, role=role: run_node(role, args))
 
 
+def _add_local_cluster(sub) -> None:
+    p = sub.add_parser("local-cluster", help="etcd + prefill and decode nodes on this machine, until Ctrl-C")
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--prefill", type=int, default=1)
+    p.add_argument("--decode", type=int, default=1)
+    p.add_argument("--etcd", default=None, help="use this etcd instead of starting one")
+    p.set_defaults(func=_run_local_cluster)
+
+
+def _run_local_cluster(args: argparse.Namespace) -> int:
+    import json as _json
+
+    from kvmesh.cluster.local_launcher import LocalCluster
+
+    print(f"starting etcd, {args.prefill} prefill and {args.decode} decode node(s) of {args.model} ...",
+          file=sys.stderr)
+    with LocalCluster(args.prefill, args.decode, model=args.model, etcd=args.etcd, start_timeout_s=600) as cluster:
+        print(_json.dumps({"etcd": cluster.etcd_endpoint,
+                           "nodes": {n: p.info for n, p in cluster.nodes.items()}}, indent=2))
+        print("serving; send GenerateRequests to a decode node's 'requests' endpoint "
+              "(kvmesh.cluster.client.NodeClient). Ctrl-C stops everything.", file=sys.stderr)
+        try:
+            while all(p.proc.poll() is None for p in cluster.nodes.values()):
+                time.sleep(1)
+        except KeyboardInterrupt:
+            pass
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvmesh", description="kvmesh: disaggregated LLM serving")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
     _add_bench(sub)
     _add_nodes(sub)
+    _add_local_cluster(sub)
     return parser
 
 

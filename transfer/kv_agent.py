@@ -30,6 +30,7 @@ import zmq
 
 from kvmesh.kv.block_hash import BlockHash
 from kvmesh.kv.block_pool import NO_BLOCK, BlockPool
+from kvmesh.router_endpoint import RouterEndpoint
 from kvmesh.transfer import messages as m
 from kvmesh.transfer.coalesce import coalesce, to_descriptors
 from kvmesh.transfer.engine import TransferEngine
@@ -56,50 +57,29 @@ class TransferAgent:
         log.info("%s: transfer engine %s at %s, transport %s (%s)", node_id, engine.name, engine.endpoint,
                  engine.transport, engine.transport_reason)
         self._ctx = zmq.Context.instance()
-        self._router = self._ctx.socket(zmq.ROUTER)
-        self._router.linger = 0
-        self.side_channel = f"{host}:{self._router.bind_to_random_port(f'tcp://{host}')}"
-        self._outbox_addr = f"inproc://kvmesh-agent-{uuid.uuid4().hex}"
-        self._outbox = self._ctx.socket(zmq.PULL)
-        self._outbox.bind(self._outbox_addr)
         self._local = threading.local()
         self._identities: dict[str, bytes] = {}
         self._aborted: set[str] = set()
         self._lock = threading.Lock()
         self._workers = ThreadPoolExecutor(num_workers, thread_name_prefix=f"kvmesh-push-{node_id}")
-        self._stop = threading.Event()
         self.num_malformed = 0
         self.bytes_sent = 0  # as a holder
         self.bytes_received = 0  # as a requester (blocks peers wrote into our buffer)
-        self._loop = threading.Thread(target=self._serve, name=f"kvmesh-side-channel-{node_id}", daemon=True)
-        self._loop.start()
+        self._endpoint = RouterEndpoint(host, self._on_message, f"side-channel-{node_id}")
+        self.side_channel = self._endpoint.endpoint
 
     @property
     def info(self) -> PeerInfo:
         return PeerInfo(self.node_id, self.side_channel)
 
     # ---- holder ---------------------------------------------------------------------------------
-    def _serve(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self._router, zmq.POLLIN)
-        poller.register(self._outbox, zmq.POLLIN)
-        while not self._stop.is_set():
-            events = dict(poller.poll(100))
-            if self._outbox in events:
-                while self._outbox.poll(0):
-                    identity, payload = self._outbox.recv_multipart()
-                    self._router.send_multipart([identity, payload])
-            if self._router in events:
-                identity, payload = self._router.recv_multipart()
-                self._on_message(identity, payload)
-
     def _on_message(self, identity: bytes, payload: bytes) -> None:
         try:
             msg = m.decode(payload)
         except m.MessageError as e:
             self.num_malformed += 1
             log.warning("%s: refused a malformed side-channel message: %s", self.node_id, e)
-            self._router.send_multipart([identity, m.encode(m.Abort("", f"malformed message: {e}"))])
+            self._endpoint.send(identity, m.encode(m.Abort("", f"malformed message: {e}")))
             return
         if isinstance(msg, m.PushRequest):
             with self._lock:
@@ -114,14 +94,8 @@ class TransferAgent:
     def _reply(self, request_id: str, msg: m.Message) -> None:
         with self._lock:
             identity = self._identities.get(request_id)
-        if identity is None:
-            return
-        sock = getattr(self._local, "push", None)
-        if sock is None:  # one PUSH socket per worker thread: ZMQ sockets are not thread-safe
-            sock = self._local.push = self._ctx.socket(zmq.PUSH)
-            sock.linger = 1000
-            sock.connect(self._outbox_addr)
-        sock.send_multipart([identity, m.encode(msg)])
+        if identity is not None:
+            self._endpoint.send(identity, m.encode(msg))
 
     def _is_aborted(self, request_id: str) -> bool:
         with self._lock:
@@ -253,8 +227,5 @@ class TransferAgent:
         return holders
 
     def close(self) -> None:
-        self._stop.set()
-        self._loop.join(timeout=2)
+        self._endpoint.close()
         self._workers.shutdown(wait=True, cancel_futures=True)
-        self._router.close()
-        self._outbox.close()

@@ -64,7 +64,7 @@ def main() -> None:
         cmd = line.strip()
         if cmd == "check":
             pool.check_integrity()
-            print(json.dumps({"ok": True, "num_pinned": sum(1 for x in pool._pins if x),
+            print(json.dumps({"ok": True, "num_pinned": pool.num_pinned(),
                               "num_malformed": agent.num_malformed}), flush=True)
         elif cmd == "quit":
             break

@@ -103,6 +103,10 @@ class BlockPool:
             found = found[: found.index(None)]
         return found
 
+    def num_pinned(self) -> int:
+        """Blocks pinned right now (a holder mid-push, a pinned system prompt)."""
+        return sum(1 for p in self._pins if p)
+
     def num_free_among(self, block_ids: Sequence[int]) -> int:
         """How many of ``block_ids`` sit in the free queue (touching them would take them out)."""
         ref, pins = self._ref, self._pins

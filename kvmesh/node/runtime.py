@@ -32,7 +32,7 @@ from kvmesh.metadata.records import NodeRecord
 from kvmesh.metadata.registry import NodeDirectory, NodeRegistry
 from kvmesh.model.loader import load_model
 from kvmesh.node import messages as nm
-from kvmesh.node.router_endpoint import RouterEndpoint
+from kvmesh.router_endpoint import RouterEndpoint
 from kvmesh.transfer.engine import create_transfer_engine
 from kvmesh.transfer.kv_agent import PeerInfo, TransferAgent
 from kvmesh.wire import MessageError, decode, encode
@@ -167,7 +167,7 @@ class NodeRuntime:
         usage = self.pool.usage()
         stats = {**self.engine.kv.stats.as_dict(), "bytes_received": self.agent.bytes_received,
                  "bytes_sent": self.agent.bytes_sent, "num_used_blocks": usage.num_used,
-                 "num_cached_blocks": usage.num_cached, "num_pinned": sum(1 for p in self.pool._pins if p),
+                 "num_cached_blocks": usage.num_cached, "num_pinned": self.pool.num_pinned(),
                  "num_running": len(self.engine.scheduler.running), "prefill_tokens_per_s": self.prefill_tokens_per_s,
                  **self.role_stats()}
         return nm.StatsReply(self.cfg.node_id, stats, error)
