@@ -46,7 +46,12 @@ class NodeClient:
         self._sock.connect(f"tcp://{endpoint}")
 
     def generate_many(self, prompts: list[list[int]], params: SamplingParams, timeout_s: float = 120.0,
-                      prefill_node: str = "") -> list[Completion]:
+                      prefill_node: str = "", liveness_s: float = 3.0) -> list[Completion]:
+        """Send every prompt, collect every stream; raises RequestFailed when the decode node goes quiet.
+
+        After ``liveness_s`` without a message the node is pinged; no answer within another
+        ``liveness_s`` means it is gone (requests are not migrated here: the router does that).
+        """
         start = time.perf_counter()
         completions = {}
         for prompt in prompts:
@@ -55,12 +60,23 @@ class NodeClient:
             self._sock.send(encode(nm.GenerateRequest(rid, list(prompt), _sampling_dict(params), prefill_node)))
         pending = set(completions)
         deadline = time.monotonic() + timeout_s
+        pinged = False
         while pending:
             remaining = deadline - time.monotonic()
-            if remaining <= 0 or not self._sock.poll(remaining * 1000):
+            if remaining <= 0:
                 raise RequestFailed(f"{len(pending)} of {len(prompts)} requests unfinished after {timeout_s} s "
                                     f"(decode node {self.endpoint})")
-            event = decode(self._sock.recv(), (nm.TokenEvent,))
+            if not self._sock.poll(min(remaining, liveness_s) * 1000):
+                if pinged:
+                    raise RequestFailed(f"decode node {self.endpoint} stopped answering; {len(pending)} of "
+                                        f"{len(prompts)} requests lost with it")
+                self._sock.send(encode(nm.StatsRequest()))
+                pinged = True
+                continue
+            pinged = False
+            event = decode(self._sock.recv(), (nm.TokenEvent, nm.StatsReply))
+            if isinstance(event, nm.StatsReply):
+                continue  # the node is alive, just busy
             c = completions.get(event.request_id)
             if c is None:
                 continue
@@ -78,9 +94,14 @@ class NodeClient:
 
     def stats(self, check: bool = False, timeout_s: float = 10.0) -> dict:
         self._sock.send(encode(nm.StatsRequest(check)))
-        if not self._sock.poll(timeout_s * 1000):
-            raise RequestFailed(f"no stats from {self.endpoint}")
-        reply = decode(self._sock.recv(), (nm.StatsReply,))
+        deadline = time.monotonic() + timeout_s
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or not self._sock.poll(remaining * 1000):
+                raise RequestFailed(f"no stats from {self.endpoint}")
+            reply = decode(self._sock.recv(), (nm.StatsReply, nm.TokenEvent))
+            if isinstance(reply, nm.StatsReply):
+                break  # token events here belong to requests already given up on
         if reply.error:
             raise RequestFailed(f"{reply.node_id}: {reply.error}")
         return reply.stats

@@ -15,6 +15,7 @@ def add_node_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="float32")
     p.add_argument("--num-kv-blocks", type=int, default=1024)
     p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one engine step")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--transfer-backend", default="auto", choices=["auto", "mooncake", "zmq"])
     p.add_argument("--lease-ttl", type=int, default=10)
@@ -28,6 +29,7 @@ def run_node(role: str, args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level, format=f"%(asctime)s {args.node_id} %(name)s %(levelname)s %(message)s")
     cfg = NodeConfig(node_id=args.node_id, role=role, etcd=args.etcd, cluster=args.cluster, model=args.model,
                      dtype=args.dtype, num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
+                     max_num_batched_tokens=args.max_num_batched_tokens,
                      host=args.host, transfer_backend=args.transfer_backend, lease_ttl_s=args.lease_ttl,
                      prefill_timeout_s=args.prefill_timeout, local_prefill_tokens=args.local_prefill_tokens)
     if role == "prefill":

@@ -7,7 +7,10 @@ import time
 import pytest
 
 from kvmesh import LLM, SamplingParams
+from kvmesh.cluster.client import RequestFailed
 from kvmesh.cluster.local_launcher import LocalCluster
+from kvmesh.node.messages import GenerateRequest, TokenEvent
+from kvmesh.wire import decode, encode
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 # Force the remote path: decode nodes compute nothing but the prompt's last partial block.
@@ -85,13 +88,25 @@ def test_two_hundred_concurrent_requests(cluster, reference):
 
 
 def test_dead_prefill_node_and_etcd_outage_do_not_lose_requests(reference):
-    with LocalCluster(num_prefill=2, num_decode=1, node_args=REMOTE_ONLY + ["--lease-ttl", "30"],
-                      cluster="faults") as c:
-        c.nodes["prefill-0"].kill()  # still registered (30 s lease) but gone: pushes to it time out
+    # Prefill in 8-token steps, so a 900-token prompt is mid-prefill for a while.
+    args = REMOTE_ONLY + ["--lease-ttl", "30", "--max-num-batched-tokens", "8"]
+    with LocalCluster(num_prefill=2, num_decode=1, node_args=args, cluster="faults") as c:
+        long_prompt = prompt(1999, 900)
+        d0 = c.client("decode-0")
+        d0._sock.send(encode(GenerateRequest("mid-kill", long_prompt, {"max_tokens": 10, "temperature": 0.0,
+                                                                        "ignore_eos": True}, "prefill-0")))
+        wait_until(lambda: c.client("prefill-0").stats()["num_running"] >= 1)
+        c.nodes["prefill-0"].kill()  # killed mid-prefill, still registered (30 s lease)
+        tokens, event = [], None
+        while event is None or not event.finished:
+            assert d0._sock.poll(60_000), "the request was lost"
+            event = decode(d0._sock.recv(), (TokenEvent,))
+            tokens += event.token_ids
+        assert event.error == "" and tokens == reference([long_prompt])[0]
         prompts = [prompt(2000 + i, 60) for i in range(3)]
-        out = c.client("decode-0").generate_many(prompts, GREEDY, prefill_node="prefill-0", timeout_s=120)
+        out = d0.generate_many(prompts, GREEDY, prefill_node="prefill-0", timeout_s=120)
         assert [o.token_ids for o in out] == reference(prompts)
-        assert c.client("decode-0").stats(check=True)["num_fallbacks"] >= 1
+        assert d0.stats(check=True)["num_fallbacks"] >= 2
         check_all(c)
         c.stop_etcd()
         more = [prompt(3000 + i, 50) for i in range(3)]
@@ -99,6 +114,23 @@ def test_dead_prefill_node_and_etcd_outage_do_not_lose_requests(reference):
         assert [o.token_ids for o in out] == reference(more)
         c.start_etcd()
         check_all(c)
+
+
+def test_dead_decode_node_is_a_clear_error_for_the_caller():
+    with LocalCluster(num_prefill=1, num_decode=1, node_args=REMOTE_ONLY, cluster="dead-decode") as c:
+        client = c.client("decode-0")
+        c.nodes["decode-0"].kill()
+        start = time.monotonic()
+        with pytest.raises(RequestFailed, match="stopped answering"):
+            client.generate(prompt(5, 40), GREEDY, liveness_s=1.0)
+        assert time.monotonic() - start < 10
+
+
+def wait_until(predicate, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
 
 
 def test_bad_requests_get_clear_errors(cluster):

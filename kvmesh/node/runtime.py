@@ -51,6 +51,7 @@ class NodeConfig:
     block_size: int = 16
     num_kv_blocks: int = 1024
     max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
     host: str = "127.0.0.1"
     transfer_backend: str = "auto"
     lease_ttl_s: int = 10
@@ -65,7 +66,8 @@ class NodeRuntime:
         self.loaded = load_model(cfg.model, dtype=cfg.dtype, progress=False)
         self.engine = LLMEngine(self.loaded, EngineConfig(
             block_size=cfg.block_size, num_kv_blocks=cfg.num_kv_blocks, track_pool_changes=True,
-            scheduler=SchedulerConfig(max_num_seqs=cfg.max_num_seqs)))
+            scheduler=SchedulerConfig(max_num_seqs=cfg.max_num_seqs,
+                                      max_num_batched_tokens=cfg.max_num_batched_tokens)))
         self.pool = self.engine.pool
         self.prefill_tokens_per_s = self._measure_prefill_rate()
         self.engine.on_token = self.on_token
