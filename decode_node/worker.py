@@ -64,6 +64,10 @@ class DecodeWorker(NodeRuntime):
 
     def _admit(self, identity: bytes, msg: nm.GenerateRequest) -> None:
         rid = msg.request_id
+        if rid in self._clients:
+            self.endpoint.send(identity, encode(nm.TokenEvent(rid, [], finished=True,
+                                                              error=f"request id {rid!r} is already in use")))
+            return
         try:
             seq = self.engine.prepare_request(msg.prompt_token_ids, msg.sampling_params(), request_id=rid)
         except (KvmeshError, ValueError, TypeError) as e:

@@ -139,4 +139,8 @@ def test_bad_requests_get_clear_errors(cluster):
     assert "empty" in out.error and out.token_ids == []
     out = client.generate([1, 2, 99999], GREEDY)
     assert "vocabulary" in out.error
+    client._sock.send(encode(GenerateRequest("x", [1], {"max_tokens": 1, "bogus": 2})))
+    assert "bogus" in decode(client._sock.recv(), (TokenEvent,)).error
+    client._sock.send(b"\xc1 not msgpack")
+    assert "malformed" in decode(client._sock.recv(), (TokenEvent,)).error
     check_all(cluster)

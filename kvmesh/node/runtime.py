@@ -87,6 +87,10 @@ class NodeRuntime:
         self._engine_thread = threading.Thread(target=self._engine_loop, name=f"kvmesh-engine-{cfg.node_id}",
                                                daemon=True)
         self._engine_thread.start()
+        for mirror in (self.index.mirror, self.directory.mirror):  # serve with a synced view of the cluster
+            if not mirror.wait_healthy(30):
+                log.warning("%s: %s not synced with etcd yet; starting with local caches only",
+                            cfg.node_id, mirror.prefix)
         self.registry.register(self.record())
 
     # ---- identity ------------------------------------------------------------------------------
