@@ -95,11 +95,12 @@ class EtcdStore:
 
     def watch_prefix(self, prefix: str, start_revision: int, callback: WatchCallback):
         import pyetcd.events as ev
+        import pyetcd.exceptions as ex
 
         def on_response(response) -> None:
             if isinstance(response, BaseException):
-                if "compacted" in str(response).lower():
-                    callback(CompactedError(str(response)))
+                if isinstance(response, ex.RevisionCompactedError) or "compacted" in str(response).lower():
+                    callback(CompactedError(f"revision {start_revision} is compacted"))
                 else:
                     callback(response)
                 return

@@ -201,3 +201,36 @@ def test_hand_written_garbage_is_skipped_with_a_warning(etcd, caplog):
         registry.deregister()
         index.close()
         directory.close()
+
+
+def test_compacted_watch_is_reported_and_the_mirror_resyncs(etcd):
+    from kvmesh.metadata.mirror import PrefixMirror
+    from kvmesh.metadata.store import CompactedError, KeyValue
+
+    store = EtcdStore(etcd.endpoint)
+    store.put_many([KeyValue("/compact/a", b"1")])
+    _, old_revision = store.get_prefix("/compact/")
+    store.put_many([KeyValue("/compact/b", b"2")])
+    _, revision = store.get_prefix("/compact/")
+    store._client.compact(revision)
+    seen: list = []
+    cancel = store.watch_prefix("/compact/", old_revision, seen.append)
+    wait_for(lambda: seen, what="the watch to report")
+    cancel()
+    assert isinstance(seen[0], CompactedError)
+    # A mirror whose watch breaks resyncs by itself and keeps every key.
+    copy: dict[str, bytes] = {}
+
+    def apply(kind: str, key: str, value: bytes) -> None:
+        if kind == "reset":
+            copy.clear()
+        elif kind == "put":
+            copy[key] = value
+
+    mirror = PrefixMirror(store, "/compact/", apply, retry_interval_s=0.1)
+    assert mirror.wait_healthy(5)
+    mirror._on_watch(mirror._generation, CompactedError("test: compacted"))
+    assert not mirror.healthy
+    wait_for(lambda: mirror.healthy and mirror.num_resyncs >= 2, what="resync")
+    assert copy == {"/compact/a": b"1", "/compact/b": b"2"}
+    mirror.close()
