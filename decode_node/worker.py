@@ -18,6 +18,7 @@ import logging
 
 import zmq
 
+from kvmesh.decode_node.cost_model import local_prefill_limit
 from kvmesh.engine.sequence import Sequence
 from kvmesh.metadata.records import NodeRecord
 from kvmesh.errors import KvmeshError, OutOfBlocksError
@@ -56,11 +57,8 @@ class DecodeWorker(NodeRuntime):
         """Uncached tokens worth computing here rather than fetching (DESIGN §2 cost model)."""
         if self.cfg.local_prefill_tokens >= 0:
             return self.cfg.local_prefill_tokens
-        per_token_compute = 1 / self.prefill_tokens_per_s
-        per_token_transfer = self.engine.layout.bytes_per_token / (self.cfg.transfer_gib_per_s * 2**30)
-        if per_token_compute <= per_token_transfer:
-            return 1 << 30  # computing is always cheaper
-        return int(self.rtt_s / (per_token_compute - per_token_transfer))
+        return local_prefill_limit(self.prefill_tokens_per_s, self.engine.layout.bytes_per_token,
+                                   self.cfg.transfer_gib_per_s * 2**30, self.rtt_s)
 
     def _admit(self, identity: bytes, msg: nm.GenerateRequest) -> None:
         rid = msg.request_id

@@ -3,9 +3,10 @@
 ``BlockPublisher`` (one per node) writes ``/blocks/<ns>/<hash>/<node>`` for the
 full blocks the node holds and deletes them when it evicts, in batched
 transactions on the node's lease, from a background thread. While etcd is
-unreachable the operations wait in a bounded queue (the oldest are dropped past
-the bound, and counted) and land when it returns; on a new lease everything the
-node still holds is published again.
+unreachable the operations wait in a bounded queue and land when it returns;
+past the bound new publishes are dropped (and counted), so the heads of chains
+stay queued and the index never lists a chain's tail without its head. On a new
+lease everything the node still holds is published again, in the order it came.
 
 ``BlockIndex`` answers "which nodes hold how long a prefix of this chain" from a
 watch-fed mirror (microseconds), with a direct read of etcd as fallback and
@@ -39,7 +40,7 @@ class BlockPublisher:
         self.lease_id: int | None = None
         self.max_pending = max_pending
         self._pending: OrderedDict[bytes, bool] = OrderedDict()  # hash -> True publish / False unpublish
-        self.held: set[bytes] = set()  # what this node holds now, to re-publish on a new lease
+        self.held: dict[bytes, None] = {}  # what this node holds now (ordered), to re-publish on a new lease
         self.num_dropped = 0
         self.num_published = 0
         self._lock = threading.Lock()
@@ -60,23 +61,24 @@ class BlockPublisher:
     def publish(self, block_hashes: Sequence[bytes]) -> None:
         with self._lock:
             for h in block_hashes:
-                self.held.add(h)
+                self.held[h] = None
                 self._queue(h, True)
         self._wake.set()
 
     def unpublish(self, block_hashes: Sequence[bytes]) -> None:
         with self._lock:
             for h in block_hashes:
-                self.held.discard(h)
+                self.held.pop(h, None)
                 self._queue(h, False)
         self._wake.set()
 
     def _queue(self, block_hash: bytes, put: bool) -> None:
-        self._pending.pop(block_hash, None)  # the newest intent wins
+        if block_hash in self._pending:
+            del self._pending[block_hash]  # the newest intent wins
+        elif put and len(self._pending) >= self.max_pending:
+            self.num_dropped += 1  # full: keep the chain heads already queued, drop this later block
+            return
         self._pending[block_hash] = put
-        while len(self._pending) > self.max_pending:
-            self._pending.popitem(last=False)
-            self.num_dropped += 1
 
     @property
     def num_pending(self) -> int:

@@ -1,0 +1,69 @@
+"""Small node mechanisms and policies: the decode-side cost model, publisher bounds, lease renewal."""
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from kvmesh.decode_node.cost_model import local_prefill_limit
+from kvmesh.metadata.block_index import BlockIndex, BlockPublisher
+from kvmesh.metadata.memory_store import MemoryStore
+from kvmesh.metadata.records import NodeRecord
+from kvmesh.metadata.registry import NodeRegistry
+from tests.metadata_node import chain
+
+
+def test_cost_model_break_even():
+    # 1,000 tok/s compute (1 ms/token), 1 MB/token over 10 GB/s (0.1 ms/token), 9 ms round trip -> 10 tokens.
+    assert local_prefill_limit(1000, 1_000_000, 10e9, 0.009) == 10
+    # Moving a token costs more than computing it: always compute.
+    assert local_prefill_limit(1e6, 1_000_000, 1e9, 0.005) == 1 << 30
+    # A slower network pushes the break-even up; a faster prefill too.
+    assert local_prefill_limit(1000, 1_000_000, 2e9, 0.009) > 10
+    assert local_prefill_limit(5000, 100, 1e9, 0.005) > local_prefill_limit(1000, 100, 1e9, 0.005)
+    with pytest.raises(ValueError):
+        local_prefill_limit(0, 1, 1, 1)
+
+
+def test_publisher_queue_is_bounded_and_counts_what_it_drops():
+    store = MemoryStore()
+    publisher = BlockPublisher(store, "c", "ns", "n1", max_pending=5)  # no lease yet: everything waits
+    try:
+        hashes = chain("bound", 8)
+        publisher.publish(hashes)
+        assert publisher.num_pending == 5 and publisher.num_dropped == 3  # the chain's head stays queued
+        publisher.unpublish(hashes[:1])  # the newest intent for a hash replaces the older one
+        assert publisher.num_pending == 5
+        publisher.set_lease(store.grant_lease(10))
+        assert publisher.flush()
+        keys = {kv.key for kv in store.get_prefix("/kvmesh/c/blocks/ns/")[0]}
+        published = [h for h in hashes if any(h.hex() in k for k in keys)]
+        assert published == hashes[1:5]  # the queue kept blocks 1-4 (and the unpublish of 0)
+        assert publisher.num_dropped == 3 + 3  # the new lease re-queued 1-7: 5-7 did not fit again
+    finally:
+        publisher.close()
+
+
+def test_registry_renews_an_expired_lease_and_republishes():
+    store = MemoryStore()
+    registry = NodeRegistry(store, "c", ttl_s=1)
+    publisher = BlockPublisher(store, "c", "ns", "n1")
+    registry.on_new_lease(publisher.set_lease)
+    registry.register(NodeRecord("n1", "decode", "h", "t:1", "s:2"))
+    index = BlockIndex(store, "c", "ns")
+    try:
+        hashes = chain("renew", 4)
+        publisher.publish(hashes)
+        assert publisher.flush() and index.lookup(hashes) == {"n1": 4}
+        first = registry.lease_id
+        store.revoke_lease(first)  # as if etcd had expired it during an outage
+        assert index.lookup(hashes) == {}
+        deadline = time.monotonic() + 5
+        while index.lookup(hashes) != {"n1": 4}:
+            assert time.monotonic() < deadline, "the node did not come back"
+            time.sleep(0.05)
+        assert registry.lease_id != first
+    finally:
+        publisher.close()
+        registry.deregister()
+        index.close()
