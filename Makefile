@@ -43,10 +43,9 @@ test-gpu: $(STAMP)
 generate: $(STAMP)
 	$(VENV)/bin/kvmesh generate --model smollm2-135m --prompt "The capital of France is" --max-tokens 8
 
-# etcd + 1 prefill + 1 decode node of SmolLM2 on this machine, until Ctrl-C.
-# (The gRPC / OpenAI HTTP router in front of them is the next issue.)
+# etcd + 1 prefill + 1 decode node of SmolLM2 behind gRPC :50051 and OpenAI HTTP :8000, until Ctrl-C.
 serve: $(STAMP)
-	$(VENV)/bin/kvmesh local-cluster --model smollm2-135m --prefill 1 --decode 1
+	$(VENV)/bin/kvmesh serve --model smollm2-135m --prefill 1 --decode 1
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -28,7 +28,8 @@ class Completion:
     latency_s: float = 0.0
 
 
-def _sampling_dict(params: SamplingParams) -> dict:
+def sampling_dict(params: SamplingParams) -> dict:
+    """SamplingParams as the ``sampling`` map of a GenerateRequest."""
     out = {"max_tokens": params.max_tokens, "temperature": params.temperature, "top_p": params.top_p,
            "top_k": params.top_k, "ignore_eos": params.ignore_eos, "stop_token_ids": list(params.stop_token_ids)}
     if params.seed is not None:
@@ -57,7 +58,7 @@ class NodeClient:
         for prompt in prompts:
             rid = uuid.uuid4().hex
             completions[rid] = Completion(rid)
-            self._sock.send(encode(nm.GenerateRequest(rid, list(prompt), _sampling_dict(params), prefill_node)))
+            self._sock.send(encode(nm.GenerateRequest(rid, list(prompt), sampling_dict(params), prefill_node)))
         pending = set(completions)
         deadline = time.monotonic() + timeout_s
         pinged = False

@@ -153,6 +153,14 @@ def _run_local_cluster(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_serve(sub) -> None:
+    from kvmesh.cluster.serve import add_serve_arguments, run_serve
+
+    p = sub.add_parser("serve", help="a cluster on this machine behind gRPC and OpenAI HTTP endpoints")
+    add_serve_arguments(p)
+    p.set_defaults(func=run_serve)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvmesh", description="kvmesh: disaggregated LLM serving")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -160,6 +168,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_bench(sub)
     _add_nodes(sub)
     _add_local_cluster(sub)
+    _add_serve(sub)
     return parser
 
 

@@ -13,6 +13,14 @@ class Tokenizer(Protocol):
 
     def decode(self, token_ids: list[int]) -> str: ...
 
+    def apply_chat_template(self, messages: list[dict]) -> str:
+        """The prompt text of a chat, ending where the assistant's answer starts."""
+
+
+def plain_chat_template(messages: list[dict]) -> str:
+    """``role: content`` lines, then ``assistant:`` (for models without a template of their own)."""
+    return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
+
 
 class ByteTokenizer:
     """UTF-8 bytes are ids 0..255; ``bos`` and ``eos`` follow. Decoding drops the specials."""
@@ -30,6 +38,9 @@ class ByteTokenizer:
     def decode(self, token_ids: list[int]) -> str:
         return bytes(t for t in token_ids if t < 256).decode("utf-8", errors="replace")
 
+    def apply_chat_template(self, messages: list[dict]) -> str:
+        return plain_chat_template(messages)
+
 
 class HFTokenizer:
     """Wraps a transformers tokenizer; ``encode`` adds no special tokens (the prompt is used as given)."""
@@ -46,6 +57,11 @@ class HFTokenizer:
 
     def decode(self, token_ids: list[int]) -> str:
         return self._tok.decode(token_ids, skip_special_tokens=True)
+
+    def apply_chat_template(self, messages: list[dict]) -> str:
+        if getattr(self._tok, "chat_template", None):
+            return self._tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return plain_chat_template(messages)
 
     @classmethod
     def from_directory(cls, path: Path, eos_token_ids: tuple[int, ...]) -> HFTokenizer:

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from kvmesh.engine.engine import EngineConfig, LLMEngine
 from kvmesh.engine.scheduler import SchedulerConfig
 from kvmesh.engine.sequence import Sequence
+from kvmesh.kv.block_hash import HashNamespace
 from kvmesh.kv.cache_stats import PrefixCacheStats
 from kvmesh.metadata.block_index import BlockIndex, BlockPublisher
 from kvmesh.metadata.etcd_store import EtcdStore
@@ -60,6 +61,11 @@ class NodeConfig:
     transfer_gib_per_s: float = 1.0  # assumed by the cost model
 
 
+def index_namespace(namespace: HashNamespace) -> str:
+    """The key-safe name of a hash namespace in the global index (nodes and routers must agree)."""
+    return "m" + hashlib.blake2b(namespace.encode(), digest_size=8).hexdigest()
+
+
 class NodeRuntime:
     def __init__(self, cfg: NodeConfig):
         self.cfg = cfg
@@ -74,7 +80,7 @@ class NodeRuntime:
         self.store = EtcdStore(cfg.etcd)
         self.agent = TransferAgent(cfg.node_id, self.pool, self.engine.runner.kv_buffer,
                                    create_transfer_engine(cfg.transfer_backend, host=cfg.host), host=cfg.host)
-        namespace = "m" + hashlib.blake2b(self.engine.namespace.encode(), digest_size=8).hexdigest()
+        namespace = index_namespace(self.engine.namespace)
         self.publisher = BlockPublisher(self.store, cfg.cluster, namespace, cfg.node_id)
         self.index = BlockIndex(self.store, cfg.cluster, namespace)
         self.directory = NodeDirectory(self.store, cfg.cluster)

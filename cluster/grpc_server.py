@@ -1,0 +1,104 @@
+"""The gRPC front end: kvmesh.v1.Router, plus the standard health and reflection services.
+
+The .proto is compiled when this module loads (``grpc.protos_and_services``), so
+no generated code lives in the repository.
+"""
+from __future__ import annotations
+
+import json
+from concurrent import futures
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from kvmesh.cluster.router import Overloaded, Router
+from kvmesh.engine.sampling_params import SamplingParams
+from kvmesh.errors import InvalidRequestError, KvmeshError
+
+PROTO_DIR = Path(__file__).parent / "proto"
+
+
+def load_protos():
+    """(messages module, services module) for kvmesh.proto, compiled now."""
+    import sys
+
+    if str(PROTO_DIR) not in sys.path:
+        sys.path.insert(0, str(PROTO_DIR))
+    return grpc.protos_and_services("kvmesh.proto")
+
+
+pb, pb_grpc = load_protos()
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Router"].full_name
+
+
+def sampling_from_proto(s) -> SamplingParams:
+    return SamplingParams(max_tokens=s.max_tokens or 16, temperature=s.temperature, top_p=s.top_p or 1.0,
+                          top_k=s.top_k or -1, seed=s.seed if s.HasField("seed") else None,
+                          stop_token_ids=tuple(s.stop_token_ids), ignore_eos=s.ignore_eos)
+
+
+class RouterServicer(pb_grpc.RouterServicer):
+    def __init__(self, router: Router):
+        self.router = router
+
+    def _check_model(self, model: str, context) -> None:
+        if model and model != self.router.model_name:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"unknown model {model!r} (serving {self.router.model_name!r})")
+
+    def Generate(self, request, context):
+        self._check_model(request.model, context)
+        try:
+            params = sampling_from_proto(request.sampling)
+            if request.WhichOneof("prompt") == "text":
+                prompt_ids = self.router.tokenize(request.text)
+            else:
+                prompt_ids = list(request.token_ids.ids)
+            stream = self.router.generate(prompt_ids, params, request.session_id)
+            for chunk in stream:
+                if not context.is_active():
+                    stream.close()
+                    return
+                reply = pb.GenerateResponse(token_ids=chunk.token_ids, text=chunk.text, finished=chunk.finished,
+                                            finish_reason=chunk.finish_reason, node_id=chunk.node_id)
+                if chunk.finished:
+                    reply.usage.prompt_tokens = chunk.prompt_tokens
+                    reply.usage.completion_tokens = chunk.completion_tokens
+                    for key in ("tokens_reused_local", "tokens_reused_remote", "tokens_computed"):
+                        setattr(reply.cache, key, int(chunk.cache.get(key, 0)))
+                yield reply
+        except InvalidRequestError as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except Overloaded as e:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+        except KvmeshError as e:
+            context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+
+    def Tokenize(self, request, context):
+        self._check_model(request.model, context)
+        return pb.TokenizeResponse(token_ids=self.router.tokenize(request.text))
+
+    def ListModels(self, request, context):
+        return pb.ListModelsResponse(models=[self.router.model_name])
+
+    def ClusterStatus(self, request, context):
+        return pb.ClusterStatusResponse(nodes=[
+            pb.NodeStatus(node_id=n["node_id"], role=n["role"], requests_endpoint=n["requests"],
+                          in_flight=n["in_flight"], stats_json=json.dumps(n["stats"]))
+            for n in self.router.status()])
+
+
+def start_grpc_server(router: Router, address: str = "127.0.0.1:50051", max_workers: int = 64) -> tuple[grpc.Server, int]:
+    """Start serving; returns the server and the bound port (``:0`` picks a free one)."""
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers))
+    pb_grpc.add_RouterServicer_to_server(RouterServicer(router), server)
+    health_servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    for name in ("", SERVICE_NAME):
+        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    port = server.add_insecure_port(address)
+    server.start()
+    return server, port

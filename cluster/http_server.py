@@ -1,0 +1,169 @@
+"""The OpenAI-compatible HTTP front end (aiohttp): /v1/models, /v1/completions, /v1/chat/completions.
+
+Streaming responses are server-sent events ending with ``data: [DONE]``, as the
+official ``openai`` client expects. ``usage.prompt_tokens_details.cached_tokens``
+counts prompt tokens reused from any cache (local or a peer's). Errors use
+OpenAI's shape: 400 for bad input, 429 when the router is full, 503 when no
+node can serve.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+
+from aiohttp import web
+
+from kvmesh.cluster.router import Overloaded, Router
+from kvmesh.engine.sampling_params import SamplingParams
+from kvmesh.errors import InvalidRequestError, KvmeshError
+
+MAX_BODY_BYTES = 1 << 20
+
+
+def _error(status: int, message: str, kind: str) -> web.Response:
+    return web.json_response({"error": {"message": message, "type": kind, "code": status}}, status=status)
+
+
+def _sampling(body: dict) -> SamplingParams:
+    stop = body.get("stop") or ()
+    seed = body.get("seed")
+    max_tokens = body.get("max_tokens", body.get("max_completion_tokens"))
+    return SamplingParams(max_tokens=16 if max_tokens is None else max_tokens,
+                          temperature=float(body.get("temperature", 1.0)), top_p=float(body.get("top_p", 1.0)),
+                          top_k=int(body.get("top_k", -1)), seed=seed,
+                          stop=(stop,) if isinstance(stop, str) else tuple(stop))
+
+
+def _usage(chunk) -> dict:
+    cached = int(chunk.cache.get("tokens_reused_local", 0)) + int(chunk.cache.get("tokens_reused_remote", 0))
+    return {"prompt_tokens": chunk.prompt_tokens, "completion_tokens": chunk.completion_tokens,
+            "total_tokens": chunk.prompt_tokens + chunk.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+class OpenAIServer:
+    def __init__(self, router: Router):
+        self.router = router
+        self.app = web.Application(client_max_size=MAX_BODY_BYTES)
+        self.app.router.add_get("/v1/models", self.models)
+        self.app.router.add_post("/v1/completions", self.completions)
+        self.app.router.add_post("/v1/chat/completions", self.chat_completions)
+        self.app.router.add_get("/health", self.health)
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [
+            {"id": self.router.model_name, "object": "model", "created": 0, "owned_by": "kvmesh"}]})
+
+    async def _body(self, request: web.Request) -> dict:
+        try:
+            body = await request.json()
+        except web.HTTPRequestEntityTooLarge:
+            raise
+        except Exception:
+            raise InvalidRequestError("the body is not valid JSON") from None
+        if not isinstance(body, dict):
+            raise InvalidRequestError("the body must be a JSON object")
+        model = body.get("model")
+        if model not in (None, self.router.model_name):
+            raise InvalidRequestError(f"unknown model {model!r} (serving {self.router.model_name!r})")
+        return body
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, chat=False)
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, chat=True)
+
+    async def _serve(self, request: web.Request, chat: bool) -> web.StreamResponse:
+        try:
+            body = await self._body(request)
+            prompt_ids = self._prompt(body, chat)
+            params = _sampling(body)
+            stream = self.router.generate(prompt_ids, params, str(body.get("user") or ""))
+            first = await asyncio.to_thread(next, stream)  # validation and admission happen here
+        except web.HTTPRequestEntityTooLarge:
+            return _error(413, f"the body is larger than {MAX_BODY_BYTES} bytes", "invalid_request_error")
+        except (InvalidRequestError, ValueError, TypeError, KeyError) as e:
+            return _error(400, str(e), "invalid_request_error")
+        except Overloaded as e:
+            return _error(429, str(e), "rate_limit_exceeded")
+        except KvmeshError as e:
+            return _error(503, str(e), "service_unavailable")
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+        if body.get("stream"):
+            return await self._stream(request, stream, first, rid, chat, bool(
+                (body.get("stream_options") or {}).get("include_usage")))
+        chunks = [first]
+        if not first.finished:
+            chunks += await asyncio.to_thread(list, stream)
+        text = "".join(c.text for c in chunks)
+        last = chunks[-1]
+        choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": last.finish_reason}
+                  if chat else {"index": 0, "text": text, "logprobs": None, "finish_reason": last.finish_reason})
+        return web.json_response({"id": rid, "object": "chat.completion" if chat else "text_completion",
+                                  "created": int(time.time()), "model": self.router.model_name,
+                                  "choices": [choice], "usage": _usage(last)})
+
+    def _prompt(self, body: dict, chat: bool) -> list[int]:
+        if chat:
+            messages = body.get("messages")
+            if not isinstance(messages, list) or not messages or not all(
+                    isinstance(m, dict) and isinstance(m.get("content"), str) for m in messages):
+                raise InvalidRequestError("messages must be a non-empty list of {role, content} objects")
+            return self.router.tokenize(self.router.tokenizer.apply_chat_template(messages))
+        prompt = body.get("prompt")
+        if isinstance(prompt, str):
+            return self.router.tokenize(prompt)
+        if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            return prompt
+        raise InvalidRequestError("prompt must be a string or a list of token ids")
+
+    async def _stream(self, request, stream, first, rid: str, chat: bool, include_usage: bool) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await response.prepare(request)
+        created, model = int(time.time()), self.router.model_name
+
+        async def send(payload: dict) -> None:
+            await response.write(f"data: {json.dumps(payload)}\n\n".encode())
+
+        def chunk_payload(text: str, finish_reason: str | None, role: bool = False) -> dict:
+            if chat:
+                delta = {"role": "assistant", "content": text} if role else {"content": text}
+                choice = {"index": 0, "delta": delta, "finish_reason": finish_reason}
+            else:
+                choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+            return {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,
+                    "model": model, "choices": [choice]}
+
+        chunk, is_first = first, True
+        try:
+            while True:
+                await send(chunk_payload(chunk.text, chunk.finish_reason if chunk.finished else None, is_first))
+                is_first = False
+                if chunk.finished:
+                    if include_usage:
+                        await send({"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
+                                    "created": created, "model": model, "choices": [], "usage": _usage(chunk)})
+                    break
+                chunk = await asyncio.to_thread(next, stream)
+            await response.write(b"data: [DONE]\n\n")
+        except (ConnectionResetError, asyncio.CancelledError):
+            stream.close()  # the client went away
+            raise
+        except KvmeshError as e:
+            await send({"error": {"message": str(e), "type": "service_unavailable"}})
+        await response.write_eof()
+        return response
+
+
+async def start_http_server(router: Router, host: str = "127.0.0.1", port: int = 8000) -> tuple[web.AppRunner, int]:
+    runner = web.AppRunner(OpenAIServer(router).app)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    await site.start()
+    return runner, site._server.sockets[0].getsockname()[1]

@@ -1,0 +1,107 @@
+"""NodeConnection: many concurrent request streams to one node over one ZMQ DEALER.
+
+A receiver thread owns the socket; ``submit`` hands a request to it and returns a
+queue that receives that request's TokenEvents. If the node stops answering
+(no message for ``liveness_s`` and no reply to a ping), every open stream gets a
+final TokenEvent with an error, so no caller waits forever.
+"""
+from __future__ import annotations
+
+import queue
+import threading
+import time
+
+import zmq
+
+from kvmesh.node import messages as nm
+from kvmesh.wire import MessageError, decode, encode
+
+
+class NodeConnection:
+    def __init__(self, node_id: str, endpoint: str, liveness_s: float = 5.0):
+        self.node_id = node_id
+        self.endpoint = endpoint
+        self.liveness_s = liveness_s
+        self._ctx = zmq.Context.instance()
+        self._outgoing: queue.Queue[bytes] = queue.Queue()
+        self._streams: dict[str, queue.Queue] = {}
+        self._stats_waiters: list[queue.Queue] = []
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self.alive = True
+        self._thread = threading.Thread(target=self._run, name=f"kvmesh-conn-{node_id}", daemon=True)
+        self._thread.start()
+
+    @property
+    def num_open(self) -> int:
+        return len(self._streams)
+
+    def submit(self, request: nm.GenerateRequest) -> queue.Queue:
+        events: queue.Queue = queue.Queue()
+        with self._lock:
+            if not self.alive:
+                events.put(nm.TokenEvent(request.request_id, [], finished=True,
+                                         error=f"decode node {self.node_id} is unreachable"))
+                return events
+            self._streams[request.request_id] = events
+        self._outgoing.put(encode(request))
+        return events
+
+    def stats(self, timeout_s: float = 5.0) -> dict | None:
+        waiter: queue.Queue = queue.Queue()
+        with self._lock:
+            self._stats_waiters.append(waiter)
+        self._outgoing.put(encode(nm.StatsRequest()))
+        try:
+            return waiter.get(timeout=timeout_s)
+        except queue.Empty:
+            return None
+
+    def _run(self) -> None:
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.linger = 0
+        sock.connect(f"tcp://{self.endpoint}")
+        last_heard, pinged = time.monotonic(), False
+        while not self._stop.is_set():
+            while not self._outgoing.empty():
+                sock.send(self._outgoing.get_nowait())
+            if sock.poll(20):
+                last_heard, pinged, self.alive = time.monotonic(), False, True
+                try:
+                    self._dispatch(decode(sock.recv(), (nm.TokenEvent, nm.StatsReply)))
+                except MessageError:
+                    continue
+            elif self._streams and time.monotonic() - last_heard > self.liveness_s:
+                if pinged:
+                    self.alive = False
+                    self._fail_all(f"decode node {self.node_id} stopped answering")
+                    last_heard, pinged = time.monotonic(), False
+                else:
+                    sock.send(encode(nm.StatsRequest()))
+                    last_heard, pinged = time.monotonic(), True
+        sock.close()
+
+    def _dispatch(self, msg) -> None:
+        if isinstance(msg, nm.StatsReply):
+            with self._lock:
+                waiters, self._stats_waiters = self._stats_waiters, []
+            for w in waiters:
+                w.put(msg.stats)
+            return
+        with self._lock:
+            events = self._streams.get(msg.request_id)
+            if msg.finished:
+                self._streams.pop(msg.request_id, None)
+        if events is not None:
+            events.put(msg)
+
+    def _fail_all(self, error: str) -> None:
+        with self._lock:
+            streams, self._streams = self._streams, {}
+        for rid, events in streams.items():
+            events.put(nm.TokenEvent(rid, [], finished=True, error=error))
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=2)
+        self._fail_all("router shutting down")

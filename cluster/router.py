@@ -1,0 +1,171 @@
+"""Router: the mechanism behind the gRPC and HTTP front ends.
+
+Validates and tokenizes a request, hashes the prompt's chain, asks the routing
+policy for a decode node (with the index mirror's view of who caches what), and
+streams that node's TokenEvents back as ``Chunk``s with text deltas. Bounded:
+past ``max_in_flight`` concurrent requests it raises ``Overloaded`` (HTTP 429 /
+RESOURCE_EXHAUSTED); bad input raises ``InvalidRequestError`` (400 / INVALID_ARGUMENT).
+"""
+from __future__ import annotations
+
+import itertools
+import threading
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from kvmesh.cluster.client import sampling_dict
+from kvmesh.cluster.node_connection import NodeConnection
+from kvmesh.cluster.routing import Candidate, make_policy
+from kvmesh.engine.sampling_params import SamplingParams
+from kvmesh.errors import InvalidRequestError, KvmeshError
+from kvmesh.kv.block_hash import HashNamespace, hash_blocks
+from kvmesh.metadata.block_index import BlockIndex
+from kvmesh.metadata.etcd_store import EtcdStore
+from kvmesh.metadata.registry import NodeDirectory
+from kvmesh.model.loader import load_model
+from kvmesh.node import messages as nm
+from kvmesh.node.runtime import index_namespace
+
+
+class Overloaded(KvmeshError, RuntimeError):
+    """Too many requests in flight: retry later."""
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    etcd: str
+    model: str = "tiny-llama"
+    cluster: str = "kvmesh"
+    routing: str = "cache-aware"
+    block_size: int = 16
+    dtype: str = "float32"
+    max_in_flight: int = 256
+    request_timeout_s: float = 300.0
+
+
+@dataclass
+class Chunk:
+    token_ids: list[int]
+    text: str
+    finished: bool = False
+    finish_reason: str = ""
+    node_id: str = ""
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cache: dict = field(default_factory=dict)
+
+
+class Router:
+    def __init__(self, cfg: RouterConfig):
+        self.cfg = cfg
+        loaded = load_model(cfg.model, dtype=cfg.dtype, progress=False)  # tokenizer, context, fingerprint
+        self.model_name = cfg.model
+        self.tokenizer = loaded.tokenizer
+        self.vocab_size = loaded.config.vocab_size
+        self.max_model_len = loaded.config.max_position_embeddings
+        namespace = HashNamespace.for_model(loaded.fingerprint, cfg.block_size, loaded.dtype)
+        del loaded  # only the tokenizer and the namespace are needed here
+        self.root_hash = namespace.root()
+        self.store = EtcdStore(cfg.etcd)
+        self.directory = NodeDirectory(self.store, cfg.cluster)
+        self.index = BlockIndex(self.store, cfg.cluster, index_namespace(namespace))
+        self.policy = make_policy(cfg.routing)
+        self._connections: dict[str, NodeConnection] = {}
+        self._lock = threading.Lock()
+        self._in_flight = 0
+        self._ids = itertools.count()
+        self.directory.mirror.wait_healthy(10)
+        self.index.mirror.wait_healthy(10)
+
+    # ---- requests ----------------------------------------------------------------------------------
+    def tokenize(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text)
+
+    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        if not prompt_ids:
+            raise InvalidRequestError("the prompt is empty")
+        bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidRequestError(f"token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
+        if len(prompt_ids) + params.max_tokens > self.max_model_len:
+            raise InvalidRequestError(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) "
+                                      f"exceeds the context of {self.max_model_len}")
+
+    def generate(self, prompt_ids: list[int], params: SamplingParams, session_id: str = "") -> Iterator[Chunk]:
+        """Stream a completion. Raises InvalidRequestError / Overloaded before the first chunk."""
+        self.validate(prompt_ids, params)
+        with self._lock:
+            if self._in_flight >= self.cfg.max_in_flight:
+                raise Overloaded(f"{self._in_flight} requests in flight (limit {self.cfg.max_in_flight})")
+            self._in_flight += 1
+        try:
+            node_id = self._choose_node(prompt_ids, session_id)
+            events = self._connection(node_id).submit(nm.GenerateRequest(
+                f"r{next(self._ids)}-{uuid.uuid4().hex[:8]}", list(prompt_ids), sampling_dict(params)))
+            yield from self._stream(events, node_id, len(prompt_ids), params.stop)
+        finally:
+            with self._lock:
+                self._in_flight -= 1
+
+    def _stream(self, events, node_id: str, num_prompt: int, stop: tuple[str, ...] = ()) -> Iterator[Chunk]:
+        """TokenEvents -> Chunks with text deltas; a stop string ends the text (and the stream) where it starts."""
+        tokens: list[int] = []
+        text = ""
+        while True:
+            event = events.get(timeout=self.cfg.request_timeout_s)
+            if event.error:
+                raise (InvalidRequestError if "vocabulary" in event.error or "empty" in event.error
+                       else KvmeshError)(f"decode node {node_id}: {event.error}")
+            tokens += event.token_ids
+            full = self.tokenizer.decode(tokens)
+            hold = full.endswith("\ufffd") and not event.finished  # an incomplete UTF-8 sequence: wait
+            cut = min((full.find(s) for s in stop if s in full), default=-1)
+            if cut >= 0:
+                yield Chunk(event.token_ids, full[len(text):cut], True, "stop", node_id, num_prompt, len(tokens),
+                            dict(event.stats))
+                return
+            delta = "" if hold else full[len(text):]
+            if not hold:
+                text = full
+            if event.finished:
+                yield Chunk(event.token_ids, delta, True, event.finish_reason, node_id, num_prompt, len(tokens),
+                            dict(event.stats))
+                return
+            if event.token_ids or delta:
+                yield Chunk(event.token_ids, delta, node_id=node_id)
+
+    def _choose_node(self, prompt_ids: list[int], session_id: str) -> str:
+        decode_nodes = {n: r for n, r in self.directory.nodes.items() if r.role == "decode"}
+        if not decode_nodes:
+            raise KvmeshError("no decode node is registered")
+        hashes = hash_blocks(self.root_hash, prompt_ids, self.cfg.block_size)
+        held = self.index.lookup(hashes) if hashes else {}
+        candidates = [Candidate(n, held.get(n, 0) * self.cfg.block_size,
+                                self._connections[n].num_open if n in self._connections else 0)
+                      for n in sorted(decode_nodes)]
+        return self.policy.choose(candidates, session_id)
+
+    def _connection(self, node_id: str) -> NodeConnection:
+        with self._lock:
+            conn = self._connections.get(node_id)
+            if conn is None:
+                conn = self._connections[node_id] = NodeConnection(
+                    node_id, self.directory.nodes[node_id].request_endpoint)
+            return conn
+
+    # ---- status ----------------------------------------------------------------------------------------
+    def status(self) -> list[dict]:
+        out = []
+        for node_id, record in sorted(self.directory.nodes.items()):
+            conn = self._connection(node_id)
+            out.append({"node_id": node_id, "role": record.role, "requests": record.request_endpoint,
+                        "in_flight": conn.num_open, "stats": conn.stats(timeout_s=2.0) or {}})
+        return out
+
+    def close(self) -> None:
+        for conn in self._connections.values():
+            conn.close()
+        self.index.close()
+        self.directory.close()
+        self.store.close()

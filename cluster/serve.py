@@ -1,0 +1,60 @@
+"""``kvmesh serve``: a whole cluster on this machine behind the gRPC and OpenAI HTTP endpoints.
+
+Embedded defaults: a private etcd, 1 prefill + 1 decode node of SmolLM2-135M,
+gRPC on 50051, HTTP on 8000. Prints where to connect; Ctrl-C stops everything.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+
+from kvmesh.cluster.local_launcher import LocalCluster
+from kvmesh.cluster.router import Router, RouterConfig
+
+
+def add_serve_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--prefill", type=int, default=1)
+    p.add_argument("--decode", type=int, default=1)
+    p.add_argument("--etcd", default=None, help="host:port of an etcd (default: start a private one)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--grpc-port", type=int, default=50051)
+    p.add_argument("--http-port", type=int, default=8000)
+    p.add_argument("--routing", default="cache-aware", choices=["cache-aware", "round-robin", "random"])
+    p.add_argument("--max-in-flight", type=int, default=256)
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    from kvmesh.cluster.grpc_server import start_grpc_server
+    from kvmesh.cluster.http_server import start_http_server
+
+    print(f"starting etcd, {args.prefill} prefill + {args.decode} decode node(s) of {args.model} ...", file=sys.stderr)
+    with LocalCluster(args.prefill, args.decode, model=args.model, etcd=args.etcd, cluster="serve",
+                      start_timeout_s=600) as cluster:
+        router = Router(RouterConfig(etcd=cluster.etcd_endpoint, model=args.model, cluster="serve",
+                                     routing=args.routing, max_in_flight=args.max_in_flight))
+        grpc_server, grpc_port = start_grpc_server(router, f"{args.host}:{args.grpc_port}")
+
+        async def main() -> None:
+            runner, http_port = await start_http_server(router, args.host, args.http_port)
+            print(json.dumps({"grpc": f"{args.host}:{grpc_port}", "http": f"http://{args.host}:{http_port}/v1",
+                              "model": args.model, "etcd": cluster.etcd_endpoint}), flush=True)
+            print(f"ready: OpenAI base_url http://{args.host}:{http_port}/v1, gRPC {args.host}:{grpc_port} "
+                  "(kvmesh.v1.Router; reflection and health on). Ctrl-C stops.", file=sys.stderr)
+            try:
+                while all(p.proc.poll() is None for p in cluster.nodes.values()):
+                    await asyncio.sleep(1)
+                print("a node exited; stopping", file=sys.stderr)
+            finally:
+                await runner.cleanup()
+
+        try:
+            asyncio.run(main())
+        except KeyboardInterrupt:
+            pass
+        finally:
+            grpc_server.stop(grace=2)
+            router.close()
+    return 0

@@ -1,0 +1,188 @@
+"""The router's front ends against a real local cluster: OpenAI HTTP (official client), gRPC, routing."""
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import threading
+import urllib.error
+import urllib.request
+
+import grpc
+import pytest
+
+from kvmesh import LLM, SamplingParams
+from kvmesh.cluster.local_launcher import LocalCluster
+from kvmesh.cluster.router import Router, RouterConfig
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def served():
+    """A 1 prefill + 2 decode cluster behind a router with gRPC and HTTP on free ports."""
+    from kvmesh.cluster.grpc_server import start_grpc_server
+    from kvmesh.cluster.http_server import start_http_server
+
+    with LocalCluster(1, 2, node_args=["--transfer-backend", "zmq"], cluster="router") as cluster:
+        router = Router(RouterConfig(etcd=cluster.etcd_endpoint, cluster="router", max_in_flight=64))
+        grpc_server, grpc_port = start_grpc_server(router, "127.0.0.1:0")
+        loop = asyncio.new_event_loop()
+        started = threading.Event()
+        ports: dict = {}
+
+        def run_loop() -> None:
+            asyncio.set_event_loop(loop)
+            runner, ports["http"] = loop.run_until_complete(start_http_server(router, "127.0.0.1", 0))
+            ports["runner"] = runner
+            started.set()
+            loop.run_forever()
+
+        thread = threading.Thread(target=run_loop, daemon=True)
+        thread.start()
+        started.wait(30)
+        yield {"router": router, "grpc": f"127.0.0.1:{grpc_port}", "http": f"http://127.0.0.1:{ports['http']}",
+               "cluster": cluster}
+        asyncio.run_coroutine_threadsafe(ports["runner"].cleanup(), loop).result(10)
+        loop.call_soon_threadsafe(loop.stop)
+        grpc_server.stop(grace=1)
+        router.close()
+
+
+@pytest.fixture(scope="module")
+def reference():
+    llm = LLM("tiny-llama", num_kv_blocks=512, progress=False)
+    return lambda prompt, params=GREEDY: llm.generate(prompt, params, use_tqdm=False)[0]
+
+
+def test_openai_client_streams_a_chat_completion(served, reference):
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=served["http"] + "/v1", api_key="unused")
+    assert [m.id for m in client.models.list()] == ["tiny-llama"]
+    messages = [{"role": "user", "content": "Say something about caches."}]
+    stream = client.chat.completions.create(model="tiny-llama", messages=messages, max_tokens=12, temperature=0.0,
+                                            stream=True, stream_options={"include_usage": True})
+    pieces, usage = [], None
+    for chunk in stream:
+        if chunk.choices:
+            pieces.append(chunk.choices[0].delta.content or "")
+        if chunk.usage:
+            usage = chunk.usage
+    prompt = served["router"].tokenizer.apply_chat_template(messages)
+    expected = reference(prompt, SamplingParams(max_tokens=12, temperature=0.0))
+    assert "".join(pieces) == expected.text
+    assert usage.completion_tokens == len(expected.token_ids) and usage.prompt_tokens == len(prompt.encode())
+
+
+def test_completions_report_cached_tokens(served, reference):
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=served["http"] + "/v1", api_key="unused")
+    prompt = "The global KV pool keeps prefixes warm. " * 3
+    first = client.completions.create(model="tiny-llama", prompt=prompt, max_tokens=8, temperature=0.0)
+    second = client.completions.create(model="tiny-llama", prompt=prompt, max_tokens=8, temperature=0.0)
+    assert first.choices[0].text == second.choices[0].text == reference(
+        prompt, SamplingParams(max_tokens=8, temperature=0.0)).text
+    assert second.usage.prompt_tokens_details.cached_tokens >= len(prompt.encode()) // 16 * 16 - 16
+
+
+def _post(url: str, body: bytes) -> tuple[int, dict]:
+    req = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+@pytest.mark.parametrize("body,fragment", [
+    (b"{not json", "not valid JSON"),
+    (json.dumps({"model": "gpt-9", "prompt": "x"}).encode(), "unknown model"),
+    (json.dumps({"prompt": ""}).encode(), "empty"),
+    (json.dumps({"prompt": [1, 2, 10**6]}).encode(), "vocabulary"),
+    (json.dumps({"prompt": "x", "max_tokens": 0}).encode(), "max_tokens"),
+    (json.dumps({"prompt": "x", "max_tokens": 5000}).encode(), "context"),
+    (json.dumps({"prompt": {"a": 1}}).encode(), "prompt must be"),
+    (json.dumps({"prompt": "x", "temperature": -1}).encode(), "temperature"),
+])
+def test_http_bad_input_is_a_400_with_a_message(served, body, fragment):
+    status, payload = _post(served["http"] + "/v1/completions", body)
+    assert status == 400 and fragment in payload["error"]["message"]
+
+
+def test_http_oversize_body_is_refused(served):
+    status, payload = _post(served["http"] + "/v1/completions",
+                            json.dumps({"prompt": "x" * (2 << 20)}).encode())
+    assert status == 413
+
+
+def test_grpc_generate_health_and_reflection(served, reference):
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    from kvmesh.cluster.grpc_server import pb, pb_grpc
+
+    channel = grpc.insecure_channel(served["grpc"])
+    stub = pb_grpc.RouterStub(channel)
+    ids = list(range(40, 110))
+    request = pb.GenerateRequest(model="tiny-llama", token_ids=pb.TokenIds(ids=ids),
+                                 sampling=pb.SamplingParams(max_tokens=12, ignore_eos=True))
+    replies = list(stub.Generate(request, timeout=60))
+    tokens = [t for r in replies for t in r.token_ids]
+    assert tokens == reference(ids).token_ids
+    final = replies[-1]
+    assert final.finished and final.usage.prompt_tokens == 70 and final.usage.completion_tokens == 12
+    assert final.cache.tokens_reused_local + final.cache.tokens_reused_remote + final.cache.tokens_computed == 70
+    assert list(stub.ListModels(pb.ListModelsRequest()).models) == ["tiny-llama"]
+    assert list(stub.Tokenize(pb.TokenizeRequest(text="hi")).token_ids) == [104, 105]
+    status = stub.ClusterStatus(pb.ClusterStatusRequest())
+    assert sorted(n.node_id for n in status.nodes) == ["decode-0", "decode-1", "prefill-0"]
+    health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service="kvmesh.v1.Router"))
+    assert health.status == health_pb2.HealthCheckResponse.SERVING
+    refl = reflection_pb2_grpc.ServerReflectionStub(channel)
+    answer = next(refl.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")])))
+    assert "kvmesh.v1.Router" in [s.name for s in answer.list_services_response.service]
+    with pytest.raises(grpc.RpcError) as err:
+        list(stub.Generate(pb.GenerateRequest(token_ids=pb.TokenIds(ids=[])), timeout=10))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    with pytest.raises(grpc.RpcError) as err:
+        list(stub.Generate(pb.GenerateRequest(model="nope", text="x"), timeout=10))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_overload_is_429_and_resource_exhausted(served):
+    router = served["router"]
+    limit = router.cfg.max_in_flight
+    object.__setattr__(router.cfg, "max_in_flight", 0)
+    try:
+        status, payload = _post(served["http"] + "/v1/completions", json.dumps({"prompt": "x"}).encode())
+        assert status == 429 and "in flight" in payload["error"]["message"]
+        from kvmesh.cluster.grpc_server import pb, pb_grpc
+
+        stub = pb_grpc.RouterStub(grpc.insecure_channel(served["grpc"]))
+        with pytest.raises(grpc.RpcError) as err:
+            list(stub.Generate(pb.GenerateRequest(text="x"), timeout=10))
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    finally:
+        object.__setattr__(router.cfg, "max_in_flight", limit)
+
+
+def test_cache_aware_routing_reuses_more_than_round_robin(served):
+    """Shared-prefix groups over two decode nodes: cache-aware sends a group where its prefix lives."""
+    from kvmesh.cluster.routing import make_policy
+
+    router = served["router"]
+    rng = random.Random(9)
+    reused = {}
+    for name in ("round-robin", "cache-aware"):
+        router.policy = make_policy(name)
+        total = computed = 0
+        for g in range(4):
+            system = [rng.randrange(256) for _ in range(96)]
+            for q in range(4):
+                ids = system + [rng.randrange(256) for _ in range(10)]
+                final = list(router.generate(ids, SamplingParams(max_tokens=2, temperature=0.0)))[-1]
+                total += final.cache.get("tokens_reused_local", 0)
+                computed += final.cache.get("tokens_computed", 0)
+        reused[name] = total
+    router.policy = make_policy("cache-aware")
+    assert reused["cache-aware"] > reused["round-robin"]
