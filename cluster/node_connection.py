@@ -3,7 +3,7 @@
 A receiver thread owns the socket; ``submit`` hands a request to it and returns a
 queue that receives that request's TokenEvents. If the node stops answering
 (no message for ``liveness_s`` and no reply to a ping), every open stream gets a
-final TokenEvent with an error, so no caller waits forever.
+``NodeLost`` instead, so no caller waits forever and the router can migrate.
 """
 from __future__ import annotations
 
@@ -13,8 +13,13 @@ import time
 
 import zmq
 
+from kvmesh.errors import KvmeshError
 from kvmesh.node import messages as nm
 from kvmesh.wire import MessageError, decode, encode
+
+
+class NodeLost(KvmeshError, ConnectionError):
+    """The node stopped answering; its streams will never finish."""
 
 
 class NodeConnection:
@@ -40,12 +45,17 @@ class NodeConnection:
         events: queue.Queue = queue.Queue()
         with self._lock:
             if not self.alive:
-                events.put(nm.TokenEvent(request.request_id, [], finished=True,
-                                         error=f"decode node {self.node_id} is unreachable"))
+                events.put(NodeLost(f"decode node {self.node_id} is unreachable"))
                 return events
             self._streams[request.request_id] = events
         self._outgoing.put(encode(request))
         return events
+
+    def abort(self, request_id: str) -> None:
+        """Tell the node to drop a request (its caller went away)."""
+        with self._lock:
+            self._streams.pop(request_id, None)
+        self._outgoing.put(encode(nm.AbortRequest(request_id)))
 
     def stats(self, timeout_s: float = 5.0) -> dict | None:
         waiter: queue.Queue = queue.Queue()
@@ -74,7 +84,7 @@ class NodeConnection:
             elif self._streams and time.monotonic() - last_heard > self.liveness_s:
                 if pinged:
                     self.alive = False
-                    self._fail_all(f"decode node {self.node_id} stopped answering")
+                    self._fail_all(NodeLost(f"decode node {self.node_id} stopped answering"))
                     last_heard, pinged = time.monotonic(), False
                 else:
                     sock.send(encode(nm.StatsRequest()))
@@ -95,13 +105,13 @@ class NodeConnection:
         if events is not None:
             events.put(msg)
 
-    def _fail_all(self, error: str) -> None:
+    def _fail_all(self, error: NodeLost) -> None:
         with self._lock:
             streams, self._streams = self._streams, {}
-        for rid, events in streams.items():
-            events.put(nm.TokenEvent(rid, [], finished=True, error=error))
+        for events in streams.values():
+            events.put(error)
 
     def close(self) -> None:
         self._stop.set()
         self._thread.join(timeout=2)
-        self._fail_all("router shutting down")
+        self._fail_all(NodeLost("router shutting down"))

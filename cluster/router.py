@@ -12,10 +12,10 @@ import itertools
 import threading
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from kvmesh.cluster.client import sampling_dict
-from kvmesh.cluster.node_connection import NodeConnection
+from kvmesh.cluster.node_connection import NodeConnection, NodeLost
 from kvmesh.cluster.routing import Candidate, make_policy
 from kvmesh.engine.sampling_params import SamplingParams
 from kvmesh.errors import InvalidRequestError, KvmeshError
@@ -42,6 +42,16 @@ class RouterConfig:
     dtype: str = "float32"
     max_in_flight: int = 256
     request_timeout_s: float = 300.0
+    liveness_s: float = 3.0  # a decode node silent this long (and deaf to a ping) is lost
+
+
+@dataclass
+class _StreamState:
+    """What a client has been sent so far (survives a migration to another node)."""
+
+    num_prompt: int
+    tokens: list[int] = field(default_factory=list)
+    text: str = ""
 
 
 @dataclass
@@ -75,6 +85,7 @@ class Router:
         self._lock = threading.Lock()
         self._in_flight = 0
         self._ids = itertools.count()
+        self.num_migrations = 0
         self.directory.mirror.wait_healthy(10)
         self.index.mirror.wait_healthy(10)
 
@@ -93,52 +104,74 @@ class Router:
                                       f"exceeds the context of {self.max_model_len}")
 
     def generate(self, prompt_ids: list[int], params: SamplingParams, session_id: str = "") -> Iterator[Chunk]:
-        """Stream a completion. Raises InvalidRequestError / Overloaded before the first chunk."""
+        """Stream a completion. Raises InvalidRequestError / Overloaded before the first chunk.
+
+        If the decode node dies mid-stream, the prompt plus the tokens streamed so far go
+        to another decode node and the stream goes on: no token is repeated or skipped
+        (identical output for greedy requests). Closing the iterator early aborts the
+        request on its node, which frees its blocks.
+        """
         self.validate(prompt_ids, params)
         with self._lock:
             if self._in_flight >= self.cfg.max_in_flight:
                 raise Overloaded(f"{self._in_flight} requests in flight (limit {self.cfg.max_in_flight})")
             self._in_flight += 1
+        state = _StreamState(len(prompt_ids))
+        lost: set[str] = set()
+        conn, rid = None, ""
         try:
-            node_id = self._choose_node(prompt_ids, session_id)
-            events = self._connection(node_id).submit(nm.GenerateRequest(
-                f"r{next(self._ids)}-{uuid.uuid4().hex[:8]}", list(prompt_ids), sampling_dict(params)))
-            yield from self._stream(events, node_id, len(prompt_ids), params.stop)
+            while True:
+                context = list(prompt_ids) + state.tokens
+                node_id = self._choose_node(context, session_id, exclude=lost)
+                conn = self._connection(node_id)
+                rid = f"r{next(self._ids)}-{uuid.uuid4().hex[:8]}"
+                remaining = replace(params, max_tokens=params.max_tokens - len(state.tokens))
+                events = conn.submit(nm.GenerateRequest(rid, context, sampling_dict(remaining)))
+                try:
+                    yield from self._stream(events, node_id, state, params.stop)
+                    conn = None  # finished: nothing to abort
+                    return
+                except NodeLost:
+                    lost.add(node_id)
+                    self.num_migrations += 1
         finally:
+            if conn is not None:
+                conn.abort(rid)
             with self._lock:
                 self._in_flight -= 1
 
-    def _stream(self, events, node_id: str, num_prompt: int, stop: tuple[str, ...] = ()) -> Iterator[Chunk]:
+    def _stream(self, events, node_id: str, state: _StreamState, stop: tuple[str, ...] = ()) -> Iterator[Chunk]:
         """TokenEvents -> Chunks with text deltas; a stop string ends the text (and the stream) where it starts."""
-        tokens: list[int] = []
-        text = ""
         while True:
             event = events.get(timeout=self.cfg.request_timeout_s)
+            if isinstance(event, NodeLost):
+                raise event
             if event.error:
                 raise (InvalidRequestError if "vocabulary" in event.error or "empty" in event.error
                        else KvmeshError)(f"decode node {node_id}: {event.error}")
-            tokens += event.token_ids
-            full = self.tokenizer.decode(tokens)
+            state.tokens += event.token_ids
+            full = self.tokenizer.decode(state.tokens)
             hold = full.endswith("\ufffd") and not event.finished  # an incomplete UTF-8 sequence: wait
             cut = min((full.find(s) for s in stop if s in full), default=-1)
             if cut >= 0:
-                yield Chunk(event.token_ids, full[len(text):cut], True, "stop", node_id, num_prompt, len(tokens),
-                            dict(event.stats))
+                yield Chunk(event.token_ids, full[len(state.text):cut], True, "stop", node_id, state.num_prompt,
+                            len(state.tokens), dict(event.stats))
                 return
-            delta = "" if hold else full[len(text):]
+            delta = "" if hold else full[len(state.text):]
             if not hold:
-                text = full
+                state.text = full
             if event.finished:
-                yield Chunk(event.token_ids, delta, True, event.finish_reason, node_id, num_prompt, len(tokens),
-                            dict(event.stats))
+                yield Chunk(event.token_ids, delta, True, event.finish_reason, node_id, state.num_prompt,
+                            len(state.tokens), dict(event.stats))
                 return
             if event.token_ids or delta:
                 yield Chunk(event.token_ids, delta, node_id=node_id)
 
-    def _choose_node(self, prompt_ids: list[int], session_id: str) -> str:
-        decode_nodes = {n: r for n, r in self.directory.nodes.items() if r.role == "decode"}
+    def _choose_node(self, prompt_ids: list[int], session_id: str, exclude: set[str] = frozenset()) -> str:
+        decode_nodes = {n: r for n, r in self.directory.nodes.items() if r.role == "decode" and n not in exclude}
         if not decode_nodes:
-            raise KvmeshError("no decode node is registered")
+            raise KvmeshError("no decode node is available" + (f" ({', '.join(sorted(exclude))} lost)" if exclude
+                                                                 else ""))
         hashes = hash_blocks(self.root_hash, prompt_ids, self.cfg.block_size)
         held = self.index.lookup(hashes) if hashes else {}
         candidates = [Candidate(n, held.get(n, 0) * self.cfg.block_size,
@@ -151,7 +184,7 @@ class Router:
             conn = self._connections.get(node_id)
             if conn is None:
                 conn = self._connections[node_id] = NodeConnection(
-                    node_id, self.directory.nodes[node_id].request_endpoint)
+                    node_id, self.directory.nodes[node_id].request_endpoint, self.cfg.liveness_s)
             return conn
 
     # ---- status ----------------------------------------------------------------------------------------

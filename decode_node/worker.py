@@ -38,11 +38,15 @@ def _leading_true(flags: list[bool]) -> int:
 class DecodeWorker(NodeRuntime):
     def __init__(self, cfg):
         self._clients: dict[str, bytes] = {}
+        self._seqs: dict[str, Sequence] = {}
+        self._fetching: set[str] = set()  # requests whose blocks peers may still be writing
+        self._abort_after_fetch: set[str] = set()
         self._remote_tokens: dict[str, int] = {}
         self._round_robin = itertools.count()
         self.num_remote = 0
         self.num_local = 0
         self.num_fallbacks = 0
+        self.num_aborted = 0
         self.rtt_s = 0.005  # side-channel round trip assumed by the cost model
         super().__init__(cfg)  # starts the threads: our state must exist first
 
@@ -50,6 +54,8 @@ class DecodeWorker(NodeRuntime):
     def handle(self, identity: bytes, msg) -> None:
         if isinstance(msg, nm.GenerateRequest):
             self.call_soon(lambda: self._admit(identity, msg))
+        elif isinstance(msg, nm.AbortRequest):
+            self.call_soon(lambda: self._abort(msg.request_id))
         else:
             super().handle(identity, msg)
 
@@ -72,6 +78,7 @@ class DecodeWorker(NodeRuntime):
             self.endpoint.send(identity, encode(nm.TokenEvent(rid, [], finished=True, error=str(e))))
             return
         self._clients[rid] = identity
+        self._seqs[rid] = seq
         local = self.engine.kv.find_cached_prefix(seq)
         bs = self.cfg.block_size
         fetchable_end = (seq.num_prompt_tokens - 1) // bs  # the last token is always computed here
@@ -87,6 +94,7 @@ class DecodeWorker(NodeRuntime):
             self.engine.scheduler.add(seq)
             return
         self.num_remote += 1
+        self._fetching.add(rid)
         self.workers.submit(self._fetch, seq, seq.num_prefix_hit_tokens // bs, fetchable_end, msg.prefill_node)
 
     # ---- fetching (worker thread) -----------------------------------------------------------------------
@@ -160,8 +168,24 @@ class DecodeWorker(NodeRuntime):
     # ---- back on the engine thread --------------------------------------------------------------------------
     def _kv_arrived(self, seq: Sequence, num_local: int, got: int) -> None:
         bs = self.cfg.block_size
+        self._fetching.discard(seq.request_id)
         self._remote_tokens[seq.request_id] = (got - num_local) * bs
         self.engine.scheduler.remote_kv_ready(seq.request_id, got * bs)
+        if seq.request_id in self._abort_after_fetch:
+            self._abort_after_fetch.discard(seq.request_id)
+            self._abort(seq.request_id)
+
+    def _abort(self, request_id: str) -> None:
+        """Stop a request whose caller went away; its blocks are freed (after any transfer into them)."""
+        if request_id in self._fetching:  # peers may still be writing its blocks: free them afterwards
+            self._abort_after_fetch.add(request_id)
+            return
+        seq = self._seqs.pop(request_id, None)
+        self._clients.pop(request_id, None)
+        self._remote_tokens.pop(request_id, None)
+        if seq is not None and not seq.is_finished:
+            self.engine.abort(seq)
+            self.num_aborted += 1
 
     def on_token(self, seq: Sequence, token_id: int) -> None:
         identity = self._clients.get(seq.request_id)
@@ -169,6 +193,7 @@ class DecodeWorker(NodeRuntime):
             self.endpoint.send(identity, encode(nm.TokenEvent(seq.request_id, [token_id])))
 
     def on_finish(self, seq: Sequence) -> None:
+        self._seqs.pop(seq.request_id, None)
         identity = self._clients.pop(seq.request_id, None)
         remote = self._remote_tokens.pop(seq.request_id, 0)
         if identity is None:
@@ -180,5 +205,6 @@ class DecodeWorker(NodeRuntime):
 
     def role_stats(self) -> dict:
         return {"num_remote": self.num_remote, "num_local": self.num_local, "num_fallbacks": self.num_fallbacks,
+                "num_aborted": self.num_aborted,
                 "local_prefill_limit": self.local_prefill_limit()}
 

@@ -5,6 +5,7 @@ import asyncio
 import json
 import random
 import threading
+import time
 import urllib.error
 import urllib.request
 
@@ -186,3 +187,36 @@ def test_cache_aware_routing_reuses_more_than_round_robin(served):
         reused[name] = total
     router.policy = make_policy("cache-aware")
     assert reused["cache-aware"] > reused["round-robin"]
+
+
+def test_a_client_that_goes_away_aborts_its_request(served):
+    router = served["router"]
+    stream = router.generate(list(range(30, 90)), SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True))
+    first = next(stream)
+    node = served["cluster"].client(first.node_id)
+    stream.close()  # what the HTTP and gRPC front ends do when the client disconnects
+    deadline = time.monotonic() + 10
+    while True:
+        stats = node.stats(check=True)
+        if stats["num_aborted"] >= 1 and stats["num_used_blocks"] == 0:
+            break
+        assert time.monotonic() < deadline, stats
+        time.sleep(0.05)
+
+
+def test_migration_when_the_decode_node_dies_mid_stream(reference):
+    with LocalCluster(1, 2, node_args=["--transfer-backend", "zmq"], cluster="migrate") as cluster:
+        router = Router(RouterConfig(etcd=cluster.etcd_endpoint, cluster="migrate", liveness_s=1.0))
+        try:
+            ids = list(range(50, 120))
+            params = SamplingParams(max_tokens=300, temperature=0.0, ignore_eos=True)
+            stream = router.generate(ids, params)
+            chunks = [next(stream) for _ in range(5)]
+            cluster.nodes[chunks[0].node_id].kill()  # mid-stream
+            chunks += list(stream)
+            tokens = [t for c in chunks for t in c.token_ids]
+            assert tokens == reference(ids, params).token_ids  # no duplicate, no gap
+            assert router.num_migrations == 1 and chunks[-1].node_id != chunks[0].node_id
+            assert chunks[-1].completion_tokens == 300
+        finally:
+            router.close()

@@ -64,6 +64,17 @@ class PrefillRequest:
 
 
 @dataclass(frozen=True)
+class AbortRequest:
+    """Client/router -> decode node: the caller went away; stop the request and free its blocks."""
+
+    TYPE: ClassVar[str] = "abort_request"
+    request_id: str
+
+    def validate(self) -> None:
+        pass
+
+
+@dataclass(frozen=True)
 class StatsRequest:
     """Anyone -> node: counters; with ``check``, also run every integrity check."""
 
@@ -85,5 +96,5 @@ class StatsReply:
         pass
 
 
-register(GenerateRequest, TokenEvent, PrefillRequest, StatsRequest, StatsReply)
-REQUESTS = (GenerateRequest, PrefillRequest, StatsRequest)
+register(GenerateRequest, TokenEvent, PrefillRequest, AbortRequest, StatsRequest, StatsReply)
+REQUESTS = (GenerateRequest, PrefillRequest, AbortRequest, StatsRequest)
