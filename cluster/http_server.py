@@ -51,9 +51,14 @@ class OpenAIServer:
         self.app.router.add_post("/v1/completions", self.completions)
         self.app.router.add_post("/v1/chat/completions", self.chat_completions)
         self.app.router.add_get("/health", self.health)
+        self.app.router.add_get("/metrics", self.metrics)
 
     async def health(self, request: web.Request) -> web.Response:
         return web.json_response({"status": "ok"})
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        body = await asyncio.to_thread(self.router.metrics.exposition)
+        return web.Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
 
     async def models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import itertools
 import threading
+import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 
 from kvmesh.cluster.client import sampling_dict
+from kvmesh.cluster.metrics import RouterMetrics
 from kvmesh.cluster.node_connection import NodeConnection, NodeLost
 from kvmesh.cluster.routing import Candidate, make_policy
 from kvmesh.engine.sampling_params import SamplingParams
@@ -52,6 +54,7 @@ class _StreamState:
     num_prompt: int
     tokens: list[int] = field(default_factory=list)
     text: str = ""
+    first_token_at: float | None = None
 
 
 @dataclass
@@ -86,6 +89,7 @@ class Router:
         self._in_flight = 0
         self._ids = itertools.count()
         self.num_migrations = 0
+        self.metrics = RouterMetrics(lambda: {n["node_id"]: n["stats"] for n in self.status()})
         self.directory.mirror.wait_healthy(10)
         self.index.mirror.wait_healthy(10)
 
@@ -111,11 +115,18 @@ class Router:
         (identical output for greedy requests). Closing the iterator early aborts the
         request on its node, which frees its blocks.
         """
-        self.validate(prompt_ids, params)
+        arrived = time.perf_counter()
+        try:
+            self.validate(prompt_ids, params)
+        except InvalidRequestError:
+            self.metrics.requests.labels("invalid").inc()
+            raise
         with self._lock:
             if self._in_flight >= self.cfg.max_in_flight:
+                self.metrics.requests.labels("overloaded").inc()
                 raise Overloaded(f"{self._in_flight} requests in flight (limit {self.cfg.max_in_flight})")
             self._in_flight += 1
+        self.metrics.in_flight.inc()
         state = _StreamState(len(prompt_ids))
         lost: set[str] = set()
         conn, rid = None, ""
@@ -123,22 +134,42 @@ class Router:
             while True:
                 context = list(prompt_ids) + state.tokens
                 node_id = self._choose_node(context, session_id, exclude=lost)
+                if not lost:
+                    self.metrics.queue.observe(time.perf_counter() - arrived)
                 conn = self._connection(node_id)
                 rid = f"r{next(self._ids)}-{uuid.uuid4().hex[:8]}"
                 remaining = replace(params, max_tokens=params.max_tokens - len(state.tokens))
                 events = conn.submit(nm.GenerateRequest(rid, context, sampling_dict(remaining)))
                 try:
-                    yield from self._stream(events, node_id, state, params.stop)
+                    for chunk in self._stream(events, node_id, state, params.stop):
+                        if state.first_token_at is None and chunk.token_ids:
+                            state.first_token_at = time.perf_counter()
+                            self.metrics.ttft.observe(state.first_token_at - arrived)
+                        if chunk.finished:
+                            self._record_finished(chunk, state, arrived)
+                        yield chunk
                     conn = None  # finished: nothing to abort
                     return
                 except NodeLost:
                     lost.add(node_id)
                     self.num_migrations += 1
+                    self.metrics.migrations.inc()
+        except KvmeshError:
+            self.metrics.requests.labels("error").inc()
+            raise
         finally:
             if conn is not None:
                 conn.abort(rid)
+            self.metrics.in_flight.dec()
             with self._lock:
                 self._in_flight -= 1
+
+    def _record_finished(self, chunk: Chunk, state: _StreamState, arrived: float) -> None:
+        now = time.perf_counter()
+        self.metrics.e2e.observe(now - arrived)
+        if state.first_token_at is not None and len(state.tokens) > 1:
+            self.metrics.tpot.observe((now - state.first_token_at) / (len(state.tokens) - 1))
+        self.metrics.record_finished(chunk.cache)
 
     def _stream(self, events, node_id: str, state: _StreamState, stop: tuple[str, ...] = ()) -> Iterator[Chunk]:
         """TokenEvents -> Chunks with text deltas; a stop string ends the text (and the stream) where it starts."""

@@ -220,3 +220,17 @@ def test_migration_when_the_decode_node_dies_mid_stream(reference):
             assert chunks[-1].completion_tokens == 300
         finally:
             router.close()
+
+
+def test_metrics_endpoint(served):
+    router = served["router"]
+    list(router.generate(list(range(10, 60)), SamplingParams(max_tokens=4, temperature=0.0)))
+    with urllib.request.urlopen(served["http"] + "/metrics", timeout=30) as r:
+        text = r.read().decode()
+    for name in ("kvmesh_ttft_seconds_bucket", "kvmesh_tpot_seconds_count", "kvmesh_e2e_seconds_sum",
+                 "kvmesh_queue_seconds_count", 'kvmesh_requests_total{outcome="ok"}',
+                 'kvmesh_prompt_tokens_total{source="computed"}', 'kvmesh_node_running{node="decode-0"}',
+                 'kvmesh_node_bytes_received{node="decode-0"}', "kvmesh_in_flight"):
+        assert name in text, name
+    ok = [line for line in text.splitlines() if line.startswith('kvmesh_requests_total{outcome="ok"}')]
+    assert float(ok[0].split()[-1]) >= 1

@@ -1,0 +1,58 @@
+"""Prometheus metrics of the router: latencies, outcomes, cache reuse, per-node load and transfers."""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+
+class RouterMetrics:
+    def __init__(self, node_stats=None):
+        """``node_stats()`` -> {node_id: stats dict}, read at scrape time (per-node load, hit rates, bytes)."""
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("kvmesh_requests", "Requests by outcome", ["outcome"], registry=r)
+        self.ttft = Histogram("kvmesh_ttft_seconds", "Time to first token", buckets=_LATENCY_BUCKETS, registry=r)
+        self.tpot = Histogram("kvmesh_tpot_seconds", "Time per output token after the first",
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.queue = Histogram("kvmesh_queue_seconds", "Time from arrival to a node being chosen",
+                               buckets=_LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("kvmesh_e2e_seconds", "End-to-end request latency", buckets=_LATENCY_BUCKETS,
+                             registry=r)
+        self.prompt_tokens = Counter("kvmesh_prompt_tokens", "Prompt tokens by where their KV came from",
+                                     ["source"], registry=r)
+        self.migrations = Counter("kvmesh_migrations", "Streams moved to another decode node", registry=r)
+        self.in_flight = Gauge("kvmesh_in_flight", "Requests in flight through this router", registry=r)
+        if node_stats is not None:
+            r.register(_NodeCollector(node_stats))
+
+    def record_finished(self, cache: dict) -> None:
+        self.requests.labels("ok").inc()
+        for source, key in (("local", "tokens_reused_local"), ("remote", "tokens_reused_remote"),
+                            ("computed", "tokens_computed")):
+            self.prompt_tokens.labels(source).inc(int(cache.get(key, 0)))
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _NodeCollector:
+    def __init__(self, node_stats):
+        self._node_stats = node_stats
+
+    def collect(self):
+        gauges = {
+            "num_running": GaugeMetricFamily("kvmesh_node_running", "Requests running on the node", labels=["node"]),
+            "hit_rate": GaugeMetricFamily("kvmesh_node_hit_rate", "Local prefix-cache hit rate", labels=["node"]),
+            "bytes_received": GaugeMetricFamily("kvmesh_node_bytes_received", "KV bytes received from peers",
+                                                labels=["node"]),
+            "bytes_sent": GaugeMetricFamily("kvmesh_node_bytes_sent", "KV bytes pushed to peers", labels=["node"]),
+            "num_cached_blocks": GaugeMetricFamily("kvmesh_node_cached_blocks", "Cached free blocks",
+                                                   labels=["node"]),
+        }
+        for node_id, stats in self._node_stats().items():
+            for key, family in gauges.items():
+                if key in stats:
+                    family.add_metric([node_id], float(stats[key]))
+        yield from gauges.values()
