@@ -90,15 +90,45 @@ class RouterServicer(pb_grpc.RouterServicer):
             for n in self.router.status()])
 
 
-def start_grpc_server(router: Router, address: str = "127.0.0.1:50051", max_workers: int = 64) -> tuple[grpc.Server, int]:
-    """Start serving; returns the server and the bound port (``:0`` picks a free one)."""
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers))
+class BearerTokenInterceptor(grpc.ServerInterceptor):
+    """Refuses calls without ``authorization: Bearer <token>`` (health and reflection stay open)."""
+
+    _OPEN = ("/grpc.health.v1.Health/", "/grpc.reflection.")
+
+    def __init__(self, token: str):
+        self._expected = f"Bearer {token}"
+
+        def deny(request, context):
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
+
+        self._deny = grpc.unary_unary_rpc_method_handler(deny)
+        self._deny_stream = grpc.unary_stream_rpc_method_handler(deny)
+
+    def intercept_service(self, continuation, details):
+        if details.method.startswith(self._OPEN):
+            return continuation(details)
+        if dict(details.invocation_metadata).get("authorization") == self._expected:
+            return continuation(details)
+        return self._deny_stream if details.method.endswith("/Generate") else self._deny
+
+
+def start_grpc_server(router: Router, address: str = "127.0.0.1:50051", max_workers: int = 64,
+                      token: str | None = None, tls: tuple[bytes, bytes] | None = None) -> tuple[grpc.Server, int]:
+    """Start serving; returns the server and the bound port (``:0`` picks a free one).
+
+    ``token``: require ``authorization: Bearer <token>``; ``tls``: (PEM key, PEM certificate chain).
+    """
+    interceptors = [BearerTokenInterceptor(token)] if token else []
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), interceptors=interceptors)
     pb_grpc.add_RouterServicer_to_server(RouterServicer(router), server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     for name in ("", SERVICE_NAME):
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-    port = server.add_insecure_port(address)
+    if tls is not None:
+        port = server.add_secure_port(address, grpc.ssl_server_credentials([tls]))
+    else:
+        port = server.add_insecure_port(address)
     server.start()
     return server, port

@@ -27,13 +27,15 @@ def _error(status: int, message: str, kind: str) -> web.Response:
 
 
 def _sampling(body: dict) -> SamplingParams:
+    """OpenAI request fields -> SamplingParams (which validates every value and type)."""
     stop = body.get("stop") or ()
-    seed = body.get("seed")
     max_tokens = body.get("max_tokens", body.get("max_completion_tokens"))
+    temperature, top_p, top_k = body.get("temperature"), body.get("top_p"), body.get("top_k")
     return SamplingParams(max_tokens=16 if max_tokens is None else max_tokens,
-                          temperature=float(body.get("temperature", 1.0)), top_p=float(body.get("top_p", 1.0)),
-                          top_k=int(body.get("top_k", -1)), seed=seed,
-                          stop=(stop,) if isinstance(stop, str) else tuple(stop))
+                          temperature=1.0 if temperature is None else temperature,
+                          top_p=1.0 if top_p is None else top_p, top_k=-1 if top_k is None else top_k,
+                          seed=body.get("seed"),
+                          stop=(stop,) if isinstance(stop, str) else tuple(stop) if isinstance(stop, list) else stop)
 
 
 def _usage(chunk) -> dict:
@@ -43,10 +45,23 @@ def _usage(chunk) -> dict:
             "prompt_tokens_details": {"cached_tokens": cached}}
 
 
+def _bearer_middleware(token: str):
+    expected = f"Bearer {token}"
+
+    @web.middleware
+    async def check(request: web.Request, handler):
+        if request.path.startswith("/v1/") and request.headers.get("Authorization") != expected:
+            return _error(401, "missing or wrong bearer token", "authentication_error")
+        return await handler(request)
+
+    return check
+
+
 class OpenAIServer:
-    def __init__(self, router: Router):
+    def __init__(self, router: Router, token: str | None = None):
         self.router = router
-        self.app = web.Application(client_max_size=MAX_BODY_BYTES)
+        middlewares = [_bearer_middleware(token)] if token else []
+        self.app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=middlewares)
         self.app.router.add_get("/v1/models", self.models)
         self.app.router.add_post("/v1/completions", self.completions)
         self.app.router.add_post("/v1/chat/completions", self.chat_completions)
@@ -166,9 +181,17 @@ class OpenAIServer:
         return response
 
 
-async def start_http_server(router: Router, host: str = "127.0.0.1", port: int = 8000) -> tuple[web.AppRunner, int]:
-    runner = web.AppRunner(OpenAIServer(router).app)
+async def start_http_server(router: Router, host: str = "127.0.0.1", port: int = 8000, token: str | None = None,
+                            tls: tuple[str, str] | None = None) -> tuple[web.AppRunner, int]:
+    """Serve until ``runner.cleanup()``; ``token`` requires a bearer token on /v1/*, ``tls`` = (cert, key) files."""
+    ssl_context = None
+    if tls is not None:
+        import ssl
+
+        ssl_context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        ssl_context.load_cert_chain(*tls)
+    runner = web.AppRunner(OpenAIServer(router, token).app)
     await runner.setup()
-    site = web.TCPSite(runner, host, port)
+    site = web.TCPSite(runner, host, port, ssl_context=ssl_context)
     await site.start()
     return runner, site._server.sockets[0].getsockname()[1]

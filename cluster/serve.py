@@ -24,6 +24,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--http-port", type=int, default=8000)
     p.add_argument("--routing", default="cache-aware", choices=["cache-aware", "round-robin", "random"])
     p.add_argument("--max-in-flight", type=int, default=256)
+    p.add_argument("--api-key", default=None, help="require this bearer token on gRPC and on /v1/* (HTTP)")
+    p.add_argument("--tls-cert", default=None, help="PEM certificate: serve gRPC and HTTP over TLS")
+    p.add_argument("--tls-key", default=None, help="PEM private key for --tls-cert")
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -35,11 +38,15 @@ def run_serve(args: argparse.Namespace) -> int:
                       start_timeout_s=600) as cluster:
         router = Router(RouterConfig(etcd=cluster.etcd_endpoint, model=args.model, cluster="serve",
                                      routing=args.routing, max_in_flight=args.max_in_flight))
-        grpc_server, grpc_port = start_grpc_server(router, f"{args.host}:{args.grpc_port}")
+        tls_files = (args.tls_cert, args.tls_key) if args.tls_cert else None
+        tls_pem = tuple(open(f, "rb").read() for f in (args.tls_key, args.tls_cert)) if tls_files else None
+        grpc_server, grpc_port = start_grpc_server(router, f"{args.host}:{args.grpc_port}", token=args.api_key,
+                                                   tls=tls_pem)
 
         async def main() -> None:
-            runner, http_port = await start_http_server(router, args.host, args.http_port)
-            print(json.dumps({"grpc": f"{args.host}:{grpc_port}", "http": f"http://{args.host}:{http_port}/v1",
+            runner, http_port = await start_http_server(router, args.host, args.http_port, token=args.api_key,
+                                                        tls=tls_files)
+            print(json.dumps({"grpc": f"{args.host}:{grpc_port}", "http": f"{'https' if tls_files else 'http'}://{args.host}:{http_port}/v1",
                               "model": args.model, "etcd": cluster.etcd_endpoint}), flush=True)
             print(f"ready: OpenAI base_url http://{args.host}:{http_port}/v1, gRPC {args.host}:{grpc_port} "
                   "(kvmesh.v1.Router; reflection and health on). Ctrl-C stops.", file=sys.stderr)

@@ -74,8 +74,9 @@ class DecodeWorker(NodeRuntime):
             return
         try:
             seq = self.engine.prepare_request(msg.prompt_token_ids, msg.sampling_params(), request_id=rid)
-        except (KvmeshError, ValueError, TypeError) as e:
-            self.endpoint.send(identity, encode(nm.TokenEvent(rid, [], finished=True, error=str(e))))
+        except Exception as e:  # any refusal must reach the caller, never leave it waiting
+            error = str(e) if isinstance(e, (KvmeshError, ValueError, TypeError)) else f"{type(e).__name__}: {e}"
+            self.endpoint.send(identity, encode(nm.TokenEvent(rid, [], finished=True, error=error)))
             return
         self._clients[rid] = identity
         self._seqs[rid] = seq

@@ -234,3 +234,78 @@ def test_metrics_endpoint(served):
         assert name in text, name
     ok = [line for line in text.splitlines() if line.startswith('kvmesh_requests_total{outcome="ok"}')]
     assert float(ok[0].split()[-1]) >= 1
+
+
+def test_bearer_token_and_tls_on_both_endpoints(served, tmp_path):
+    """A second pair of front ends over the same router, with TLS and a token."""
+    import ssl
+    import subprocess
+
+    from kvmesh.cluster.grpc_server import pb, pb_grpc, start_grpc_server
+    from kvmesh.cluster.http_server import start_http_server
+
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost",
+                    "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost", "-keyout", str(key), "-out", str(cert)],
+                   check=True, capture_output=True)
+    router = served["router"]
+    server, port = start_grpc_server(router, "127.0.0.1:0", token="s3cret", tls=(key.read_bytes(), cert.read_bytes()))
+    creds = grpc.ssl_channel_credentials(root_certificates=cert.read_bytes())
+    stub = pb_grpc.RouterStub(grpc.secure_channel(f"localhost:{port}", creds))
+    with pytest.raises(grpc.RpcError) as err:
+        stub.ListModels(pb.ListModelsRequest(), timeout=10)
+    assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    reply = stub.ListModels(pb.ListModelsRequest(), metadata=[("authorization", "Bearer s3cret")], timeout=10)
+    assert list(reply.models) == ["tiny-llama"]
+    server.stop(grace=0)
+
+    loop = asyncio.new_event_loop()
+    runner, http_port = loop.run_until_complete(start_http_server(router, "127.0.0.1", 0, token="s3cret",
+                                                                  tls=(str(cert), str(key))))
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    try:
+        ctx = ssl.create_default_context(cafile=str(cert))
+        url = f"https://localhost:{http_port}/v1/models"
+        with pytest.raises(urllib.error.HTTPError) as http_err:
+            urllib.request.urlopen(url, context=ctx, timeout=10)
+        assert http_err.value.code == 401
+        req = urllib.request.Request(url, headers={"Authorization": "Bearer s3cret"})
+        with urllib.request.urlopen(req, context=ctx, timeout=10) as r:
+            assert json.loads(r.read())["data"][0]["id"] == "tiny-llama"
+    finally:
+        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(10)
+        loop.call_soon_threadsafe(loop.stop)
+
+
+def test_fuzzed_requests_leave_everything_serving(served):
+    """A few thousand random bodies (mostly invalid) over HTTP; then a normal request still works."""
+    rng = random.Random(11)
+    fields = ["prompt", "max_tokens", "temperature", "top_p", "top_k", "model", "stream", "seed", "messages", "stop"]
+    values = [None, "", "x", 0, -1, 1, 2.5, 10**9, True, [], [1, 2], [10**7], {}, {"role": "user"}, "tiny-llama",
+              [{"role": "user", "content": "hi"}], "\udcff".encode("utf-8", "surrogatepass").decode("latin-1")]
+    statuses = set()
+    for i in range(2000):
+        path = "/v1/chat/completions" if i % 3 == 0 else "/v1/completions"
+        if i % 10 == 0:
+            body = bytes(rng.randrange(256) for _ in range(rng.randrange(1, 64)))
+        else:
+            payload = {rng.choice(fields): rng.choice(values) for _ in range(rng.randrange(0, 5))}
+            if "max_tokens" not in payload:
+                payload["max_tokens"] = 1
+            if isinstance(payload.get("max_tokens"), int) and payload["max_tokens"] > 4:
+                payload["max_tokens"] = 4
+            body = json.dumps(payload).encode()
+        req = urllib.request.Request(served["http"] + path, data=body, headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=60) as r:
+                r.read()
+                statuses.add(r.status)
+        except urllib.error.HTTPError as e:
+            e.read()
+            statuses.add(e.code)
+    assert statuses <= {200, 400, 413, 429} and 400 in statuses
+    final = list(served["router"].generate(list(range(5, 40)), SamplingParams(max_tokens=3, temperature=0.0)))
+    assert final[-1].finished
+    for node_id in served["cluster"].nodes:
+        served["cluster"].client(node_id).stats(check=True)

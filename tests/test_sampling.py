@@ -73,3 +73,11 @@ def test_stop_strings_cut_the_text(llm):
     cut = llm.generate("hello", SamplingParams(max_tokens=16, temperature=0.0, stop=needle), use_tqdm=False)[0]
     assert cut.text == free.text[: free.text.find(needle)]
     assert cut.outputs[0].finish_reason == "stop"
+
+
+@pytest.mark.parametrize("kwargs", [dict(seed=True), dict(seed="1"), dict(temperature="hot"), dict(top_p=None),
+                                    dict(max_tokens=True), dict(top_k=2.5), dict(stop_token_ids=[-1]),
+                                    dict(stop=[3]), dict(ignore_eos="yes")])
+def test_wrongly_typed_sampling_params_are_refused(kwargs):
+    with pytest.raises(InvalidRequestError):
+        SamplingParams(**kwargs)

@@ -22,13 +22,23 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
         object.__setattr__(self, "stop", stop)
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+        _check_number("temperature", self.temperature)
+        _check_number("top_p", self.top_p)
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
+            raise InvalidRequestError(f"seed must be an integer, got {self.seed!r}")
+        if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids):
+            raise InvalidRequestError("stop_token_ids must be non-negative integers")
+        if not all(isinstance(s, str) for s in self.stop):
+            raise InvalidRequestError("stop must be a string or a list of strings")
+        if not isinstance(self.ignore_eos, bool):
+            raise InvalidRequestError(f"ignore_eos must be true or false, got {self.ignore_eos!r}")
+        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise InvalidRequestError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         if not self.temperature >= 0.0:
             raise InvalidRequestError(f"temperature must be >= 0, got {self.temperature!r}")
         if not 0.0 < self.top_p <= 1.0:
             raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.top_k, int) or (self.top_k != -1 and self.top_k < 1):
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or (self.top_k != -1 and self.top_k < 1):
             raise InvalidRequestError(f"top_k must be -1 (off) or >= 1, got {self.top_k!r}")
         if any(not s for s in self.stop):
             raise InvalidRequestError("stop strings must be non-empty")
@@ -36,3 +46,8 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
+
+
+def _check_number(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise InvalidRequestError(f"{name} must be a number, got {value!r}")
