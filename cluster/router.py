@@ -211,11 +211,15 @@ class Router:
         return self.policy.choose(candidates, session_id)
 
     def _connection(self, node_id: str) -> NodeConnection:
+        """The connection to a node's current endpoint (a restarted node registers a new one)."""
+        endpoint = self.directory.nodes[node_id].request_endpoint
         with self._lock:
             conn = self._connections.get(node_id)
+            if conn is not None and conn.endpoint != endpoint:
+                conn.close()
+                conn = None
             if conn is None:
-                conn = self._connections[node_id] = NodeConnection(
-                    node_id, self.directory.nodes[node_id].request_endpoint, self.cfg.liveness_s)
+                conn = self._connections[node_id] = NodeConnection(node_id, endpoint, self.cfg.liveness_s)
             return conn
 
     # ---- status ----------------------------------------------------------------------------------------

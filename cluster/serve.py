@@ -1,7 +1,9 @@
-"""``kvmesh serve``: a whole cluster on this machine behind the gRPC and OpenAI HTTP endpoints.
+"""``kvmesh serve`` and ``kvmesh launch``: a cluster behind the gRPC and OpenAI HTTP endpoints.
 
-Embedded defaults: a private etcd, 1 prefill + 1 decode node of SmolLM2-135M,
-gRPC on 50051, HTTP on 8000. Prints where to connect; Ctrl-C stops everything.
+``serve``: on this machine, with embedded defaults (a private etcd, 1 prefill + 1
+decode node of SmolLM2-135M, gRPC on 50051, HTTP on 8000). ``launch``: the same on
+a Ray cluster (etcd and node actors, restarted by Ray when they die; ``--stop``).
+Both print where to connect; Ctrl-C stops the front ends.
 """
 from __future__ import annotations
 
@@ -19,6 +21,10 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill", type=int, default=1)
     p.add_argument("--decode", type=int, default=1)
     p.add_argument("--etcd", default=None, help="host:port of an etcd (default: start a private one)")
+    add_front_end_arguments(p)
+
+
+def add_front_end_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--grpc-port", type=int, default=50051)
     p.add_argument("--http-port", type=int, default=8000)
@@ -29,39 +35,73 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tls-key", default=None, help="PEM private key for --tls-cert")
 
 
-def run_serve(args: argparse.Namespace) -> int:
+def run_front_ends(args: argparse.Namespace, etcd: str, cluster: str, alive) -> None:
+    """Router + gRPC + HTTP until Ctrl-C or until ``alive()`` turns false."""
     from kvmesh.cluster.grpc_server import start_grpc_server
     from kvmesh.cluster.http_server import start_http_server
 
+    router = Router(RouterConfig(etcd=etcd, model=args.model, cluster=cluster, routing=args.routing,
+                                 max_in_flight=args.max_in_flight))
+    tls_files = (args.tls_cert, args.tls_key) if args.tls_cert else None
+    tls_pem = tuple(open(f, "rb").read() for f in (args.tls_key, args.tls_cert)) if tls_files else None
+    grpc_server, grpc_port = start_grpc_server(router, f"{args.host}:{args.grpc_port}", token=args.api_key,
+                                               tls=tls_pem)
+
+    async def main() -> None:
+        runner, http_port = await start_http_server(router, args.host, args.http_port, token=args.api_key,
+                                                    tls=tls_files)
+        scheme = "https" if tls_files else "http"
+        print(json.dumps({"grpc": f"{args.host}:{grpc_port}", "http": f"{scheme}://{args.host}:{http_port}/v1",
+                          "model": args.model, "etcd": etcd}), flush=True)
+        print(f"ready: OpenAI base_url {scheme}://{args.host}:{http_port}/v1, gRPC {args.host}:{grpc_port} "
+              "(kvmesh.v1.Router; reflection and health on). Ctrl-C stops.", file=sys.stderr)
+        try:
+            while alive():
+                await asyncio.sleep(1)
+            print("a node exited; stopping", file=sys.stderr)
+        finally:
+            await runner.cleanup()
+
+    try:
+        asyncio.run(main())
+    except KeyboardInterrupt:
+        pass
+    finally:
+        grpc_server.stop(grace=2)
+        router.close()
+
+
+def run_serve(args: argparse.Namespace) -> int:
     print(f"starting etcd, {args.prefill} prefill + {args.decode} decode node(s) of {args.model} ...", file=sys.stderr)
     with LocalCluster(args.prefill, args.decode, model=args.model, etcd=args.etcd, cluster="serve",
                       start_timeout_s=600) as cluster:
-        router = Router(RouterConfig(etcd=cluster.etcd_endpoint, model=args.model, cluster="serve",
-                                     routing=args.routing, max_in_flight=args.max_in_flight))
-        tls_files = (args.tls_cert, args.tls_key) if args.tls_cert else None
-        tls_pem = tuple(open(f, "rb").read() for f in (args.tls_key, args.tls_cert)) if tls_files else None
-        grpc_server, grpc_port = start_grpc_server(router, f"{args.host}:{args.grpc_port}", token=args.api_key,
-                                                   tls=tls_pem)
+        run_front_ends(args, cluster.etcd_endpoint, "serve",
+                       lambda: all(p.proc.poll() is None for p in cluster.nodes.values()))
+    return 0
 
-        async def main() -> None:
-            runner, http_port = await start_http_server(router, args.host, args.http_port, token=args.api_key,
-                                                        tls=tls_files)
-            print(json.dumps({"grpc": f"{args.host}:{grpc_port}", "http": f"{'https' if tls_files else 'http'}://{args.host}:{http_port}/v1",
-                              "model": args.model, "etcd": cluster.etcd_endpoint}), flush=True)
-            print(f"ready: OpenAI base_url http://{args.host}:{http_port}/v1, gRPC {args.host}:{grpc_port} "
-                  "(kvmesh.v1.Router; reflection and health on). Ctrl-C stops.", file=sys.stderr)
-            try:
-                while all(p.proc.poll() is None for p in cluster.nodes.values()):
-                    await asyncio.sleep(1)
-                print("a node exited; stopping", file=sys.stderr)
-            finally:
-                await runner.cleanup()
 
-        try:
-            asyncio.run(main())
-        except KeyboardInterrupt:
-            pass
-        finally:
-            grpc_server.stop(grace=2)
-            router.close()
+def add_launch_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--address", default="auto", help="Ray cluster address for ray.init")
+    p.add_argument("--stop", action="store_true", help="kill the kvmesh actors of that Ray cluster")
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--prefill", type=int, default=1)
+    p.add_argument("--decode", type=int, default=1)
+    p.add_argument("--gpus-per-node", type=float, default=0)
+    p.add_argument("--cpus-per-node", type=float, default=1)
+    add_front_end_arguments(p)
+
+
+def run_launch(args: argparse.Namespace) -> int:
+    import ray
+
+    from kvmesh.cluster.ray_launcher import RayCluster, stop_cluster
+
+    ray.init(address=args.address, namespace="kvmesh", log_to_driver=False)
+    if args.stop:
+        print(f"stopped: {', '.join(stop_cluster()) or 'nothing to stop'}", file=sys.stderr)
+        return 0
+    print(f"starting etcd, {args.prefill} prefill + {args.decode} decode actor(s) of {args.model} on Ray ...",
+          file=sys.stderr)
+    cluster = RayCluster(args.prefill, args.decode, args.model, "ray", args.gpus_per_node, args.cpus_per_node).start()
+    run_front_ends(args, cluster.etcd, "ray", lambda: True)  # Ray restarts dead node actors
     return 0

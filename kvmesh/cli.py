@@ -154,11 +154,14 @@ def _run_local_cluster(args: argparse.Namespace) -> int:
 
 
 def _add_serve(sub) -> None:
-    from kvmesh.cluster.serve import add_serve_arguments, run_serve
+    from kvmesh.cluster.serve import add_launch_arguments, add_serve_arguments, run_launch, run_serve
 
     p = sub.add_parser("serve", help="a cluster on this machine behind gRPC and OpenAI HTTP endpoints")
     add_serve_arguments(p)
     p.set_defaults(func=run_serve)
+    launch = sub.add_parser("launch", help="the same cluster on a Ray cluster (kvmesh launch --stop ends it)")
+    add_launch_arguments(launch)
+    launch.set_defaults(func=run_launch)
 
 
 def build_parser() -> argparse.ArgumentParser:

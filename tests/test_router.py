@@ -309,3 +309,26 @@ def test_fuzzed_requests_leave_everything_serving(served):
     assert final[-1].finished
     for node_id in served["cluster"].nodes:
         served["cluster"].client(node_id).stats(check=True)
+
+
+def test_kvmesh_serve_end_to_end():
+    """`kvmesh serve` (what `make serve` runs), with the tiny preset and free ports, answered by the openai client."""
+    import signal
+    import subprocess
+    import sys
+
+    openai = pytest.importorskip("openai")
+    proc = subprocess.Popen([sys.executable, "-m", "kvmesh.cli", "serve", "--model", "tiny-llama", "--grpc-port", "0",
+                             "--http-port", "0"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        endpoints = json.loads(proc.stdout.readline())
+        client = openai.OpenAI(base_url=endpoints["http"], api_key="unused")
+        out = client.completions.create(model="tiny-llama", prompt="hello kvmesh", max_tokens=5, temperature=0.0)
+        assert out.usage.completion_tokens >= 1 and out.choices[0].finish_reason in ("length", "stop")
+        from kvmesh.cluster.grpc_server import pb, pb_grpc
+
+        stub = pb_grpc.RouterStub(grpc.insecure_channel(endpoints["grpc"]))
+        assert list(stub.ListModels(pb.ListModelsRequest(), timeout=10).models) == ["tiny-llama"]
+    finally:
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=60) == 0
