@@ -77,6 +77,21 @@ def _add_bench(sub) -> None:
     ru.add_argument("--suffix-tokens", type=int, default=32)
     ru.add_argument("--rounds", type=int, default=3)
     ru.set_defaults(func=_run_bench_reuse)
+    rt = which.add_parser("routing", help="cache-aware vs round-robin vs random routing, shared-prefix workload")
+    rt.add_argument("--json", default=None)
+    rt.add_argument("--model", default="tiny-llama")
+    rt.add_argument("--groups", type=int, default=6)
+    rt.add_argument("--per-group", type=int, default=6)
+    rt.add_argument("--system-len", type=int, default=256)
+    rt.add_argument("--decode", type=int, default=3, help="decode nodes")
+    rt.set_defaults(func=_run_bench_routing)
+
+
+def _run_bench_routing(args: argparse.Namespace) -> int:
+    from kvmesh.bench import routing
+
+    routing.run(args.json, args.model, args.groups, args.per_group, args.system_len, num_decode=args.decode)
+    return 0
 
 
 def _run_bench_reuse(args: argparse.Namespace) -> int:

@@ -67,3 +67,24 @@ def test_registry_renews_an_expired_lease_and_republishes():
         publisher.close()
         registry.deregister()
         index.close()
+
+
+def test_cache_aware_policy_scores_cache_against_load_and_keeps_sessions():
+    from kvmesh.cluster.routing import Candidate, CacheAware, RandomChoice, RoundRobin, make_policy
+
+    policy = CacheAware(tokens_per_request=100, slack=1)
+    # Prefer the node holding the prefix...
+    assert policy.choose([Candidate("a", 0, 0), Candidate("b", 512, 0)]) == "b"
+    # ...unless it is loaded far beyond what the cached tokens are worth.
+    assert policy.choose([Candidate("a", 0, 0), Candidate("b", 512, 6)]) == "a"
+    # A session sticks to its node while that node is within `slack` of the least loaded...
+    assert policy.choose([Candidate("a", 0, 0), Candidate("b", 0, 1)], session_id="s") == "a"
+    assert policy.choose([Candidate("a", 0, 1), Candidate("b", 0, 0)], session_id="s") == "a"
+    # ...and moves when it is not: misses are not piled onto one overloaded node.
+    assert policy.choose([Candidate("a", 0, 3), Candidate("b", 0, 0)], session_id="s") == "b"
+    rr = RoundRobin()
+    assert [rr.choose([Candidate("x", 0, 0), Candidate("y", 0, 0)]) for _ in range(4)] == ["x", "y", "x", "y"]
+    picks = {RandomChoice(seed=i).choose([Candidate("x", 0, 0), Candidate("y", 0, 0)]) for i in range(20)}
+    assert picks == {"x", "y"}
+    with pytest.raises(ValueError, match="cache-aware"):
+        make_policy("smartest")
