@@ -55,6 +55,7 @@ class _StreamState:
     tokens: list[int] = field(default_factory=list)
     text: str = ""
     first_token_at: float | None = None
+    cut_by_stop_string: bool = False  # the router ended the stream; the node must be told
 
 
 @dataclass
@@ -148,7 +149,8 @@ class Router:
                         if chunk.finished:
                             self._record_finished(chunk, state, arrived)
                         yield chunk
-                    conn = None  # finished: nothing to abort
+                    if not state.cut_by_stop_string:
+                        conn = None  # the node finished: nothing to abort
                     return
                 except NodeLost:
                     lost.add(node_id)
@@ -185,6 +187,7 @@ class Router:
             hold = full.endswith("\ufffd") and not event.finished  # an incomplete UTF-8 sequence: wait
             cut = min((full.find(s) for s in stop if s in full), default=-1)
             if cut >= 0:
+                state.cut_by_stop_string = True
                 yield Chunk(event.token_ids, full[len(state.text):cut], True, "stop", node_id, state.num_prompt,
                             len(state.tokens), dict(event.stats))
                 return

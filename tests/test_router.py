@@ -332,3 +332,20 @@ def test_kvmesh_serve_end_to_end():
     finally:
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=60) == 0
+
+
+def test_stop_strings_end_the_stream_and_the_node_request(served, reference):
+    router = served["router"]
+    ids = list(range(70, 130))
+    full = reference(ids, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
+    # An ASCII stop string (the tiny model's bytes are not all valid UTF-8).
+    needle = next(ch for ch in full.text[5:] if ch.isascii() and ch.isprintable())
+    chunks = list(router.generate(ids, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True,
+                                                      stop=(needle,))))
+    assert "".join(c.text for c in chunks) == full.text[: full.text.find(needle)]
+    assert chunks[-1].finish_reason == "stop"
+    node = served["cluster"].client(chunks[-1].node_id)
+    deadline = time.monotonic() + 10
+    while node.stats()["num_running"] or node.stats()["num_used_blocks"]:
+        assert time.monotonic() < deadline, "the node kept generating after the stop string"
+        time.sleep(0.05)
