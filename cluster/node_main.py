@@ -22,6 +22,8 @@ def add_node_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-timeout", type=float, default=10.0)
     p.add_argument("--local-prefill-tokens", type=int, default=-1,
                    help="decode nodes compute uncached suffixes up to this many tokens (-1: cost model)")
+    p.add_argument("--no-prefix-cache", action="store_true", help="compute every prompt in full (baseline)")
+    p.add_argument("--no-global-pool", action="store_true", help="local caches only: no global index lookups")
     p.add_argument("--log-level", default="WARNING")
 
 
@@ -31,7 +33,8 @@ def run_node(role: str, args: argparse.Namespace) -> int:
                      dtype=args.dtype, num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
                      max_num_batched_tokens=args.max_num_batched_tokens,
                      host=args.host, transfer_backend=args.transfer_backend, lease_ttl_s=args.lease_ttl,
-                     prefill_timeout_s=args.prefill_timeout, local_prefill_tokens=args.local_prefill_tokens)
+                     prefill_timeout_s=args.prefill_timeout, local_prefill_tokens=args.local_prefill_tokens,
+                     enable_prefix_caching=not args.no_prefix_cache, use_global_pool=not args.no_global_pool)
     if role == "prefill":
         from kvmesh.prefill_node.worker import PrefillWorker as Worker
     else:

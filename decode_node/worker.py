@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 
 import zmq
 
@@ -42,6 +43,7 @@ class DecodeWorker(NodeRuntime):
         self._fetching: set[str] = set()  # requests whose blocks peers may still be writing
         self._abort_after_fetch: set[str] = set()
         self._remote_tokens: dict[str, int] = {}
+        self._kv_wait_s: dict[str, float] = {}  # time a request spent waiting for remote KV
         self._round_robin = itertools.count()
         self.num_remote = 0
         self.num_local = 0
@@ -96,6 +98,7 @@ class DecodeWorker(NodeRuntime):
             return
         self.num_remote += 1
         self._fetching.add(rid)
+        self._kv_wait_s[rid] = time.perf_counter()
         self.workers.submit(self._fetch, seq, seq.num_prefix_hit_tokens // bs, fetchable_end, msg.prefill_node)
 
     # ---- fetching (worker thread) -----------------------------------------------------------------------
@@ -103,7 +106,7 @@ class DecodeWorker(NodeRuntime):
         """Holders push the prefix they have while a prefill node computes the rest (overlapped)."""
         got = num_local
         try:
-            hits = self.index.lookup(seq.block_hashes[:end], exclude=self.cfg.node_id)
+            hits = self.lookup_holders(seq.block_hashes[:end])
             tried: set[str] = set()
             prefill = None
             if max(hits.values(), default=0) < end:  # some blocks exist nowhere: start computing them now
@@ -170,6 +173,8 @@ class DecodeWorker(NodeRuntime):
     def _kv_arrived(self, seq: Sequence, num_local: int, got: int) -> None:
         bs = self.cfg.block_size
         self._fetching.discard(seq.request_id)
+        self._kv_wait_s[seq.request_id] = time.perf_counter() - self._kv_wait_s.get(seq.request_id,
+                                                                                   time.perf_counter())
         self._remote_tokens[seq.request_id] = (got - num_local) * bs
         self.engine.scheduler.remote_kv_ready(seq.request_id, got * bs)
         if seq.request_id in self._abort_after_fetch:
@@ -184,6 +189,7 @@ class DecodeWorker(NodeRuntime):
         seq = self._seqs.pop(request_id, None)
         self._clients.pop(request_id, None)
         self._remote_tokens.pop(request_id, None)
+        self._kv_wait_s.pop(request_id, None)
         if seq is not None and not seq.is_finished:
             self.engine.abort(seq)
             self.num_aborted += 1
@@ -197,10 +203,12 @@ class DecodeWorker(NodeRuntime):
         self._seqs.pop(seq.request_id, None)
         identity = self._clients.pop(seq.request_id, None)
         remote = self._remote_tokens.pop(seq.request_id, 0)
+        kv_wait_s = self._kv_wait_s.pop(seq.request_id, 0.0)
         if identity is None:
             return
         stats = {"tokens_reused_local": seq.num_prefix_hit_tokens, "tokens_reused_remote": remote,
-                 "tokens_computed": seq.num_prompt_tokens - seq.num_prefix_hit_tokens - remote}
+                 "tokens_computed": seq.num_prompt_tokens - seq.num_prefix_hit_tokens - remote,
+                 "kv_wait_ms": kv_wait_s * 1e3}
         self.endpoint.send(identity, encode(nm.TokenEvent(seq.request_id, [], finished=True,
                                                           finish_reason=seq.finish_reason or "", stats=stats)))
 

@@ -43,7 +43,7 @@ class PrefillWorker(NodeRuntime):
         local = self.pool.match(hashes)
         pulled: list[int] = []
         if len(local) < len(hashes):
-            hits = self.index.lookup(hashes, exclude=self.cfg.node_id)
+            hits = self.lookup_holders(hashes)
             for node_id, length in sorted(hits.items(), key=lambda kv: -kv[1]):
                 peer = self.peer(node_id)
                 if length <= len(local) or peer is None:

@@ -67,9 +67,13 @@ class KVCacheManager:
         return True
 
     def cache_full_blocks(self, seq: Sequence) -> None:
-        """Register the blocks ``seq`` has completely computed; switch to an existing copy if one exists."""
+        """Register the blocks ``seq`` has completely computed; switch to an existing copy if one exists.
+
+        Done even with prefix caching off: hashes also name blocks for transfers between
+        nodes. "Off" means no request is ever matched against them (``find_cached_prefix``).
+        """
         num_full = seq.num_computed_tokens // self.block_size
-        if not self.enable_prefix_caching or num_full <= seq.num_cached_blocks:
+        if num_full <= seq.num_cached_blocks:
             return
         self.update_hashes(seq)
         start = seq.num_cached_blocks

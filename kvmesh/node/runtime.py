@@ -59,6 +59,8 @@ class NodeConfig:
     prefill_timeout_s: float = 10.0
     local_prefill_tokens: int = -1  # decode: uncached suffixes up to this are computed locally; -1: cost model
     transfer_gib_per_s: float = 1.0  # assumed by the cost model
+    enable_prefix_caching: bool = True  # off: every prompt is computed in full (a benchmark baseline)
+    use_global_pool: bool = True  # off: no lookups in the global index (local caches only, vLLM-style PD)
 
 
 def index_namespace(namespace: HashNamespace) -> str:
@@ -72,6 +74,7 @@ class NodeRuntime:
         self.loaded = load_model(cfg.model, dtype=cfg.dtype, progress=False)
         self.engine = LLMEngine(self.loaded, EngineConfig(
             block_size=cfg.block_size, num_kv_blocks=cfg.num_kv_blocks, track_pool_changes=True,
+            enable_prefix_caching=cfg.enable_prefix_caching,
             scheduler=SchedulerConfig(max_num_seqs=cfg.max_num_seqs,
                                       max_num_batched_tokens=cfg.max_num_batched_tokens)))
         self.pool = self.engine.pool
@@ -108,6 +111,12 @@ class NodeRuntime:
                            "num_layers": layout.num_layers, "bytes_per_block": layout.bytes_per_block,
                            "transport": self.agent.engine.transport},
                           layout.num_blocks, {"free_blocks": self.pool.num_free_blocks})
+
+    def lookup_holders(self, block_hashes: list[bytes]) -> dict[str, int]:
+        """Other nodes holding a prefix of these blocks (empty when the global pool is off)."""
+        if not (self.cfg.use_global_pool and self.cfg.enable_prefix_caching):
+            return {}
+        return self.index.lookup(block_hashes, exclude=self.cfg.node_id)
 
     def peer(self, node_id: str) -> PeerInfo | None:
         record = self.directory.nodes.get(node_id)
