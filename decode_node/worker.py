@@ -42,7 +42,8 @@ class DecodeWorker(NodeRuntime):
         self._seqs: dict[str, Sequence] = {}
         self._fetching: set[str] = set()  # requests whose blocks peers may still be writing
         self._abort_after_fetch: set[str] = set()
-        self._remote_tokens: dict[str, int] = {}
+        self._remote_tokens: dict[str, int] = {}  # reused from peers' caches
+        self._prefill_tokens: dict[str, int] = {}  # pushed by a prefill node
         self._kv_wait_s: dict[str, float] = {}  # time a request spent waiting for remote KV
         self._round_robin = itertools.count()
         self.num_remote = 0
@@ -104,14 +105,14 @@ class DecodeWorker(NodeRuntime):
     # ---- fetching (worker thread) -----------------------------------------------------------------------
     def _fetch(self, seq: Sequence, num_local: int, end: int, preferred: str) -> None:
         """Holders push the prefix they have while a prefill node computes the rest (overlapped)."""
-        got = num_local
+        got = from_holders = num_local
         try:
             hits = self.lookup_holders(seq.block_hashes[:end])
             tried: set[str] = set()
             prefill = None
             if max(hits.values(), default=0) < end:  # some blocks exist nowhere: start computing them now
                 prefill = self._start_prefill(seq, preferred, tried)
-            got = self._fetch_from_holders(seq, got, end, hits)
+            got = from_holders = self._fetch_from_holders(seq, got, end, hits)
             while got < end and (prefill is not None or len(tried) < 2):
                 prefill = prefill or self._start_prefill(seq, preferred, tried)
                 if prefill is None:
@@ -121,7 +122,7 @@ class DecodeWorker(NodeRuntime):
         except Exception:
             log.exception("%s: fetching KV for %s failed", self.cfg.node_id, seq.request_id)
         finally:
-            self.call_soon(lambda: self._kv_arrived(seq, num_local, got))
+            self.call_soon(lambda: self._kv_arrived(seq, num_local, from_holders, got))
 
     def _fetch_from_holders(self, seq: Sequence, got: int, end: int, hits: dict[str, int]) -> int:
         """A peer (any role) already holding a longer prefix pushes it straight away."""
@@ -170,12 +171,14 @@ class DecodeWorker(NodeRuntime):
             return got
 
     # ---- back on the engine thread --------------------------------------------------------------------------
-    def _kv_arrived(self, seq: Sequence, num_local: int, got: int) -> None:
+    def _kv_arrived(self, seq: Sequence, num_local: int, from_holders: int, got: int) -> None:
+        """Blocks [num_local, from_holders) came from peers' caches, [from_holders, got) from a prefill node."""
         bs = self.cfg.block_size
         self._fetching.discard(seq.request_id)
+        self._prefill_tokens[seq.request_id] = (got - from_holders) * bs
         self._kv_wait_s[seq.request_id] = time.perf_counter() - self._kv_wait_s.get(seq.request_id,
                                                                                    time.perf_counter())
-        self._remote_tokens[seq.request_id] = (got - num_local) * bs
+        self._remote_tokens[seq.request_id] = (from_holders - num_local) * bs
         self.engine.scheduler.remote_kv_ready(seq.request_id, got * bs)
         if seq.request_id in self._abort_after_fetch:
             self._abort_after_fetch.discard(seq.request_id)
@@ -189,6 +192,7 @@ class DecodeWorker(NodeRuntime):
         seq = self._seqs.pop(request_id, None)
         self._clients.pop(request_id, None)
         self._remote_tokens.pop(request_id, None)
+        self._prefill_tokens.pop(request_id, None)
         self._kv_wait_s.pop(request_id, None)
         if seq is not None and not seq.is_finished:
             self.engine.abort(seq)
@@ -203,11 +207,13 @@ class DecodeWorker(NodeRuntime):
         self._seqs.pop(seq.request_id, None)
         identity = self._clients.pop(seq.request_id, None)
         remote = self._remote_tokens.pop(seq.request_id, 0)
+        from_prefill = self._prefill_tokens.pop(seq.request_id, 0)
         kv_wait_s = self._kv_wait_s.pop(seq.request_id, 0.0)
         if identity is None:
             return
         stats = {"tokens_reused_local": seq.num_prefix_hit_tokens, "tokens_reused_remote": remote,
-                 "tokens_computed": seq.num_prompt_tokens - seq.num_prefix_hit_tokens - remote,
+                 "tokens_from_prefill_node": from_prefill,
+                 "tokens_computed": seq.num_prompt_tokens - seq.num_prefix_hit_tokens - remote - from_prefill,
                  "kv_wait_ms": kv_wait_s * 1e3}
         self.endpoint.send(identity, encode(nm.TokenEvent(seq.request_id, [], finished=True,
                                                           finish_reason=seq.finish_reason or "", stats=stats)))

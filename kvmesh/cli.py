@@ -85,6 +85,19 @@ def _add_bench(sub) -> None:
     rt.add_argument("--system-len", type=int, default=256)
     rt.add_argument("--decode", type=int, default=3, help="decode nodes")
     rt.set_defaults(func=_run_bench_routing)
+    from kvmesh.bench.cluster_bench import add_arguments as add_cluster_arguments
+
+    cl = which.add_parser("cluster", help="the serving modes compared on one workload (TTFT, TPOT, hit rates, ...)")
+    add_cluster_arguments(cl)
+    cl.set_defaults(func=_run_bench_cluster)
+
+
+def _run_bench_cluster(args: argparse.Namespace) -> int:
+    from kvmesh.bench import cluster_bench
+
+    cluster_bench.apply_quick(args)
+    cluster_bench.run(args)
+    return 0
 
 
 def _run_bench_routing(args: argparse.Namespace) -> int:

@@ -50,7 +50,7 @@ def test_one_prefill_one_decode_matches_the_single_node_engine(cluster, referenc
     out = cluster.client("decode-0").generate_many(prompts, GREEDY, prefill_node="prefill-0")
     assert [c.error for c in out] == [""] * 5
     assert [c.token_ids for c in out] == reference(prompts)
-    assert all(c.stats["tokens_reused_remote"] > 0 for c, p in zip(out, prompts) if len(p) > 32)
+    assert all(c.stats["tokens_from_prefill_node"] > 0 for c, p in zip(out, prompts) if len(p) > 32)
     check_all(cluster)
 
 

@@ -132,7 +132,8 @@ def test_grpc_generate_health_and_reflection(served, reference):
     assert tokens == reference(ids).token_ids
     final = replies[-1]
     assert final.finished and final.usage.prompt_tokens == 70 and final.usage.completion_tokens == 12
-    assert final.cache.tokens_reused_local + final.cache.tokens_reused_remote + final.cache.tokens_computed == 70
+    c = final.cache
+    assert c.tokens_reused_local + c.tokens_reused_remote + c.tokens_computed + c.tokens_from_prefill_node == 70
     assert list(stub.ListModels(pb.ListModelsRequest()).models) == ["tiny-llama"]
     assert list(stub.Tokenize(pb.TokenizeRequest(text="hi")).token_ids) == [104, 105]
     status = stub.ClusterStatus(pb.ClusterStatusRequest())

@@ -44,9 +44,9 @@ def run(json_path: str | None, model: str = "smollm2-135m", prompt_tokens: int =
     print_table(f"{model}: TTFT with the prefix on another node ({prompt_tokens} tokens, new suffix {suffix_tokens})",
                 ["", "TTFT (median)", "decode node: tokens received", "decode node: tokens computed"],
                 [["fresh prompt: prefill node computes it all", f"{full * 1e3:.0f} ms",
-                  str(f["tokens_reused_remote"]), str(f["tokens_computed"])],
+                  str(f["tokens_reused_remote"] + f["tokens_from_prefill_node"]), str(f["tokens_computed"])],
                  ["same prefix + new suffix on another decode node", f"{reuse * 1e3:.0f} ms",
-                  str(u["tokens_reused_remote"]), str(u["tokens_computed"])],
+                  str(u["tokens_reused_remote"] + u["tokens_from_prefill_node"]), str(u["tokens_computed"])],
                  ["ratio", f"{res['ratio']:.3f}x", "", ""]])
     write_json(json_path, res)
     return res

@@ -39,10 +39,10 @@ class KVCacheManager:
         seq.block_hashes.extend(hash_blocks(parent, tokens, self.block_size))
 
     def find_cached_prefix(self, seq: Sequence) -> list[int]:
-        """Block ids of the longest usable cached prefix (no reference taken)."""
+        """Block ids of the longest usable cached prefix (no reference taken); fills ``seq.block_hashes``."""
+        self.update_hashes(seq)  # callers use the hashes even with matching off (transfers by hash)
         if not self.enable_prefix_caching:
             return []
-        self.update_hashes(seq)
         max_blocks = (seq.num_tokens - 1) // self.block_size
         return self.pool.match(seq.block_hashes[:max_blocks])
 

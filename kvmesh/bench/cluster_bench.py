@@ -1,0 +1,266 @@
+"""``kvmesh bench cluster``: the modes compared in one run, on the same workload.
+
+    kvmesh     prefill + decode nodes, global pool, cache-aware routing
+    local-rr   prefill + decode nodes, local caches only, round-robin (vLLM-style PD)
+    no-cache   prefill + decode nodes, no prefix caching, round-robin
+    colocated  decode nodes only, each prefills its own requests (local caches), round-robin
+
+Each mode gets a fresh local cluster and the same requests. Per request: TTFT, TPOT, ITL,
+end-to-end latency, where its prompt's KV came from, how long it waited for remote KV.
+Per mode: percentiles, throughput, goodput under TTFT/TPOT SLOs, local and global hit
+rates, tokens computed (all nodes) and reused, bytes transferred, the transfer's share of TTFT.
+"""
+from __future__ import annotations
+
+import statistics
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from tqdm import tqdm
+
+from kvmesh.bench import workloads as wl
+from kvmesh.cluster.local_launcher import LocalCluster
+from kvmesh.cluster.router import Router, RouterConfig
+from kvmesh.engine.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class Mode:
+    name: str
+    num_prefill: int
+    node_args: tuple[str, ...]
+    routing: str
+
+
+def modes(num_prefill: int) -> dict[str, Mode]:
+    # Decode nodes compute an uncached suffix of up to 64 tokens themselves (DESIGN §2); longer ones come
+    # from holders and prefill nodes. (The measured cost model would keep the tiny preset fully local.)
+    disaggregated = ("--local-prefill-tokens", "64")
+    return {
+        "kvmesh": Mode("kvmesh", num_prefill, disaggregated, "cache-aware"),
+        "local-rr": Mode("local-rr", num_prefill, disaggregated + ("--no-global-pool",), "round-robin"),
+        "no-cache": Mode("no-cache", num_prefill, disaggregated + ("--no-prefix-cache",), "round-robin"),
+        "colocated": Mode("colocated", 0, ("--local-prefill-tokens", "100000000", "--no-global-pool"),
+                          "round-robin"),
+    }
+
+
+@dataclass
+class Record:
+    ttft_s: float
+    e2e_s: float
+    itl_s: list[float]
+    num_tokens: int
+    num_prompt: int
+    cache: dict
+    answer: list[int]
+
+
+def _percentile(values: list[float], q: float) -> float:
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * (len(ordered) - 1) + 0.5))]
+
+
+def _one(router: Router, prompt: list[int], max_tokens: int, session: str) -> Record:
+    start = time.perf_counter()
+    ttft, last, itl, tokens, final = None, start, [], [], None
+    for chunk in router.generate(prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
+                                 session_id=session):
+        now = time.perf_counter()
+        if chunk.token_ids:
+            if ttft is None:
+                ttft = now - start
+            else:
+                itl.append(now - last)
+            last = now
+            tokens += chunk.token_ids
+        final = chunk
+    return Record(ttft or 0.0, time.perf_counter() - start, itl, len(tokens), len(prompt), dict(final.cache), tokens)
+
+
+def _drive(router: Router, workload: str, requests, concurrency: int, bar: tqdm) -> list[Record]:
+    records: list[Record] = []
+    lock = threading.Lock()
+
+    def keep(record: Record) -> None:
+        with lock:
+            records.append(record)
+        bar.update(1)
+
+    if workload == "multi-turn":
+        def conversation(turns: list[wl.BenchRequest]) -> None:
+            prompt: list[int] = []
+            for req in turns:
+                prompt = req.prompt_ids if req.turn == 0 else prompt + answer + req.follow_up
+                record = _one(router, prompt, req.max_tokens, f"conv-{req.conversation}")
+                answer = record.answer
+                keep(record)
+
+        with ThreadPoolExecutor(concurrency) as pool:
+            list(pool.map(conversation, requests))
+        return records
+    start = time.perf_counter()
+
+    def send(req: wl.BenchRequest) -> None:
+        if req.arrival_s is not None:
+            time.sleep(max(0.0, start + req.arrival_s - time.perf_counter()))
+        keep(_one(router, req.prompt_ids, req.max_tokens, ""))
+
+    workers = len(requests) if requests and requests[0].arrival_s is not None else concurrency
+    with ThreadPoolExecutor(min(workers, 256)) as pool:
+        list(pool.map(send, requests))
+    return records
+
+
+def _summarize(records: list[Record], seconds: float, node_delta: dict, slo_ttft_ms: float,
+               slo_tpot_ms: float) -> dict:
+    ttft = [r.ttft_s * 1e3 for r in records]
+    tpot = [(r.e2e_s - r.ttft_s) / (r.num_tokens - 1) * 1e3 for r in records if r.num_tokens > 1]
+    itl = [x * 1e3 for r in records for x in r.itl_s]
+    e2e = [r.e2e_s * 1e3 for r in records]
+    good = sum(1 for r in records if r.ttft_s * 1e3 <= slo_ttft_ms and (
+        r.num_tokens < 2 or (r.e2e_s - r.ttft_s) / (r.num_tokens - 1) * 1e3 <= slo_tpot_ms))
+    local = [r.cache.get("tokens_reused_local", 0) for r in records]
+    remote = [r.cache.get("tokens_reused_remote", 0) for r in records]
+    share = [min(1.0, r.cache.get("kv_wait_ms", 0.0) / (r.ttft_s * 1e3)) for r in records if r.ttft_s > 0]
+    out = {"requests": len(records), "seconds": seconds,
+           "throughput_tok_s": sum(r.num_tokens for r in records) / seconds,
+           "goodput_req_s": good / seconds,
+           "hit_rate_local": sum(1 for x in local if x > 0) / len(records),
+           "hit_rate_global": sum(1 for a, b in zip(local, remote) if a + b > 0) / len(records),
+           "tokens_reused": sum(local) + sum(remote), "tokens_reused_remote": sum(remote),
+           "tokens_computed": node_delta["tokens_computed"], "bytes_transferred": node_delta["bytes_received"],
+           "transfer_share_of_ttft": statistics.mean(share) if share else 0.0}
+    for name, values in (("ttft", ttft), ("tpot", tpot), ("itl", itl), ("e2e", e2e)):
+        for q in (50, 90, 99):
+            out[f"{name}_p{q}_ms"] = _percentile(values, q / 100)
+    out["ttft_ms_all"] = sorted(ttft)
+    return out
+
+
+def _node_totals(cluster: LocalCluster) -> dict:
+    totals = {"tokens_computed": 0, "bytes_received": 0}
+    for node_id in cluster.nodes:
+        stats = cluster.client(node_id).stats()
+        for key in totals:
+            totals[key] += stats.get(key, 0)
+    return totals
+
+
+def run_mode(mode: Mode, model: str, num_decode: int, workload: str, requests, concurrency: int,
+             slo_ttft_ms: float, slo_tpot_ms: float, routing: str | None, bar: tqdm) -> dict:
+    with LocalCluster(mode.num_prefill, num_decode, model=model, cluster=f"bench-{mode.name}",
+                      node_args=["--transfer-backend", "auto", *mode.node_args], start_timeout_s=300) as cluster:
+        router = Router(RouterConfig(etcd=cluster.etcd_endpoint, model=model, cluster=f"bench-{mode.name}",
+                                     routing=routing or mode.routing, max_in_flight=100_000))
+        try:
+            before = _node_totals(cluster)
+            start = time.perf_counter()
+            records = _drive(router, workload, requests, concurrency, bar)
+            seconds = time.perf_counter() - start
+            after = _node_totals(cluster)
+            for node_id in cluster.nodes:
+                cluster.client(node_id).stats(check=True)  # every pool still consistent
+        finally:
+            router.close()
+    delta = {k: after[k] - before[k] for k in before}
+    return _summarize(records, seconds, delta, slo_ttft_ms, slo_tpot_ms)
+
+
+def build_workload(args, vocab: int, tokenize):
+    if args.workload == "shared-prefix":
+        return wl.shared_prefix(args.groups, args.per_group, args.system_len, args.question_len, args.output_len,
+                                vocab, args.seed)
+    if args.workload == "multi-turn":
+        return wl.multi_turn(args.conversations, args.turns, args.system_len, args.question_len, args.output_len,
+                             vocab, args.seed)
+    if args.workload == "random":
+        return wl.random_prompts(args.groups * args.per_group, args.question_len, args.system_len, args.output_len,
+                                 vocab, args.seed)
+    if args.workload == "mooncake":
+        return wl.mooncake_trace(args.trace, vocab, args.max_prompt_len, args.time_scale)
+    if args.workload == "sharegpt":
+        return wl.sharegpt(args.trace, tokenize, args.groups * args.per_group, args.max_prompt_len, args.seed)
+    raise ValueError(f"unknown workload {args.workload!r}")
+
+
+def run(args) -> dict:
+    from kvmesh.bench.report import machine, print_table, write_json
+    from kvmesh.model.loader import load_model
+
+    loaded = load_model(args.model, progress=False)
+    vocab = min(loaded.config.vocab_size, 256) if args.model.startswith("tiny") else loaded.config.vocab_size
+    tokenize = loaded.tokenizer.encode
+    del loaded
+    requests = build_workload(args, vocab, tokenize)
+    if args.rate and args.workload not in ("multi-turn", "mooncake"):
+        wl.poisson_arrivals(requests, args.rate, args.seed)
+    chosen = modes(args.prefill)
+    names = [m for m in args.modes.split(",") if m] if args.modes else list(chosen)
+    num = sum(len(c) for c in requests) if args.workload == "multi-turn" else len(requests)
+    res: dict = {"machine": machine(), "model": args.model, "workload": args.workload, "num_requests": num,
+                 "prefill_nodes": args.prefill, "decode_nodes": args.decode, "concurrency": args.concurrency,
+                 "rate": args.rate, "slo": {"ttft_ms": args.slo_ttft_ms, "tpot_ms": args.slo_tpot_ms}, "modes": {}}
+    with tqdm(total=num * len(names), desc=f"bench cluster ({args.workload})") as bar:
+        for name in names:
+            bar.set_postfix_str(name)
+            res["modes"][name] = run_mode(chosen[name], args.model, args.decode, args.workload, requests,
+                                          args.concurrency, args.slo_ttft_ms, args.slo_tpot_ms,
+                                          args.routing or None, bar)
+    rows = []
+    for name, m in res["modes"].items():
+        rows.append([name, f"{m['ttft_p50_ms']:.0f}", f"{m['ttft_p99_ms']:.0f}", f"{m['tpot_p50_ms']:.1f}",
+                     f"{m['e2e_p50_ms']:.0f}", f"{m['throughput_tok_s']:.0f}", f"{m['goodput_req_s']:.2f}",
+                     f"{m['hit_rate_local']:.2f}", f"{m['hit_rate_global']:.2f}", m["tokens_computed"],
+                     m["tokens_reused"], f"{m['bytes_transferred'] / 2**20:.1f}",
+                     f"{m['transfer_share_of_ttft']:.2f}"])
+    header = ["mode", "TTFT p50 ms", "TTFT p99 ms", "TPOT p50 ms", "e2e p50 ms", "tok/s", "goodput req/s",
+              "hit local", "hit global", "tokens computed", "tokens reused", "MiB moved", "transfer/TTFT"]
+    print_table(f"{args.workload}, {args.model}: {args.prefill} prefill + {args.decode} decode nodes, "
+                f"{num} requests", header, rows)
+    if args.plots:
+        from kvmesh.bench.plots import plot_cluster_results
+
+        res["plots"] = plot_cluster_results(res, args.plots)
+        print("plots: " + ", ".join(res["plots"]))
+    write_json(args.json, res)
+    return res
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--json", default=None)
+    p.add_argument("--plots", default=None, help="folder for PNG plots")
+    p.add_argument("--model", default="tiny-llama")
+    p.add_argument("--workload", default="shared-prefix",
+                   choices=["shared-prefix", "multi-turn", "random", "mooncake", "sharegpt"])
+    p.add_argument("--trace", default=None, help="Mooncake JSONL trace or ShareGPT JSON file")
+    p.add_argument("--modes", default="", help="comma-separated subset of kvmesh,local-rr,no-cache,colocated")
+    p.add_argument("--routing", default="", help="override every mode's routing policy")
+    p.add_argument("--quick", action="store_true", help="a small run that finishes in a few minutes")
+    p.add_argument("--prefill", type=int, default=1)
+    p.add_argument("--decode", type=int, default=2)
+    p.add_argument("--groups", type=int, default=8)
+    p.add_argument("--per-group", type=int, default=8)
+    p.add_argument("--conversations", type=int, default=4)
+    p.add_argument("--turns", type=int, default=4)
+    p.add_argument("--system-len", type=int, default=512)
+    p.add_argument("--question-len", type=int, default=32)
+    p.add_argument("--output-len", type=int, default=16)
+    p.add_argument("--max-prompt-len", type=int, default=900)
+    p.add_argument("--concurrency", type=int, default=4)
+    p.add_argument("--rate", type=float, default=0.0, help="Poisson arrivals (requests/s) instead of a concurrency")
+    p.add_argument("--time-scale", type=float, default=1.0, help="Mooncake trace: multiply timestamps")
+    p.add_argument("--slo-ttft-ms", type=float, default=500.0)
+    p.add_argument("--slo-tpot-ms", type=float, default=100.0)
+    p.add_argument("--seed", type=int, default=0)
+
+
+def apply_quick(args) -> None:
+    if args.quick:
+        # 5 groups: an odd count, so round-robin does not keep each group on one node by accident.
+        args.groups, args.per_group, args.system_len, args.output_len = 5, 6, 768, 8
+        args.conversations, args.turns = 3, 3

@@ -1,0 +1,59 @@
+"""PNG plots of ``kvmesh bench cluster`` results (matplotlib, headless)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def plot_cluster_results(res: dict, folder: str) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out = Path(folder)
+    out.mkdir(parents=True, exist_ok=True)
+    modes = res["modes"]
+    paths = []
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name, m in modes.items():
+        values = m["ttft_ms_all"]
+        ax.step(values, [(i + 1) / len(values) for i in range(len(values))], where="post", label=name)
+    ax.set_xlabel("TTFT (ms)")
+    ax.set_ylabel("fraction of requests")
+    ax.set_xscale("log")
+    ax.set_title(f"TTFT CDF: {res['workload']}, {res['model']}")
+    ax.legend()
+    fig.tight_layout()
+    paths.append(str(out / "ttft_cdf.png"))
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    names = list(modes)
+    x = range(len(names))
+    ax.bar([i - 0.2 for i in x], [modes[n]["hit_rate_local"] for n in names], width=0.4, label="local")
+    ax.bar([i + 0.2 for i in x], [modes[n]["hit_rate_global"] for n in names], width=0.4, label="local or peer")
+    ax.set_xticks(list(x), names)
+    ax.set_ylabel("requests with a prefix hit")
+    ax.set_ylim(0, 1)
+    ax.set_title("Hit rate per mode")
+    ax.legend()
+    fig.tight_layout()
+    paths.append(str(out / "hit_rate.png"))
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    rate = res.get("rate") or res.get("concurrency")
+    for name, m in modes.items():
+        ax.plot([rate], [m["throughput_tok_s"]], "o", label=name)
+    ax.set_xlabel("request rate (req/s)" if res.get("rate") else "concurrency")
+    ax.set_ylabel("output tokens / s")
+    ax.set_title("Throughput")
+    ax.legend()
+    fig.tight_layout()
+    paths.append(str(out / "throughput.png"))
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+    return paths

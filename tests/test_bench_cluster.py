@@ -1,0 +1,52 @@
+"""``kvmesh bench cluster`` end to end (quick, tiny preset): modes, JSON shape, counters, plots.
+
+Latency ratios are reported by the benchmark, not asserted here (these machines are noisy);
+what is asserted is what the counters must show whatever the timing.
+"""
+from __future__ import annotations
+
+import json
+
+from kvmesh.cli import main
+
+KEYS = {"ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "throughput_tok_s", "hit_rate_local", "hit_rate_global",
+        "tokens_computed", "tokens_reused", "bytes_transferred"}
+
+
+def test_shared_prefix_quick_compares_all_modes(tmp_path):
+    path = tmp_path / "bench.json"
+    assert main(["bench", "cluster", "--workload", "shared-prefix", "--quick", "--json", str(path),
+                 "--plots", str(tmp_path / "plots")]) == 0
+    res = json.loads(path.read_text())
+    modes = res["modes"]
+    assert set(modes) == {"kvmesh", "local-rr", "no-cache", "colocated"}
+    for m in modes.values():
+        assert KEYS <= set(m) and m["requests"] == 30
+    assert modes["no-cache"]["tokens_reused"] == 0 and modes["no-cache"]["hit_rate_global"] == 0
+    assert modes["kvmesh"]["tokens_computed"] < 0.5 * modes["no-cache"]["tokens_computed"]
+    assert modes["kvmesh"]["hit_rate_global"] >= modes["local-rr"]["hit_rate_global"]
+    assert modes["kvmesh"]["bytes_transferred"] > 0 and modes["colocated"]["bytes_transferred"] == 0
+    assert sorted(p.name for p in (tmp_path / "plots").iterdir()) == ["hit_rate.png", "throughput.png",
+                                                                      "ttft_cdf.png"]
+
+
+def test_multi_turn_reuses_earlier_turns_across_nodes(tmp_path):
+    path = tmp_path / "mt.json"
+    # Round-robin spreads a conversation's turns over the decode nodes: later turns find the
+    # earlier turns' blocks on another node through the global pool.
+    assert main(["bench", "cluster", "--workload", "multi-turn", "--quick", "--modes", "kvmesh",
+                 "--routing", "round-robin", "--concurrency", "1", "--decode", "2", "--json", str(path)]) == 0
+    kvmesh = json.loads(path.read_text())["modes"]["kvmesh"]
+    assert kvmesh["tokens_reused_remote"] > 0 and kvmesh["hit_rate_global"] > 0
+
+
+def test_mooncake_trace_workload(tmp_path):
+    trace = tmp_path / "trace.jsonl"
+    rows = [{"timestamp": i * 50, "input_length": 700, "output_length": 4, "hash_ids": [1, 2] if i % 2 else [1, 3]}
+            for i in range(6)]
+    trace.write_text("\n".join(json.dumps(r) for r in rows))
+    path = tmp_path / "mc.json"
+    assert main(["bench", "cluster", "--workload", "mooncake", "--trace", str(trace), "--modes", "kvmesh",
+                 "--json", str(path)]) == 0
+    kvmesh = json.loads(path.read_text())["modes"]["kvmesh"]
+    assert kvmesh["requests"] == 6 and kvmesh["tokens_reused"] > 0  # hash id 1 is a shared 512-token prefix
