@@ -1,16 +1,15 @@
-"""NodeClient: send GenerateRequests to a decode node and collect the streamed tokens."""
+"""NodeClient: send GenerateRequests to a decode node and collect the streamed tokens (tests, benchmarks)."""
 from __future__ import annotations
 
+import queue
 import time
 import uuid
 from dataclasses import dataclass, field
 
-import zmq
-
+from kvmesh.cluster.node_connection import NodeConnection, NodeLost
 from kvmesh.engine.sampling_params import SamplingParams
 from kvmesh.errors import KvmeshError
 from kvmesh.node import messages as nm
-from kvmesh.wire import decode, encode
 
 
 class RequestFailed(KvmeshError, RuntimeError):
@@ -38,49 +37,40 @@ def sampling_dict(params: SamplingParams) -> dict:
 
 
 class NodeClient:
-    """One DEALER per client; many requests can be in flight at once (``generate_many``)."""
+    """Generate requests to one node, many in flight at once, over a NodeConnection."""
 
-    def __init__(self, endpoint: str):
+    def __init__(self, endpoint: str, liveness_s: float = 3.0):
         self.endpoint = endpoint
-        self._sock = zmq.Context.instance().socket(zmq.DEALER)
-        self._sock.linger = 0
-        self._sock.connect(f"tcp://{endpoint}")
+        self._conn = NodeConnection(endpoint, endpoint, liveness_s)
 
     def generate_many(self, prompts: list[list[int]], params: SamplingParams, timeout_s: float = 120.0,
-                      prefill_node: str = "", liveness_s: float = 3.0) -> list[Completion]:
-        """Send every prompt, collect every stream; raises RequestFailed when the decode node goes quiet.
+                      prefill_node: str = "", liveness_s: float | None = None) -> list[Completion]:
+        """Send every prompt, collect every stream; raises RequestFailed when the node goes quiet.
 
         After ``liveness_s`` without a message the node is pinged; no answer within another
         ``liveness_s`` means it is gone (requests are not migrated here: the router does that).
         """
+        if liveness_s is not None:
+            self._conn.liveness_s = liveness_s
         start = time.perf_counter()
+        events: queue.Queue = queue.Queue()
         completions = {}
         for prompt in prompts:
             rid = uuid.uuid4().hex
             completions[rid] = Completion(rid)
-            self._sock.send(encode(nm.GenerateRequest(rid, list(prompt), sampling_dict(params), prefill_node)))
+            self._conn.submit(nm.GenerateRequest(rid, list(prompt), sampling_dict(params), prefill_node), events)
         pending = set(completions)
         deadline = time.monotonic() + timeout_s
-        pinged = False
         while pending:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
+            try:
+                event = events.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
                 raise RequestFailed(f"{len(pending)} of {len(prompts)} requests unfinished after {timeout_s} s "
-                                    f"(decode node {self.endpoint})")
-            if not self._sock.poll(min(remaining, liveness_s) * 1000):
-                if pinged:
-                    raise RequestFailed(f"decode node {self.endpoint} stopped answering; {len(pending)} of "
-                                        f"{len(prompts)} requests lost with it")
-                self._sock.send(encode(nm.StatsRequest()))
-                pinged = True
-                continue
-            pinged = False
-            event = decode(self._sock.recv(), (nm.TokenEvent, nm.StatsReply))
-            if isinstance(event, nm.StatsReply):
-                continue  # the node is alive, just busy
-            c = completions.get(event.request_id)
-            if c is None:
-                continue
+                                    f"(decode node {self.endpoint})") from None
+            if isinstance(event, NodeLost):
+                raise RequestFailed(f"decode node {self.endpoint} stopped answering; {len(pending)} of "
+                                    f"{len(prompts)} requests lost with it")
+            c = completions[event.request_id]
             if event.token_ids and not c.token_ids:
                 c.ttft_s = time.perf_counter() - start
             c.token_ids += event.token_ids
@@ -94,18 +84,16 @@ class NodeClient:
         return self.generate_many([prompt], params, **kwargs)[0]
 
     def stats(self, check: bool = False, timeout_s: float = 10.0) -> dict:
-        self._sock.send(encode(nm.StatsRequest(check)))
-        deadline = time.monotonic() + timeout_s
-        while True:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0 or not self._sock.poll(remaining * 1000):
-                raise RequestFailed(f"no stats from {self.endpoint}")
-            reply = decode(self._sock.recv(), (nm.StatsReply, nm.TokenEvent))
-            if isinstance(reply, nm.StatsReply):
-                break  # token events here belong to requests already given up on
+        reply = self._conn.stats(check, timeout_s)
+        if reply is None:
+            raise RequestFailed(f"no stats from {self.endpoint}")
         if reply.error:
             raise RequestFailed(f"{reply.node_id}: {reply.error}")
         return reply.stats
 
+    def submit(self, request: nm.GenerateRequest) -> queue.Queue:
+        """Send one request as it is; its TokenEvents (or a NodeLost) arrive on the returned queue."""
+        return self._conn.submit(request)
+
     def close(self) -> None:
-        self._sock.close()
+        self._conn.close()

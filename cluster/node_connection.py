@@ -41,8 +41,12 @@ class NodeConnection:
     def num_open(self) -> int:
         return len(self._streams)
 
-    def submit(self, request: nm.GenerateRequest) -> queue.Queue:
-        events: queue.Queue = queue.Queue()
+    def submit(self, request: nm.GenerateRequest, events: queue.Queue | None = None) -> queue.Queue:
+        """Send ``request``; its TokenEvents (or a NodeLost) arrive on ``events`` (a new queue by default).
+
+        Several requests may share one queue: events then arrive in the order the node sent them.
+        """
+        events = queue.Queue() if events is None else events
         with self._lock:
             if not self.alive:
                 events.put(NodeLost(f"decode node {self.node_id} is unreachable"))
@@ -57,11 +61,12 @@ class NodeConnection:
             self._streams.pop(request_id, None)
         self._outgoing.put(encode(nm.AbortRequest(request_id)))
 
-    def stats(self, timeout_s: float = 5.0) -> dict | None:
+    def stats(self, check: bool = False, timeout_s: float = 5.0) -> nm.StatsReply | None:
+        """The node's counters (with ``check``, after its integrity checks); None if it does not answer."""
         waiter: queue.Queue = queue.Queue()
         with self._lock:
             self._stats_waiters.append(waiter)
-        self._outgoing.put(encode(nm.StatsRequest()))
+        self._outgoing.put(encode(nm.StatsRequest(check)))
         try:
             return waiter.get(timeout=timeout_s)
         except queue.Empty:
@@ -96,7 +101,7 @@ class NodeConnection:
             with self._lock:
                 waiters, self._stats_waiters = self._stats_waiters, []
             for w in waiters:
-                w.put(msg.stats)
+                w.put(msg)
             return
         with self._lock:
             events = self._streams.get(msg.request_id)

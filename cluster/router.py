@@ -230,8 +230,9 @@ class Router:
         out = []
         for node_id, record in sorted(self.directory.nodes.items()):
             conn = self._connection(node_id)
+            reply = conn.stats(timeout_s=2.0)
             out.append({"node_id": node_id, "role": record.role, "requests": record.request_endpoint,
-                        "in_flight": conn.num_open, "stats": conn.stats(timeout_s=2.0) or {}})
+                        "in_flight": conn.num_open, "stats": reply.stats if reply else {}})
         return out
 
     def close(self) -> None:

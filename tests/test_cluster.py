@@ -5,12 +5,13 @@ import random
 import time
 
 import pytest
+import zmq
 
 from kvmesh import LLM, SamplingParams
 from kvmesh.cluster.client import RequestFailed
 from kvmesh.cluster.local_launcher import LocalCluster
 from kvmesh.node.messages import GenerateRequest, TokenEvent
-from kvmesh.wire import decode, encode
+from kvmesh.wire import decode
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 # Force the remote path: decode nodes compute nothing but the prompt's last partial block.
@@ -93,14 +94,14 @@ def test_dead_prefill_node_and_etcd_outage_do_not_lose_requests(reference):
     with LocalCluster(num_prefill=2, num_decode=1, node_args=args, cluster="faults") as c:
         long_prompt = prompt(1999, 900)
         d0 = c.client("decode-0")
-        d0._sock.send(encode(GenerateRequest("mid-kill", long_prompt, {"max_tokens": 10, "temperature": 0.0,
-                                                                        "ignore_eos": True}, "prefill-0")))
+        events = d0.submit(GenerateRequest("mid-kill", long_prompt, {"max_tokens": 10, "temperature": 0.0,
+                                                                     "ignore_eos": True}, "prefill-0"))
         wait_until(lambda: c.client("prefill-0").stats()["num_running"] >= 1)
         c.nodes["prefill-0"].kill()  # killed mid-prefill, still registered (30 s lease)
         tokens, event = [], None
         while event is None or not event.finished:
-            assert d0._sock.poll(60_000), "the request was lost"
-            event = decode(d0._sock.recv(), (TokenEvent,))
+            event = events.get(timeout=60)  # queue.Empty here: the request was lost
+            assert isinstance(event, TokenEvent), event
             tokens += event.token_ids
         assert event.error == "" and tokens == reference([long_prompt])[0]
         prompts = [prompt(2000 + i, 60) for i in range(3)]
@@ -139,8 +140,12 @@ def test_bad_requests_get_clear_errors(cluster):
     assert "empty" in out.error and out.token_ids == []
     out = client.generate([1, 2, 99999], GREEDY)
     assert "vocabulary" in out.error
-    client._sock.send(encode(GenerateRequest("x", [1], {"max_tokens": 1, "bogus": 2})))
-    assert "bogus" in decode(client._sock.recv(), (TokenEvent,)).error
-    client._sock.send(b"\xc1 not msgpack")
-    assert "malformed" in decode(client._sock.recv(), (TokenEvent,)).error
+    assert "bogus" in client.submit(GenerateRequest("x", [1], {"max_tokens": 1, "bogus": 2})).get(timeout=10).error
+    raw = zmq.Context.instance().socket(zmq.DEALER)
+    raw.linger = 0
+    raw.connect(f"tcp://{cluster.nodes['decode-0'].info['requests']}")
+    raw.send(b"\xc1 not msgpack")
+    assert raw.poll(10_000)
+    assert "malformed" in decode(raw.recv(), (TokenEvent,)).error
+    raw.close()
     check_all(cluster)
