@@ -12,13 +12,11 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 from dataclasses import dataclass
 
 from kvmesh.cluster.client import NodeClient
 from kvmesh.metadata.embedded_etcd import EmbeddedEtcd
-from kvmesh.metadata.etcd_store import EtcdStore
-from kvmesh.metadata.registry import NodeDirectory
+from kvmesh.metadata.registry import wait_for_nodes
 
 
 @dataclass
@@ -71,17 +69,7 @@ class LocalCluster:
         return node
 
     def wait_registered(self, node_ids: set[str]) -> None:
-        store = EtcdStore(self.etcd_endpoint)
-        directory = NodeDirectory(store, self.cluster)
-        try:
-            deadline = time.monotonic() + self.start_timeout_s
-            while not node_ids <= set(directory.nodes):
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"nodes {sorted(node_ids - set(directory.nodes))} did not register")
-                time.sleep(0.05)
-        finally:
-            directory.close()
-            store.close()
+        wait_for_nodes(self.etcd_endpoint, self.cluster, node_ids, self.start_timeout_s)
 
     def client(self, node_id: str) -> NodeClient:
         if node_id not in self._clients:

@@ -35,9 +35,18 @@ def run_node(role: str, args: argparse.Namespace) -> int:
                      host=args.host, transfer_backend=args.transfer_backend, lease_ttl_s=args.lease_ttl,
                      prefill_timeout_s=args.prefill_timeout, local_prefill_tokens=args.local_prefill_tokens,
                      enable_prefix_caching=not args.no_prefix_cache, use_global_pool=not args.no_global_pool)
-    if role == "prefill":
-        from kvmesh.prefill_node.worker import PrefillWorker as Worker
-    else:
-        from kvmesh.decode_node.worker import DecodeWorker as Worker
-    Worker(cfg).serve_forever()
+    create_node(cfg).serve_forever()
     return 0
+
+
+def create_node(cfg: NodeConfig):
+    """The worker of ``cfg.role``, started and registered."""
+    if cfg.role == "prefill":
+        from kvmesh.prefill_node.worker import PrefillWorker
+
+        return PrefillWorker(cfg)
+    if cfg.role == "decode":
+        from kvmesh.decode_node.worker import DecodeWorker
+
+        return DecodeWorker(cfg)
+    raise ValueError(f"unknown node role {cfg.role!r} (prefill or decode)")

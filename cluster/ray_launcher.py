@@ -8,10 +8,11 @@ for a GPU when ``gpus_per_node`` > 0 (the Triton path), else for CPUs.
 """
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 
 import ray
+
+from kvmesh.metadata.registry import wait_for_nodes
 
 NAMESPACE = "kvmesh"
 
@@ -32,14 +33,11 @@ class NodeActor:
     """One prefill or decode node (a NodeRuntime) inside a Ray actor process."""
 
     def __init__(self, role: str, node_id: str, etcd: str, cluster: str, model: str, node_options: dict) -> None:
+        from kvmesh.cluster.node_main import create_node
         from kvmesh.node.runtime import NodeConfig
 
-        cfg = NodeConfig(node_id=node_id, role=role, etcd=etcd, cluster=cluster, model=model, **node_options)
-        if role == "prefill":
-            from kvmesh.prefill_node.worker import PrefillWorker as Worker
-        else:
-            from kvmesh.decode_node.worker import DecodeWorker as Worker
-        self.node = Worker(cfg)
+        self.node = create_node(NodeConfig(node_id=node_id, role=role, etcd=etcd, cluster=cluster, model=model,
+                                           **node_options))
 
     def info(self) -> dict:
         return {"node_id": self.node.cfg.node_id, "role": self.node.cfg.role,
@@ -82,20 +80,7 @@ class RayCluster:
         return self
 
     def wait_registered(self, node_ids: set[str], timeout_s: float = 120.0) -> None:
-        from kvmesh.metadata.etcd_store import EtcdStore
-        from kvmesh.metadata.registry import NodeDirectory
-
-        store = EtcdStore(self.etcd)
-        directory = NodeDirectory(store, self.cluster)
-        try:
-            deadline = time.monotonic() + timeout_s
-            while not node_ids <= set(directory.nodes):
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"nodes {sorted(node_ids - set(directory.nodes))} did not register")
-                time.sleep(0.1)
-        finally:
-            directory.close()
-            store.close()
+        wait_for_nodes(self.etcd, self.cluster, node_ids, timeout_s)
 
 
 def stop_cluster() -> list[str]:

@@ -112,3 +112,23 @@ class NodeDirectory:
 
     def close(self) -> None:
         self.mirror.close()
+
+
+def wait_for_nodes(etcd: str, cluster: str, node_ids: set[str], timeout_s: float = 120.0) -> None:
+    """Block until every node in ``node_ids`` is registered in ``cluster`` (launchers use it)."""
+    import time
+
+    from kvmesh.metadata.etcd_store import EtcdStore
+
+    store = EtcdStore(etcd)
+    directory = NodeDirectory(store, cluster)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while not node_ids <= set(directory.nodes):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"nodes {sorted(node_ids - set(directory.nodes))} did not register "
+                                   f"within {timeout_s} s")
+            time.sleep(0.05)
+    finally:
+        directory.close()
+        store.close()

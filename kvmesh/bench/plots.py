@@ -24,10 +24,7 @@ def plot_cluster_results(res: dict, folder: str) -> list[str]:
     ax.set_xscale("log")
     ax.set_title(f"TTFT CDF: {res['workload']}, {res['model']}")
     ax.legend()
-    fig.tight_layout()
-    paths.append(str(out / "ttft_cdf.png"))
-    fig.savefig(paths[-1], dpi=110)
-    plt.close(fig)
+    paths.append(_save(plt, fig, out / "ttft_cdf.png"))
 
     fig, ax = plt.subplots(figsize=(6, 4))
     names = list(modes)
@@ -39,10 +36,7 @@ def plot_cluster_results(res: dict, folder: str) -> list[str]:
     ax.set_ylim(0, 1)
     ax.set_title("Hit rate per mode")
     ax.legend()
-    fig.tight_layout()
-    paths.append(str(out / "hit_rate.png"))
-    fig.savefig(paths[-1], dpi=110)
-    plt.close(fig)
+    paths.append(_save(plt, fig, out / "hit_rate.png"))
 
     fig, ax = plt.subplots(figsize=(6, 4))
     rate = res.get("rate") or res.get("concurrency")
@@ -52,8 +46,12 @@ def plot_cluster_results(res: dict, folder: str) -> list[str]:
     ax.set_ylabel("output tokens / s")
     ax.set_title("Throughput")
     ax.legend()
-    fig.tight_layout()
-    paths.append(str(out / "throughput.png"))
-    fig.savefig(paths[-1], dpi=110)
-    plt.close(fig)
+    paths.append(_save(plt, fig, out / "throughput.png"))
     return paths
+
+
+def _save(plt, fig, path: Path) -> str:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return str(path)
