@@ -59,6 +59,8 @@ class BlockPublisher:
         self._wake.set()
 
     def publish(self, block_hashes: Sequence[bytes]) -> None:
+        if not block_hashes:
+            return  # the engine loop calls this every step; nothing new must not wake the flusher
         with self._lock:
             for h in block_hashes:
                 self.held[h] = None
@@ -66,6 +68,8 @@ class BlockPublisher:
         self._wake.set()
 
     def unpublish(self, block_hashes: Sequence[bytes]) -> None:
+        if not block_hashes:
+            return
         with self._lock:
             for h in block_hashes:
                 self.held.pop(h, None)
