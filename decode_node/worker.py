@@ -16,6 +16,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from dataclasses import dataclass
 
 import zmq
 
@@ -36,15 +37,23 @@ def _leading_true(flags: list[bool]) -> int:
     return flags.index(False) if False in flags else len(flags)
 
 
+@dataclass(slots=True)
+class _ClientRequest:
+    """What the decode node keeps about one caller's request until it ends."""
+
+    identity: bytes  # the caller's ZMQ identity, for streaming
+    seq: Sequence
+    fetch_started: float = 0.0  # when peers were asked for its KV
+    fetching: bool = False  # peers may still be writing its blocks
+    abort_after_fetch: bool = False
+    tokens_from_peers: int = 0  # reused from other nodes' caches
+    tokens_from_prefill: int = 0  # pushed by a prefill node
+    kv_wait_s: float = 0.0
+
+
 class DecodeWorker(NodeRuntime):
     def __init__(self, cfg):
-        self._clients: dict[str, bytes] = {}
-        self._seqs: dict[str, Sequence] = {}
-        self._fetching: set[str] = set()  # requests whose blocks peers may still be writing
-        self._abort_after_fetch: set[str] = set()
-        self._remote_tokens: dict[str, int] = {}  # reused from peers' caches
-        self._prefill_tokens: dict[str, int] = {}  # pushed by a prefill node
-        self._kv_wait_s: dict[str, float] = {}  # time a request spent waiting for remote KV
+        self._requests: dict[str, _ClientRequest] = {}  # engine thread only
         self._round_robin = itertools.count()
         self.num_remote = 0
         self.num_local = 0
@@ -71,7 +80,7 @@ class DecodeWorker(NodeRuntime):
 
     def _admit(self, identity: bytes, msg: nm.GenerateRequest) -> None:
         rid = msg.request_id
-        if rid in self._clients:
+        if rid in self._requests:
             self.endpoint.send(identity, encode(nm.TokenEvent(rid, [], finished=True,
                                                               error=f"request id {rid!r} is already in use")))
             return
@@ -81,8 +90,7 @@ class DecodeWorker(NodeRuntime):
             error = str(e) if isinstance(e, (KvmeshError, ValueError, TypeError)) else f"{type(e).__name__}: {e}"
             self.endpoint.send(identity, encode(nm.TokenEvent(rid, [], finished=True, error=error)))
             return
-        self._clients[rid] = identity
-        self._seqs[rid] = seq
+        request = self._requests[rid] = _ClientRequest(identity, seq)
         local = self.engine.kv.find_cached_prefix(seq)
         bs = self.cfg.block_size
         fetchable_end = (seq.num_prompt_tokens - 1) // bs  # the last token is always computed here
@@ -98,8 +106,7 @@ class DecodeWorker(NodeRuntime):
             self.engine.scheduler.add(seq)
             return
         self.num_remote += 1
-        self._fetching.add(rid)
-        self._kv_wait_s[rid] = time.perf_counter()
+        request.fetching, request.fetch_started = True, time.perf_counter()
         self.workers.submit(self._fetch, seq, seq.num_prefix_hit_tokens // bs, fetchable_end, msg.prefill_node)
 
     # ---- fetching (worker thread) -----------------------------------------------------------------------
@@ -174,49 +181,45 @@ class DecodeWorker(NodeRuntime):
     def _kv_arrived(self, seq: Sequence, num_local: int, from_holders: int, got: int) -> None:
         """Blocks [num_local, from_holders) came from peers' caches, [from_holders, got) from a prefill node."""
         bs = self.cfg.block_size
-        self._fetching.discard(seq.request_id)
-        self._prefill_tokens[seq.request_id] = (got - from_holders) * bs
-        self._kv_wait_s[seq.request_id] = time.perf_counter() - self._kv_wait_s.get(seq.request_id,
-                                                                                   time.perf_counter())
-        self._remote_tokens[seq.request_id] = (from_holders - num_local) * bs
+        request = self._requests[seq.request_id]
+        request.fetching = False
+        request.kv_wait_s = time.perf_counter() - request.fetch_started
+        request.tokens_from_peers = (from_holders - num_local) * bs
+        request.tokens_from_prefill = (got - from_holders) * bs
         self.engine.scheduler.remote_kv_ready(seq.request_id, got * bs)
-        if seq.request_id in self._abort_after_fetch:
-            self._abort_after_fetch.discard(seq.request_id)
+        if request.abort_after_fetch:
             self._abort(seq.request_id)
 
     def _abort(self, request_id: str) -> None:
         """Stop a request whose caller went away; its blocks are freed (after any transfer into them)."""
-        if request_id in self._fetching:  # peers may still be writing its blocks: free them afterwards
-            self._abort_after_fetch.add(request_id)
+        request = self._requests.get(request_id)
+        if request is None:
             return
-        seq = self._seqs.pop(request_id, None)
-        self._clients.pop(request_id, None)
-        self._remote_tokens.pop(request_id, None)
-        self._prefill_tokens.pop(request_id, None)
-        self._kv_wait_s.pop(request_id, None)
-        if seq is not None and not seq.is_finished:
-            self.engine.abort(seq)
+        if request.fetching:  # peers may still be writing its blocks: free them afterwards
+            request.abort_after_fetch = True
+            return
+        del self._requests[request_id]
+        if not request.seq.is_finished:
+            self.engine.abort(request.seq)
             self.num_aborted += 1
 
     def on_token(self, seq: Sequence, token_id: int) -> None:
-        identity = self._clients.get(seq.request_id)
-        if identity is not None and not seq.is_finished:
-            self.endpoint.send(identity, encode(nm.TokenEvent(seq.request_id, [token_id])))
+        request = self._requests.get(seq.request_id)
+        if request is not None and not seq.is_finished:
+            self.endpoint.send(request.identity, encode(nm.TokenEvent(seq.request_id, [token_id])))
 
     def on_finish(self, seq: Sequence) -> None:
-        self._seqs.pop(seq.request_id, None)
-        identity = self._clients.pop(seq.request_id, None)
-        remote = self._remote_tokens.pop(seq.request_id, 0)
-        from_prefill = self._prefill_tokens.pop(seq.request_id, 0)
-        kv_wait_s = self._kv_wait_s.pop(seq.request_id, 0.0)
-        if identity is None:
+        request = self._requests.pop(seq.request_id, None)
+        if request is None:
             return
+        remote, from_prefill = request.tokens_from_peers, request.tokens_from_prefill
         stats = {"tokens_reused_local": seq.num_prefix_hit_tokens, "tokens_reused_remote": remote,
                  "tokens_from_prefill_node": from_prefill,
                  "tokens_computed": seq.num_prompt_tokens - seq.num_prefix_hit_tokens - remote - from_prefill,
-                 "kv_wait_ms": kv_wait_s * 1e3}
-        self.endpoint.send(identity, encode(nm.TokenEvent(seq.request_id, [], finished=True,
-                                                          finish_reason=seq.finish_reason or "", stats=stats)))
+                 "kv_wait_ms": request.kv_wait_s * 1e3}
+        self.endpoint.send(request.identity, encode(nm.TokenEvent(seq.request_id, [], finished=True,
+                                                                  finish_reason=seq.finish_reason or "",
+                                                                  stats=stats)))
 
     def role_stats(self) -> dict:
         return {"num_remote": self.num_remote, "num_local": self.num_local, "num_fallbacks": self.num_fallbacks,

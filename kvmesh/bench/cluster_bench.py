@@ -94,6 +94,7 @@ def _drive(router: Router, workload: str, requests, concurrency: int, bar: tqdm)
     if workload == "multi-turn":
         def conversation(turns: list[wl.BenchRequest]) -> None:
             prompt: list[int] = []
+            answer: list[int] = []  # the previous turn's output
             for req in turns:
                 prompt = req.prompt_ids if req.turn == 0 else prompt + answer + req.follow_up
                 record = _one(router, prompt, req.max_tokens, f"conv-{req.conversation}")
