@@ -6,6 +6,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
+from kvmesh.auth import ClusterAuth
 from kvmesh.cluster.node_connection import NodeConnection, NodeLost
 from kvmesh.engine.sampling_params import SamplingParams
 from kvmesh.errors import KvmeshError
@@ -39,9 +40,9 @@ def sampling_dict(params: SamplingParams) -> dict:
 class NodeClient:
     """Generate requests to one node, many in flight at once, over a NodeConnection."""
 
-    def __init__(self, endpoint: str, liveness_s: float = 3.0):
+    def __init__(self, endpoint: str, liveness_s: float = 3.0, auth: ClusterAuth | None = None):
         self.endpoint = endpoint
-        self._conn = NodeConnection(endpoint, endpoint, liveness_s)
+        self._conn = NodeConnection(endpoint, endpoint, liveness_s, auth)
 
     def generate_many(self, prompts: list[list[int]], params: SamplingParams, timeout_s: float = 120.0,
                       prefill_node: str = "", liveness_s: float | None = None) -> list[Completion]:

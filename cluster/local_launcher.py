@@ -10,10 +10,12 @@ their stdin, then killing stragglers) and the private etcd.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from dataclasses import dataclass
 
+from kvmesh.auth import TOKEN_ENV, ClusterAuth, generate_token, token_from_env
 from kvmesh.cluster.client import NodeClient
 from kvmesh.metadata.embedded_etcd import EmbeddedEtcd
 from kvmesh.metadata.registry import wait_for_nodes
@@ -34,8 +36,11 @@ class NodeProcess:
 class LocalCluster:
     def __init__(self, num_prefill: int = 1, num_decode: int = 1, model: str = "tiny-llama",
                  etcd: str | None = None, cluster: str = "local", node_args: list[str] | None = None,
-                 start_timeout_s: float = 120.0):
+                 start_timeout_s: float = 120.0, cluster_token: str | None = None):
+        """``cluster_token``: default $KVMESH_CLUSTER_TOKEN, else a fresh random one (``self.token``)."""
         self.num_prefill, self.num_decode = num_prefill, num_decode
+        self.token = cluster_token if cluster_token is not None else (token_from_env() or generate_token())
+        self.auth = ClusterAuth(self.token)
         self.model, self.cluster = model, cluster
         self.node_args = node_args or []
         self.start_timeout_s = start_timeout_s
@@ -61,7 +66,8 @@ class LocalCluster:
     def start_node(self, role: str, node_id: str, wait: bool = True) -> NodeProcess:
         cmd = [sys.executable, "-m", "kvmesh.cli", f"{role}-node", "--node-id", node_id, "--etcd",
                self.etcd_endpoint, "--cluster", self.cluster, "--model", self.model, *self.node_args]
-        proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        env = {**os.environ, TOKEN_ENV: self.token}  # never on argv: every local user can read that
+        proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
         node = self.nodes[node_id] = NodeProcess(node_id, role, proc, {})
         if wait:
             node.info = json.loads(proc.stdout.readline())
@@ -73,7 +79,7 @@ class LocalCluster:
 
     def client(self, node_id: str) -> NodeClient:
         if node_id not in self._clients:
-            self._clients[node_id] = NodeClient(self.nodes[node_id].info["requests"])
+            self._clients[node_id] = NodeClient(self.nodes[node_id].info["requests"], auth=self.auth)
         return self._clients[node_id]
 
     def stop_etcd(self) -> None:

@@ -13,6 +13,7 @@ import time
 
 import zmq
 
+from kvmesh.auth import REFUSED, AuthError, ClusterAuth
 from kvmesh.errors import KvmeshError
 from kvmesh.node import messages as nm
 from kvmesh.wire import MessageError, decode, encode
@@ -23,8 +24,10 @@ class NodeLost(KvmeshError, ConnectionError):
 
 
 class NodeConnection:
-    def __init__(self, node_id: str, endpoint: str, liveness_s: float = 5.0):
+    def __init__(self, node_id: str, endpoint: str, liveness_s: float = 5.0, auth: ClusterAuth | None = None):
+        """``auth`` seals every request with the cluster token (nodes refuse frames without it)."""
         self.node_id = node_id
+        self._auth = auth or ClusterAuth()
         self.endpoint = endpoint
         self.liveness_s = liveness_s
         self._ctx = zmq.Context.instance()
@@ -79,12 +82,16 @@ class NodeConnection:
         last_heard, pinged = time.monotonic(), False
         while not self._stop.is_set():
             while not self._outgoing.empty():
-                sock.send(self._outgoing.get_nowait())
+                sock.send(self._auth.seal(self._outgoing.get_nowait()))
             if sock.poll(20):
                 last_heard, pinged, self.alive = time.monotonic(), False, True
+                frame = sock.recv()
+                if frame == REFUSED:
+                    self._fail_all(NodeLost(f"node {self.node_id} refused our requests: the cluster token differs"))
+                    continue
                 try:
-                    self._dispatch(decode(sock.recv(), (nm.TokenEvent, nm.StatsReply)))
-                except MessageError:
+                    self._dispatch(decode(self._auth.open(frame), (nm.TokenEvent, nm.StatsReply)))
+                except (MessageError, AuthError):
                     continue
             elif self._streams and time.monotonic() - last_heard > self.liveness_s:
                 if pinged:
@@ -92,7 +99,7 @@ class NodeConnection:
                     self._fail_all(NodeLost(f"decode node {self.node_id} stopped answering"))
                     last_heard, pinged = time.monotonic(), False
                 else:
-                    sock.send(encode(nm.StatsRequest()))
+                    sock.send(self._auth.seal(encode(nm.StatsRequest())))
                     last_heard, pinged = time.monotonic(), True
         sock.close()
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import logging
 
+from kvmesh.auth import token_from_env
 from kvmesh.node.runtime import NodeConfig
 
 
@@ -24,6 +25,9 @@ def add_node_arguments(p: argparse.ArgumentParser) -> None:
                    help="decode nodes compute uncached suffixes up to this many tokens (-1: cost model)")
     p.add_argument("--no-prefix-cache", action="store_true", help="compute every prompt in full (baseline)")
     p.add_argument("--no-global-pool", action="store_true", help="local caches only: no global index lookups")
+    p.add_argument("--cluster-token", default=None,
+                   help="shared secret that authenticates every frame between nodes and routers "
+                        "(default: $KVMESH_CLUSTER_TOKEN; prefer the variable: argv is visible to local users)")
     p.add_argument("--log-level", default="WARNING")
 
 
@@ -34,7 +38,8 @@ def run_node(role: str, args: argparse.Namespace) -> int:
                      max_num_batched_tokens=args.max_num_batched_tokens,
                      host=args.host, transfer_backend=args.transfer_backend, lease_ttl_s=args.lease_ttl,
                      prefill_timeout_s=args.prefill_timeout, local_prefill_tokens=args.local_prefill_tokens,
-                     enable_prefix_caching=not args.no_prefix_cache, use_global_pool=not args.no_global_pool)
+                     enable_prefix_caching=not args.no_prefix_cache, use_global_pool=not args.no_global_pool,
+                     cluster_token=token_from_env(args.cluster_token))
     create_node(cfg).serve_forever()
     return 0
 
@@ -44,9 +49,9 @@ def create_node(cfg: NodeConfig):
     if cfg.role == "prefill":
         from kvmesh.prefill_node.worker import PrefillWorker
 
-        return PrefillWorker(cfg)
+        return PrefillWorker(cfg).start()
     if cfg.role == "decode":
         from kvmesh.decode_node.worker import DecodeWorker
 
-        return DecodeWorker(cfg)
+        return DecodeWorker(cfg).start()
     raise ValueError(f"unknown node role {cfg.role!r} (prefill or decode)")

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import ray
 
+from kvmesh.auth import generate_token, token_from_env
 from kvmesh.metadata.registry import wait_for_nodes
 
 NAMESPACE = "kvmesh"
@@ -60,6 +61,13 @@ class RayCluster:
     node_options: dict = field(default_factory=dict)
     etcd: str = ""
     actors: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:  # every node actor and the router share one cluster token
+        self.node_options.setdefault("cluster_token", token_from_env() or generate_token())
+
+    @property
+    def token(self) -> str:
+        return self.node_options["cluster_token"]
 
     def start(self, timeout_s: float = 300.0) -> RayCluster:
         """Create (or reuse, by name) the etcd and node actors and wait until every node is registered."""

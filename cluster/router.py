@@ -27,6 +27,7 @@ from kvmesh.metadata.etcd_store import EtcdStore
 from kvmesh.metadata.registry import NodeDirectory
 from kvmesh.model.loader import load_model
 from kvmesh.node import messages as nm
+from kvmesh.auth import ClusterAuth
 from kvmesh.node.runtime import index_namespace
 
 
@@ -45,6 +46,7 @@ class RouterConfig:
     max_in_flight: int = 256
     request_timeout_s: float = 300.0
     liveness_s: float = 3.0  # a decode node silent this long (and deaf to a ping) is lost
+    cluster_token: str = field(default="", repr=False)  # seals every frame to the nodes (kvmesh.auth)
 
 
 @dataclass
@@ -73,6 +75,7 @@ class Chunk:
 class Router:
     def __init__(self, cfg: RouterConfig):
         self.cfg = cfg
+        self._auth = ClusterAuth(cfg.cluster_token)
         loaded = load_model(cfg.model, dtype=cfg.dtype, progress=False)  # tokenizer, context, fingerprint
         self.model_name = cfg.model
         self.tokenizer = loaded.tokenizer
@@ -222,7 +225,8 @@ class Router:
                 conn.close()
                 conn = None
             if conn is None:
-                conn = self._connections[node_id] = NodeConnection(node_id, endpoint, self.cfg.liveness_s)
+                conn = self._connections[node_id] = NodeConnection(node_id, endpoint, self.cfg.liveness_s,
+                                                                             self._auth)
             return conn
 
     # ---- status ----------------------------------------------------------------------------------------

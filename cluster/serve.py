@@ -12,6 +12,7 @@ import asyncio
 import json
 import sys
 
+from kvmesh.auth import generate_token, token_from_env
 from kvmesh.cluster.local_launcher import LocalCluster
 from kvmesh.cluster.router import Router, RouterConfig
 
@@ -33,15 +34,18 @@ def add_front_end_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key", default=None, help="require this bearer token on gRPC and on /v1/* (HTTP)")
     p.add_argument("--tls-cert", default=None, help="PEM certificate: serve gRPC and HTTP over TLS")
     p.add_argument("--tls-key", default=None, help="PEM private key for --tls-cert")
+    p.add_argument("--cluster-token", default=None,
+                   help="secret shared by the router and the nodes (default: $KVMESH_CLUSTER_TOKEN, else a new "
+                        "random one for the nodes started here)")
 
 
-def run_front_ends(args: argparse.Namespace, etcd: str, cluster: str, alive) -> None:
+def run_front_ends(args: argparse.Namespace, etcd: str, cluster: str, alive, cluster_token: str) -> None:
     """Router + gRPC + HTTP until Ctrl-C or until ``alive()`` turns false."""
     from kvmesh.cluster.grpc_server import start_grpc_server
     from kvmesh.cluster.http_server import start_http_server
 
     router = Router(RouterConfig(etcd=etcd, model=args.model, cluster=cluster, routing=args.routing,
-                                 max_in_flight=args.max_in_flight))
+                                 max_in_flight=args.max_in_flight, cluster_token=cluster_token))
     tls_files = (args.tls_cert, args.tls_key) if args.tls_cert else None
     tls_pem = tuple(open(f, "rb").read() for f in (args.tls_key, args.tls_cert)) if tls_files else None
     grpc_server, grpc_port = start_grpc_server(router, f"{args.host}:{args.grpc_port}", token=args.api_key,
@@ -74,9 +78,9 @@ def run_front_ends(args: argparse.Namespace, etcd: str, cluster: str, alive) -> 
 def run_serve(args: argparse.Namespace) -> int:
     print(f"starting etcd, {args.prefill} prefill + {args.decode} decode node(s) of {args.model} ...", file=sys.stderr)
     with LocalCluster(args.prefill, args.decode, model=args.model, etcd=args.etcd, cluster="serve",
-                      start_timeout_s=600) as cluster:
+                      start_timeout_s=600, cluster_token=token_from_env(args.cluster_token) or None) as cluster:
         run_front_ends(args, cluster.etcd_endpoint, "serve",
-                       lambda: all(p.proc.poll() is None for p in cluster.nodes.values()))
+                       lambda: all(p.proc.poll() is None for p in cluster.nodes.values()), cluster.token)
     return 0
 
 
@@ -102,6 +106,8 @@ def run_launch(args: argparse.Namespace) -> int:
         return 0
     print(f"starting etcd, {args.prefill} prefill + {args.decode} decode actor(s) of {args.model} on Ray ...",
           file=sys.stderr)
-    cluster = RayCluster(args.prefill, args.decode, args.model, "ray", args.gpus_per_node, args.cpus_per_node).start()
-    run_front_ends(args, cluster.etcd, "ray", lambda: True)  # Ray restarts dead node actors
+    token = token_from_env(args.cluster_token) or generate_token()
+    cluster = RayCluster(args.prefill, args.decode, args.model, "ray", args.gpus_per_node, args.cpus_per_node,
+                         node_options={"cluster_token": token}).start()
+    run_front_ends(args, cluster.etcd, "ray", lambda: True, token)  # Ray restarts dead node actors
     return 0

@@ -3,38 +3,39 @@
 For each GenerateRequest (DESIGN §2):
 1. allocate the request's blocks; its own prefix hits need no transfer;
 2. the uncached part: if it is short (cost model: compute time vs transfer time),
-   compute it here; otherwise, in a worker thread, ask the peer that holds the
-   longest prefix to push it, then send the rest to a prefill node and ask it to
-   push the blocks by hash as they are computed (retrying another prefill node
-   once if one fails);
+   compute it here; otherwise, in a worker thread, a peer that holds a longer
+   prefix pushes it into a grant on our blocks while one prefill node, chosen
+   from the index hits, computes the rest and pushes it into a second grant
+   (one ComputeAndPush conversation: accepted or refused at once, chunks, final;
+   a refusal or failure moves on to the next prefill node);
 3. whatever arrived, the request runs: the scheduler computes what is missing
-   (at least the prompt's last partial block) and decodes with continuous batching,
-   streaming tokens back. A failed or timed-out transfer only means more local work.
+   (at least the prompt's last partial block) and decodes with continuous
+   batching, streaming tokens back. A failed or timed-out transfer only means
+   more local work; blocks a stalled writer may still write into (tainted) are
+   swapped for fresh ones before the request touches them.
+
+An abort from the caller propagates to every writer of the request; the
+request's blocks are freed once its fetch has returned.
 """
 from __future__ import annotations
 
 import itertools
 import logging
 import time
-from dataclasses import dataclass
-
-import zmq
+from dataclasses import dataclass, field
 
 from kvmesh.decode_node.cost_model import local_prefill_limit
+from kvmesh.engine.request_state import RequestStatus
 from kvmesh.engine.sequence import Sequence
-from kvmesh.metadata.records import NodeRecord
 from kvmesh.errors import KvmeshError, OutOfBlocksError
 from kvmesh.node import messages as nm
 from kvmesh.node.runtime import NodeRuntime
-from kvmesh.transfer.errors import TransferError
-from kvmesh.transfer.kv_agent import PeerInfo
+from kvmesh.transfer.errors import TransferRefused
 from kvmesh.wire import encode
 
 log = logging.getLogger("kvmesh.decode")
 
-
-def _leading_true(flags: list[bool]) -> int:
-    return flags.index(False) if False in flags else len(flags)
+HOLDER_TIMEOUT_S = 5.0  # a holder pushes blocks it already has: this is generous
 
 
 @dataclass(slots=True)
@@ -51,16 +52,26 @@ class _ClientRequest:
     kv_wait_s: float = 0.0
 
 
+@dataclass(slots=True)
+class _FetchResult:
+    num_local: int  # blocks we had
+    from_holders: int  # blocks [num_local, from_holders) came from peers' caches
+    got: int  # blocks [from_holders, got) from a prefill node
+    tainted: list[int] = field(default_factory=list)  # block ids a stalled writer may still write
+
+
 class DecodeWorker(NodeRuntime):
     def __init__(self, cfg):
+        super().__init__(cfg)
         self._requests: dict[str, _ClientRequest] = {}  # engine thread only
         self._round_robin = itertools.count()
         self.num_remote = 0
         self.num_local = 0
         self.num_fallbacks = 0
+        self.num_refusals = 0
         self.num_aborted = 0
+        self.num_tainted_swapped = 0
         self.rtt_s = 0.005  # side-channel round trip assumed by the cost model
-        super().__init__(cfg)  # starts the threads: our state must exist first
 
     # ---- admission (engine thread) ------------------------------------------------------------------
     def handle(self, identity: bytes, msg) -> None:
@@ -81,14 +92,13 @@ class DecodeWorker(NodeRuntime):
     def _admit(self, identity: bytes, msg: nm.GenerateRequest) -> None:
         rid = msg.request_id
         if rid in self._requests:
-            self.endpoint.send(identity, encode(nm.TokenEvent(rid, [], finished=True,
-                                                              error=f"request id {rid!r} is already in use")))
+            self._send_error(identity, rid, f"request id {rid!r} is already in use")
             return
         try:
             seq = self.engine.prepare_request(msg.prompt_token_ids, msg.sampling_params(), request_id=rid)
         except Exception as e:  # any refusal must reach the caller, never leave it waiting
             error = str(e) if isinstance(e, (KvmeshError, ValueError, TypeError)) else f"{type(e).__name__}: {e}"
-            self.endpoint.send(identity, encode(nm.TokenEvent(rid, [], finished=True, error=error)))
+            self._send_error(identity, rid, error)
             return
         request = self._requests[rid] = _ClientRequest(identity, seq)
         local = self.engine.kv.find_cached_prefix(seq)
@@ -112,81 +122,86 @@ class DecodeWorker(NodeRuntime):
     # ---- fetching (worker thread) -----------------------------------------------------------------------
     def _fetch(self, seq: Sequence, num_local: int, end: int, preferred: str) -> None:
         """Holders push the prefix they have while a prefill node computes the rest (overlapped)."""
-        got = from_holders = num_local
+        result = _FetchResult(num_local, num_local, num_local)
         try:
             hits = self.lookup_holders(seq.block_hashes[:end])
-            tried: set[str] = set()
-            prefill = None
-            if max(hits.values(), default=0) < end:  # some blocks exist nowhere: start computing them now
-                prefill = self._start_prefill(seq, preferred, tried)
-            got = from_holders = self._fetch_from_holders(seq, got, end, hits)
-            while got < end and (prefill is not None or len(tried) < 2):
-                prefill = prefill or self._start_prefill(seq, preferred, tried)
-                if prefill is None:
-                    break
-                got = self._fetch_from_prefill(seq, got, end, prefill)
-                prefill = None
+            self._fetch_from_holders(seq, result, end, hits)
+            result.got = result.from_holders
+            if result.got < end and not result.tainted:  # tainted blocks are never granted again
+                self._fetch_from_prefill(seq, result, end, hits, preferred)
         except Exception:
             log.exception("%s: fetching KV for %s failed", self.cfg.node_id, seq.request_id)
         finally:
-            self.call_soon(lambda: self._kv_arrived(seq, num_local, from_holders, got))
+            self.call_soon(lambda: self._kv_arrived(seq, result))
 
-    def _fetch_from_holders(self, seq: Sequence, got: int, end: int, hits: dict[str, int]) -> int:
-        """A peer (any role) already holding a longer prefix pushes it straight away."""
+    def _fetch_from_holders(self, seq: Sequence, result: _FetchResult, end: int, hits: dict[str, int]) -> None:
+        """A peer (any role) already holding a longer prefix pushes it into a grant on our blocks."""
+        got = result.from_holders
         for node_id, length in sorted(hits.items(), key=lambda kv: -kv[1]):
-            peer = self.peer(node_id)
-            if length <= got or peer is None:
+            length = min(length, end)
+            if length <= got or self._aborting(seq):
                 continue
-            try:
-                written = self.agent.request_push(peer, seq.block_ids[got:length], seq.block_hashes[got:length],
-                                                  request_id=f"{seq.request_id}:hold", timeout_s=5.0)
-                return got + _leading_true(written)
-            except TransferError as e:
-                log.warning("%s: holder %s failed: %s", self.cfg.node_id, node_id, e)
-        return got
+            outcome = self.agent.requester.push(node_id, seq.block_ids[got:length], seq.block_hashes[got:length],
+                                                request_id=f"{seq.request_id}/hold", timeout_s=HOLDER_TIMEOUT_S)
+            result.tainted += outcome.tainted_block_ids
+            if outcome.error is not None:
+                log.warning("%s: holder %s: %s", self.cfg.node_id, node_id, outcome.error)
+            if outcome.num_written or outcome.tainted_block_ids:
+                result.from_holders = got + outcome.num_written
+                return
 
-    def _start_prefill(self, seq: Sequence, preferred: str, tried: set[str]) -> NodeRecord | None:
-        """Send the prompt to a prefill node not tried yet (the preferred one first); None if none is left."""
-        candidates = sorted(n for n, r in self.directory.nodes.items() if r.role == "prefill" and n not in tried)
-        if not candidates:
-            return None
-        node_id = preferred if preferred in candidates else candidates[next(self._round_robin) % len(candidates)]
-        record = self.directory.nodes[node_id]
-        tried.add(node_id)
-        sock = zmq.Context.instance().socket(zmq.DEALER)
-        sock.linger = 1000
-        try:
-            sock.connect(f"tcp://{record.request_endpoint}")
-            sock.send(encode(nm.PrefillRequest(seq.request_id, list(seq.prompt_token_ids))))
-        finally:
-            sock.close()
-        return record
+    def _prefill_candidates(self, hits: dict[str, int], preferred: str) -> list[str]:
+        """Prefill nodes, best first: the caller's choice, then the longest cached prefix, then rotation."""
+        nodes = sorted(self.membership.nodes("prefill"))
+        if not nodes:
+            return []
+        turn = next(self._round_robin) % len(nodes)
+        rotation = {n: (i - turn) % len(nodes) for i, n in enumerate(nodes)}
+        return sorted(nodes, key=lambda n: (n != preferred, -hits.get(n, 0), rotation[n]))
 
-    def _fetch_from_prefill(self, seq: Sequence, got: int, end: int, record: NodeRecord) -> int:
-        """Ask the prefill node to push blocks ``[got, end)`` as it computes them."""
-        timeout = self.cfg.prefill_timeout_s
-        try:
-            written = self.agent.request_push(PeerInfo(record.node_id, record.side_channel),
-                                              seq.block_ids[got:end], seq.block_hashes[got:end],
-                                              request_id=f"{seq.request_id}:{record.node_id}", timeout_s=timeout,
-                                              wait_ms=int(timeout * 1000))
-            return got + _leading_true(written)
-        except TransferError as e:
-            self.num_fallbacks += 1
-            log.warning("%s: prefill node %s failed for %s: %s", self.cfg.node_id, record.node_id,
-                        seq.request_id, e)
-            return got
+    def _fetch_from_prefill(self, seq: Sequence, result: _FetchResult, end: int, hits: dict[str, int],
+                            preferred: str) -> None:
+        """One ComputeAndPush conversation at a time, on to the next prefill node after a refusal or failure."""
+        for node_id in self._prefill_candidates(hits, preferred)[:3]:
+            if self._aborting(seq):
+                return
+            got = result.got
+            outcome = self.agent.requester.compute_and_push(
+                node_id, seq.block_ids[got:end], list(seq.prompt_token_ids), got,
+                request_id=f"{seq.request_id}/prefill", timeout_s=self.cfg.prefill_timeout_s)
+            result.tainted += outcome.tainted_block_ids
+            result.got = got + outcome.num_written
+            if outcome.error is None:
+                return
+            if isinstance(outcome.error, TransferRefused):
+                self.num_refusals += 1
+            else:
+                self.num_fallbacks += 1
+            log.warning("%s: prefill node %s for %s: %s", self.cfg.node_id, node_id, seq.request_id, outcome.error)
+            if result.got >= end or outcome.tainted_block_ids:
+                return  # tainted blocks cannot be granted again: compute the rest here
+
+    def _aborting(self, seq: Sequence) -> bool:
+        request = self._requests.get(seq.request_id)
+        return request is None or request.abort_after_fetch
 
     # ---- back on the engine thread --------------------------------------------------------------------------
-    def _kv_arrived(self, seq: Sequence, num_local: int, from_holders: int, got: int) -> None:
-        """Blocks [num_local, from_holders) came from peers' caches, [from_holders, got) from a prefill node."""
+    def _kv_arrived(self, seq: Sequence, result: _FetchResult) -> None:
         bs = self.cfg.block_size
         request = self._requests[seq.request_id]
         request.fetching = False
         request.kv_wait_s = time.perf_counter() - request.fetch_started
-        request.tokens_from_peers = (from_holders - num_local) * bs
-        request.tokens_from_prefill = (got - from_holders) * bs
-        self.engine.scheduler.remote_kv_ready(seq.request_id, got * bs)
+        request.tokens_from_peers = (result.from_holders - result.num_local) * bs
+        request.tokens_from_prefill = (result.got - result.from_holders) * bs
+        if result.tainted:  # a stalled writer may still write these: never let this request (or anyone) use them
+            try:
+                self.engine.kv.replace_blocks(seq, result.tainted)
+                self.num_tainted_swapped += len(result.tainted)
+            except OutOfBlocksError as e:
+                self.engine.scheduler.finish(seq, RequestStatus.FAILED)
+                self.on_failed(seq, f"out of KV blocks while a stalled transfer is fenced: {e}")
+                return
+        self.engine.scheduler.remote_kv_ready(seq.request_id, result.got * bs)
         if request.abort_after_fetch:
             self._abort(seq.request_id)
 
@@ -195,18 +210,28 @@ class DecodeWorker(NodeRuntime):
         request = self._requests.get(request_id)
         if request is None:
             return
-        if request.fetching:  # peers may still be writing its blocks: free them afterwards
+        if request.fetching:  # writers may still be writing its blocks: stop them, free the blocks afterwards
             request.abort_after_fetch = True
+            self.agent.requester.abort(request_id, "the client aborted the request")
             return
         del self._requests[request_id]
         if not request.seq.is_finished:
             self.engine.abort(request.seq)
             self.num_aborted += 1
 
+    def _send_error(self, identity: bytes, request_id: str, error: str) -> None:
+        self.endpoint.send(identity, encode(nm.TokenEvent(request_id, [], finished=True, error=error)))
+
     def on_token(self, seq: Sequence, token_id: int) -> None:
         request = self._requests.get(seq.request_id)
         if request is not None and not seq.is_finished:
             self.endpoint.send(request.identity, encode(nm.TokenEvent(seq.request_id, [token_id])))
+
+    def on_failed(self, seq: Sequence, error: str) -> None:
+        request = self._requests.pop(seq.request_id, None)
+        if request is not None:
+            self.endpoint.send(request.identity, encode(nm.TokenEvent(seq.request_id, [], finished=True,
+                                                                      finish_reason="error", error=error)))
 
     def on_finish(self, seq: Sequence) -> None:
         request = self._requests.pop(seq.request_id, None)
@@ -223,6 +248,5 @@ class DecodeWorker(NodeRuntime):
 
     def role_stats(self) -> dict:
         return {"num_remote": self.num_remote, "num_local": self.num_local, "num_fallbacks": self.num_fallbacks,
-                "num_aborted": self.num_aborted,
-                "local_prefill_limit": self.local_prefill_limit()}
-
+                "num_prefill_refusals": self.num_refusals, "num_aborted": self.num_aborted,
+                "num_tainted_swapped": self.num_tainted_swapped, "local_prefill_limit": self.local_prefill_limit()}

@@ -1,23 +1,40 @@
-"""RouterEndpoint: a ZMQ ROUTER that any thread can answer through.
+"""RouterEndpoint: an authenticated ZMQ ROUTER that any thread can answer through.
 
 ZMQ sockets are not thread-safe, so replies from worker threads go through an
-in-process PUSH socket per thread to the one thread that owns the ROUTER.
+in-process PUSH socket per thread to the one thread that owns the ROUTER. Every
+incoming frame must carry the cluster MAC (``kvmesh.auth``): a frame that does
+not is refused with the ``REFUSED`` marker and counted (``num_refused``), and
+never reaches ``on_message``. Replies are sealed the same way.
+
+Construction binds the socket; ``start`` starts the serving thread.
 """
 from __future__ import annotations
 
+import logging
 import threading
 import uuid
 from collections.abc import Callable
 
 import zmq
 
+from kvmesh.auth import REFUSED, AuthError, ClusterAuth
+
+log = logging.getLogger("kvmesh.auth")
+
 
 class RouterEndpoint:
-    def __init__(self, host: str, on_message: Callable[[bytes, bytes], None], name: str):
+    def __init__(self, host: str, on_message: Callable[[bytes, bytes], None], name: str,
+                 auth: ClusterAuth | None = None, port: int = 0):
         self._ctx = zmq.Context.instance()
+        self._auth = auth or ClusterAuth()
+        self._name = name
         self._router = self._ctx.socket(zmq.ROUTER)
         self._router.linger = 0
-        self.endpoint = f"{host}:{self._router.bind_to_random_port(f'tcp://{host}')}"
+        if port:
+            self._router.bind(f"tcp://{host}:{port}")
+        else:
+            port = self._router.bind_to_random_port(f"tcp://{host}")
+        self.endpoint = f"{host}:{port}"
         self._outbox_addr = f"inproc://kvmesh-{name}-{uuid.uuid4().hex}"
         self._outbox = self._ctx.socket(zmq.PULL)
         self._outbox.bind(self._outbox_addr)
@@ -25,16 +42,20 @@ class RouterEndpoint:
         self._on_message = on_message
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, name=f"kvmesh-{name}", daemon=True)
+        self.num_refused = 0
+
+    def start(self) -> RouterEndpoint:
         self._thread.start()
+        return self
 
     def send(self, identity: bytes, payload: bytes) -> None:
-        """Send ``payload`` to the peer ``identity``; callable from any thread."""
+        """Send ``payload`` (sealed here) to the peer ``identity``; callable from any thread."""
         sock = getattr(self._local, "push", None)
         if sock is None:
             sock = self._local.push = self._ctx.socket(zmq.PUSH)
             sock.linger = 1000
             sock.connect(self._outbox_addr)
-        sock.send_multipart([identity, payload])
+        sock.send_multipart([identity, self._auth.seal(payload)])
 
     def _serve(self) -> None:
         poller = zmq.Poller()
@@ -47,11 +68,29 @@ class RouterEndpoint:
                     self._router.send_multipart(self._outbox.recv_multipart())
             if self._router in events:
                 frames = self._router.recv_multipart()
-                if len(frames) == 2:
-                    self._on_message(frames[0], frames[1])
+                if len(frames) != 2:
+                    continue
+                try:
+                    payload = self._auth.open(frames[1])
+                except AuthError:
+                    self.num_refused += 1
+                    if self.num_refused & (self.num_refused - 1) == 0:  # log the 1st, 2nd, 4th, 8th, ...
+                        log.warning("%s: refused %d unauthenticated frame(s)", self._name, self.num_refused)
+                    self._router.send_multipart([frames[0], REFUSED])
+                    continue
+                try:
+                    self._on_message(frames[0], payload)
+                except Exception:  # a handler bug must not stop the endpoint
+                    log.exception("%s: handler failed", self._name)
 
     def close(self) -> None:
+        """Stop serving; replies already handed to ``send`` are still delivered (up to 1 s). Idempotent."""
+        if self._router.closed:
+            return
         self._stop.set()
-        self._thread.join(timeout=2)
-        self._router.close()
+        if self._thread.is_alive():
+            self._thread.join(timeout=2)
+        while self._outbox.poll(50):
+            self._router.send_multipart(self._outbox.recv_multipart())
+        self._router.close(linger=1000)
         self._outbox.close()

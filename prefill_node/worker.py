@@ -1,75 +1,132 @@
 """PrefillWorker: ``kvmesh prefill-node``.
 
-For each PrefillRequest: local prefix hits first; then the global index: a
-longer prefix held by a peer is pulled into this node's pool (the peer pushes
-it); then the engine computes the rest with chunked prefill. Every full block is
-cached as soon as it is computed, so the decode node's push request (sent at the
-same time, by hash, with a wait) is served chunk by chunk as the prefill runs.
+It serves ComputeAndPush conversations on its side channel (its holder calls
+``admit``): the prompt is validated and accepted or refused at once; then, on a
+worker thread, its local prefix hits are referenced, a longer prefix held by a
+peer is pulled into this node's pool, and the engine computes the rest with
+chunked prefill. Every full block is cached as soon as it is computed, and the
+holder writes the granted blocks into the decode node chunk by chunk. When the
+conversation ends (all blocks written, aborted, expired) ``release`` aborts what
+is left of the engine request and drops the references this node held.
 """
 from __future__ import annotations
 
 import logging
+import threading
+from dataclasses import dataclass, field
 
 from kvmesh.engine.sampling_params import SamplingParams
 from kvmesh.engine.sequence import Sequence
-from kvmesh.kv.block_hash import hash_blocks
+from kvmesh.kv.block_hash import BlockHash, hash_blocks
 from kvmesh.kv.block_pool import NO_BLOCK
-from kvmesh.node import messages as nm
 from kvmesh.node.runtime import NodeRuntime
-from kvmesh.transfer.errors import TransferError
+from kvmesh.transfer import messages as m
+from kvmesh.transfer.errors import TransferError, TransferRefused
 
 log = logging.getLogger("kvmesh.prefill")
 _PREFILL_ONLY = SamplingParams(max_tokens=1, temperature=0.0)
 
 
+@dataclass(slots=True)
+class _Prefill:
+    """One accepted ComputeAndPush, from acceptance until its conversation ends."""
+
+    prompt_token_ids: list[int]
+    hashes: list[BlockHash]
+    held: list[int] = field(default_factory=list)  # local hits and pulled blocks we keep a reference on
+    seq: Sequence | None = None
+    released: bool = False
+
+
 class PrefillWorker(NodeRuntime):
     def __init__(self, cfg):
-        self._held: dict[str, list[int]] = {}  # request -> pulled blocks we keep a reference on
+        super().__init__(cfg)
+        self._prefills: dict[str, _Prefill] = {}  # conversation id -> state
+        self._lock = threading.Lock()
         self.num_prefills = 0
+        self.num_refused = 0
         self.tokens_pulled = 0
-        super().__init__(cfg)  # starts the threads: our state must exist first
+        self.agent.holder.compute = self
 
-    def handle(self, identity: bytes, msg) -> None:
-        if isinstance(msg, nm.PrefillRequest):
-            self.workers.submit(self._prepare, msg)
-        else:
-            super().handle(identity, msg)
-
-    def _prepare(self, msg: nm.PrefillRequest) -> None:
-        """Worker thread: pull what a peer holds beyond our own prefix, then hand the prompt to the engine."""
+    # ---- ComputeHook (holder's worker threads) ---------------------------------------------------------
+    def admit(self, msg: m.ComputeAndPush) -> list[BlockHash]:
         bs = self.cfg.block_size
         prompt = msg.prompt_token_ids
+        try:
+            self.engine.prepare_request(prompt, _PREFILL_ONLY, request_id=f"check:{msg.request_id}")
+        except Exception as e:
+            self.num_refused += 1
+            raise TransferRefused(str(e), code=m.ErrorCode.INVALID_PROMPT.value, request_id=msg.request_id) from None
         hashes = hash_blocks(self.engine.kv.root_hash, prompt[: (len(prompt) - 1) // bs * bs], bs)
-        local = self.pool.match(hashes)
-        pulled: list[int] = []
-        if len(local) < len(hashes):
+        wanted = hashes[msg.first_block: msg.first_block + len(msg.dst_block_ids)]
+        if len(wanted) < len(msg.dst_block_ids):
+            self.num_refused += 1
+            raise TransferRefused(f"the prompt has {len(hashes)} full blocks; blocks {msg.first_block}.."
+                                  f"{msg.first_block + len(msg.dst_block_ids)} were asked for",
+                                  code=m.ErrorCode.INVALID_PROMPT.value, request_id=msg.request_id)
+        with self._lock:
+            self._prefills[msg.request_id] = _Prefill(list(prompt), hashes)
+        self.workers.submit(self._prepare, msg.request_id)
+        return wanted
+
+    def release(self, request_id: str) -> None:
+        with self._lock:
+            prefill = self._prefills.pop(request_id, None)
+        if prefill is not None:
+            prefill.released = True
+            self.call_soon(lambda: self._drop(prefill))
+
+    # ---- preparing and computing -------------------------------------------------------------------------
+    def _prepare(self, request_id: str) -> None:
+        """Worker thread: reference our own prefix, pull a longer one from a peer, then queue the prompt."""
+        with self._lock:
+            prefill = self._prefills.get(request_id)
+        if prefill is None:
+            return
+        hashes = prefill.hashes
+        held = self.pool.match_and_touch(hashes)  # referenced: a concurrent allocation cannot take them
+        if len(held) < len(hashes):
             hits = self.lookup_holders(hashes)
             for node_id, length in sorted(hits.items(), key=lambda kv: -kv[1]):
-                peer = self.peer(node_id)
-                if length <= len(local) or peer is None:
+                if length <= len(held) or prefill.released:
                     continue
                 try:
-                    pulled = self.agent.pull_prefix(peer, hashes[len(local):length],
-                                                    parent_block_id=local[-1] if local else NO_BLOCK,
-                                                    timeout_s=self.cfg.prefill_timeout_s)
-                    self.tokens_pulled += len(pulled) * bs
+                    pulled = self.agent.pull_prefix(node_id, hashes[len(held):length],
+                                                    parent_block_id=held[-1] if held else NO_BLOCK,
+                                                    timeout_s=self.cfg.prefill_timeout_s,
+                                                    request_id=f"pull:{request_id}")
+                    self.tokens_pulled += len(pulled) * self.cfg.block_size
+                    held += pulled
                     break
                 except TransferError as e:
                     log.warning("%s: pulling from %s failed (%s); computing instead", self.cfg.node_id, node_id, e)
-        self.call_soon(lambda: self._admit(msg, pulled))
+        prefill.held = held
+        self.call_soon(lambda: self._start(request_id, prefill))
 
-    def _admit(self, msg: nm.PrefillRequest, pulled: list[int]) -> None:
-        try:
-            seq = self.engine.add_request(msg.prompt_token_ids, _PREFILL_ONLY, request_id=f"prefill:{msg.request_id}")
-        except Exception as e:  # invalid prompt: nothing to compute; the decode node's push times out or falls back
-            log.warning("%s: prefill %s refused: %s", self.cfg.node_id, msg.request_id, e)
-            self.pool.free(pulled)
+    def _start(self, request_id: str, prefill: _Prefill) -> None:
+        """Engine thread."""
+        if prefill.released:
+            self._drop(prefill)
             return
-        self._held[seq.request_id] = pulled
+        try:
+            prefill.seq = self.engine.add_request(prefill.prompt_token_ids, _PREFILL_ONLY,
+                                                  request_id=f"prefill:{request_id}")
+        except Exception as e:  # validated at admission; a failure here ends in the holder's deadline
+            log.warning("%s: prefill %s failed to start: %s", self.cfg.node_id, request_id, e)
+            self.release(request_id)
+            return
         self.num_prefills += 1
 
+    def _drop(self, prefill: _Prefill) -> None:
+        """Engine thread: the conversation is over; stop computing and let go of our references."""
+        if prefill.seq is not None and not prefill.seq.is_finished:
+            self.engine.abort(prefill.seq)
+        held, prefill.held = prefill.held, []
+        self.pool.free(held)
+
     def on_finish(self, seq: Sequence) -> None:
-        self.pool.free(self._held.pop(seq.request_id, []))
+        pass  # blocks stay cached; references are dropped when the conversation ends
 
     def role_stats(self) -> dict:
-        return {"num_prefills": self.num_prefills, "tokens_pulled": self.tokens_pulled}
+        return {"num_prefills": self.num_prefills, "tokens_pulled": self.tokens_pulled,
+                "num_prefills_refused": self.num_refused, "num_open_prefills": len(self._prefills)}

@@ -8,6 +8,7 @@ import pytest
 import zmq
 
 from kvmesh import LLM, SamplingParams
+from kvmesh.auth import REFUSED
 from kvmesh.cluster.client import RequestFailed
 from kvmesh.cluster.local_launcher import LocalCluster
 from kvmesh.node.messages import GenerateRequest, TokenEvent
@@ -144,8 +145,10 @@ def test_bad_requests_get_clear_errors(cluster):
     raw = zmq.Context.instance().socket(zmq.DEALER)
     raw.linger = 0
     raw.connect(f"tcp://{cluster.nodes['decode-0'].info['requests']}")
-    raw.send(b"\xc1 not msgpack")
+    raw.send(cluster.auth.seal(b"\xc1 not msgpack"))  # authenticated, but not a message
     assert raw.poll(10_000)
-    assert "malformed" in decode(raw.recv(), (TokenEvent,)).error
+    assert "malformed" in decode(cluster.auth.open(raw.recv()), (TokenEvent,)).error
+    raw.send(b"\xc1 not msgpack")  # no cluster MAC at all: refused before decoding
+    assert raw.poll(10_000) and raw.recv() == REFUSED
     raw.close()
     check_all(cluster)

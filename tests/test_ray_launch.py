@@ -28,7 +28,7 @@ def ray_instance():
 def test_ray_cluster_serves_and_restarts_a_killed_node(ray_instance):
     cluster = RayCluster(num_prefill=1, num_decode=1, cluster="ray-test", cpus_per_node=1,
                          node_options={"transfer_backend": "zmq"}).start()
-    router = Router(RouterConfig(etcd=cluster.etcd, cluster="ray-test", liveness_s=1.0))
+    router = Router(RouterConfig(etcd=cluster.etcd, cluster_token=cluster.token, cluster="ray-test", liveness_s=1.0))
     reference = LLM("tiny-llama", num_kv_blocks=256, progress=False)
     try:
         ids = list(range(20, 90))

@@ -1,7 +1,9 @@
-"""Transfer layer: real processes, every byte checked, coalescing, failures, malformed input."""
+"""Transfer layer: real processes, every byte checked, coalescing, grants, fencing, auth, malformed input."""
 from __future__ import annotations
 
+import dataclasses
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -14,29 +16,39 @@ import pytest
 import torch
 import zmq
 
+from kvmesh.auth import REFUSED, TOKEN_ENV, ClusterAuth
 from kvmesh.kv.block_pool import BlockPool
 from kvmesh.transfer import messages as m
-from kvmesh.transfer.coalesce import BlockRun, coalesce, to_descriptors
+from kvmesh.transfer.coalesce import BlockRun, Descriptor, coalesce, to_descriptors
 from kvmesh.transfer.engine import create_transfer_engine, mooncake_available
 from kvmesh.transfer.errors import TransferError, TransferTimeout, check_status
-from kvmesh.transfer.kv_agent import PeerInfo, TransferAgent
-from kvmesh.transfer.rdma_devices import choose_transport
+from kvmesh.transfer.kv_agent import TransferAgent
 from kvmesh.transfer.peer_process import BLOCK_SHAPE, chain_hashes, seeded_buffer
+from kvmesh.transfer.peers import PeerRecord, StaticPeers
+from kvmesh.transfer.rdma_devices import choose_transport
 
 BACKENDS = ["zmq"] + (["mooncake"] if mooncake_available() else [])
+TOKEN = "transfer-test-token"
+AUTH = ClusterAuth(TOKEN)
 
 
 class Holder:
-    """tests/transfer_peer.py as a subprocess."""
+    """kvmesh.transfer.peer_process as a subprocess that trusts ``requester``."""
 
-    def __init__(self, backend: str, seed: int, chain: int = 20, delay_ms: int = 0, num_blocks: int = 64):
+    def __init__(self, backend: str, seed: int, requester: TransferAgent | None, chain: int = 20, delay_ms: int = 0,
+                 num_blocks: int = 64, token: str = TOKEN):
         self.seed, self.num_blocks = seed, num_blocks
+        trusted = ["--requester", json.dumps(dataclasses.asdict(requester.record))] if requester else []
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "kvmesh.transfer.peer_process", "--backend", backend, "--seed", str(seed),
-             "--chain", str(chain), "--delay-ms", str(delay_ms), "--num-blocks", str(num_blocks)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+             "--chain", str(chain), "--delay-ms", str(delay_ms), "--num-blocks", str(num_blocks), *trusted],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+            env={**os.environ, TOKEN_ENV: token})
         self.info = json.loads(self.proc.stdout.readline())
-        self.peer = PeerInfo(self.info["node_id"], self.info["side_channel"])
+        self.record = PeerRecord(**self.info["record"])
+        self.node_id = self.record.node_id
+        if requester is not None:
+            requester.requester.directory.add(self.record)
 
     def check(self) -> dict:
         self.proc.stdin.write("check\n")
@@ -48,20 +60,31 @@ class Holder:
 
     def close(self) -> None:
         if self.proc.poll() is None:
+            if self.proc.returncode is None:
+                self.proc.send_signal(signal.SIGCONT)
             self.proc.stdin.write("quit\n")
             self.proc.stdin.flush()
             self.proc.wait(timeout=10)
 
 
+def make_agent(name: str, backend: str, num_blocks: int = 48, kv: torch.Tensor | None = None) -> TransferAgent:
+    kv = torch.zeros((num_blocks, *BLOCK_SHAPE)) if kv is None else kv
+    return TransferAgent(name, BlockPool(kv.shape[0]), kv, create_transfer_engine(backend, auth=AUTH), StaticPeers(),
+                         AUTH).start()
+
+
 @pytest.fixture
 def requester(request):
     backend = request.param if hasattr(request, "param") else "zmq"
-    kv = torch.zeros((48, *BLOCK_SHAPE))
-    pool = BlockPool(48)
-    agent = TransferAgent("requester", pool, kv, create_transfer_engine(backend))
+    agent = make_agent("requester", backend)
     yield agent
     agent.close()
-    pool.check_integrity()
+    agent.pool.check_integrity()
+    agent.grants.check_integrity()
+
+
+def kv_of(agent: TransferAgent) -> torch.Tensor:
+    return agent.kv_buffer
 
 
 def test_coalescing_exact_runs():
@@ -77,18 +100,19 @@ def test_coalescing_exact_runs():
 
 @pytest.mark.parametrize("requester", BACKENDS, indirect=True)
 def test_every_byte_arrives_scattered_ids(requester):
-    holder = Holder(requester.engine.name, seed=11)
+    holder = Holder(requester.engine.name, seed=11, requester=requester)
     try:
         hashes = chain_hashes(20)
         dst = [40, 3, 4, 5, 17, 18, 30, 31, 32, 33, 0, 1, 2, 44, 45, 46, 9, 8, 7, 6]  # scattered on purpose
         requester.pool.allocate(48)  # own all blocks so the ids above are ours to use
-        before = requester.kv_buffer.clone()
-        written = requester.request_push(holder.peer, dst, hashes, timeout_s=20)
-        assert written == [True] * 20
+        kv = kv_of(requester)
+        before = kv.clone()
+        outcome = requester.requester.push(holder.node_id, dst, hashes, request_id="r", timeout_s=20)
+        assert outcome.error is None and outcome.num_written == 20 and outcome.tainted_block_ids == []
         for i, block in enumerate(dst):
-            assert torch.equal(requester.kv_buffer[block], holder.expected_block(i)), f"block {i}"
+            assert torch.equal(kv[block], holder.expected_block(i)), f"block {i}"
         untouched = sorted(set(range(48)) - set(dst))
-        assert torch.equal(requester.kv_buffer[untouched], before[untouched])
+        assert torch.equal(kv[untouched], before[untouched])
         assert holder.check() == {"ok": True, "num_pinned": 0, "num_malformed": 0}
         requester.pool.free(list(range(48)))
     finally:
@@ -97,14 +121,14 @@ def test_every_byte_arrives_scattered_ids(requester):
 
 @pytest.mark.parametrize("requester", BACKENDS, indirect=True)
 def test_pull_prefix_caches_what_the_peer_holds(requester):
-    holder = Holder(requester.engine.name, seed=12, chain=6)
+    holder = Holder(requester.engine.name, seed=12, requester=requester, chain=6)
     try:
         hashes = chain_hashes(10)  # the holder has only the first 6
-        ids = requester.pull_prefix(holder.peer, hashes, timeout_s=20)
+        ids = requester.pull_prefix(holder.node_id, hashes, timeout_s=30, request_id="p")
         assert len(ids) == 6
         assert requester.pool.match(hashes) == ids
         for i, block in enumerate(ids):
-            assert torch.equal(requester.kv_buffer[block], holder.expected_block(i))
+            assert torch.equal(kv_of(requester)[block], holder.expected_block(i))
         requester.pool.free(ids)
         requester.pool.check_integrity()
     finally:
@@ -112,78 +136,179 @@ def test_pull_prefix_caches_what_the_peer_holds(requester):
 
 
 def test_holder_waits_for_blocks_still_being_computed(requester):
-    holder = Holder("zmq", seed=13, chain=8, delay_ms=150)  # one block every 150 ms
+    holder = Holder("zmq", seed=13, requester=requester, chain=8, delay_ms=150)  # one block every 150 ms
     try:
-        start = time.monotonic()
-        ids = requester.pull_prefix(holder.peer, chain_hashes(8), timeout_s=20, wait_ms=5000)
-        assert len(ids) == 8 and time.monotonic() - start > 0.5
+        ids = requester.pool.allocate(8)
+        outcome = requester.requester.push(holder.node_id, ids, chain_hashes(8), request_id="w", timeout_s=20,
+                                           wait_ms=10_000)
+        assert outcome.num_written == 8 and outcome.error is None
         for i, block in enumerate(ids):
-            assert torch.equal(requester.kv_buffer[block], holder.expected_block(i))
+            assert torch.equal(kv_of(requester)[block], holder.expected_block(i))
         requester.pool.free(ids)
     finally:
         holder.close()
 
 
 def test_killed_holder_gives_a_typed_error_and_frees_blocks(requester):
-    holder = Holder("zmq", seed=14, chain=8, delay_ms=2000)  # still "prefilling"
+    holder = Holder("zmq", seed=14, requester=requester, chain=8, delay_ms=2000)  # still "prefilling"
     free_before = requester.pool.num_free_blocks
     holder.proc.send_signal(signal.SIGKILL)
-    start = time.monotonic()
+    holder.proc.wait()
     with pytest.raises(TransferTimeout, match="holder-14"):
-        requester.pull_prefix(holder.peer, chain_hashes(8), timeout_s=1.5, wait_ms=10000)
-    assert time.monotonic() - start < 5
+        requester.pull_prefix(holder.node_id, chain_hashes(8), timeout_s=1.5, request_id="k")
     assert requester.pool.num_free_blocks == free_before
     requester.pool.check_integrity()
 
 
-def test_requester_abort_unpins_on_the_holder(requester):
-    holder = Holder("zmq", seed=15, chain=8, delay_ms=300)
+@pytest.mark.parametrize("requester", BACKENDS, indirect=True)
+def test_requester_abort_unpins_on_the_holder_and_releases_the_grant(requester):
+    holder = Holder(requester.engine.name, seed=15, requester=requester, chain=8, delay_ms=300)
     try:
-        with pytest.raises(TransferTimeout):  # gives up early and sends Abort
-            requester.pull_prefix(holder.peer, chain_hashes(8), timeout_s=0.5, wait_ms=20000)
-        time.sleep(0.5)
-        assert holder.check()["num_pinned"] == 0
+        ids = requester.pool.allocate(8)
+        outcome = requester.requester.push(holder.node_id, ids, chain_hashes(8), request_id="a", timeout_s=0.5,
+                                           wait_ms=20_000)  # gives up early: Abort, revoke
+        assert isinstance(outcome.error, TransferTimeout)
+        requester.pool.free(ids)
+        wait_until(lambda: requester.grants.num_quarantined_blocks == 0)  # the holder's final released it
+        wait_until(lambda: holder.check()["num_pinned"] == 0)
         requester.pool.check_integrity()
+        assert requester.pool.usage().num_used == 0
     finally:
         holder.close()
 
 
-def test_holder_abort_reaches_the_requester():
-    kv = torch.randn((16, *BLOCK_SHAPE))
-    holder_pool, req_pool = BlockPool(16), BlockPool(16)
-    holder = TransferAgent("h", holder_pool, kv, create_transfer_engine("zmq"))
-    req = TransferAgent("r", req_pool, torch.zeros_like(kv), create_transfer_engine("zmq"))
+@pytest.mark.parametrize("requester", BACKENDS, indirect=True)
+def test_stalled_then_resumed_holder_cannot_touch_reused_blocks(requester):
+    """SIGSTOP a holder mid-push past the requester's timeout; the blocks it was granted are refilled with
+    other data; SIGCONT: the other data stays intact (zmq refuses late writes, Mooncake's tainted blocks
+    were quarantined and never handed out) and the quarantine lifts once the holder says it stopped."""
+    holder = Holder(requester.engine.name, seed=18, requester=requester, chain=24, delay_ms=250)
     try:
-        timer = threading.Timer(0.3, holder.abort, args=("req-1", "holder shutting down"))
-        timer.start()
-        with pytest.raises(TransferError, match="holder shutting down|aborted"):
-            req.pull_prefix(holder.info, chain_hashes(4), request_id="req-1", timeout_s=5, wait_ms=3000)
-        holder_pool.check_integrity()
-        req_pool.check_integrity()
-        assert req_pool.num_free_blocks == 16
+        ids = requester.pool.allocate(24)
+
+        def stop_after_first_chunk():  # the holder is mid-push: some blocks confirmed, more to come
+            wait_until(lambda: any(g.num_confirmed for g in list(requester.grants._grants.values())))
+            holder.proc.send_signal(signal.SIGSTOP)
+
+        stopper = threading.Thread(target=stop_after_first_chunk)
+        stopper.start()
+        outcome = requester.requester.push(holder.node_id, ids, chain_hashes(24), request_id="s", timeout_s=3,
+                                           wait_ms=30_000)
+        stopper.join()
+        assert isinstance(outcome.error, TransferTimeout)
+        tainted = set(outcome.tainted_block_ids)
+        if requester.engine.name == "zmq":
+            assert not tainted  # the receiver refuses writes outside a live grant
+        requester.pool.free(ids)
+        reused = requester.pool.allocate(requester.pool.num_free_blocks)  # every block anyone may hand out
+        assert not tainted & set(reused)
+        kv = kv_of(requester)
+        for b in reused:
+            kv[b].fill_(float(b))
+        holder.proc.send_signal(signal.SIGCONT)
+        wait_until(lambda: requester.grants.num_quarantined_blocks == 0)
+        wait_until(lambda: holder.check()["num_pinned"] == 0)
+        for b in reused:
+            assert torch.all(kv[b] == float(b)), f"block {b} was overwritten after its grant was revoked"
+        requester.pool.free(reused)
+        assert requester.pool.usage().num_used == 0
     finally:
         holder.close()
-        req.close()
+
+
+def test_holder_shutdown_reaches_the_requester(requester):
+    holder = make_agent("holder", "zmq", num_blocks=16)  # in this process; it holds none of the blocks yet
+    holder.requester.directory.add(requester.record)
+    holder.holder.directory.add(requester.record)
+    requester.requester.directory.add(holder.record)
+    try:
+        ids = requester.pool.allocate(4)
+        timer = threading.Timer(0.5, holder.close)
+        timer.start()
+        outcome = requester.requester.push("holder", ids, chain_hashes(4), request_id="x", timeout_s=20,
+                                           wait_ms=20_000)
+        timer.join()
+        assert outcome.error is not None and "shutting_down" in str(outcome.error)
+        assert outcome.num_written == 0 and requester.grants.num_open == 0
+        requester.pool.free(ids)
+        holder.pool.check_integrity()
+        assert holder.pool.num_pinned() == 0
+    finally:
+        holder.close()
+
+
+def test_forged_and_unauthenticated_pushes_are_refused(requester):
+    holder = Holder("zmq", seed=20, requester=requester, chain=4)
+    victim = make_agent("victim", "zmq", num_blocks=8)
+    try:
+        sock = zmq.Context.instance().socket(zmq.DEALER)
+        sock.linger = 0
+        sock.connect(f"tcp://{holder.record.side_channel}")
+        hashes = chain_hashes(4)
+
+        def ask(msg, auth=AUTH):
+            sock.send(auth.seal(m.encode(msg)))
+            assert sock.poll(10_000)
+            frame = sock.recv()
+            return frame if frame == REFUSED else m.decode(AUTH.open(frame))
+
+        # No token / a wrong token: refused before anything is decoded.
+        forged = m.PushRequest("f1", "requester", "g", [0, 1, 2, 3], hashes, 1000)
+        assert ask(forged, ClusterAuth("")) == REFUSED
+        assert ask(forged, ClusterAuth("wrong")) == REFUSED
+        # A requester the holder's directory does not know (the victim is not trusted by it).
+        reply = ask(m.PushRequest("f2", "victim", "g", [0, 1, 2, 3], hashes, 1000))
+        assert isinstance(reply, m.Refused) and reply.code == m.ErrorCode.UNKNOWN_REQUESTER.value
+        # Block ids past the requester's published buffer.
+        reply = ask(m.PushRequest("f3", "requester", "g", [0, 1, 2, 48], hashes, 1000))
+        assert isinstance(reply, m.Refused) and reply.code == m.ErrorCode.OUT_OF_BOUNDS.value
+        # A push under a grant the requester never issued: the holder tries, the receiver refuses the write.
+        reply = ask(m.PushRequest("f4", "requester", "not-a-grant", [0, 1, 2, 3], hashes, 1000))
+        assert isinstance(reply, m.PushResult) and reply.final and reply.code == m.ErrorCode.WRITE_FAILED.value
+        assert not any(reply.written)
+        assert requester.grants.num_refused_writes >= 1
+        # A raw transfer-engine write with the token but no grant, and one without the token.
+        rogue = create_transfer_engine("zmq", auth=AUTH)
+        src = torch.ones(BLOCK_SHAPE)
+        src_addr = rogue.register(src)
+        desc = [Descriptor(src_addr, requester.base_addr, requester.block_bytes)]
+        with pytest.raises(TransferError, match="grant"):
+            rogue.write(requester.engine.endpoint, desc, grant_id="guess")
+        rogue.close()
+        unauth = create_transfer_engine("zmq", auth=ClusterAuth("wrong"))
+        unauth.register(src)
+        with pytest.raises(TransferError, match="refused"):
+            unauth.write(requester.engine.endpoint, desc, grant_id="guess", timeout_s=5)
+        unauth.close()
+        assert not kv_of(requester).any(), "a refused write changed the buffer"
+        assert requester.num_unauthenticated >= 1
+        sock.close()
+        assert holder.check()["num_pinned"] == 0
+    finally:
+        victim.close()
+        holder.close()
 
 
 def test_malformed_messages_are_refused_and_the_holder_keeps_serving(requester):
-    holder = Holder("zmq", seed=16, chain=4)
+    holder = Holder("zmq", seed=16, requester=requester, chain=4)
     try:
         ctx = zmq.Context.instance()
         sock = ctx.socket(zmq.DEALER)
         sock.linger = 0
-        sock.connect(f"tcp://{holder.peer.side_channel}")
+        sock.connect(f"tcp://{holder.record.side_channel}")
         bad = [b"\xc1garbage", msgpack.packb([1, 2]), msgpack.packb({"type": "nope"}),
                msgpack.packb({"type": "push_request", "request_id": 5}),
-               msgpack.packb({"type": "push_request", "request_id": "x", "requester_id": "y",
-                              "transfer_endpoint": "z", "dst_base_addr": 0, "block_bytes": 64,
-                              "dst_block_ids": [1], "block_hashes": [b"short"]})]
+               msgpack.packb({"type": "push_request", "request_id": "x", "requester_id": "y", "grant_id": "g",
+                              "deadline_ms": 10, "dst_block_ids": [1], "block_hashes": [b"short"]}),
+               msgpack.packb({"type": "push_request", "request_id": "x", "requester_id": "y", "grant_id": "g",
+                              "deadline_ms": 10**9, "dst_block_ids": [1], "block_hashes": [b"h" * 16]}),
+               m.encode(m.PushResult("x", [True]))]
         for payload in bad:
-            sock.send(payload)
-            reply = m.decode(sock.recv())
-            assert isinstance(reply, m.Abort) and "malformed" in reply.reason
+            sock.send(AUTH.seal(payload))
+            reply = m.decode(AUTH.open(sock.recv()))
+            assert isinstance(reply, m.Refused) and reply.code == m.ErrorCode.MALFORMED.value
         sock.close()
-        ids = requester.pull_prefix(holder.peer, chain_hashes(4), timeout_s=10)
+        ids = requester.pull_prefix(holder.node_id, chain_hashes(4), timeout_s=10, request_id="ok")
         assert len(ids) == 4
         requester.pool.free(ids)
         assert holder.check()["num_malformed"] == len(bad)
@@ -191,12 +316,19 @@ def test_malformed_messages_are_refused_and_the_holder_keeps_serving(requester):
         holder.close()
 
 
+def wait_until(predicate, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
 @pytest.mark.parametrize("payload,match", [
     (b"\xc1", "not a msgpack"), (msgpack.packb(3), "expected a map"), (msgpack.packb({"type": "x"}), "unknown or unexpected message"),
     (msgpack.packb({"type": "abort"}), "missing fields"),
     (msgpack.packb({"type": "abort", "request_id": "a", "extra": 1}), "unknown fields"),
-    (msgpack.packb({"type": "prefill_done", "request_id": "a", "first_token": True, "logprob": 0.0,
-                    "num_computed_tokens": 1}), "first_token"),
+    (msgpack.packb({"type": "refused", "request_id": "a", "code": "nonsense"}), "unknown error code"),
+    (msgpack.packb({"type": "accepted", "request_id": 7}), "request_id"),
 ])
 def test_message_validation(payload, match):
     with pytest.raises(m.MessageError, match=match):
@@ -204,8 +336,10 @@ def test_message_validation(payload, match):
 
 
 def test_messages_round_trip():
-    for msg in (m.PushRequest("r", "n", "h:1", 4096, 128, [1, 2], [b"a" * 16, b"b" * 16], 50),
-                m.PushResult("r", [True, False], final=False), m.PrefillDone("r", 42, -0.5, 17), m.Abort("r", "why")):
+    for msg in (m.PushRequest("r", "n", "g", [1, 2], [b"a" * 16, b"b" * 16], 500, 50),
+                m.ComputeAndPush("r", "n", "g", [1, 2, 3], 0, [4], 1000), m.Accepted("r"),
+                m.Refused("r", m.ErrorCode.BUSY.value, "full"),
+                m.PushResult("r", [True, False], final=False), m.Abort("r", "why")):
         assert m.decode(m.encode(msg)) == msg
 
 
@@ -245,20 +379,20 @@ def test_stale_index_entry_is_advisory(requester):
     from kvmesh.metadata.block_index import BlockIndex, BlockPublisher
     from kvmesh.metadata.memory_store import MemoryStore
 
-    holder = Holder("zmq", seed=17, chain=6)
+    holder = Holder("zmq", seed=17, requester=requester, chain=6)
     store = MemoryStore()
-    publisher = BlockPublisher(store, "c", "ns", holder.peer.node_id)
+    publisher = BlockPublisher(store, "c", "ns", holder.node_id)
     publisher.set_lease(store.grant_lease(10))
     index = BlockIndex(store, "c", "ns")
     try:
         hashes = chain_hashes(10)
         publisher.publish(hashes)  # what the holder once had
         assert publisher.flush() and index.mirror.wait_healthy(5)
-        assert index.lookup(hashes) == {holder.peer.node_id: 10}
-        ids = requester.pull_prefix(holder.peer, hashes[:10], timeout_s=10)
+        assert index.lookup(hashes) == {holder.node_id: 10}
+        ids = requester.pull_prefix(holder.node_id, hashes[:10], timeout_s=10, request_id="stale")
         assert len(ids) == 6
         for i, block in enumerate(ids):
-            assert torch.equal(requester.kv_buffer[block], holder.expected_block(i))
+            assert torch.equal(kv_of(requester)[block], holder.expected_block(i))
         requester.pool.free(ids)
         assert holder.check()["num_pinned"] == 0
     finally:

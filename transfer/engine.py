@@ -26,8 +26,12 @@ class TransferEngine(Protocol):
         """Register a tensor's memory for incoming and outgoing writes; returns its base address."""
 
     def write(self, peer_endpoint: str, descriptors: Sequence[Descriptor], *, request_id: str = "",
-              timeout_s: float = 30.0) -> None:
-        """Copy each descriptor's local range to the peer's range in one batch; raises TransferError."""
+              grant_id: str = "", timeout_s: float = 30.0) -> None:
+        """Copy each descriptor's local range to the peer's range in one batch, under the peer's grant.
+
+        Raises TransferError; TransferTimeout past ``timeout_s`` (its ``pending`` is set when the
+        batch may still be running natively).
+        """
 
     def close(self) -> None: ...
 
@@ -41,7 +45,7 @@ def mooncake_available() -> bool:
 
 
 def create_transfer_engine(backend: str = "auto", *, host: str = "127.0.0.1", transport: str = "auto",
-                           metadata_server: str = "P2PHANDSHAKE") -> TransferEngine:
+                           metadata_server: str = "P2PHANDSHAKE", auth=None) -> TransferEngine:
     """``backend``: mooncake, zmq, or auto (Mooncake when it loads, else zmq)."""
     if backend == "auto":
         backend = "mooncake" if mooncake_available() else "zmq"
@@ -52,5 +56,5 @@ def create_transfer_engine(backend: str = "auto", *, host: str = "127.0.0.1", tr
     if backend == "zmq":
         from kvmesh.transfer.zmq_engine import ZmqTransferEngine
 
-        return ZmqTransferEngine(host=host)
+        return ZmqTransferEngine(host=host, auth=auth)
     raise ValueError(f"unknown transfer backend {backend!r} (choose from auto, mooncake, zmq)")

@@ -13,7 +13,20 @@ class TransferError(KvmeshError, RuntimeError):
 
 
 class TransferTimeout(TransferError):
-    """No answer within the deadline: the peer may be dead or stuck."""
+    """No answer within the deadline: the peer may be dead or stuck.
+
+    ``pending``: a write that is still running natively (a Future), when there is one.
+    """
+
+    pending = None
+
+
+class TransferRefused(TransferError):
+    """The writer refused the transfer up front (``code``: a ``messages.ErrorCode``); nothing was written."""
+
+    def __init__(self, message: str, *, code: str, request_id: str = "", peer: str = ""):
+        super().__init__(message, request_id=request_id, peer=peer)
+        self.code = code
 
 
 class TransferAborted(TransferError):

@@ -1,231 +1,123 @@
-"""TransferAgent: a node's end of KV movement (DESIGN §2, §6).
+"""TransferAgent: a node's end of KV movement (DESIGN §2, §6), composed of one part per job.
 
-As a **holder** it serves push requests on its side channel (a ZMQ ROUTER): it
-matches the wanted hashes against its own pool (the global index may be stale),
-pins what it has, writes it into the requester's blocks with one batched
-transfer per chunk of coalesced runs, waits up to ``wait_ms`` for blocks still
-being computed, and answers which blocks it wrote. Pins are always released.
+    side channel (authenticated ROUTER) ──> KVHolder      writes our blocks into peers' grants
+    KVRequester (DEALERs, one IO thread) ──> peers         asks peers to write into our grants
+    GrantTable                                            who may write which of our blocks
+    TransferEngine                                        moves the bytes (Mooncake or zmq)
 
-As a **requester** it asks a peer to push (``request_push``) or pulls a prefix into
-freshly allocated blocks (``pull_prefix``); on any failure it frees what it
-allocated and raises a typed TransferError, so nothing leaks.
-
-    requester                          holder
-    PushRequest(dst ids, hashes) ──>   match + pin, write runs ──> requester's buffer
-                                 <──   PushResult(final=False)      (per chunk)
-                                 <──   PushResult(final=True, written[])
-    Abort ──> / <── Abort              either side, any time
+The holder and the requester change the pool only through BlockPool's own
+atomic operations (``match_and_pin``, ``cache_and_dedupe``). Construction
+registers the KV buffer and binds the side channel; ``start`` starts the threads.
 """
 from __future__ import annotations
 
 import logging
-import threading
-import time
-import uuid
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 
 import torch
-import zmq
 
+from kvmesh.auth import ClusterAuth
 from kvmesh.kv.block_hash import BlockHash
 from kvmesh.kv.block_pool import NO_BLOCK, BlockPool
 from kvmesh.router_endpoint import RouterEndpoint
 from kvmesh.transfer import messages as m
-from kvmesh.transfer.coalesce import coalesce, to_descriptors
 from kvmesh.transfer.engine import TransferEngine
-from kvmesh.transfer.errors import TransferAborted, TransferError, TransferTimeout
+from kvmesh.transfer.errors import TransferError
+from kvmesh.transfer.grants import GrantTable
+from kvmesh.transfer.holder import KVHolder
+from kvmesh.transfer.peers import PeerDirectory, PeerRecord
+from kvmesh.transfer.requester import KVRequester, PushOutcome
 
 log = logging.getLogger("kvmesh.transfer")
 
 
-@dataclass(frozen=True)
-class PeerInfo:
-    node_id: str
-    side_channel: str  # "host:port" of the peer's TransferAgent
-
-
 class TransferAgent:
     def __init__(self, node_id: str, pool: BlockPool, kv_buffer: torch.Tensor, engine: TransferEngine,
-                 host: str = "127.0.0.1", num_workers: int = 4):
+                 directory: PeerDirectory, auth: ClusterAuth | None = None, host: str = "127.0.0.1",
+                 num_workers: int = 4):
         self.node_id = node_id
         self.pool = pool
         self.engine = engine
+        self.auth = auth or ClusterAuth()
         self.kv_buffer = kv_buffer
         self.block_bytes = kv_buffer[0].numel() * kv_buffer.element_size()
+        self.num_blocks = kv_buffer.shape[0]
         self.base_addr = engine.register(kv_buffer)
         log.info("%s: transfer engine %s at %s, transport %s (%s)", node_id, engine.name, engine.endpoint,
                  engine.transport, engine.transport_reason)
-        self._ctx = zmq.Context.instance()
-        self._local = threading.local()
-        self._identities: dict[str, bytes] = {}
-        self._aborted: set[str] = set()
-        self._lock = threading.Lock()
-        self._workers = ThreadPoolExecutor(num_workers, thread_name_prefix=f"kvmesh-push-{node_id}")
-        self.num_malformed = 0
-        self.bytes_sent = 0  # as a holder
-        self.bytes_received = 0  # as a requester (blocks peers wrote into our buffer)
-        self._endpoint = RouterEndpoint(host, self._on_message, f"side-channel-{node_id}")
+        refusable = hasattr(engine, "set_write_guard")
+        self.grants = GrantTable(pool, self.base_addr, self.block_bytes, writes_refusable=refusable)
+        if refusable:
+            engine.set_write_guard(self.grants.guard_write)
+        self._endpoint = RouterEndpoint(host, self._on_message, f"side-channel-{node_id}", self.auth)
         self.side_channel = self._endpoint.endpoint
+        self.holder = KVHolder(node_id, pool, engine, self.base_addr, self.block_bytes, directory,
+                               lambda identity, msg: self._endpoint.send(identity, m.encode(msg)), num_workers)
+        self.requester = KVRequester(node_id, self.grants, directory, self.auth)
+        self.num_malformed = 0
+
+    def start(self) -> TransferAgent:
+        self.holder.start()
+        self.requester.start()
+        self._endpoint.start()
+        return self
 
     @property
-    def info(self) -> PeerInfo:
-        return PeerInfo(self.node_id, self.side_channel)
+    def record(self) -> PeerRecord:
+        """What peers need to write into us (published in etcd by nodes)."""
+        return PeerRecord(self.node_id, self.side_channel, self.engine.endpoint, self.base_addr, self.num_blocks,
+                          self.block_bytes)
 
-    # ---- holder ---------------------------------------------------------------------------------
+    @property
+    def num_unauthenticated(self) -> int:
+        """Frames refused for a missing or wrong cluster token (side channel and transfer engine)."""
+        return self._endpoint.num_refused + getattr(self.engine, "num_refused", 0)
+
+    @property
+    def bytes_sent(self) -> int:
+        return self.holder.bytes_sent
+
+    @property
+    def bytes_received(self) -> int:
+        return self.requester.bytes_received
+
     def _on_message(self, identity: bytes, payload: bytes) -> None:
         try:
             msg = m.decode(payload)
+            if not isinstance(msg, (m.PushRequest, m.ComputeAndPush, m.Abort)):
+                raise m.MessageError(f"{msg.TYPE} is not a request")
         except m.MessageError as e:
             self.num_malformed += 1
             log.warning("%s: refused a malformed side-channel message: %s", self.node_id, e)
-            self._endpoint.send(identity, m.encode(m.Abort("", f"malformed message: {e}")))
+            self._endpoint.send(identity, m.encode(m.Refused("", m.ErrorCode.MALFORMED.value, str(e))))
             return
-        if isinstance(msg, m.PushRequest):
-            with self._lock:
-                self._identities[msg.request_id] = identity
-            self._workers.submit(self._push, msg)
-        elif isinstance(msg, m.Abort):
-            with self._lock:
-                self._aborted.add(msg.request_id)
-        else:
-            log.warning("%s: unexpected %s on the side channel", self.node_id, msg.TYPE)
+        self.holder.on_message(identity, msg)
 
-    def _reply(self, request_id: str, msg: m.Message) -> None:
-        with self._lock:
-            identity = self._identities.get(request_id)
-        if identity is not None:
-            self._endpoint.send(identity, m.encode(msg))
+    def pull_prefix(self, peer_id: str, block_hashes: list[BlockHash], *, parent_block_id: int = NO_BLOCK,
+                    timeout_s: float = 10.0, request_id: str) -> list[int]:
+        """Fetch the longest prefix of ``block_hashes`` that ``peer_id`` holds into new local blocks.
 
-    def _is_aborted(self, request_id: str) -> bool:
-        with self._lock:
-            return request_id in self._aborted
-
-    def _push(self, req: m.PushRequest) -> None:
-        """Push whatever of ``req`` this node holds, as it becomes available; always unpins."""
-        num = len(req.block_hashes)
-        written = [False] * num
-        pinned: list[int] = []
-        error = ""
-        deadline = time.monotonic() + req.wait_ms / 1000
-        try:
-            while True:
-                new = self.pool.match_and_pin(req.block_hashes, skip=len(pinned))
-                if new:
-                    start = len(pinned)
-                    pinned += new
-                    runs = coalesce(new, req.dst_block_ids[start : len(pinned)])
-                    self.engine.write(req.transfer_endpoint,
-                                      to_descriptors(runs, self.base_addr, req.dst_base_addr, self.block_bytes,
-                                                     self.engine.max_descriptor_bytes),
-                                      request_id=req.request_id)
-                    written[start : len(pinned)] = [True] * len(new)
-                    self.bytes_sent += len(new) * self.block_bytes
-                    if len(pinned) < num:
-                        self._reply(req.request_id, m.PushResult(req.request_id, list(written), final=False))
-                if len(pinned) == num or self._is_aborted(req.request_id):
-                    break
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    break
-                self.pool.wait_for_cached(min(remaining, 0.05))
-        except Exception as e:  # a failed write: report it, never crash the holder
-            error = f"{type(e).__name__}: {e}"
-            log.warning("%s: push %s failed: %s", self.node_id, req.request_id, error)
-        finally:
-            self.pool.unpin(pinned)
-        if self._is_aborted(req.request_id):
-            error = error or "aborted by the requester"
-        self._reply(req.request_id, m.PushResult(req.request_id, written, final=True, error=error))
-        with self._lock:
-            self._identities.pop(req.request_id, None)
-            self._aborted.discard(req.request_id)
-
-    def abort(self, request_id: str, reason: str = "aborted by the holder") -> None:
-        """Holder-side abort: stop pushing and tell the requester."""
-        with self._lock:
-            self._aborted.add(request_id)
-        self._reply(request_id, m.Abort(request_id, reason))
-
-    # ---- requester -------------------------------------------------------------------------------------
-    def request_push(self, peer: PeerInfo, dst_block_ids: list[int], block_hashes: list[BlockHash], *,
-                     request_id: str | None = None, timeout_s: float = 10.0, wait_ms: int = 0) -> list[bool]:
-        """Ask ``peer`` to write ``block_hashes`` into our ``dst_block_ids``; returns per-block written flags.
-
-        Raises TransferTimeout (no final answer in ``timeout_s``; an Abort is sent),
-        TransferAborted (the holder aborted) or TransferError (the holder's write failed).
-        The destination blocks stay the caller's to free.
-        """
-        request_id = request_id or uuid.uuid4().hex
-        req = m.PushRequest(request_id, self.node_id, self.engine.endpoint, self.base_addr, self.block_bytes,
-                            list(dst_block_ids), list(block_hashes), wait_ms)
-        req.validate()
-        sock = self._side_channel_to(peer)
-        ok = False
-        try:
-            sock.send(m.encode(req))
-            deadline = time.monotonic() + timeout_s
-            while True:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0 or not sock.poll(remaining * 1000):
-                    sock.send(m.encode(m.Abort(request_id, "requester timed out")))
-                    raise TransferTimeout(f"no final push result within {timeout_s} s", request_id=request_id,
-                                          peer=peer.node_id)
-                msg = m.decode(sock.recv())
-                if msg.request_id not in (request_id, ""):
-                    continue  # a late answer to an earlier request on this socket
-                if isinstance(msg, m.Abort):
-                    raise TransferAborted(msg.reason or "aborted", request_id=request_id, peer=peer.node_id)
-                if isinstance(msg, m.PushResult) and msg.final:
-                    ok = True
-                    if msg.error:
-                        raise TransferError(f"push failed: {msg.error}", request_id=request_id, peer=peer.node_id)
-                    self.bytes_received += sum(msg.written) * self.block_bytes
-                    return msg.written
-        finally:
-            if not ok:  # a socket that timed out or was aborted on is not reused
-                self._forget_side_channel(peer)
-
-    def _side_channel_to(self, peer: PeerInfo) -> zmq.Socket:
-        """This thread's DEALER to ``peer``'s side channel, connected once and reused."""
-        sockets = self._local.__dict__.setdefault("dealers", {})
-        sock = sockets.get(peer.side_channel)
-        if sock is None:
-            sock = sockets[peer.side_channel] = self._ctx.socket(zmq.DEALER)
-            sock.linger = 0
-            sock.connect(f"tcp://{peer.side_channel}")
-        return sock
-
-    def _forget_side_channel(self, peer: PeerInfo) -> None:
-        sock = self._local.__dict__.get("dealers", {}).pop(peer.side_channel, None)
-        if sock is not None:
-            sock.close()
-
-    def pull_prefix(self, peer: PeerInfo, block_hashes: list[BlockHash], *, parent_block_id: int = NO_BLOCK,
-                    timeout_s: float = 10.0, wait_ms: int = 0, request_id: str | None = None) -> list[int]:
-        """Fetch the longest prefix of ``block_hashes`` that ``peer`` holds into new local blocks.
-
-        The written blocks are cached in our pool (their parent: ``parent_block_id``) and
-        returned with one reference each, owned by the caller. Unwritten blocks are freed;
-        on any error every allocated block is freed before the error propagates.
+        The written blocks are cached in our pool (their parent: ``parent_block_id``, on which the
+        caller holds a reference) and returned with one reference each, owned by the caller.
+        Everything else allocated is freed (tainted blocks stay with the grant table until the
+        writer stops). Raises TransferError when nothing could be fetched.
         """
         block_ids = self.pool.allocate(len(block_hashes))
-        try:
-            written = self.request_push(peer, block_ids, block_hashes, request_id=request_id, timeout_s=timeout_s,
-                                        wait_ms=wait_ms)
-        except BaseException:
-            self.pool.free(block_ids)
-            raise
-        num_ok = written.index(False) if False in written else len(written)
-        kept, extra = block_ids[:num_ok], block_ids[num_ok:]
-        self.pool.free(extra)
-        holders = self.pool.cache_blocks(kept, block_hashes[:num_ok], parent_block_id)
-        duplicates = [(own, h) for own, h in zip(kept, holders) if own != h]
-        if duplicates:  # we already held some: keep our copy, drop the fetched one
-            self.pool.touch([h for _, h in duplicates])
-            self.pool.free([own for own, _ in duplicates])
-        return holders
+        outcome: PushOutcome = self.requester.push(peer_id, block_ids, block_hashes, request_id=request_id,
+                                                   timeout_s=timeout_s)
+        kept = block_ids[:outcome.num_written]
+        self.pool.free(block_ids[outcome.num_written:])
+        if not kept and outcome.error is not None:
+            raise outcome.error
+        if outcome.error is not None:
+            log.warning("%s: pull from %s ended early: %s", self.node_id, peer_id, outcome.error)
+        return self.pool.cache_and_dedupe(kept, block_hashes[:len(kept)], parent_block_id)
 
     def close(self) -> None:
+        """Stop serving (pushes in progress end with SHUTTING_DOWN), then the requester and the engine."""
+        self.holder.close()
         self._endpoint.close()
-        self._workers.shutdown(wait=True, cancel_futures=True)
+        self.requester.close()
+        self.engine.close()
+
+
+__all__ = ["PushOutcome", "TransferAgent", "TransferError"]

@@ -1,79 +1,168 @@
 """Side-channel wire messages (DESIGN §6): one typed class each, MessagePack on the wire.
 
-Encoded by ``kvmesh.wire``: a msgpack map with a ``type`` field; ``decode``
-validates type, field names and field types and raises MessageError naming what
-is wrong, so a malformed message is refused without disturbing anything else.
+Encoded by ``kvmesh.wire`` and sealed with the cluster MAC (``kvmesh.auth``).
+``decode`` validates type, field names and field types and raises MessageError
+naming what is wrong, so a malformed message is refused without disturbing
+anything else. ``request_id`` is the correlation id of one conversation.
+
+One conversation per transfer, on the writer's side channel::
+
+    requester                                       holder / prefill node
+    PushRequest(grant, dst ids, hashes, wait)  ──>
+    ComputeAndPush(grant, prompt, first block) ──>  Accepted | Refused(code)   (compute only, at once)
+                                               <──  PushResult(final=False)    one per written chunk
+                                               <──  PushResult(final=True)     the writer has stopped
+    Abort ──>                                       the writer stops, answers its final PushResult
+
+Destination addresses never travel: the writer reads the requester's transfer
+endpoint and base address from the etcd node directory and bounds-checks the
+block ids against the requester's published layout.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import Enum
 from typing import ClassVar
 
 from kvmesh.wire import MessageError, encode, register
 from kvmesh.wire import decode as _decode
 
 MAX_BLOCKS_PER_REQUEST = 1 << 20
+MAX_WAIT_MS = 60_000  # no grant lives longer: a holder waits and writes at most this long
+
+
+class ErrorCode(str, Enum):
+    """Why a transfer was refused or ended early (never classified by message text)."""
+
+    NONE = ""
+    UNKNOWN_REQUESTER = "unknown_requester"  # not in the holder's node directory
+    OUT_OF_BOUNDS = "out_of_bounds"  # a block id past the requester's published buffer
+    LAYOUT_MISMATCH = "layout_mismatch"  # block sizes differ: the nodes run different models
+    BUSY = "busy"  # too many transfers in progress
+    INVALID_PROMPT = "invalid_prompt"  # the prefill node cannot compute this prompt
+    WRITE_FAILED = "write_failed"  # the transfer engine failed
+    EXPIRED = "expired"  # the grant's deadline passed before every block was written
+    ABORTED = "aborted"  # either side aborted
+    NOT_A_PREFILL_NODE = "not_a_prefill_node"
+    SHUTTING_DOWN = "shutting_down"
+    MALFORMED = "malformed"  # the message did not decode or validate
+
+
+_CODES = {c.value for c in ErrorCode}
+
+
+def _check_code(kind: str, code: str) -> None:
+    if code not in _CODES:
+        raise MessageError(f"{kind}: unknown error code {code!r}")
+
+
+def _check_grant(kind: str, grant_id: str, dst_block_ids: list[int], deadline_ms: int) -> None:
+    if not grant_id:
+        raise MessageError(f"{kind}: empty grant id")
+    if not 0 < len(dst_block_ids) <= MAX_BLOCKS_PER_REQUEST:
+        raise MessageError(f"{kind}: a transfer needs 1..{MAX_BLOCKS_PER_REQUEST} blocks")
+    if any(b < 0 for b in dst_block_ids):
+        raise MessageError(f"{kind}: negative block id")
+    if len(set(dst_block_ids)) != len(dst_block_ids):
+        raise MessageError(f"{kind}: repeated destination block id")
+    if not 0 < deadline_ms <= MAX_WAIT_MS:
+        raise MessageError(f"{kind}: deadline_ms must be within 1..{MAX_WAIT_MS}")
 
 
 @dataclass(frozen=True)
 class PushRequest:
-    """Requester -> holder: write the blocks with these hashes into these block ids of mine."""
+    """Requester -> holder: write the blocks with these hashes into the granted blocks of mine."""
 
     TYPE: ClassVar[str] = "push_request"
     request_id: str
-    requester_id: str
-    transfer_endpoint: str  # where the holder's transfer engine writes to
-    dst_base_addr: int  # requester's registered KV buffer
-    block_bytes: int
+    requester_id: str  # resolved in the holder's node directory (address, base, layout)
+    grant_id: str
     dst_block_ids: list[int]
     block_hashes: list[bytes]
-    wait_ms: int = 0  # how long to wait for blocks still being computed
+    deadline_ms: int  # the grant's lifetime: never write after this (from receipt)
+    wait_ms: int = 0  # how long to wait for blocks still being computed (<= deadline_ms)
 
     def validate(self) -> None:
+        _check_grant(self.TYPE, self.grant_id, self.dst_block_ids, self.deadline_ms)
+        if not 0 <= self.wait_ms <= self.deadline_ms:
+            raise MessageError("push_request: wait_ms must be within 0..deadline_ms")
         if len(self.dst_block_ids) != len(self.block_hashes):
-            raise MessageError("dst_block_ids and block_hashes differ in length")
-        if not 0 < len(self.block_hashes) <= MAX_BLOCKS_PER_REQUEST:
-            raise MessageError(f"a push request needs 1..{MAX_BLOCKS_PER_REQUEST} blocks")
+            raise MessageError("push_request: dst_block_ids and block_hashes differ in length")
         if any(len(h) != 16 for h in self.block_hashes):
-            raise MessageError("block hashes must be 16 bytes")
-        if any(b < 0 for b in self.dst_block_ids) or self.block_bytes <= 0 or self.dst_base_addr < 0:
-            raise MessageError("negative block id, address or block size")
-        if self.wait_ms < 0:
-            raise MessageError("wait_ms must be >= 0")
+            raise MessageError("push_request: block hashes must be 16 bytes")
 
 
 @dataclass(frozen=True)
-class PushResult:
-    """Holder -> requester: which blocks were written (progress while ``final`` is False)."""
+class ComputeAndPush:
+    """Decode node -> prefill node: compute this prompt and write blocks ``first_block..`` into my grant.
 
-    TYPE: ClassVar[str] = "push_result"
+    The prefill node hashes the prompt itself; block ``first_block + i`` of the
+    prompt's chain goes to ``dst_block_ids[i]``. Answered at once with Accepted or
+    Refused, then like a PushRequest.
+    """
+
+    TYPE: ClassVar[str] = "compute_and_push"
     request_id: str
-    written: list[bool]  # per requested block
-    final: bool = True
-    error: str = ""  # set when the push failed (the written flags still hold)
+    requester_id: str
+    grant_id: str
+    prompt_token_ids: list[int]
+    first_block: int
+    dst_block_ids: list[int]
+    deadline_ms: int
+
+    def validate(self) -> None:
+        _check_grant(self.TYPE, self.grant_id, self.dst_block_ids, self.deadline_ms)
+        if not self.prompt_token_ids or any(t < 0 for t in self.prompt_token_ids):
+            raise MessageError("compute_and_push: empty prompt or negative token id")
+        if self.first_block < 0:
+            raise MessageError("compute_and_push: negative first_block")
+
+
+@dataclass(frozen=True)
+class Accepted:
+    """Prefill node -> requester: the prompt is admitted; blocks follow as they are computed."""
+
+    TYPE: ClassVar[str] = "accepted"
+    request_id: str
 
     def validate(self) -> None:
         pass
 
 
 @dataclass(frozen=True)
-class PrefillDone:
-    """Prefill node -> decode node: the prompt's KV is pushed; here is the first token."""
+class Refused:
+    """Writer -> requester: nothing was or will be written for this conversation."""
 
-    TYPE: ClassVar[str] = "prefill_done"
+    TYPE: ClassVar[str] = "refused"
     request_id: str
-    first_token: int
-    logprob: float
-    num_computed_tokens: int
+    code: str
+    reason: str = ""
 
     def validate(self) -> None:
-        if self.first_token < 0 or self.num_computed_tokens < 0:
-            raise MessageError("negative token id or token count")
+        _check_code(self.TYPE, self.code)
+
+
+@dataclass(frozen=True)
+class PushResult:
+    """Writer -> requester: which blocks were written (a chunk while ``final`` is False).
+
+    A final result means the writer has stopped: it will never write into this grant again.
+    """
+
+    TYPE: ClassVar[str] = "push_result"
+    request_id: str
+    written: list[bool]  # per requested block
+    final: bool = True
+    code: str = ""  # ErrorCode when the transfer ended early (the written flags still hold)
+    error: str = ""
+
+    def validate(self) -> None:
+        _check_code(self.TYPE, self.code)
 
 
 @dataclass(frozen=True)
 class Abort:
-    """Either side: stop working on this request."""
+    """Either side: stop working on this conversation (the writer answers with its final PushResult)."""
 
     TYPE: ClassVar[str] = "abort"
     request_id: str
@@ -83,9 +172,9 @@ class Abort:
         pass
 
 
-Message = PushRequest | PushResult | PrefillDone | Abort
-register(PushRequest, PushResult, PrefillDone, Abort)
-_MESSAGES = (PushRequest, PushResult, PrefillDone, Abort)
+Message = PushRequest | ComputeAndPush | Accepted | Refused | PushResult | Abort
+_MESSAGES = (PushRequest, ComputeAndPush, Accepted, Refused, PushResult, Abort)
+register(*_MESSAGES)
 
 
 def decode(data: bytes) -> Message:
@@ -93,4 +182,5 @@ def decode(data: bytes) -> Message:
     return _decode(data, _MESSAGES)
 
 
-__all__ = ["Abort", "Message", "MessageError", "PrefillDone", "PushRequest", "PushResult", "decode", "encode"]
+__all__ = ["Abort", "Accepted", "ComputeAndPush", "ErrorCode", "MAX_WAIT_MS", "Message", "MessageError",
+           "PushRequest", "PushResult", "Refused", "decode", "encode"]

@@ -1,13 +1,22 @@
-"""Mooncake transfer engine backend (rdma where a device exists, tcp otherwise)."""
+"""Mooncake transfer engine backend (rdma where a device exists, tcp otherwise).
+
+Mooncake writes are one-sided: the receiver cannot refuse them, so kvmesh fences
+them with grants and quarantine (``transfer/grants.py``). ``write`` honours its
+timeout: the native batch runs on a helper thread; past the timeout a
+TransferTimeout carries the still-running batch (``pending``) so that the writer
+can tell the receiver it has stopped only once the batch really has.
+"""
 from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 
 import torch
 
 from kvmesh.transfer.coalesce import Descriptor
-from kvmesh.transfer.errors import TransferError, check_status
+from kvmesh.transfer.errors import TransferError, TransferTimeout, check_status
 from kvmesh.transfer.rdma_devices import choose_transport
 
 
@@ -17,8 +26,9 @@ class MooncakeTransferEngine:
     def __init__(self, host: str = "127.0.0.1", transport: str = "auto", metadata_server: str = "P2PHANDSHAKE"):
         choice = choose_transport(transport)
         # Mooncake's TCP transport binds to this address; its glog INFO lines are noise.
-        os.environ.setdefault("MC_TCP_BIND_ADDRESS", host)
+        os.environ["MC_TCP_BIND_ADDRESS"] = host  # an inherited value must not override --host
         os.environ.setdefault("GLOG_minloglevel", "1")
+        os.environ.setdefault("MC_TRANSFER_TIMEOUT", "30")  # the native layer's own bound on one batch
         try:
             from mooncake.engine import TransferEngine as _Engine
         except Exception as e:
@@ -33,6 +43,7 @@ class MooncakeTransferEngine:
         # Over TCP one descriptor is one stream: 1 MiB pieces keep several in flight (~2x on 64 MiB here).
         self.max_descriptor_bytes = 2**20 if self.transport == "tcp" else 0
         self._registered: list[torch.Tensor] = []
+        self._batches = ThreadPoolExecutor(8, thread_name_prefix="kvmesh-mooncake")
 
     def register(self, tensor: torch.Tensor) -> int:
         if not tensor.is_contiguous():
@@ -43,16 +54,24 @@ class MooncakeTransferEngine:
         return addr
 
     def write(self, peer_endpoint: str, descriptors: Sequence[Descriptor], *, request_id: str = "",
-              timeout_s: float = 30.0) -> None:
+              grant_id: str = "", timeout_s: float = 30.0) -> None:
         if not descriptors:
             return
-        status = self._engine.batch_transfer_sync_write(
-            peer_endpoint, [d.src_addr for d in descriptors], [d.dst_addr for d in descriptors],
-            [d.length for d in descriptors])
+        batch = self._batches.submit(
+            self._engine.batch_transfer_sync_write, peer_endpoint, [d.src_addr for d in descriptors],
+            [d.dst_addr for d in descriptors], [d.length for d in descriptors])
+        try:
+            status = batch.result(timeout=timeout_s)
+        except FutureTimeout:
+            error = TransferTimeout(f"Mooncake write of {len(descriptors)} descriptors still running after "
+                                    f"{timeout_s} s", request_id=request_id, peer=peer_endpoint)
+            error.pending = batch
+            raise error from None
         check_status(status, what=f"Mooncake batch_transfer_sync_write of {len(descriptors)} descriptors",
                      request_id=request_id, peer=peer_endpoint)
 
     def close(self) -> None:
+        self._batches.shutdown(wait=True)
         for tensor in self._registered:
             self._engine.unregister_memory(tensor.data_ptr())
         self._registered.clear()

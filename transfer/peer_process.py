@@ -2,22 +2,27 @@
 
 Fills a block-major buffer with seeded random data, caches a chain of blocks
 under known hashes (optionally one block every --delay-ms, like a prefill in
-progress), serves push requests, and answers commands on stdin:
-``check`` -> integrity of its pool and how many blocks are pinned; ``quit``.
+progress), serves push requests from the requesters named by ``--requester``
+(PeerRecord JSON: its static directory; the cluster token comes from
+$KVMESH_CLUSTER_TOKEN), prints its own PeerRecord as JSON, and answers commands
+on stdin: ``check`` -> integrity of its pool and how many blocks are pinned; ``quit``.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
 
 import torch
 
+from kvmesh.auth import ClusterAuth, token_from_env
 from kvmesh.kv.block_hash import hash_blocks, root_hash
 from kvmesh.kv.block_pool import BlockPool
 from kvmesh.transfer.engine import create_transfer_engine
 from kvmesh.transfer.kv_agent import TransferAgent
+from kvmesh.transfer.peers import PeerRecord, StaticPeers
 
 BLOCK_SHAPE = (2, 2, 16, 2, 8)  # layers, K/V, block_size, kv heads, head dim
 
@@ -40,11 +45,15 @@ def main() -> None:
     p.add_argument("--delay-ms", type=int, default=0)
     p.add_argument("--block-elems", type=int, default=0, help="fp32 elements per block (default: a small model's)")
     p.add_argument("--contiguous", action="store_true", help="the chain in blocks 0..chain-1, not shuffled")
+    p.add_argument("--requester", action="append", default=[], help="PeerRecord JSON of a node allowed to ask")
     args = p.parse_args()
+    peers = StaticPeers([PeerRecord(**json.loads(r)) for r in args.requester])
     shape = (args.block_elems,) if args.block_elems else BLOCK_SHAPE
     kv = seeded_buffer(args.num_blocks, args.seed, shape)
     pool = BlockPool(args.num_blocks)
-    agent = TransferAgent(f"holder-{args.seed}", pool, kv, create_transfer_engine(args.backend))
+    auth = ClusterAuth(token_from_env())
+    agent = TransferAgent(f"holder-{args.seed}", pool, kv, create_transfer_engine(args.backend, auth=auth), peers,
+                          auth).start()
     # Scattered source ids: the chain lives in a shuffled set of blocks.
     everything = pool.allocate(args.num_blocks)
     order = torch.randperm(args.num_blocks, generator=torch.Generator().manual_seed(args.seed + 1)).tolist()
@@ -52,7 +61,7 @@ def main() -> None:
     chain_ids = list(range(args.chain)) if args.contiguous else order[: args.chain]
     pool.touch(chain_ids)
     hashes = chain_hashes(args.chain)
-    print(json.dumps({"side_channel": agent.side_channel, "node_id": agent.node_id, "chain_ids": chain_ids,
+    print(json.dumps({"record": dataclasses.asdict(agent.record), "chain_ids": chain_ids,
                       "transport": agent.engine.transport}), flush=True)
     parent = -1
     for block, h in zip(chain_ids, hashes):

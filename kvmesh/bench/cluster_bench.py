@@ -156,7 +156,7 @@ def run_mode(mode: Mode, model: str, num_decode: int, workload: str, requests, c
              slo_ttft_ms: float, slo_tpot_ms: float, routing: str | None, bar: tqdm) -> dict:
     with LocalCluster(mode.num_prefill, num_decode, model=model, cluster=f"bench-{mode.name}",
                       node_args=["--transfer-backend", "auto", *mode.node_args], start_timeout_s=300) as cluster:
-        router = Router(RouterConfig(etcd=cluster.etcd_endpoint, model=model, cluster=f"bench-{mode.name}",
+        router = Router(RouterConfig(etcd=cluster.etcd_endpoint, cluster_token=cluster.token, model=model, cluster=f"bench-{mode.name}",
                                      routing=routing or mode.routing, max_in_flight=100_000))
         try:
             before = _node_totals(cluster)

@@ -36,7 +36,7 @@ def run(json_path: str | None, model: str = "tiny-llama", groups: int = 6, per_g
                  "num_decode": num_decode,
                  "system_len": system_len, "policies": {}}
     with LocalCluster(1, num_decode, model=model, cluster="bench-routing", start_timeout_s=300) as cluster:
-        router = Router(RouterConfig(etcd=cluster.etcd_endpoint, model=model, cluster="bench-routing"))
+        router = Router(RouterConfig(etcd=cluster.etcd_endpoint, cluster_token=cluster.token, model=model, cluster="bench-routing"))
         vocab = min(router.vocab_size, 256) if model.startswith("tiny") else router.vocab_size
         try:
             with tqdm(total=len(policies) * groups * per_group, desc="routing", leave=False) as bar:

@@ -18,12 +18,20 @@ from kvmesh.engine.request_state import RequestStatus
 from kvmesh.engine.sampling_params import SamplingParams
 from kvmesh.engine.scheduler import Scheduler, SchedulerConfig
 from kvmesh.engine.sequence import Sequence
-from kvmesh.errors import InvalidRequestError
+from kvmesh.errors import InvalidRequestError, KvmeshError
 from kvmesh.kv.block_hash import HashNamespace
 from kvmesh.kv.block_pool import BlockPool
 from kvmesh.kv.eviction import POLICIES
 from kvmesh.kv.kv_buffer import KVLayout
 from kvmesh.model.loader import LoadedModel
+
+
+class StepFailed(KvmeshError, RuntimeError):
+    """An engine step raised; ``failed`` are the requests of that batch, now FAILED and freed."""
+
+    def __init__(self, message: str, failed: list[Sequence]):
+        super().__init__(message)
+        self.failed = failed
 
 
 @dataclass(frozen=True)
@@ -113,10 +121,20 @@ class LLMEngine:
         out = self.scheduler.schedule()
         if not out.batch:
             return []
-        results = self.runner.execute(out.batch)
+        try:
+            return self._run_batch(out.batch)
+        except Exception as e:  # fail exactly this batch's requests; the engine goes on with the rest
+            failed = [seq for seq, _ in out.batch if not seq.is_finished]
+            for seq in failed:
+                seq.finish_reason = "error"
+                self.scheduler.finish(seq, RequestStatus.FAILED)
+            raise StepFailed(f"engine step failed: {type(e).__name__}: {e}", failed) from e
+
+    def _run_batch(self, batch) -> list[Sequence]:
+        results = self.runner.execute(batch)
         self.num_steps += 1
         finished = []
-        for (seq, n), sampled in zip(out.batch, results):
+        for (seq, n), sampled in zip(batch, results):
             self.scheduler.advance(seq, n)
             if sampled is None:
                 continue

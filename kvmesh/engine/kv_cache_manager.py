@@ -55,16 +55,21 @@ class KVCacheManager:
 
         Returns False, changing nothing, when the pool cannot supply the blocks.
         """
-        if not self.can_fit(seq, num_tokens, cached_block_ids):
-            return False
-        if cached_block_ids:
-            self.pool.touch(cached_block_ids)
-            seq.block_ids.extend(cached_block_ids)
-            seq.num_cached_blocks = len(seq.block_ids)
-        need = -(-num_tokens // self.block_size) - len(seq.block_ids)
-        if need > 0:
-            seq.block_ids.extend(self.pool.allocate(need))
-        return True
+        with self.pool.lock:  # other threads (transfers) allocate too: check, adopt and allocate at once
+            if not self.can_fit(seq, num_tokens, cached_block_ids):
+                return False
+            if cached_block_ids:
+                first = len(seq.block_ids)
+                held = self.pool.hold_if_cached(cached_block_ids, seq.block_hashes[first:first + len(cached_block_ids)])
+                if held < len(cached_block_ids):  # reallocated since the match: retry next step
+                    self.pool.free(cached_block_ids[:held])
+                    return False
+                seq.block_ids.extend(cached_block_ids)
+                seq.num_cached_blocks = len(seq.block_ids)
+            need = -(-num_tokens // self.block_size) - len(seq.block_ids)
+            if need > 0:
+                seq.block_ids.extend(self.pool.allocate(need))
+            return True
 
     def cache_full_blocks(self, seq: Sequence) -> None:
         """Register the blocks ``seq`` has completely computed; switch to an existing copy if one exists.
@@ -78,14 +83,23 @@ class KVCacheManager:
         self.update_hashes(seq)
         start = seq.num_cached_blocks
         own = seq.block_ids[start:num_full]
-        holders = self.pool.cache_blocks(own, seq.block_hashes[start:num_full],
-                                         seq.block_ids[start - 1] if start else NO_BLOCK)
-        if holders != own:  # some tokens were computed twice: keep one copy of each block
-            duplicates = [(o, h) for o, h in zip(own, holders) if o != h]
-            self.pool.touch([h for _, h in duplicates])
-            self.pool.free([o for o, _ in duplicates])
+        holders = self.pool.cache_and_dedupe(own, seq.block_hashes[start:num_full],
+                                             seq.block_ids[start - 1] if start else NO_BLOCK)
+        if holders != own:  # some tokens were computed twice: one copy of each block is kept
             seq.block_ids[start:num_full] = holders
         seq.num_cached_blocks = num_full
+
+    def replace_blocks(self, seq: Sequence, block_ids: Seq[int]) -> None:
+        """Swap these private, uncached blocks of ``seq`` for fresh ones (a stalled writer may still write them).
+
+        ``seq``'s references on the old blocks are dropped; whoever fenced them keeps its own.
+        Raises OutOfBlocksError, changing nothing, when the pool has no room.
+        """
+        old = [b for b in block_ids if b in seq.block_ids]
+        fresh = self.pool.allocate(len(old))
+        mapping = dict(zip(old, fresh))
+        seq.block_ids = [mapping.get(b, b) for b in seq.block_ids]
+        self.pool.free(old)
 
     def free(self, seq: Sequence) -> None:
         """Give back every block of ``seq``; cached ones stay matchable until reused."""

@@ -44,6 +44,7 @@ class BlockPool:
         self.policy = policy or TailFirstLRU()
         self._lock = threading.RLock()
         self._cached_cond = threading.Condition(self._lock)  # notified when blocks become matchable
+        self._generation = 0  # bumped with every notification, so a waiter never misses one
         self._ref = [0] * num_blocks
         self._pins = [0] * num_blocks
         self._hash: list[BlockHash | None] = [None] * num_blocks
@@ -58,6 +59,11 @@ class BlockPool:
         self.track_changes = track_changes
         self._evicted: list[BlockHash] = []
         self._newly_cached: list[BlockHash] = []
+
+    @property
+    def lock(self) -> threading.RLock:
+        """The pool's re-entrant lock: hold it to make several calls one atomic operation."""
+        return self._lock
 
     # ---- queries (no side effects) ----------------------------------------------------------
     @property
@@ -181,7 +187,7 @@ class BlockPool:
         """
         with self._lock:
             holder = self._cache_one(block_id, block_hash, parent_block_id)
-            self._cached_cond.notify_all()
+            self._notify()
             return holder
 
     def cache_blocks(self, block_ids: Sequence[int], block_hashes: Sequence[BlockHash],
@@ -196,7 +202,22 @@ class BlockPool:
             for block, h in zip(block_ids, block_hashes):
                 parent = cache_one(block, h, parent)
                 holders.append(parent)
-            self._cached_cond.notify_all()
+            self._notify()
+            return holders
+
+    def cache_and_dedupe(self, block_ids: Sequence[int], block_hashes: Sequence[BlockHash],
+                         parent_block_id: int = NO_BLOCK) -> list[int]:
+        """``cache_blocks``, then adopt existing copies: returns the block ids the caller now references.
+
+        Where another block already held a hash, the caller's reference moves to that block
+        and its own copy is freed, so every hash lives in one block.
+        """
+        with self._lock:
+            holders = self.cache_blocks(block_ids, block_hashes, parent_block_id)
+            duplicates = [(own, h) for own, h in zip(block_ids, holders) if own != h]
+            if duplicates:
+                self.touch([h for _, h in duplicates])
+                self.free([own for own, _ in duplicates])
             return holders
 
     def match_and_pin(self, block_hashes: Sequence[BlockHash], skip: int = 0) -> list[int]:
@@ -210,10 +231,51 @@ class BlockPool:
             self.pin(found)
             return found
 
-    def wait_for_cached(self, timeout_s: float) -> None:
-        """Block until some block is cached, or ``timeout_s`` passes (for holders awaiting a prefill)."""
+    def match_and_touch(self, block_hashes: Sequence[BlockHash]) -> list[int]:
+        """Atomically match the cached prefix of ``block_hashes`` and take a reference on each block.
+
+        The caller owns the references (``free`` them). Without the lock between match and
+        touch, another thread's ``allocate`` could take a matched block and reuse it.
+        """
+        with self._lock:
+            found = self.match(block_hashes)
+            self.touch(found)
+            return found
+
+    def hold_if_cached(self, block_ids: Sequence[int], block_hashes: Sequence[BlockHash]) -> int:
+        """Touch the leading ``block_ids`` that still hold ``block_hashes``, atomically; returns how many.
+
+        For callers that matched earlier without a reference (the engine's admission):
+        whatever was reallocated in between is not adopted.
+        """
+        with self._lock:
+            num = 0
+            for b, h in zip(block_ids, block_hashes):
+                if self._hash[b] != h:
+                    break
+                num += 1
+            self.touch(block_ids[:num])
+            return num
+
+    @property
+    def generation(self) -> int:
+        """Bumped whenever blocks become matchable or ``notify_change`` is called."""
+        return self._generation
+
+    def notify_change(self) -> None:
+        """Wake ``wait_for_change`` callers (holders waiting for new work use the same wait)."""
+        with self._lock:
+            self._notify()
+
+    def wait_for_change(self, seen_generation: int, timeout_s: float) -> int:
+        """Block until the generation differs from ``seen_generation`` or ``timeout_s`` passes; returns it."""
         with self._cached_cond:
-            self._cached_cond.wait(timeout_s)
+            self._cached_cond.wait_for(lambda: self._generation != seen_generation, timeout_s)
+            return self._generation
+
+    def _notify(self) -> None:
+        self._generation += 1
+        self._cached_cond.notify_all()
 
     def evict(self, num_blocks: int) -> int:
         """Drop the hashes of up to ``num_blocks`` cached free blocks, LRU first; returns how many.

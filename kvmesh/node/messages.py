@@ -1,4 +1,4 @@
-"""Node request messages (client/router <-> nodes, decode node -> prefill node), via ``kvmesh.wire``."""
+"""Node request messages (client/router <-> decode nodes), via ``kvmesh.wire``; sealed by ``kvmesh.auth``."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -47,23 +47,6 @@ class TokenEvent:
 
 
 @dataclass(frozen=True)
-class PrefillRequest:
-    """Decode node -> prefill node: compute the KV of this prompt.
-
-    No reply: the decode node asks for the blocks by hash on the side channel, and
-    the prefill node's holder pushes them as they are computed.
-    """
-
-    TYPE: ClassVar[str] = "prefill"
-    request_id: str
-    prompt_token_ids: list[int]
-
-    def validate(self) -> None:
-        if not self.prompt_token_ids:
-            raise MessageError("prefill: empty prompt")
-
-
-@dataclass(frozen=True)
 class AbortRequest:
     """Client/router -> decode node: the caller went away; stop the request and free its blocks."""
 
@@ -96,5 +79,5 @@ class StatsReply:
         pass
 
 
-register(GenerateRequest, TokenEvent, PrefillRequest, AbortRequest, StatsRequest, StatsReply)
-REQUESTS = (GenerateRequest, PrefillRequest, AbortRequest, StatsRequest)
+register(GenerateRequest, TokenEvent, AbortRequest, StatsRequest, StatsReply)
+REQUESTS = (GenerateRequest, AbortRequest, StatsRequest)

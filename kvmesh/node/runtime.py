@@ -1,41 +1,41 @@
-"""NodeRuntime: what every kvmesh node process runs, whatever its role.
+"""NodeRuntime: what every kvmesh node process runs, whatever its role, composed of one part per job.
 
-    request socket (ROUTER) ──> handlers ──call_soon──> engine thread: LLMEngine.step loop
-    TransferAgent: side channel + transfer engine over the engine's pool and KV buffer
-    etcd: NodeRegistry (lease), BlockPublisher (pool changes), BlockIndex, NodeDirectory
+    request endpoint (authenticated ROUTER) ──> handle() ──call_soon──> EngineLoop (the engine's thread)
+    TransferAgent: side channel, holder, requester, grants, transfer engine over the pool and KV buffer
+    ClusterMembership: etcd store, registry (lease), publisher, global index, node directory
 
 Only the engine thread touches the engine and scheduler; other threads hand it
 work with ``call_soon``. The block pool is shared with the transfer agent (it
-has its own lock). Role-specific behaviour lives in ``prefill_node`` and
-``decode_node`` subclasses, which add handlers and finish hooks.
+has its own lock). Role behaviour lives in ``prefill_node`` and ``decode_node``
+subclasses, which add handlers and finish hooks. Construction loads the model
+and binds sockets but starts no thread; ``start`` brings the parts up in order
+and registers the node.
 """
 from __future__ import annotations
 
 import hashlib
 import json
 import logging
-import queue
 import sys
-import threading
 import time
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from kvmesh.auth import ClusterAuth
 from kvmesh.engine.engine import EngineConfig, LLMEngine
 from kvmesh.engine.scheduler import SchedulerConfig
 from kvmesh.engine.sequence import Sequence
 from kvmesh.kv.block_hash import HashNamespace
 from kvmesh.kv.cache_stats import PrefixCacheStats
-from kvmesh.metadata.block_index import BlockIndex, BlockPublisher
-from kvmesh.metadata.etcd_store import EtcdStore
 from kvmesh.metadata.records import NodeRecord
-from kvmesh.metadata.registry import NodeDirectory, NodeRegistry
 from kvmesh.model.loader import load_model
 from kvmesh.node import messages as nm
+from kvmesh.node.engine_loop import EngineLoop
+from kvmesh.node.membership import ClusterMembership
 from kvmesh.router_endpoint import RouterEndpoint
 from kvmesh.transfer.engine import create_transfer_engine
-from kvmesh.transfer.kv_agent import PeerInfo, TransferAgent
+from kvmesh.transfer.kv_agent import TransferAgent
+from kvmesh.transfer.peers import FunctionPeers
 from kvmesh.wire import MessageError, decode, encode
 
 log = logging.getLogger("kvmesh.node")
@@ -61,6 +61,7 @@ class NodeConfig:
     transfer_gib_per_s: float = 1.0  # assumed by the cost model
     enable_prefix_caching: bool = True  # off: every prompt is computed in full (a benchmark baseline)
     use_global_pool: bool = True  # off: no lookups in the global index (local caches only, vLLM-style PD)
+    cluster_token: str = field(default="", repr=False)  # authenticates every frame (kvmesh.auth)
 
 
 def index_namespace(namespace: HashNamespace) -> str:
@@ -71,6 +72,10 @@ def index_namespace(namespace: HashNamespace) -> str:
 class NodeRuntime:
     def __init__(self, cfg: NodeConfig):
         self.cfg = cfg
+        self.auth = ClusterAuth(cfg.cluster_token)
+        if not self.auth.enabled:
+            log.warning("%s: no cluster token (--cluster-token / $KVMESH_CLUSTER_TOKEN): any process that reaches "
+                        "this node can submit work and make it write KV", cfg.node_id)
         self.loaded = load_model(cfg.model, dtype=cfg.dtype, progress=False)
         self.engine = LLMEngine(self.loaded, EngineConfig(
             block_size=cfg.block_size, num_kv_blocks=cfg.num_kv_blocks, track_pool_changes=True,
@@ -80,27 +85,24 @@ class NodeRuntime:
         self.pool = self.engine.pool
         self.prefill_tokens_per_s = self._measure_prefill_rate()
         self.engine.on_token = self.on_token
-        self.store = EtcdStore(cfg.etcd)
+        self.membership = ClusterMembership(cfg.etcd, cfg.cluster, cfg.node_id,
+                                            index_namespace(self.engine.namespace), cfg.lease_ttl_s,
+                                            on_peer_left=self._peer_left)
         self.agent = TransferAgent(cfg.node_id, self.pool, self.engine.runner.kv_buffer,
-                                   create_transfer_engine(cfg.transfer_backend, host=cfg.host), host=cfg.host)
-        namespace = index_namespace(self.engine.namespace)
-        self.publisher = BlockPublisher(self.store, cfg.cluster, namespace, cfg.node_id)
-        self.index = BlockIndex(self.store, cfg.cluster, namespace)
-        self.directory = NodeDirectory(self.store, cfg.cluster)
-        self.registry = NodeRegistry(self.store, cfg.cluster, ttl_s=cfg.lease_ttl_s)
-        self.registry.on_new_lease(self.publisher.set_lease)
+                                   create_transfer_engine(cfg.transfer_backend, host=cfg.host, auth=self.auth),
+                                   FunctionPeers(self.membership.peer), self.auth, host=cfg.host)
+        self.loop = EngineLoop(self.engine, cfg.node_id, self.on_finish, self.on_failed, self._publish)
         self.workers = ThreadPoolExecutor(16, thread_name_prefix=f"kvmesh-{cfg.node_id}")
-        self._commands: queue.Queue[Callable[[], None]] = queue.Queue()
-        self._stop = threading.Event()
-        self.endpoint = RouterEndpoint(cfg.host, self._on_request, f"requests-{cfg.node_id}")
-        self._engine_thread = threading.Thread(target=self._engine_loop, name=f"kvmesh-engine-{cfg.node_id}",
-                                               daemon=True)
-        self._engine_thread.start()
-        for mirror in (self.index.mirror, self.directory.mirror):  # serve with a synced view of the cluster
-            if not mirror.wait_healthy(30):
-                log.warning("%s: %s not synced with etcd yet; starting with local caches only",
-                            cfg.node_id, mirror.prefix)
-        self.registry.register(self.record())
+        self.endpoint = RouterEndpoint(cfg.host, self._on_request, f"requests-{cfg.node_id}", self.auth)
+        self.call_soon = self.loop.call_soon
+
+    def start(self) -> NodeRuntime:
+        """Start the engine thread, the transfer agent, the request endpoint; sync with etcd; register."""
+        self.loop.start()
+        self.agent.start()
+        self.endpoint.start()
+        self.membership.start(self.record())
+        return self
 
     # ---- identity ------------------------------------------------------------------------------
     def record(self) -> NodeRecord:
@@ -108,19 +110,18 @@ class NodeRuntime:
         return NodeRecord(self.cfg.node_id, self.cfg.role, self.cfg.host, self.agent.engine.endpoint,
                           self.agent.side_channel, self.endpoint.endpoint,
                           {"num_blocks": layout.num_blocks, "block_size": layout.block_size,
-                           "num_layers": layout.num_layers, "bytes_per_block": layout.bytes_per_block,
-                           "transport": self.agent.engine.transport},
+                           "num_layers": layout.num_layers, "bytes_per_block": self.agent.block_bytes,
+                           "base_addr": self.agent.base_addr, "transport": self.agent.engine.transport},
                           layout.num_blocks, {"free_blocks": self.pool.num_free_blocks})
 
     def lookup_holders(self, block_hashes: list[bytes]) -> dict[str, int]:
         """Other nodes holding a prefix of these blocks (empty when the global pool is off)."""
         if not (self.cfg.use_global_pool and self.cfg.enable_prefix_caching):
             return {}
-        return self.index.lookup(block_hashes, exclude=self.cfg.node_id)
+        return self.membership.lookup_holders(block_hashes)
 
-    def peer(self, node_id: str) -> PeerInfo | None:
-        record = self.directory.nodes.get(node_id)
-        return PeerInfo(node_id, record.side_channel) if record else None
+    def _peer_left(self, node_id: str) -> None:
+        self.agent.requester.peer_gone(node_id)
 
     def _measure_prefill_rate(self) -> float:
         """Tokens per second of one 64-token prefill (after a warm-up), for the decode-side cost model."""
@@ -139,32 +140,12 @@ class NodeRuntime:
         self.engine.kv.stats = PrefixCacheStats()  # counters start with the first real request
         return max(rates)
 
-    # ---- threads ---------------------------------------------------------------------------------
-    def call_soon(self, fn: Callable[[], None]) -> None:
-        """Run ``fn`` on the engine thread (the only one that touches the engine)."""
-        self._commands.put(fn)
-
-    def _engine_loop(self) -> None:
-        scheduler = self.engine.scheduler
-        while not self._stop.is_set():
-            busy = bool(scheduler.waiting or scheduler.running)
-            try:
-                fn = self._commands.get_nowait() if busy else self._commands.get(timeout=0.005)
-                fn()
-                while True:
-                    self._commands.get_nowait()()
-            except queue.Empty:
-                pass
-            except Exception:
-                log.exception("%s: command failed", self.cfg.node_id)
-            if scheduler.waiting or scheduler.running:
-                try:
-                    for seq in self.engine.step():
-                        self.on_finish(seq)
-                except Exception:
-                    log.exception("%s: engine step failed", self.cfg.node_id)
-            self.publisher.publish(self.pool.take_cached())
-            self.publisher.unpublish(self.pool.take_evicted())
+    # ---- engine-thread hooks ---------------------------------------------------------------------------
+    def _publish(self) -> None:
+        publisher = self.membership.publisher
+        if publisher is not None:
+            publisher.publish(self.pool.take_cached())
+            publisher.unpublish(self.pool.take_evicted())
 
     def _on_request(self, identity: bytes, payload: bytes) -> None:
         try:
@@ -183,6 +164,7 @@ class NodeRuntime:
         if check:
             try:
                 self.engine.check_integrity()
+                self.agent.grants.check_integrity()
             except AssertionError as e:
                 error = f"integrity: {e}"
         usage = self.pool.usage()
@@ -190,7 +172,13 @@ class NodeRuntime:
                  "bytes_sent": self.agent.bytes_sent, "num_used_blocks": usage.num_used,
                  "num_cached_blocks": usage.num_cached, "num_pinned": self.pool.num_pinned(),
                  "num_running": len(self.engine.scheduler.running), "prefill_tokens_per_s": self.prefill_tokens_per_s,
-                 **self.role_stats()}
+                 "num_unauthenticated": self.endpoint.num_refused + self.agent.num_unauthenticated,
+                 "num_transfers_refused": sum(self.agent.holder.num_refused.values()),
+                 "num_refused_writes": self.agent.grants.num_refused_writes,
+                 "num_quarantined_blocks": self.agent.grants.num_quarantined_blocks,
+                 "num_quarantined_total": self.agent.grants.num_quarantined_total,
+                 "num_pending_pushes": self.agent.holder.num_pending,
+                 "num_failed_steps": self.loop.num_failed_steps, **self.role_stats()}
         return nm.StatsReply(self.cfg.node_id, stats, error)
 
     # ---- role hooks -----------------------------------------------------------------------------------
@@ -203,6 +191,9 @@ class NodeRuntime:
 
     def on_finish(self, seq: Sequence) -> None:
         pass
+
+    def on_failed(self, seq: Sequence, error: str) -> None:
+        """Engine thread: ``seq`` failed in a broken step (already FAILED and freed)."""
 
     def role_stats(self) -> dict:
         return {}
@@ -225,10 +216,8 @@ class NodeRuntime:
         self.close()
 
     def close(self) -> None:
-        self._stop.set()
-        self._engine_thread.join(timeout=5)
-        self.publisher.close()
-        self.registry.deregister()
-        for part in (self.index, self.directory, self.endpoint, self.agent):
-            part.close()
+        self.loop.close()
+        self.membership.close()
+        self.endpoint.close()
+        self.agent.close()
         self.workers.shutdown(wait=False, cancel_futures=True)

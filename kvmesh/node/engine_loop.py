@@ -1,0 +1,70 @@
+"""EngineLoop: the one thread that touches a node's engine and scheduler.
+
+Other threads hand it work with ``call_soon``; between commands it steps the
+engine while there is work, reports finished requests (``on_finish``), requests
+failed by a broken step (``on_failed``: exactly that step's batch, already
+FAILED and freed) and runs ``after_step`` (the block publisher's drain).
+Construction starts nothing; ``start`` starts the thread.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable
+
+from kvmesh.engine.engine import LLMEngine, StepFailed
+from kvmesh.engine.sequence import Sequence
+
+log = logging.getLogger("kvmesh.node")
+
+
+class EngineLoop:
+    def __init__(self, engine: LLMEngine, name: str, on_finish: Callable[[Sequence], None],
+                 on_failed: Callable[[Sequence, str], None], after_step: Callable[[], None]):
+        self.engine = engine
+        self.name = name
+        self._on_finish = on_finish
+        self._on_failed = on_failed
+        self._after_step = after_step
+        self._commands: queue.Queue[Callable[[], None]] = queue.Queue()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"kvmesh-engine-{name}", daemon=True)
+        self.num_failed_steps = 0
+
+    def start(self) -> EngineLoop:
+        self._thread.start()
+        return self
+
+    def call_soon(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` on the engine thread (the only one that touches the engine)."""
+        self._commands.put(fn)
+
+    def _run(self) -> None:
+        scheduler = self.engine.scheduler
+        while not self._stop.is_set():
+            busy = bool(scheduler.waiting or scheduler.running)
+            try:
+                fn = self._commands.get_nowait() if busy else self._commands.get(timeout=0.005)
+                fn()
+                while True:
+                    self._commands.get_nowait()()
+            except queue.Empty:
+                pass
+            except Exception:
+                log.exception("%s: command failed", self.name)
+            if scheduler.waiting or scheduler.running:
+                try:
+                    for seq in self.engine.step():
+                        self._on_finish(seq)
+                except StepFailed as e:
+                    self.num_failed_steps += 1
+                    log.exception("%s: %s (%d requests failed)", self.name, e, len(e.failed))
+                    for seq in e.failed:
+                        self._on_failed(seq, str(e))
+            self._after_step()
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=5)

@@ -1,0 +1,79 @@
+"""ClusterMembership: a node's part of the etcd metadata (DESIGN §5).
+
+Its record on a kept-alive lease (NodeRegistry), the publisher of the blocks it
+holds, the global block index it looks prefixes up in, and the directory of
+the other nodes: where their side channels, transfer endpoints and KV buffers
+are (``peer``), and who left (``on_peer_left``, fed by lease expiry).
+Construction connects nothing; ``start`` syncs the mirrors and registers.
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+from kvmesh.metadata.block_index import BlockIndex, BlockPublisher
+from kvmesh.metadata.etcd_store import EtcdStore
+from kvmesh.metadata.records import NodeRecord
+from kvmesh.metadata.registry import NodeDirectory, NodeRegistry
+from kvmesh.transfer.peers import PeerRecord
+
+log = logging.getLogger("kvmesh.node")
+
+
+def peer_record(record: NodeRecord) -> PeerRecord | None:
+    """The transfer-relevant part of a node record (None if it lacks the layout fields)."""
+    layout = record.kv_layout
+    try:
+        return PeerRecord(record.node_id, record.side_channel, record.transfer_endpoint, int(layout["base_addr"]),
+                          int(layout["num_blocks"]), int(layout["bytes_per_block"]))
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+class ClusterMembership:
+    def __init__(self, etcd: str, cluster: str, node_id: str, namespace: str, lease_ttl_s: int,
+                 on_peer_left: Callable[[str], None]):
+        self.etcd, self.cluster, self.node_id, self.namespace = etcd, cluster, node_id, namespace
+        self.lease_ttl_s = lease_ttl_s
+        self._on_peer_left = on_peer_left
+        self.store = self.publisher = self.index = self.directory = self.registry = None
+
+    def start(self, record: NodeRecord, sync_timeout_s: float = 30.0) -> ClusterMembership:
+        self.store = EtcdStore(self.etcd)
+        self.publisher = BlockPublisher(self.store, self.cluster, self.namespace, self.node_id)
+        self.index = BlockIndex(self.store, self.cluster, self.namespace)
+        self.directory = NodeDirectory(self.store, self.cluster, on_event=self._on_event)
+        self.registry = NodeRegistry(self.store, self.cluster, ttl_s=self.lease_ttl_s)
+        self.registry.on_new_lease(self.publisher.set_lease)
+        for mirror in (self.index.mirror, self.directory.mirror):  # serve with a synced view of the cluster
+            if not mirror.wait_healthy(sync_timeout_s):
+                log.warning("%s: %s not synced with etcd yet; starting with local caches only",
+                            self.node_id, mirror.prefix)
+        self.registry.register(record)
+        return self
+
+    def _on_event(self, kind: str, node_id: str, record: NodeRecord | None) -> None:
+        if kind == "left" and node_id != self.node_id:
+            self._on_peer_left(node_id)
+
+    def peer(self, node_id: str) -> PeerRecord | None:
+        record = self.directory.nodes.get(node_id) if self.directory is not None else None
+        return peer_record(record) if record is not None else None
+
+    def nodes(self, role: str) -> dict[str, NodeRecord]:
+        return {n: r for n, r in self.directory.nodes.items() if r.role == role and n != self.node_id}
+
+    def lookup_holders(self, block_hashes: list[bytes]) -> dict[str, int]:
+        """Other nodes holding a prefix of these blocks: node id -> number of leading blocks."""
+        return self.index.lookup(block_hashes, exclude=self.node_id)
+
+    def close(self) -> None:
+        if self.publisher is not None:
+            self.publisher.close()
+        if self.registry is not None:
+            self.registry.deregister()
+        for part in (self.index, self.directory):
+            if part is not None:
+                part.close()
+        if self.store is not None:
+            self.store.close()

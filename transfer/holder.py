@@ -1,0 +1,264 @@
+"""KVHolder: the writer's side of a transfer conversation (any node holding blocks; prefill nodes).
+
+For each PushRequest / ComputeAndPush on the side channel it resolves the
+requester in the node directory (address, base, buffer size: never from the
+message), bounds-checks the granted block ids, and then writes the wanted blocks
+as they become matchable in its own pool, in chain order, one batched transfer
+per chunk, each chunk reported with a PushResult. Pending pushes are driven by
+one watcher thread that sleeps on the pool's change counter (no thread is parked
+per push); the writes themselves run on a small worker pool.
+
+Before every write the push's abort flag and deadline are checked; its deadline
+starts when the message arrives and is capped at MAX_WAIT_MS. The final
+PushResult is the writer's promise that it will not write again: it goes out only
+when no write of the push is running (a Mooncake batch that outlived its timeout
+holds it back until the batch really ends). Pinned source blocks are always
+unpinned.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from kvmesh.kv.block_hash import BlockHash
+from kvmesh.kv.block_pool import BlockPool
+from kvmesh.transfer import messages as m
+from kvmesh.transfer.coalesce import coalesce, to_descriptors
+from kvmesh.transfer.engine import TransferEngine
+from kvmesh.transfer.errors import TransferRefused, TransferTimeout
+from kvmesh.transfer.peers import PeerDirectory, PeerRecord
+
+log = logging.getLogger("kvmesh.transfer")
+
+MAX_PENDING_PUSHES = 512
+
+
+class ComputeHook(Protocol):
+    """What a prefill node plugs into its holder to serve ComputeAndPush."""
+
+    def admit(self, msg: m.ComputeAndPush) -> list[BlockHash]:
+        """Validate and start computing the prompt; returns the hashes of the granted blocks.
+
+        Raises TransferRefused (with an ErrorCode) when the prompt cannot be taken; called on a
+        worker thread, must return quickly (the requester waits for Accepted/Refused).
+        """
+
+    def release(self, request_id: str) -> None:
+        """The conversation ended (done, aborted, expired): drop whatever admit started."""
+
+
+@dataclass(slots=True)
+class _Push:
+    request_id: str
+    identity: bytes
+    requester: PeerRecord
+    grant_id: str
+    dst_block_ids: list[int]
+    expires_at: float  # never write after this
+    wait_until: float  # stop waiting for missing blocks after this
+    block_hashes: list[BlockHash] = field(default_factory=list)
+    written: list[bool] = field(default_factory=list)
+    num_written: int = 0
+    ready: bool = True  # False while a compute admission runs
+    busy: bool = False  # a write (or a native batch that outlived its timeout) is running
+    abort_reason: str = ""
+    code: str = ""
+    error: str = ""
+    compute: bool = False
+
+
+class KVHolder:
+    def __init__(self, node_id: str, pool: BlockPool, engine: TransferEngine, base_addr: int, block_bytes: int,
+                 directory: PeerDirectory, reply: Callable[[bytes, m.Message], None], num_workers: int = 4):
+        """``reply(identity, msg)`` sends on the side channel (any thread)."""
+        self.node_id = node_id
+        self.pool = pool
+        self.engine = engine
+        self.base_addr = base_addr
+        self.block_bytes = block_bytes
+        self.directory = directory
+        self.compute: ComputeHook | None = None
+        self._reply = reply
+        self._pushes: dict[str, _Push] = {}
+        self._lock = threading.Lock()
+        self._workers = ThreadPoolExecutor(num_workers, thread_name_prefix=f"kvmesh-push-{node_id}")
+        self._stop = threading.Event()
+        self._watcher = threading.Thread(target=self._watch, name=f"kvmesh-holder-{node_id}", daemon=True)
+        self.bytes_sent = 0
+        self.num_refused: dict[str, int] = {}
+
+    def start(self) -> KVHolder:
+        self._watcher.start()
+        return self
+
+    @property
+    def num_pending(self) -> int:
+        return len(self._pushes)
+
+    # ---- messages (side-channel thread) -----------------------------------------------------------------
+    def on_message(self, identity: bytes, msg: m.Message) -> None:
+        if isinstance(msg, m.Abort):
+            self._abort(identity, msg)
+            return
+        is_compute = isinstance(msg, m.ComputeAndPush)
+        now = time.monotonic()
+        wait_ms = msg.deadline_ms if is_compute else msg.wait_ms
+        code, reason, requester = self._authorise(msg)
+        if code is m.ErrorCode.NONE and is_compute and self.compute is None:
+            code, reason = m.ErrorCode.NOT_A_PREFILL_NODE, f"{self.node_id} does not compute prompts"
+        if code is not m.ErrorCode.NONE:
+            self._refuse(identity, msg.request_id, code, reason)
+            return
+        push = _Push(msg.request_id, identity, requester, msg.grant_id, list(msg.dst_block_ids),
+                     now + msg.deadline_ms / 1000, now + wait_ms / 1000, written=[False] * len(msg.dst_block_ids),
+                     ready=not is_compute, compute=is_compute)
+        if not is_compute:
+            push.block_hashes = list(msg.block_hashes)
+        with self._lock:
+            if msg.request_id in self._pushes:
+                code = m.ErrorCode.BUSY
+            else:
+                self._pushes[msg.request_id] = push
+        if code is not m.ErrorCode.NONE:
+            self._refuse(identity, msg.request_id, code, "request id already in progress")
+        elif is_compute:
+            self._workers.submit(self._admit, push, msg)
+        else:
+            self.pool.notify_change()
+
+    def _authorise(self, msg) -> tuple[m.ErrorCode, str, PeerRecord | None]:
+        requester = self.directory.get(msg.requester_id)
+        if requester is None:
+            return m.ErrorCode.UNKNOWN_REQUESTER, f"{msg.requester_id!r} is not a registered node", None
+        if max(msg.dst_block_ids) >= requester.num_blocks:
+            return m.ErrorCode.OUT_OF_BOUNDS, f"block id past {requester.node_id}'s {requester.num_blocks}", None
+        if requester.block_bytes != self.block_bytes:
+            return m.ErrorCode.LAYOUT_MISMATCH, f"block bytes {requester.block_bytes} != {self.block_bytes}", None
+        if len(self._pushes) >= MAX_PENDING_PUSHES:
+            return m.ErrorCode.BUSY, f"{MAX_PENDING_PUSHES} transfers already in progress", None
+        if self._stop.is_set():
+            return m.ErrorCode.SHUTTING_DOWN, "shutting down", None
+        return m.ErrorCode.NONE, "", requester
+
+    def _refuse(self, identity: bytes, request_id: str, code: m.ErrorCode, reason: str) -> None:
+        self.num_refused[code.value] = self.num_refused.get(code.value, 0) + 1
+        log.warning("%s: refused transfer %s: %s (%s)", self.node_id, request_id, code.value, reason)
+        self._reply(identity, m.Refused(request_id, code.value, reason))
+
+    def _admit(self, push: _Push, msg: m.ComputeAndPush) -> None:
+        """Worker thread: a prefill node takes the prompt (or refuses it) and answers at once."""
+        try:
+            hashes = self.compute.admit(msg)
+            if len(hashes) != len(push.dst_block_ids):
+                raise TransferRefused("the prompt has fewer full blocks than were granted",
+                                      code=m.ErrorCode.INVALID_PROMPT.value)
+        except Exception as e:
+            code = e.code if isinstance(e, TransferRefused) else m.ErrorCode.INVALID_PROMPT.value
+            with self._lock:
+                self._pushes.pop(push.request_id, None)
+            self.compute.release(push.request_id)
+            self._refuse(push.identity, push.request_id, m.ErrorCode(code), str(e))
+            return
+        push.block_hashes = hashes
+        self._reply(push.identity, m.Accepted(push.request_id))
+        push.ready = True
+        self.pool.notify_change()
+
+    def _abort(self, identity: bytes, msg: m.Abort) -> None:
+        with self._lock:
+            push = self._pushes.get(msg.request_id)
+            if push is not None:
+                push.abort_reason = msg.reason or "aborted by the requester"
+        if push is None:  # nothing running: say so, so the requester can release a quarantine
+            self._reply(identity, m.PushResult(msg.request_id, [], final=True, code=m.ErrorCode.ABORTED.value))
+        else:
+            self.pool.notify_change()
+
+    # ---- the watcher: decides, never writes ------------------------------------------------------------------
+    def _watch(self) -> None:
+        seen = -1
+        while not self._stop.is_set():
+            seen = self.pool.wait_for_change(seen, 0.25)
+            now = time.monotonic()
+            with self._lock:
+                pushes = [p for p in self._pushes.values() if not p.busy and p.ready]
+            for push in pushes:
+                more = len(self.pool.match(push.block_hashes)) > push.num_written
+                if push.abort_reason or push.code or now > push.expires_at or \
+                        push.num_written == len(push.written) or (not more and now > push.wait_until):
+                    self._finish(push, now)
+                elif more:
+                    push.busy = True
+                    self._workers.submit(self._write_next, push)
+
+    def _finish(self, push: _Push, now: float) -> None:
+        if not push.code:
+            if push.abort_reason:
+                push.code, push.error = m.ErrorCode.ABORTED.value, push.abort_reason
+            elif push.num_written < len(push.written) and now > push.expires_at:
+                push.code, push.error = m.ErrorCode.EXPIRED.value, "deadline passed before every block was written"
+        with self._lock:
+            self._pushes.pop(push.request_id, None)
+        if push.compute:
+            self.compute.release(push.request_id)
+        self._reply(push.identity, m.PushResult(push.request_id, list(push.written), final=True, code=push.code,
+                                                error=push.error))
+
+    # ---- writes (worker threads) ----------------------------------------------------------------------
+    def _write_next(self, push: _Push) -> None:
+        pinned: list[int] = []
+        keep_busy = False
+        try:
+            pinned = self.pool.match_and_pin(push.block_hashes, skip=push.num_written)
+            remaining = push.expires_at - time.monotonic()
+            if not pinned or push.abort_reason or remaining <= 0:
+                return
+            start, end = push.num_written, push.num_written + len(pinned)
+            runs = coalesce(pinned, push.dst_block_ids[start:end])
+            descriptors = to_descriptors(runs, self.base_addr, push.requester.base_addr, self.block_bytes,
+                                         self.engine.max_descriptor_bytes)
+            try:
+                self.engine.write(push.requester.transfer_endpoint, descriptors, request_id=push.request_id,
+                                  grant_id=push.grant_id, timeout_s=remaining)
+            except TransferTimeout as e:
+                if e.pending is not None:  # still running natively: stay busy and pinned until it ends
+                    keep_busy = True
+                    held, pinned = pinned, []
+                    e.pending.add_done_callback(lambda _f: self._write_ended(push, held))
+                raise
+            push.written[start:end] = [True] * len(pinned)
+            push.num_written = end
+            self.bytes_sent += len(pinned) * self.block_bytes
+            if end < len(push.written):
+                self._reply(push.identity, m.PushResult(push.request_id, list(push.written), final=False))
+        except Exception as e:  # a failed write ends the push with an error; the holder keeps serving
+            push.code, push.error = m.ErrorCode.WRITE_FAILED.value, f"{type(e).__name__}: {e}"
+            log.warning("%s: push %s failed: %s", self.node_id, push.request_id, push.error)
+        finally:
+            if pinned:
+                self.pool.unpin(pinned)
+            if not keep_busy:
+                push.busy = False
+                self.pool.notify_change()
+
+    def _write_ended(self, push: _Push, pinned: list[int]) -> None:
+        self.pool.unpin(pinned)
+        push.busy = False
+        self.pool.notify_change()
+
+    def close(self) -> None:
+        self._stop.set()
+        self.pool.notify_change()
+        if self._watcher.is_alive():
+            self._watcher.join(timeout=2)
+        self._workers.shutdown(wait=True, cancel_futures=True)
+        with self._lock:
+            pushes = list(self._pushes.values())
+        for push in pushes:  # tell requesters we stopped (they release their grants)
+            push.code = push.code or m.ErrorCode.SHUTTING_DOWN.value
+            self._finish(push, time.monotonic())
