@@ -85,11 +85,26 @@ def _add_bench(sub) -> None:
     rt.add_argument("--system-len", type=int, default=256)
     rt.add_argument("--decode", type=int, default=3, help="decode nodes")
     rt.set_defaults(func=_run_bench_routing)
+    ch = which.add_parser("chaos", help="faults during serving: stalls, kills, aborts, forged and flooding "
+                                        "requests; counts lost, corrupted, leaked, forged-accepted")
+    ch.add_argument("--json", default=None)
+    ch.add_argument("--requests", type=int, default=240, help="requests per backend")
+    ch.add_argument("--backend", action="append", choices=["mooncake", "zmq"], help="default: both (when available)")
+    ch.set_defaults(func=_run_bench_chaos)
     from kvmesh.bench.cluster_bench import add_arguments as add_cluster_arguments
 
     cl = which.add_parser("cluster", help="the serving modes compared on one workload (TTFT, TPOT, hit rates, ...)")
     add_cluster_arguments(cl)
     cl.set_defaults(func=_run_bench_cluster)
+
+
+def _run_bench_chaos(args: argparse.Namespace) -> int:
+    from kvmesh.bench import chaos
+
+    out = chaos.run(args.json, args.backend, args.requests)
+    bad = [b for b, r in out["backends"].items()
+           if r["lost"] or r["corrupted"] or r["leaked_blocks"] or r["forged_accepted"]]
+    return 1 if bad else 0
 
 
 def _run_bench_cluster(args: argparse.Namespace) -> int:

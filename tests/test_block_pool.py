@@ -125,3 +125,48 @@ def test_pinned_prefix_survives_pressure():
     with pytest.raises(ValueError):
         pool.unpin(sys_prompt)
     pool.check_integrity()
+
+
+def test_concurrent_match_allocate_free_keep_integrity():
+    """Engine admission, prefill pulls and holders share one pool from different threads.
+
+    A matched block must still hold its hash while the matcher holds the reference
+    (match + reference is one locked operation); integrity holds throughout.
+    """
+    import random
+    import threading
+
+    pool = BlockPool(64)
+    chains = [hash_blocks(root_hash(bytes([c])), list(range(8 * 16)), 16) for c in range(6)]
+    errors: list[str] = []
+
+    def worker(seed: int) -> None:
+        rng = random.Random(seed)
+        for _ in range(3000):
+            hashes = chains[rng.randrange(len(chains))]
+            held = pool.match_and_touch(hashes)
+            for b, h in zip(held, hashes):
+                if pool.block_hash(b) != h:
+                    errors.append(f"block {b} lost its hash while referenced")
+            try:
+                new = pool.allocate(rng.randrange(1, 6))
+            except OutOfBlocksError:
+                new = []
+            if len(held) < len(hashes) and new:  # "computed" the next blocks of the chain
+                n = min(len(new), len(hashes) - len(held))
+                kept = pool.cache_and_dedupe(new[:n], hashes[len(held):len(held) + n], held[-1] if held else NO_BLOCK)
+                new = kept + new[n:]
+            pins = pool.match_and_pin(hashes)
+            pool.unpin(pins)
+            pool.free(held + new)
+
+    threads = [threading.Thread(target=worker, args=(s,)) for s in range(4)]
+    for t in threads:
+        t.start()
+    while any(t.is_alive() for t in threads):
+        pool.check_integrity()
+    for t in threads:
+        t.join()
+    pool.check_integrity()
+    assert not errors, errors[:3]
+    assert pool.usage().num_used == 0

@@ -12,11 +12,13 @@ from kvmesh.auth import REFUSED
 from kvmesh.cluster.client import RequestFailed
 from kvmesh.cluster.local_launcher import LocalCluster
 from kvmesh.node.messages import GenerateRequest, TokenEvent
+from kvmesh.transfer.engine import mooncake_available
 from kvmesh.wire import decode
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 # Force the remote path: decode nodes compute nothing but the prompt's last partial block.
-REMOTE_ONLY = ["--local-prefill-tokens", "0", "--transfer-backend", "zmq", "--prefill-timeout", "4"]
+REMOTE_ONLY = ["--local-prefill-tokens", "0", "--prefill-timeout", "4"]
+BACKENDS = ["zmq"] + (["mooncake"] if mooncake_available() else [])
 
 
 @pytest.fixture(scope="module")
@@ -29,9 +31,11 @@ def reference():
     return run
 
 
-@pytest.fixture(scope="module")
-def cluster():
-    with LocalCluster(num_prefill=2, num_decode=2, node_args=REMOTE_ONLY, cluster="t2x2") as c:
+@pytest.fixture(scope="module", params=BACKENDS)
+def cluster(request):
+    """2 prefill + 2 decode nodes moving KV over each transfer backend (every test runs on both)."""
+    args = REMOTE_ONLY + ["--transfer-backend", request.param]
+    with LocalCluster(num_prefill=2, num_decode=2, node_args=args, cluster=f"t2x2{request.param}") as c:
         yield c
 
 

@@ -70,7 +70,7 @@ class TransferAgent:
     @property
     def num_unauthenticated(self) -> int:
         """Frames refused for a missing or wrong cluster token (side channel and transfer engine)."""
-        return self._endpoint.num_refused + getattr(self.engine, "num_refused", 0)
+        return self._endpoint.num_refused + getattr(self.engine, "num_unauthenticated", 0)
 
     @property
     def bytes_sent(self) -> int:

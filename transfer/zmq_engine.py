@@ -34,7 +34,8 @@ class ZmqTransferEngine:
         self._ctx = zmq.Context.instance()
         self._auth = auth or ClusterAuth()
         self._guard: Callable[[str, list[tuple[int, int]], Callable[[], None]], None] | None = None
-        self.num_refused = 0
+        self.num_refused = 0  # batches refused for any reason
+        self.num_unauthenticated = 0  # of which: no valid cluster MAC
         self._regions: list[tuple[int, int, torch.Tensor]] = []
         self._server = self._ctx.socket(zmq.ROUTER)
         self._server.linger = 0
@@ -90,6 +91,7 @@ class ZmqTransferEngine:
                 error = (str(e) or type(e).__name__).encode()
                 if isinstance(e, AuthError):
                     seq = -1
+                    self.num_unauthenticated += 1
             self._server.send_multipart([identity.bytes, msgpack.packb([seq, error])])
 
     def write(self, peer_endpoint: str, descriptors: Sequence[Descriptor], *, request_id: str = "",

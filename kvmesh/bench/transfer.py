@@ -9,7 +9,9 @@ holder match + pin, the batched write, the final answer.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
+import os
 import socket
 import statistics
 import subprocess
@@ -20,12 +22,16 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from kvmesh.auth import TOKEN_ENV, ClusterAuth, generate_token
 from kvmesh.bench.report import machine, print_table, write_json
 from kvmesh.kv.block_pool import BlockPool
 from kvmesh.transfer.coalesce import coalesce, to_descriptors
 from kvmesh.transfer.engine import create_transfer_engine, mooncake_available
-from kvmesh.transfer.kv_agent import PeerInfo, TransferAgent
+from kvmesh.transfer.kv_agent import TransferAgent
+from kvmesh.transfer.peers import PeerRecord, StaticPeers
 from kvmesh.transfer.peer_process import chain_hashes
+
+_TOKEN = generate_token()  # shared with the holder processes this benchmark starts
 
 BLOCK_ELEMS = 64 * 1024  # 256 KiB fp32 blocks
 BLOCK_BYTES = BLOCK_ELEMS * 4
@@ -76,13 +82,24 @@ def socket_gib_per_s(nbytes: int = 64 * 2**20, repeat: int = 5) -> float:
         sink.wait()
 
 
-def _holder(backend: str, num_blocks: int, contiguous: bool) -> tuple[subprocess.Popen, PeerInfo]:
+def _holder(backend: str, num_blocks: int, contiguous: bool, requester: TransferAgent) -> tuple[subprocess.Popen, str]:
+    """A holder process that trusts ``requester``; returns it and its node id (added to our directory)."""
     args = [sys.executable, "-m", "kvmesh.transfer.peer_process", "--backend", backend, "--num-blocks",
-            str(num_blocks), "--chain", str(num_blocks), "--block-elems", str(BLOCK_ELEMS)]
+            str(num_blocks), "--chain", str(num_blocks), "--block-elems", str(BLOCK_ELEMS),
+            "--requester", json.dumps(dataclasses.asdict(requester.record))]
     proc = subprocess.Popen(args + (["--contiguous"] if contiguous else []), stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    info = json.loads(proc.stdout.readline())
-    return proc, PeerInfo(info["node_id"], info["side_channel"])
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                            env={**os.environ, TOKEN_ENV: _TOKEN})
+    record = PeerRecord(**json.loads(proc.stdout.readline())["record"])
+    requester.requester.directory.add(record)
+    return proc, record.node_id
+
+
+def _push(agent: TransferAgent, peer: str, dst: list[int], hashes: list[bytes], timeout_s: float) -> int:
+    outcome = agent.requester.push(peer, dst, hashes, request_id="bench", timeout_s=timeout_s)
+    if outcome.error is not None:
+        raise outcome.error
+    return outcome.num_written
 
 
 def bench_backend(backend: str, repeat: int, bar: tqdm) -> list[dict]:
@@ -91,12 +108,14 @@ def bench_backend(backend: str, repeat: int, bar: tqdm) -> list[dict]:
     results = []
     kv = torch.zeros((num_blocks, BLOCK_ELEMS))
     pool = BlockPool(num_blocks)
-    agent = TransferAgent("bench-requester", pool, kv, create_transfer_engine(backend))
+    auth = ClusterAuth(_TOKEN)
+    agent = TransferAgent("bench-requester", pool, kv, create_transfer_engine(backend, auth=auth), StaticPeers(),
+                          auth).start()
     try:
         for layout in ("contiguous", "scattered"):
-            proc, peer = _holder(backend, num_blocks, contiguous=layout == "contiguous")
+            proc, peer = _holder(backend, num_blocks, layout == "contiguous", agent)
             try:
-                agent.request_push(peer, [0], hashes[:1], timeout_s=60)  # warm-up: connections, handshakes
+                _push(agent, peer, [0], hashes[:1], timeout_s=60)  # warm-up: connections, handshakes
                 for n in SIZES_BLOCKS:
                     dst = list(range(n)) if layout == "contiguous" else list(range(0, num_blocks, 2))[:n]
                     if len(dst) < n:  # not enough even ids: interleave from the end
@@ -104,9 +123,9 @@ def bench_backend(backend: str, repeat: int, bar: tqdm) -> list[dict]:
                     times = []
                     for _ in range(repeat + 1):
                         start = time.perf_counter()
-                        written = agent.request_push(peer, dst, hashes[:n], timeout_s=120)
+                        num_written = _push(agent, peer, dst, hashes[:n], timeout_s=120)
                         times.append(time.perf_counter() - start)
-                        assert all(written), "the holder must hold every block of the chain"
+                        assert num_written == n, "the holder must hold every block of the chain"
                     seconds = statistics.median(times[1:])
                     results.append({"backend": backend, "transport": agent.engine.transport, "layout": layout,
                                     "size_bytes": n * BLOCK_BYTES, "num_blocks": n,
