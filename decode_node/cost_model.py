@@ -1,4 +1,4 @@
-"""When should a decode node compute an uncached suffix itself? (DESIGN §2)
+"""When should a decode node compute an uncached suffix itself? (docs/design.md §2)
 
 Computing ``n`` tokens here costs ``n / prefill_rate``; having them computed
 elsewhere and moved costs a round trip plus ``n * bytes_per_token / bandwidth``.

@@ -1,6 +1,6 @@
 """DecodeWorker: ``kvmesh decode-node``.
 
-For each GenerateRequest (DESIGN §2):
+For each GenerateRequest (docs/design.md §2):
 1. allocate the request's blocks; its own prefix hits need no transfer;
 2. the uncached part: if it is short (cost model: compute time vs transfer time),
    compute it here; otherwise, in a worker thread, a peer that holds a longer
@@ -83,7 +83,7 @@ class DecodeWorker(NodeRuntime):
             super().handle(identity, msg)
 
     def local_prefill_limit(self) -> int:
-        """Uncached tokens worth computing here rather than fetching (DESIGN §2 cost model)."""
+        """Uncached tokens worth computing here rather than fetching (docs/design.md §2 cost model)."""
         if self.cfg.local_prefill_tokens >= 0:
             return self.cfg.local_prefill_tokens
         return local_prefill_limit(self.prefill_tokens_per_s, self.engine.layout.bytes_per_token,

@@ -1,4 +1,4 @@
-"""The global block index: who holds which KV block (DESIGN §5).
+"""The global block index: who holds which KV block (docs/design.md §5).
 
 ``BlockPublisher`` (one per node) writes ``/blocks/<ns>/<hash>/<node>`` for the
 full blocks the node holds and deletes them when it evicts, in batched

@@ -1,4 +1,4 @@
-"""The etcd key layout of DESIGN §5 (``<c>`` = cluster name):
+"""The etcd key layout of docs/design.md §5 (``<c>`` = cluster name):
 
     /kvmesh/<c>/nodes/<node_id>                          -> NodeRecord (msgpack), on the node's lease
     /kvmesh/<c>/blocks/<ns>/<hash_hex>/<node_id>         -> BlockEntry (msgpack), on the holder's lease

@@ -20,7 +20,7 @@ class NodeRecord:
     host: str
     transfer_endpoint: str
     side_channel: str
-    request_endpoint: str = ""  # where clients and peers send GenerateRequest / PrefillRequest
+    request_endpoint: str = ""  # where clients and routers send GenerateRequest / AbortRequest / StatsRequest
     kv_layout: dict = field(default_factory=dict)  # num_blocks, block_size, num_layers, ...
     capacity_blocks: int = 0
     load: dict = field(default_factory=dict)  # queue length, free blocks, ...

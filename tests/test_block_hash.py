@@ -1,4 +1,4 @@
-"""The chained block hash of DESIGN §4: exact definition, fast path, stability across processes."""
+"""The chained block hash of docs/design.md §4: exact definition, fast path, stability across processes."""
 from __future__ import annotations
 
 import hashlib

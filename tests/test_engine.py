@@ -149,3 +149,29 @@ def test_abort_frees_blocks():
     assert seq.status is RequestStatus.ABORTED and not engine.has_unfinished()
     assert engine.pool.num_free_blocks == 32
     engine.check_integrity()
+
+
+def test_a_failed_step_fails_exactly_its_batch_and_the_engine_goes_on():
+    from kvmesh.engine.engine import StepFailed
+
+    llm = LLM("tiny-llama", num_kv_blocks=64, progress=False)
+    engine = llm.engine
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    first = [engine.add_request(list(range(1, 40)), params), engine.add_request(list(range(5, 30)), params)]
+    real_execute = engine.runner.execute
+
+    def broken(batch):
+        raise RuntimeError("injected kernel failure")
+
+    engine.runner.execute = broken
+    with pytest.raises(StepFailed, match="injected") as failure:
+        engine.step()
+    assert {s.request_id for s in failure.value.failed} == {s.request_id for s in first}
+    assert all(s.status is RequestStatus.FAILED and s.block_ids == [] for s in first)
+    engine.check_integrity()
+    engine.runner.execute = real_execute
+    later = engine.add_request(list(range(1, 40)), params)
+    while not later.is_finished:
+        engine.step()
+    assert later.status is RequestStatus.FINISHED and len(later.output_token_ids) == 4
+    engine.check_integrity()

@@ -1,4 +1,4 @@
-"""GrantTable: the receiving node's record of who may write which of its blocks (DESIGN §6).
+"""GrantTable: the receiving node's record of who may write which of its blocks (docs/design.md §6).
 
 A grant lets one writer fill a list of this node's blocks for one transfer until
 a deadline. The writer reports, chunk by chunk, which blocks it wrote

@@ -1,4 +1,4 @@
-"""TransferAgent: a node's end of KV movement (DESIGN §2, §6), composed of one part per job.
+"""TransferAgent: a node's end of KV movement (docs/design.md §2, §6), composed of one part per job.
 
     side channel (authenticated ROUTER) ──> KVHolder      writes our blocks into peers' grants
     KVRequester (DEALERs, one IO thread) ──> peers         asks peers to write into our grants

@@ -1,4 +1,4 @@
-"""Side-channel wire messages (DESIGN §6): one typed class each, MessagePack on the wire.
+"""Side-channel wire messages (docs/design.md §6): one typed class each, MessagePack on the wire.
 
 Encoded by ``kvmesh.wire`` and sealed with the cluster MAC (``kvmesh.auth``).
 ``decode`` validates type, field names and field types and raises MessageError

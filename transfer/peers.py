@@ -1,4 +1,4 @@
-"""Where a peer's KV memory is: resolved from the node directory, never from a message (DESIGN §6).
+"""Where a peer's KV memory is: resolved from the node directory, never from a message (docs/design.md §6).
 
 A holder writes only to the transfer endpoint and base address that the
 requester published in etcd, and only into block ids below the requester's

@@ -35,7 +35,7 @@ class Mode:
 
 
 def modes(num_prefill: int) -> dict[str, Mode]:
-    # Decode nodes compute an uncached suffix of up to 64 tokens themselves (DESIGN §2); longer ones come
+    # Decode nodes compute an uncached suffix of up to 64 tokens themselves (docs/design.md §2); longer ones come
     # from holders and prefill nodes. (The measured cost model would keep the tiny preset fully local.)
     disaggregated = ("--local-prefill-tokens", "64")
     return {

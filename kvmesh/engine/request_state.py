@@ -1,4 +1,4 @@
-"""RequestStatus: the one state machine of a request (DESIGN §7) and its one transition point.
+"""RequestStatus: the one state machine of a request (docs/design.md §7) and its one transition point.
 
     WAITING ──> WAITING_FOR_REMOTE_KV ──> RUNNING ──> FINISHED
        │  ^             │                  │  ^

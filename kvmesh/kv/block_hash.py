@@ -1,4 +1,4 @@
-"""Chained block hash, v1 (DESIGN §4): every node and the router must agree on it.
+"""Chained block hash, v1 (docs/design.md §4): every node and the router must agree on it.
 
     root  = blake2b(namespace,                 digest_size=16, person=b"kvmesh-ns-v1")
     h[i]  = blake2b(h[i-1] || tokens[i*B:(i+1)*B] as little-endian uint32 [|| extra[i]],

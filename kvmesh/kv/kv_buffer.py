@@ -1,4 +1,4 @@
-"""The one registered KV buffer of a node (DESIGN §3).
+"""The one registered KV buffer of a node (docs/design.md §3).
 
     kv[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]
        block b = kv[b]: every layer's K and V of block_size positions, contiguous

@@ -1,4 +1,4 @@
-"""Model fingerprint: the first field of the block-hash namespace (DESIGN §4).
+"""Model fingerprint: the first field of the block-hash namespace (docs/design.md §4).
 
 It changes whenever the weights, the config or the dtype change, so KV computed
 by one model can never be matched by another. Weights are digested from their

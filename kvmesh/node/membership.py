@@ -1,4 +1,4 @@
-"""ClusterMembership: a node's part of the etcd metadata (DESIGN §5).
+"""ClusterMembership: a node's part of the etcd metadata (docs/design.md §5).
 
 Its record on a kept-alive lease (NodeRegistry), the publisher of the blocks it
 holds, the global block index it looks prefixes up in, and the directory of
@@ -36,6 +36,7 @@ class ClusterMembership:
         self.etcd, self.cluster, self.node_id, self.namespace = etcd, cluster, node_id, namespace
         self.lease_ttl_s = lease_ttl_s
         self._on_peer_left = on_peer_left
+        self._incarnations: dict[str, tuple[str, str]] = {}  # node id -> endpoints it was last seen with
         self.store = self.publisher = self.index = self.directory = self.registry = None
 
     def start(self, record: NodeRecord, sync_timeout_s: float = 30.0) -> ClusterMembership:
@@ -53,7 +54,16 @@ class ClusterMembership:
         return self
 
     def _on_event(self, kind: str, node_id: str, record: NodeRecord | None) -> None:
-        if kind == "left" and node_id != self.node_id:
+        """A departure, or a restart under the same id (new endpoints): the old incarnation is gone."""
+        if node_id == self.node_id:
+            return
+        previous = self._incarnations.get(node_id)
+        current = (record.side_channel, record.transfer_endpoint) if record is not None else None
+        if current is None:
+            self._incarnations.pop(node_id, None)
+        else:
+            self._incarnations[node_id] = current
+        if kind == "left" or (previous is not None and current is not None and previous != current):
             self._on_peer_left(node_id)
 
     def peer(self, node_id: str) -> PeerRecord | None:

@@ -1,0 +1,17 @@
+"""The chaos benchmark, short: faults during serving never lose, corrupt, leak or let a forgery through."""
+from __future__ import annotations
+
+from kvmesh.bench import chaos
+
+
+def test_chaos_quick_zmq(tmp_path):
+    out = chaos.run(str(tmp_path / "chaos.json"), ["zmq"], num_requests=48, abort_every=10)
+    r = out["backends"]["zmq"]
+    assert r["requests"] >= 48 and r["completed"] > 0
+    assert (r["lost"], r["corrupted"], r["leaked_blocks"], r["forged_accepted"]) == (0, 0, 0, 0), r
+    assert r["forged_sent"] >= 24 and r["aborted"] > 0
+    decode_stats = [s for n, s in r["nodes"].items() if n.startswith("decode")]
+    assert sum(s["num_unauthenticated"] for s in r["nodes"].values()) >= 8  # every forged frame was counted
+    assert sum(s["num_remote"] for s in decode_stats) > 0  # KV really moved between processes
+    assert r["flood"]["refused_busy_or_capped"] >= 8  # waits past the cap are refused
+    assert (tmp_path / "chaos.json").exists()
