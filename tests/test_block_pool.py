@@ -142,7 +142,7 @@ def test_concurrent_match_allocate_free_keep_integrity():
 
     def worker(seed: int) -> None:
         rng = random.Random(seed)
-        for _ in range(3000):
+        for _ in range(1000):
             hashes = chains[rng.randrange(len(chains))]
             held = pool.match_and_touch(hashes)
             for b, h in zip(held, hashes):

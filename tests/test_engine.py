@@ -117,15 +117,19 @@ def test_remote_kv_hooks_ready_and_failed(reference):
     while engine.has_unfinished():
         engine.step()
     assert seq.output_token_ids == reference[prompt] and seq.output_token_ids[0] == peer_out.token_ids[0]
-    # A failed transfer: blocks freed, the request computed locally, same output.
+    # A failed transfer whose blocks a stalled writer may still touch: they are swapped for fresh
+    # ones (the fence keeps its own reference), nothing arrived, the request is computed here.
     seq2 = engine.prepare_request(node.tokenizer.encode(PROMPTS[2]), GREEDY, request_id="remote-2")
     engine.scheduler.add_awaiting_remote_kv(seq2)
-    free_before = engine.pool.num_free_blocks
-    engine.scheduler.remote_kv_failed("remote-2")
-    assert seq2.block_ids == [] and engine.pool.num_free_blocks > free_before
+    tainted = list(seq2.block_ids[:2])
+    engine.pool.touch(tainted)  # the grant table's reference
+    engine.kv.replace_blocks(seq2, tainted)
+    assert not set(tainted) & set(seq2.block_ids) and [engine.pool.ref_count(b) for b in tainted] == [1, 1]
+    engine.scheduler.remote_kv_ready("remote-2", 0)
     while engine.has_unfinished():
         engine.step()
     assert seq2.output_token_ids == reference[PROMPTS[2]]
+    engine.pool.free(tainted)  # the writer stopped: the quarantine lifts
     engine.check_integrity()
 
 

@@ -25,7 +25,7 @@ def served():
     from kvmesh.cluster.grpc_server import start_grpc_server
     from kvmesh.cluster.http_server import start_http_server
 
-    with LocalCluster(1, 2, node_args=["--transfer-backend", "zmq"], cluster="router") as cluster:
+    with LocalCluster(1, 2, cluster="router") as cluster:
         router = Router(RouterConfig(etcd=cluster.etcd_endpoint, cluster_token=cluster.token, cluster="router", max_in_flight=64))
         grpc_server, grpc_port = start_grpc_server(router, "127.0.0.1:0")
         loop = asyncio.new_event_loop()
@@ -206,7 +206,7 @@ def test_a_client_that_goes_away_aborts_its_request(served):
 
 
 def test_migration_when_the_decode_node_dies_mid_stream(reference):
-    with LocalCluster(1, 2, node_args=["--transfer-backend", "zmq"], cluster="migrate") as cluster:
+    with LocalCluster(1, 2, cluster="migrate") as cluster:
         router = Router(RouterConfig(etcd=cluster.etcd_endpoint, cluster_token=cluster.token, cluster="migrate", liveness_s=1.0))
         try:
             ids = list(range(50, 120))

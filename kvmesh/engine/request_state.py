@@ -1,10 +1,13 @@
 """RequestStatus: the one state machine of a request (docs/design.md §7) and its one transition point.
 
     WAITING ──> WAITING_FOR_REMOTE_KV ──> RUNNING ──> FINISHED
-       │  ^             │                  │  ^
-       │  └─(KV failed)─┘                  v  │
+       │                                   │  ^
+       │                                   v  │
        └──────────────────────> RUNNING  PREEMPTED ──> WAITING
     any live state ──> FAILED | ABORTED
+
+A transfer that fails still goes WAITING_FOR_REMOTE_KV -> RUNNING, with whatever
+prefix arrived (possibly none) counted as computed; the rest is computed locally.
 """
 from __future__ import annotations
 
@@ -34,7 +37,7 @@ class IllegalTransitionError(KvmeshError, RuntimeError):
 _S = RequestStatus
 _ALLOWED: dict[RequestStatus, frozenset[RequestStatus]] = {
     _S.WAITING: frozenset({_S.RUNNING, _S.WAITING_FOR_REMOTE_KV, _S.FAILED, _S.ABORTED}),
-    _S.WAITING_FOR_REMOTE_KV: frozenset({_S.RUNNING, _S.WAITING, _S.FAILED, _S.ABORTED}),
+    _S.WAITING_FOR_REMOTE_KV: frozenset({_S.RUNNING, _S.FAILED, _S.ABORTED}),
     _S.RUNNING: frozenset({_S.FINISHED, _S.PREEMPTED, _S.FAILED, _S.ABORTED}),
     _S.PREEMPTED: frozenset({_S.WAITING, _S.FAILED, _S.ABORTED}),
     _S.FINISHED: frozenset(),

@@ -168,12 +168,3 @@ class Scheduler:
         transition(seq, RequestStatus.RUNNING)
         self.running.append(seq)
         return seq
-
-    def remote_kv_failed(self, request_id: str) -> Sequence:
-        """The transfer failed or timed out: free the blocks and compute the request here."""
-        seq = self.awaiting_kv.pop(request_id)
-        self.kv.free(seq)
-        seq.num_computed_tokens = 0
-        transition(seq, RequestStatus.WAITING)
-        self.waiting.appendleft(seq)
-        return seq
