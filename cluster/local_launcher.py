@@ -1,11 +1,15 @@
-"""LocalCluster: etcd + N prefill + M decode node processes on loopback, for tests and the harness.
+"""LocalCluster: etcd + N prefill + M decode node processes on this machine, for tests and the harness.
 
     with LocalCluster(num_prefill=1, num_decode=1) as cluster:
         client = cluster.client("decode-0")
         client.generate(prompt_ids, SamplingParams(max_tokens=8, temperature=0))
 
-Waits until every node is registered in etcd; on exit stops the nodes (closing
-their stdin, then killing stragglers) and the private etcd.
+On loopback by default; with ``hosts`` (``cluster.hosts.Hosts``, network
+namespaces) etcd and every node run inside a simulated host of their own
+(``placement``: node id -> host index; default etcd on host 1, nodes spread
+over the others), bound to that host's address, so every byte between them
+crosses a veth link. Waits until every node is registered in etcd; on exit
+stops the nodes (closing their stdin, then killing stragglers) and the private etcd.
 """
 from __future__ import annotations
 
@@ -17,6 +21,7 @@ from dataclasses import dataclass
 
 from kvmesh.auth import TOKEN_ENV, ClusterAuth, generate_token, token_from_env
 from kvmesh.cluster.client import NodeClient
+from kvmesh.cluster.hosts import Hosts
 from kvmesh.metadata.embedded_etcd import EmbeddedEtcd
 from kvmesh.metadata.registry import wait_for_nodes
 
@@ -36,15 +41,28 @@ class NodeProcess:
 class LocalCluster:
     def __init__(self, num_prefill: int = 1, num_decode: int = 1, model: str = "tiny-llama",
                  etcd: str | None = None, cluster: str = "local", node_args: list[str] | None = None,
-                 start_timeout_s: float = 120.0, cluster_token: str | None = None):
+                 start_timeout_s: float = 120.0, cluster_token: str | None = None, hosts: Hosts | None = None,
+                 placement: dict[str, int] | None = None):
         """``cluster_token``: default $KVMESH_CLUSTER_TOKEN, else a fresh random one (``self.token``)."""
         self.num_prefill, self.num_decode = num_prefill, num_decode
+        self.hosts = hosts
+        self.placement = dict(placement or {})
+        if hosts is not None:
+            others = [h.index for h in hosts.hosts[1:]] or [1]
+            node_ids = [f"prefill-{i}" for i in range(num_prefill)] + [f"decode-{i}" for i in range(num_decode)]
+            for i, node_id in enumerate(node_ids):
+                self.placement.setdefault(node_id, others[i % len(others)])
+            self.placement.setdefault("etcd", 1)
         self.token = cluster_token if cluster_token is not None else (token_from_env() or generate_token())
         self.auth = ClusterAuth(self.token)
         self.model, self.cluster = model, cluster
         self.node_args = node_args or []
         self.start_timeout_s = start_timeout_s
-        self._etcd = None if etcd else EmbeddedEtcd()
+        if etcd or hosts is None:
+            self._etcd = None if etcd else EmbeddedEtcd()
+        else:
+            etcd_host = hosts[self.placement["etcd"]]
+            self._etcd = EmbeddedEtcd(host=etcd_host.address, command_prefix=etcd_host.exec_prefix)
         self.etcd_endpoint = etcd or self._etcd.endpoint
         self.nodes: dict[str, NodeProcess] = {}
         self._clients: dict[str, NodeClient] = {}
@@ -66,6 +84,9 @@ class LocalCluster:
     def start_node(self, role: str, node_id: str, wait: bool = True) -> NodeProcess:
         cmd = [sys.executable, "-m", "kvmesh.cli", f"{role}-node", "--node-id", node_id, "--etcd",
                self.etcd_endpoint, "--cluster", self.cluster, "--model", self.model, *self.node_args]
+        if self.hosts is not None:
+            host = self.hosts[self.placement.setdefault(node_id, self.hosts.hosts[-1].index)]
+            cmd = [*host.exec_prefix, *cmd, "--host", host.address]
         env = {**os.environ, TOKEN_ENV: self.token}  # never on argv: every local user can read that
         proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
         node = self.nodes[node_id] = NodeProcess(node_id, role, proc, {})

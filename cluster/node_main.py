@@ -5,19 +5,22 @@ import argparse
 import logging
 
 from kvmesh.auth import token_from_env
-from kvmesh.node.runtime import NodeConfig
+from kvmesh.node.runtime import DEFAULT_CLUSTER, NodeConfig
 
 
 def add_node_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--node-id", required=True)
     p.add_argument("--etcd", required=True, help="host:port of the cluster's etcd")
-    p.add_argument("--cluster", default="kvmesh")
+    p.add_argument("--cluster", default=DEFAULT_CLUSTER, help="cluster name (the same default in every command)")
     p.add_argument("--model", default="tiny-llama")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--num-kv-blocks", type=int, default=1024)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one engine step")
-    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--host", default="127.0.0.1", help="bind every listener here (0.0.0.0: all interfaces)")
+    p.add_argument("--advertise-host", default="",
+                   help="the address other hosts reach this node at (default: --host, or for 0.0.0.0 the "
+                        "address of the interface that routes to etcd)")
     p.add_argument("--transfer-backend", default="auto", choices=["auto", "mooncake", "zmq"])
     p.add_argument("--lease-ttl", type=int, default=10)
     p.add_argument("--prefill-timeout", type=float, default=10.0)
@@ -36,7 +39,7 @@ def run_node(role: str, args: argparse.Namespace) -> int:
     cfg = NodeConfig(node_id=args.node_id, role=role, etcd=args.etcd, cluster=args.cluster, model=args.model,
                      dtype=args.dtype, num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
                      max_num_batched_tokens=args.max_num_batched_tokens,
-                     host=args.host, transfer_backend=args.transfer_backend, lease_ttl_s=args.lease_ttl,
+                     host=args.host, advertise_host=args.advertise_host, transfer_backend=args.transfer_backend, lease_ttl_s=args.lease_ttl,
                      prefill_timeout_s=args.prefill_timeout, local_prefill_tokens=args.local_prefill_tokens,
                      enable_prefix_caching=not args.no_prefix_cache, use_global_pool=not args.no_global_pool,
                      cluster_token=token_from_env(args.cluster_token))

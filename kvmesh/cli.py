@@ -207,6 +207,23 @@ def _add_serve(sub) -> None:
     launch.set_defaults(func=run_launch)
 
 
+def _add_parts(sub) -> None:
+    from kvmesh.cluster.parts import add_etcd_arguments, add_router_arguments, run_etcd, run_router
+
+    p = sub.add_parser("etcd", help="run the embedded etcd alone, in the foreground (one host of a cluster)")
+    add_etcd_arguments(p)
+    p.set_defaults(func=run_etcd)
+    p = sub.add_parser("router", help="run the router (gRPC + OpenAI HTTP) against an existing cluster")
+    add_router_arguments(p)
+    p.set_defaults(func=run_router)
+
+
+def _add_hosts(sub) -> None:
+    from kvmesh.cluster.hosts import add_hosts_arguments
+
+    add_hosts_arguments(sub.add_parser("hosts", help="simulated hosts on this machine (network namespaces)"))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvmesh", description="kvmesh: disaggregated LLM serving")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -215,6 +232,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_nodes(sub)
     _add_local_cluster(sub)
     _add_serve(sub)
+    _add_parts(sub)
+    _add_hosts(sub)
     return parser
 
 

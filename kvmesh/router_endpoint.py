@@ -18,23 +18,25 @@ from collections.abc import Callable
 import zmq
 
 from kvmesh.auth import REFUSED, AuthError, ClusterAuth
+from kvmesh.netaddr import zmq_bind_host
 
 log = logging.getLogger("kvmesh.auth")
 
 
 class RouterEndpoint:
     def __init__(self, host: str, on_message: Callable[[bytes, bytes], None], name: str,
-                 auth: ClusterAuth | None = None, port: int = 0):
+                 auth: ClusterAuth | None = None, port: int = 0, advertise: str | None = None):
+        """Binds ``host`` (``0.0.0.0``: every interface); ``endpoint`` names ``advertise`` (default: ``host``)."""
         self._ctx = zmq.Context.instance()
         self._auth = auth or ClusterAuth()
         self._name = name
         self._router = self._ctx.socket(zmq.ROUTER)
         self._router.linger = 0
         if port:
-            self._router.bind(f"tcp://{host}:{port}")
+            self._router.bind(f"tcp://{zmq_bind_host(host)}:{port}")
         else:
-            port = self._router.bind_to_random_port(f"tcp://{host}")
-        self.endpoint = f"{host}:{port}"
+            port = self._router.bind_to_random_port(f"tcp://{zmq_bind_host(host)}")
+        self.endpoint = f"{advertise or host}:{port}"
         self._outbox_addr = f"inproc://kvmesh-{name}-{uuid.uuid4().hex}"
         self._outbox = self._ctx.socket(zmq.PULL)
         self._outbox.bind(self._outbox_addr)

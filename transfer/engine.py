@@ -45,16 +45,18 @@ def mooncake_available() -> bool:
 
 
 def create_transfer_engine(backend: str = "auto", *, host: str = "127.0.0.1", transport: str = "auto",
-                           metadata_server: str = "P2PHANDSHAKE", auth=None) -> TransferEngine:
-    """``backend``: mooncake, zmq, or auto (Mooncake when it loads, else zmq)."""
+                           metadata_server: str = "P2PHANDSHAKE", auth=None,
+                           advertise: str | None = None) -> TransferEngine:
+    """``backend``: mooncake, zmq, or auto (Mooncake when it loads, else zmq); binds ``host``, publishes ``advertise``."""
     if backend == "auto":
         backend = "mooncake" if mooncake_available() else "zmq"
     if backend == "mooncake":
         from kvmesh.transfer.mooncake_engine import MooncakeTransferEngine
 
-        return MooncakeTransferEngine(host=host, transport=transport, metadata_server=metadata_server)
+        return MooncakeTransferEngine(host=host, transport=transport, metadata_server=metadata_server,
+                                      advertise=advertise)
     if backend == "zmq":
         from kvmesh.transfer.zmq_engine import ZmqTransferEngine
 
-        return ZmqTransferEngine(host=host, auth=auth)
+        return ZmqTransferEngine(host=host, auth=auth, advertise=advertise)
     raise ValueError(f"unknown transfer backend {backend!r} (choose from auto, mooncake, zmq)")

@@ -33,7 +33,7 @@ log = logging.getLogger("kvmesh.transfer")
 class TransferAgent:
     def __init__(self, node_id: str, pool: BlockPool, kv_buffer: torch.Tensor, engine: TransferEngine,
                  directory: PeerDirectory, auth: ClusterAuth | None = None, host: str = "127.0.0.1",
-                 num_workers: int = 4):
+                 num_workers: int = 4, advertise: str | None = None):
         self.node_id = node_id
         self.pool = pool
         self.engine = engine
@@ -48,7 +48,8 @@ class TransferAgent:
         self.grants = GrantTable(pool, self.base_addr, self.block_bytes, writes_refusable=refusable)
         if refusable:
             engine.set_write_guard(self.grants.guard_write)
-        self._endpoint = RouterEndpoint(host, self._on_message, f"side-channel-{node_id}", self.auth)
+        self._endpoint = RouterEndpoint(host, self._on_message, f"side-channel-{node_id}", self.auth,
+                                        advertise=advertise)
         self.side_channel = self._endpoint.endpoint
         self.holder = KVHolder(node_id, pool, engine, self.base_addr, self.block_bytes, directory,
                                lambda identity, msg: self._endpoint.send(identity, m.encode(msg)), num_workers)

@@ -15,6 +15,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 
 import torch
 
+from kvmesh.netaddr import is_wildcard
 from kvmesh.transfer.coalesce import Descriptor
 from kvmesh.transfer.errors import TransferError, TransferTimeout, check_status
 from kvmesh.transfer.rdma_devices import choose_transport
@@ -23,10 +24,17 @@ from kvmesh.transfer.rdma_devices import choose_transport
 class MooncakeTransferEngine:
     name = "mooncake"
 
-    def __init__(self, host: str = "127.0.0.1", transport: str = "auto", metadata_server: str = "P2PHANDSHAKE"):
+    def __init__(self, host: str = "127.0.0.1", transport: str = "auto", metadata_server: str = "P2PHANDSHAKE",
+                 advertise: str | None = None):
+        """``host``: where to bind; ``advertise``: the address peers write to (default ``host``)."""
         choice = choose_transport(transport)
-        # Mooncake's TCP transport binds to this address; its glog INFO lines are noise.
-        os.environ["MC_TCP_BIND_ADDRESS"] = host  # an inherited value must not override --host
+        advertise = advertise or host
+        # Mooncake's TCP transport binds to this address (an inherited value must not override --host);
+        # it still listens on the wildcard address for its handshake. Its glog INFO lines are noise.
+        if is_wildcard(host):
+            os.environ.pop("MC_TCP_BIND_ADDRESS", None)
+        else:
+            os.environ["MC_TCP_BIND_ADDRESS"] = host
         os.environ.setdefault("GLOG_minloglevel", "1")
         os.environ.setdefault("MC_TRANSFER_TIMEOUT", "30")  # the native layer's own bound on one batch
         try:
@@ -35,11 +43,11 @@ class MooncakeTransferEngine:
             raise TransferError(f"Mooncake cannot be loaded here ({e}); use the zmq backend") from None
         self._engine = _Engine()
         device = ",".join(choice.devices) if choice.protocol == "rdma" else ""
-        check_status(self._engine.initialize(host, metadata_server, choice.protocol, device),
-                     what=f"Mooncake initialize ({choice.protocol} on {host})")
+        check_status(self._engine.initialize(advertise, metadata_server, choice.protocol, device),
+                     what=f"Mooncake initialize ({choice.protocol} on {advertise})")
         self.transport = choice.protocol
         self.transport_reason = choice.reason
-        self.endpoint = f"{host}:{self._engine.get_rpc_port()}"
+        self.endpoint = f"{advertise}:{self._engine.get_rpc_port()}"
         # Over TCP one descriptor is one stream: 1 MiB pieces keep several in flight (~2x on 64 MiB here).
         self.max_descriptor_bytes = 2**20 if self.transport == "tcp" else 0
         self._registered: list[torch.Tensor] = []

@@ -20,6 +20,7 @@ import torch
 import zmq
 
 from kvmesh.auth import AuthError, ClusterAuth
+from kvmesh.netaddr import zmq_bind_host
 from kvmesh.transfer.coalesce import Descriptor
 from kvmesh.transfer.errors import TransferError, TransferTimeout
 
@@ -30,7 +31,7 @@ class ZmqTransferEngine:
     transport_reason = "pure pyzmq backend over tcp"
     max_descriptor_bytes = 0
 
-    def __init__(self, host: str = "127.0.0.1", auth: ClusterAuth | None = None):
+    def __init__(self, host: str = "127.0.0.1", auth: ClusterAuth | None = None, advertise: str | None = None):
         self._ctx = zmq.Context.instance()
         self._auth = auth or ClusterAuth()
         self._guard: Callable[[str, list[tuple[int, int]], Callable[[], None]], None] | None = None
@@ -39,8 +40,8 @@ class ZmqTransferEngine:
         self._regions: list[tuple[int, int, torch.Tensor]] = []
         self._server = self._ctx.socket(zmq.ROUTER)
         self._server.linger = 0
-        port = self._server.bind_to_random_port(f"tcp://{host}")
-        self.endpoint = f"{host}:{port}"
+        port = self._server.bind_to_random_port(f"tcp://{zmq_bind_host(host)}")
+        self.endpoint = f"{advertise or host}:{port}"
         self._peers: dict[str, zmq.Socket] = {}
         self._send_lock = threading.Lock()
         self._seq = itertools.count()

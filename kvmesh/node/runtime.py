@@ -31,6 +31,7 @@ from kvmesh.metadata.records import NodeRecord
 from kvmesh.model.loader import load_model
 from kvmesh.node import messages as nm
 from kvmesh.node.engine_loop import EngineLoop
+from kvmesh.netaddr import advertise_address
 from kvmesh.node.membership import ClusterMembership
 from kvmesh.router_endpoint import RouterEndpoint
 from kvmesh.transfer.engine import create_transfer_engine
@@ -39,6 +40,7 @@ from kvmesh.transfer.peers import FunctionPeers
 from kvmesh.wire import MessageError, decode, encode
 
 log = logging.getLogger("kvmesh.node")
+DEFAULT_CLUSTER = "kvmesh"  # every command's default --cluster
 
 
 @dataclass(frozen=True)
@@ -46,14 +48,15 @@ class NodeConfig:
     node_id: str
     role: str  # "prefill" | "decode"
     etcd: str  # host:port
-    cluster: str = "kvmesh"
+    cluster: str = DEFAULT_CLUSTER
     model: str = "tiny-llama"
     dtype: str = "float32"
     block_size: int = 16
     num_kv_blocks: int = 1024
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
-    host: str = "127.0.0.1"
+    host: str = "127.0.0.1"  # where every listener binds (0.0.0.0: all interfaces)
+    advertise_host: str = ""  # what peers are told; "": the bind address, or the route to etcd
     transfer_backend: str = "auto"
     lease_ttl_s: int = 10
     prefill_timeout_s: float = 10.0
@@ -73,6 +76,7 @@ class NodeRuntime:
     def __init__(self, cfg: NodeConfig):
         self.cfg = cfg
         self.auth = ClusterAuth(cfg.cluster_token)
+        self.advertise_host = advertise_address(cfg.host, cfg.advertise_host, cfg.etcd)
         if not self.auth.enabled:
             log.warning("%s: no cluster token (--cluster-token / $KVMESH_CLUSTER_TOKEN): any process that reaches "
                         "this node can submit work and make it write KV", cfg.node_id)
@@ -89,11 +93,14 @@ class NodeRuntime:
                                             index_namespace(self.engine.namespace), cfg.lease_ttl_s,
                                             on_peer_left=self._peer_left)
         self.agent = TransferAgent(cfg.node_id, self.pool, self.engine.runner.kv_buffer,
-                                   create_transfer_engine(cfg.transfer_backend, host=cfg.host, auth=self.auth),
-                                   FunctionPeers(self.membership.peer), self.auth, host=cfg.host)
+                                   create_transfer_engine(cfg.transfer_backend, host=cfg.host, auth=self.auth,
+                                                          advertise=self.advertise_host),
+                                   FunctionPeers(self.membership.peer), self.auth, host=cfg.host,
+                                   advertise=self.advertise_host)
         self.loop = EngineLoop(self.engine, cfg.node_id, self.on_finish, self.on_failed, self._publish)
         self.workers = ThreadPoolExecutor(16, thread_name_prefix=f"kvmesh-{cfg.node_id}")
-        self.endpoint = RouterEndpoint(cfg.host, self._on_request, f"requests-{cfg.node_id}", self.auth)
+        self.endpoint = RouterEndpoint(cfg.host, self._on_request, f"requests-{cfg.node_id}", self.auth,
+                                       advertise=self.advertise_host)
         self.call_soon = self.loop.call_soon
 
     def start(self) -> NodeRuntime:
@@ -107,11 +114,12 @@ class NodeRuntime:
     # ---- identity ------------------------------------------------------------------------------
     def record(self) -> NodeRecord:
         layout = self.engine.layout
-        return NodeRecord(self.cfg.node_id, self.cfg.role, self.cfg.host, self.agent.engine.endpoint,
+        return NodeRecord(self.cfg.node_id, self.cfg.role, self.advertise_host, self.agent.engine.endpoint,
                           self.agent.side_channel, self.endpoint.endpoint,
                           {"num_blocks": layout.num_blocks, "block_size": layout.block_size,
                            "num_layers": layout.num_layers, "bytes_per_block": self.agent.block_bytes,
-                           "base_addr": self.agent.base_addr, "transport": self.agent.engine.transport},
+                           "base_addr": self.agent.base_addr, "transport": self.agent.engine.transport,
+                           "model": self.cfg.model, "dtype": self.cfg.dtype},
                           layout.num_blocks, {"free_blocks": self.pool.num_free_blocks})
 
     def lookup_holders(self, block_hashes: list[bytes]) -> dict[str, int]:

@@ -1,0 +1,111 @@
+"""``kvmesh etcd`` and ``kvmesh router``: the cluster's shared parts, run by hand, one per machine if you like.
+
+    host A:  kvmesh etcd --host 0.0.0.0                       # prints its advertised endpoint
+    host B:  kvmesh prefill-node --etcd A:2379 --host 0.0.0.0 --node-id prefill-0
+    host C:  kvmesh decode-node  --etcd A:2379 --host 0.0.0.0 --node-id decode-0
+    host A:  kvmesh router --etcd A:2379 --host 0.0.0.0       # learns the model from the nodes
+
+All share ``$KVMESH_CLUSTER_TOKEN`` and the default cluster name. Both run in the
+foreground until Ctrl-C or SIGTERM, and leave nothing behind (etcd's data dir is
+removed unless ``--data-dir`` names one).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+import time
+
+from kvmesh.errors import KvmeshError
+from kvmesh.node.runtime import DEFAULT_CLUSTER
+
+
+class NoNodesError(KvmeshError, RuntimeError):
+    """The router found no node to learn the model from."""
+
+
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
+def _stop_on_sigterm() -> None:
+    """SIGTERM (systemd, Kubernetes, container runtimes) stops us like Ctrl-C: cleanup runs."""
+    signal.signal(signal.SIGTERM, _interrupt)
+
+
+def add_etcd_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--host", default="127.0.0.1", help="bind address (0.0.0.0: every interface)")
+    p.add_argument("--port", type=int, default=2379)
+    p.add_argument("--advertise-host", default=None, help="the address nodes use (default: --host, or the "
+                                                          "address of the default route for 0.0.0.0)")
+    p.add_argument("--data-dir", default=None, help="keep etcd's data here (default: a temporary dir, removed)")
+
+
+def run_etcd(args: argparse.Namespace) -> int:
+    from kvmesh.metadata.embedded_etcd import EmbeddedEtcd
+
+    _stop_on_sigterm()
+    etcd = EmbeddedEtcd(args.data_dir, host=args.host, port=args.port, advertise=args.advertise_host)
+    try:
+        etcd.start()
+        print(json.dumps({"etcd": etcd.endpoint}), flush=True)
+        print(f"etcd serving at {etcd.endpoint}; Ctrl-C stops it", file=sys.stderr)
+        while etcd.running:
+            time.sleep(0.5)
+        print("etcd exited", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        etcd.cleanup()
+
+
+def add_router_arguments(p: argparse.ArgumentParser) -> None:
+    from kvmesh.cluster.serve import add_front_end_arguments
+
+    p.add_argument("--etcd", required=True, help="host:port of the cluster's etcd")
+    p.add_argument("--cluster", default=DEFAULT_CLUSTER)
+    p.add_argument("--model", default=None, help="default: the model the registered nodes serve")
+    p.add_argument("--wait-for-nodes", type=float, default=120.0, help="seconds to wait for a first node")
+    add_front_end_arguments(p)
+
+
+def model_of_cluster(etcd: str, cluster: str, timeout_s: float) -> str:
+    """The model the cluster's nodes serve (from their records), waiting up to ``timeout_s`` for one."""
+    from kvmesh.metadata.etcd_store import EtcdStore
+    from kvmesh.metadata.registry import NodeDirectory
+
+    store = EtcdStore(etcd)
+    directory = NodeDirectory(store, cluster)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            models = {r.kv_layout.get("model") for r in directory.nodes.values()} - {None}
+            if len(models) > 1:
+                raise KvmeshError(f"cluster {cluster!r} serves several models {sorted(models)}: pass --model")
+            if models:
+                return models.pop()
+            if time.monotonic() > deadline:
+                raise NoNodesError(f"no node registered in cluster {cluster!r} at {etcd} within {timeout_s} s "
+                                   "(start nodes with the same --etcd and --cluster, or pass --model)")
+            time.sleep(0.2)
+    finally:
+        directory.close()
+        store.close()
+
+
+def run_router(args: argparse.Namespace) -> int:
+    from kvmesh.auth import token_from_env
+    from kvmesh.cluster.serve import run_front_ends
+
+    _stop_on_sigterm()
+    token = token_from_env(args.cluster_token)
+    if not token:
+        print("kvmesh router: no cluster token ($KVMESH_CLUSTER_TOKEN / --cluster-token): nodes that have one "
+              "will refuse this router", file=sys.stderr)
+    if args.model is None:
+        args.model = model_of_cluster(args.etcd, args.cluster, args.wait_for_nodes)
+        print(f"the cluster serves {args.model}", file=sys.stderr)
+    run_front_ends(args, args.etcd, args.cluster, lambda: True, token)
+    return 0
