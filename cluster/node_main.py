@@ -39,7 +39,8 @@ def run_node(role: str, args: argparse.Namespace) -> int:
     cfg = NodeConfig(node_id=args.node_id, role=role, etcd=args.etcd, cluster=args.cluster, model=args.model,
                      dtype=args.dtype, num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
                      max_num_batched_tokens=args.max_num_batched_tokens,
-                     host=args.host, advertise_host=args.advertise_host, transfer_backend=args.transfer_backend, lease_ttl_s=args.lease_ttl,
+                     host=args.host, advertise_host=args.advertise_host, transfer_backend=args.transfer_backend,
+                     lease_ttl_s=args.lease_ttl,
                      prefill_timeout_s=args.prefill_timeout, local_prefill_tokens=args.local_prefill_tokens,
                      enable_prefix_caching=not args.no_prefix_cache, use_global_pool=not args.no_global_pool,
                      cluster_token=token_from_env(args.cluster_token))

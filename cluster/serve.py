@@ -10,11 +10,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
 
 from kvmesh.auth import generate_token, token_from_env
 from kvmesh.cluster.local_launcher import LocalCluster
 from kvmesh.cluster.router import Router, RouterConfig
+from kvmesh.errors import KvmeshError
+from kvmesh.node.runtime import DEFAULT_CLUSTER
 
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
@@ -22,6 +25,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill", type=int, default=1)
     p.add_argument("--decode", type=int, default=1)
     p.add_argument("--etcd", default=None, help="host:port of an etcd (default: start a private one)")
+    p.add_argument("--cluster", default=DEFAULT_CLUSTER)
     add_front_end_arguments(p)
 
 
@@ -77,15 +81,20 @@ def run_front_ends(args: argparse.Namespace, etcd: str, cluster: str, alive, clu
 
 def run_serve(args: argparse.Namespace) -> int:
     print(f"starting etcd, {args.prefill} prefill + {args.decode} decode node(s) of {args.model} ...", file=sys.stderr)
-    with LocalCluster(args.prefill, args.decode, model=args.model, etcd=args.etcd, cluster="serve",
+    with LocalCluster(args.prefill, args.decode, model=args.model, etcd=args.etcd, cluster=args.cluster,
                       start_timeout_s=600, cluster_token=token_from_env(args.cluster_token) or None) as cluster:
-        run_front_ends(args, cluster.etcd_endpoint, "serve",
+        run_front_ends(args, cluster.etcd_endpoint, args.cluster,
                        lambda: all(p.proc.poll() is None for p in cluster.nodes.values()), cluster.token)
     return 0
 
 
 def add_launch_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--address", default="auto", help="Ray cluster address for ray.init")
+    p.add_argument("--address", default="auto", help="Ray cluster address for ray.init (head:6379 or auto)")
+    p.add_argument("--cluster", default=DEFAULT_CLUSTER)
+    p.add_argument("--etcd", default=None, help="host:port of an existing etcd (default: an etcd actor)")
+    p.add_argument("--placement", action="append", default=[], metavar="ROLE=RESOURCE",
+                   help="put ROLE's (prefill/decode) actors on the Ray nodes started with --resources "
+                        "'{\"RESOURCE\": 1}' (default: spread over every node)")
     p.add_argument("--stop", action="store_true", help="kill the kvmesh actors of that Ray cluster")
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--prefill", type=int, default=1)
@@ -100,14 +109,20 @@ def run_launch(args: argparse.Namespace) -> int:
 
     from kvmesh.cluster.ray_launcher import RayCluster, stop_cluster
 
+    os.environ.setdefault("RAY_AUTH_MODE", "token")  # Ray 2.60 clusters require it of every joining process
     ray.init(address=args.address, namespace="kvmesh", log_to_driver=False)
     if args.stop:
         print(f"stopped: {', '.join(stop_cluster()) or 'nothing to stop'}", file=sys.stderr)
         return 0
     print(f"starting etcd, {args.prefill} prefill + {args.decode} decode actor(s) of {args.model} on Ray ...",
           file=sys.stderr)
+    placement = dict(p.split("=", 1) for p in args.placement)
+    if not set(placement) <= {"prefill", "decode"} or "" in placement.values():
+        raise KvmeshError(f"--placement takes prefill=RESOURCE or decode=RESOURCE, not {args.placement}")
     token = token_from_env(args.cluster_token) or generate_token()
-    cluster = RayCluster(args.prefill, args.decode, args.model, "ray", args.gpus_per_node, args.cpus_per_node,
-                         node_options={"cluster_token": token}).start()
-    run_front_ends(args, cluster.etcd, "ray", lambda: True, token)  # Ray restarts dead node actors
+    cluster = RayCluster(args.prefill, args.decode, args.model, args.cluster, args.gpus_per_node,
+                         args.cpus_per_node, node_options={"cluster_token": token}, etcd=args.etcd or "",
+                         placement=placement).start()
+    print(json.dumps({"etcd": cluster.etcd, "nodes": cluster.hosts()}), flush=True)
+    run_front_ends(args, cluster.etcd, args.cluster, lambda: True, token)  # Ray restarts dead node actors
     return 0

@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -145,3 +147,85 @@ def test_a_host_link_going_down_and_coming_back(hosts):
         for node_id in ("prefill-0", "decode-0"):
             cluster.client(node_id).stats(check=True)
         store.close()
+
+
+class RayNode:
+    """``ray start --block`` inside a host: terminating it stops every Ray process of that node."""
+
+    def __init__(self, host, temp_dir: str, head: str | None, resources: dict):
+        cmd = [*host.exec_prefix, os.path.join(os.path.dirname(sys.executable), "ray"), "start", "--block",
+               "--node-ip-address", host.address, "--temp-dir", temp_dir, "--num-cpus", "2",
+               "--resources", json.dumps(resources), "--disable-usage-stats"]
+        cmd += ["--address", head] if head else ["--head", "--port", "6390", "--include-dashboard", "false"]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                     env={**os.environ, "RAY_AUTH_MODE": "token"})
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(timeout=60)
+
+
+def alive_ray_nodes(host, address: str) -> int:
+    """Ray nodes alive in the cluster at ``address`` (0 while its GCS does not answer yet)."""
+    ip, port = address.split(":")
+    try:
+        socket.create_connection((ip, int(port)), timeout=2).close()
+    except OSError:
+        return 0
+    code = ("import ray; ray.init(address=%r, log_to_driver=False); "
+            "print(sum(n['Alive'] for n in ray.nodes()))" % address)
+    try:
+        res = subprocess.run([*host.exec_prefix, sys.executable, "-c", code], capture_output=True, text=True,
+                             env={**os.environ, "RAY_AUTH_MODE": "token"}, timeout=60)
+    except subprocess.TimeoutExpired:
+        return 0
+    lines = res.stdout.strip().splitlines()
+    return int(lines[-1]) if res.returncode == 0 and lines and lines[-1].isdigit() else 0
+
+
+def test_kvmesh_launch_on_a_ray_cluster_spanning_two_hosts(hosts):
+    """Ray head on host 1, a worker on host 2; ``kvmesh launch`` puts the prefill node on one and the decode
+    node on the other, each advertising its own host's address, and serves a request; ``--stop`` cleans up."""
+    pytest.importorskip("ray")
+    h1, h2 = hosts[1], hosts[2]
+    address = f"{h1.address}:6390"
+    temp = f"/tmp/kvr{os.getpid()}"  # short: Ray's unix socket paths live below it
+    head = RayNode(h1, f"{temp}-h1", None, {"prefill_host": 1})
+    worker = None
+    launch = None
+    try:
+        wait_until(lambda: alive_ray_nodes(h1, address) >= 1, 120, "the Ray head")
+        worker = RayNode(h2, f"{temp}-h2", address, {"decode_host": 1})
+        wait_until(lambda: alive_ray_nodes(h1, address) >= 2, 120, "the Ray worker to join")
+        env = {**os.environ, "RAY_AUTH_MODE": "token"}
+        launch = subprocess.Popen(
+            [*h1.exec_prefix, sys.executable, "-m", "kvmesh.cli", "launch", "--address", address, "--model",
+             "tiny-llama", "--placement", "prefill=prefill_host", "--placement", "decode=decode_host",
+             "--cluster", "rayhosts", "--host", h1.address, "--http-port", "0", "--grpc-port", "0",
+             "--cpus-per-node", "0.5"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+        placed = json.loads(launch.stdout.readline())
+        assert placed["nodes"] == {"prefill-0": h1.address, "decode-0": h2.address}
+        assert placed["etcd"].split(":")[0] in (h1.address, h2.address)  # etcd advertises its Ray node's IP
+        url = json.loads(launch.stdout.readline())["http"]
+        ids = prompt(42, 90)
+        body = complete(url, ids)
+        assert body["choices"][0]["text"] and body["usage"]["completion_tokens"] == 8
+        launch.terminate()
+        launch.wait(timeout=60)
+        stop = subprocess.run([*h1.exec_prefix, sys.executable, "-m", "kvmesh.cli", "launch", "--address", address,
+                               "--stop"], capture_output=True, text=True, env=env, timeout=120)
+        assert all(name in stop.stderr for name in ("etcd", "prefill-0", "decode-0")), stop.stderr
+        etcd_port = placed["etcd"].rsplit(":", 1)[1]
+        etcd_left = subprocess.run(["pgrep", "-f", f"etcd .*:{etcd_port}"], capture_output=True, text=True)
+        assert etcd_left.stdout.split() == [], "launch --stop left etcd running"
+    finally:
+        if launch is not None and launch.poll() is None:
+            launch.kill()
+        for node in (worker, head):
+            if node is not None:
+                node.stop()
+        for suffix in ("-h1", "-h2"):
+            shutil.rmtree(temp + suffix, ignore_errors=True)
+    leftovers = subprocess.run(["pgrep", "-f", temp], capture_output=True, text=True).stdout.split()
+    assert leftovers == [], "Ray processes of this test are still running"

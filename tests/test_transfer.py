@@ -49,6 +49,8 @@ class Holder:
         self.node_id = self.record.node_id
         if requester is not None:
             requester.requester.directory.add(self.record)
+        if not delay_ms:  # serving the whole chain before the test asks for it (no race with caching)
+            wait_until(lambda: self.check()["num_cached"] == chain)
 
     def check(self) -> dict:
         self.proc.stdin.write("check\n")
@@ -113,7 +115,7 @@ def test_every_byte_arrives_scattered_ids(requester):
             assert torch.equal(kv[block], holder.expected_block(i)), f"block {i}"
         untouched = sorted(set(range(48)) - set(dst))
         assert torch.equal(kv[untouched], before[untouched])
-        assert holder.check() == {"ok": True, "num_pinned": 0, "num_malformed": 0}
+        assert holder.check() == {"ok": True, "num_pinned": 0, "num_malformed": 0, "num_cached": 20}
         requester.pool.free(list(range(48)))
     finally:
         holder.close()
