@@ -26,6 +26,8 @@ def add_node_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-timeout", type=float, default=10.0)
     p.add_argument("--local-prefill-tokens", type=int, default=-1,
                    help="decode nodes compute uncached suffixes up to this many tokens (-1: cost model)")
+    p.add_argument("--transfer-gib-per-s", type=float, default=1.0,
+                   help="the cost model's bandwidth before it has measured real transfers")
     p.add_argument("--no-prefix-cache", action="store_true", help="compute every prompt in full (baseline)")
     p.add_argument("--no-global-pool", action="store_true", help="local caches only: no global index lookups")
     p.add_argument("--cluster-token", default=None,
@@ -40,7 +42,7 @@ def run_node(role: str, args: argparse.Namespace) -> int:
                      dtype=args.dtype, num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
                      max_num_batched_tokens=args.max_num_batched_tokens,
                      host=args.host, advertise_host=args.advertise_host, transfer_backend=args.transfer_backend,
-                     lease_ttl_s=args.lease_ttl,
+                     lease_ttl_s=args.lease_ttl, transfer_gib_per_s=args.transfer_gib_per_s,
                      prefill_timeout_s=args.prefill_timeout, local_prefill_tokens=args.local_prefill_tokens,
                      enable_prefix_caching=not args.no_prefix_cache, use_global_pool=not args.no_global_pool,
                      cluster_token=token_from_env(args.cluster_token))

@@ -18,3 +18,30 @@ def local_prefill_limit(prefill_tokens_per_s: float, bytes_per_token: int, trans
     if per_token_compute <= per_token_transfer:
         return 1 << 30  # computing beats moving the bytes at any length
     return int(round_trip_s / (per_token_compute - per_token_transfer))
+
+
+class TransferRateEstimator:
+    """Bandwidth and round trip to peers, learned from real transfers (exponentially weighted).
+
+    Starts from a prior (``--transfer-gib-per-s``; round trip 5 ms); every holder push that
+    moved at least ``min_bytes`` updates the bandwidth (the first one replaces the prior).
+    Pushes from prefill nodes include their compute and are not counted.
+    """
+
+    def __init__(self, prior_bytes_per_s: float, prior_rtt_s: float = 0.005, weight: float = 0.3,
+                 min_bytes: int = 256 * 1024):
+        self.bytes_per_s = prior_bytes_per_s
+        self.rtt_s = prior_rtt_s
+        self.weight = weight
+        self.min_bytes = min_bytes
+        self.num_samples = 0
+
+    def record_transfer(self, num_bytes: int, seconds: float) -> None:
+        if num_bytes < self.min_bytes or seconds <= 0:
+            return
+        rate = num_bytes / max(seconds - self.rtt_s, seconds / 2)
+        if self.num_samples == 0:
+            self.bytes_per_s = rate
+        else:
+            self.bytes_per_s += self.weight * (rate - self.bytes_per_s)
+        self.num_samples += 1

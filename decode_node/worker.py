@@ -24,7 +24,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from kvmesh.decode_node.cost_model import local_prefill_limit
+from kvmesh.decode_node.cost_model import TransferRateEstimator, local_prefill_limit
 from kvmesh.engine.request_state import RequestStatus
 from kvmesh.engine.sequence import Sequence
 from kvmesh.errors import KvmeshError, OutOfBlocksError
@@ -71,7 +71,7 @@ class DecodeWorker(NodeRuntime):
         self.num_refusals = 0
         self.num_aborted = 0
         self.num_tainted_swapped = 0
-        self.rtt_s = 0.005  # side-channel round trip assumed by the cost model
+        self.rates = TransferRateEstimator(self.cfg.transfer_gib_per_s * 2**30)
 
     # ---- admission (engine thread) ------------------------------------------------------------------
     def handle(self, identity: bytes, msg) -> None:
@@ -87,7 +87,7 @@ class DecodeWorker(NodeRuntime):
         if self.cfg.local_prefill_tokens >= 0:
             return self.cfg.local_prefill_tokens
         return local_prefill_limit(self.prefill_tokens_per_s, self.engine.layout.bytes_per_token,
-                                   self.cfg.transfer_gib_per_s * 2**30, self.rtt_s)
+                                   self.rates.bytes_per_s, self.rates.rtt_s)
 
     def _admit(self, identity: bytes, msg: nm.GenerateRequest) -> None:
         rid = msg.request_id
@@ -141,8 +141,12 @@ class DecodeWorker(NodeRuntime):
             length = min(length, end)
             if length <= got or self._aborting(seq):
                 continue
+            started = time.perf_counter()
             outcome = self.agent.requester.push(node_id, seq.block_ids[got:length], seq.block_hashes[got:length],
                                                 request_id=f"{seq.request_id}/hold", timeout_s=HOLDER_TIMEOUT_S)
+            if outcome.error is None:  # the holder had the blocks: this timed a pure transfer
+                self.rates.record_transfer(outcome.num_written * self.agent.block_bytes,
+                                           time.perf_counter() - started)
             result.tainted += outcome.tainted_block_ids
             if outcome.error is not None:
                 log.warning("%s: holder %s: %s", self.cfg.node_id, node_id, outcome.error)
@@ -249,4 +253,6 @@ class DecodeWorker(NodeRuntime):
     def role_stats(self) -> dict:
         return {"num_remote": self.num_remote, "num_local": self.num_local, "num_fallbacks": self.num_fallbacks,
                 "num_prefill_refusals": self.num_refusals, "num_aborted": self.num_aborted,
-                "num_tainted_swapped": self.num_tainted_swapped, "local_prefill_limit": self.local_prefill_limit()}
+                "num_tainted_swapped": self.num_tainted_swapped, "local_prefill_limit": self.local_prefill_limit(),
+                "transfer_gib_per_s_measured": self.rates.bytes_per_s / 2**30,
+                "num_transfer_samples": self.rates.num_samples}

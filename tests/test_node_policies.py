@@ -88,3 +88,18 @@ def test_cache_aware_policy_scores_cache_against_load_and_keeps_sessions():
     assert picks == {"x", "y"}
     with pytest.raises(ValueError, match="cache-aware"):
         make_policy("smartest")
+
+
+def test_transfer_rate_estimator_learns_the_link_and_flips_the_decision():
+    from kvmesh.decode_node.cost_model import TransferRateEstimator, local_prefill_limit
+
+    est = TransferRateEstimator(prior_bytes_per_s=2**30)
+    bytes_per_token, prefill_rate = 46_080, 400.0  # SmolLM2 fp32 on 2 cores
+    fast = local_prefill_limit(prefill_rate, bytes_per_token, est.bytes_per_s, est.rtt_s)
+    est.record_transfer(1000, 0.001)  # too small to say anything
+    assert est.num_samples == 0
+    for _ in range(5):  # a 100 Mbit/s link: 12.5 MB/s
+        est.record_transfer(12_500_000, 1.0 + est.rtt_s)
+    assert abs(est.bytes_per_s - 12_500_000) / 12_500_000 < 0.01
+    slow = local_prefill_limit(prefill_rate, bytes_per_token, est.bytes_per_s, est.rtt_s)
+    assert fast < 100 and slow >= 1 << 30  # moving 46 KB/token at 12.5 MB/s loses to computing at any length

@@ -8,7 +8,13 @@
 Each mode gets a fresh local cluster and the same requests. Per request: TTFT, TPOT, ITL,
 end-to-end latency, where its prompt's KV came from, how long it waited for remote KV.
 Per mode: percentiles, throughput, goodput under TTFT/TPOT SLOs, local and global hit
-rates, tokens computed (all nodes) and reused, bytes transferred, the transfer's share of TTFT.
+rates, tokens computed (all nodes) and reused, bytes transferred, the transfer's share of TTFT,
+and what the decode nodes' cost model chose (requests computed locally vs fetched).
+
+``--hosts N`` runs etcd on simulated host 1 and each node on a host of its own
+(network namespaces, ``cluster/hosts.py``; the router stays on this machine, which
+reaches them over the bridge), so every byte crosses a veth link; ``--link-gbit
+0.1,1,10`` caps the links and runs every mode at each cap.
 """
 from __future__ import annotations
 
@@ -34,10 +40,11 @@ class Mode:
     routing: str
 
 
-def modes(num_prefill: int) -> dict[str, Mode]:
-    # Decode nodes compute an uncached suffix of up to 64 tokens themselves (docs/design.md §2); longer ones come
-    # from holders and prefill nodes. (The measured cost model would keep the tiny preset fully local.)
-    disaggregated = ("--local-prefill-tokens", "64")
+def modes(num_prefill: int, local_prefill_tokens: int = 64) -> dict[str, Mode]:
+    # By default decode nodes compute an uncached suffix of up to 64 tokens themselves (docs/design.md §2) and
+    # fetch longer ones (the measured cost model would keep the tiny preset fully local); -1 lets the cost model,
+    # with its measured transfer rate, decide.
+    disaggregated = ("--local-prefill-tokens", str(local_prefill_tokens))
     return {
         "kvmesh": Mode("kvmesh", num_prefill, disaggregated, "cache-aware"),
         "local-rr": Mode("local-rr", num_prefill, disaggregated + ("--no-global-pool",), "round-robin"),
@@ -144,7 +151,7 @@ def _summarize(records: list[Record], seconds: float, node_delta: dict, slo_ttft
 
 
 def _node_totals(cluster: LocalCluster) -> dict:
-    totals = {"tokens_computed": 0, "bytes_received": 0}
+    totals = {"tokens_computed": 0, "bytes_received": 0, "num_local": 0, "num_remote": 0}
     for node_id in cluster.nodes:
         stats = cluster.client(node_id).stats()
         for key in totals:
@@ -153,11 +160,13 @@ def _node_totals(cluster: LocalCluster) -> dict:
 
 
 def run_mode(mode: Mode, model: str, num_decode: int, workload: str, requests, concurrency: int,
-             slo_ttft_ms: float, slo_tpot_ms: float, routing: str | None, bar: tqdm) -> dict:
+             slo_ttft_ms: float, slo_tpot_ms: float, routing: str | None, bar: tqdm, hosts=None) -> dict:
     with LocalCluster(mode.num_prefill, num_decode, model=model, cluster=f"bench-{mode.name}",
-                      node_args=["--transfer-backend", "auto", *mode.node_args], start_timeout_s=300) as cluster:
-        router = Router(RouterConfig(etcd=cluster.etcd_endpoint, cluster_token=cluster.token, model=model, cluster=f"bench-{mode.name}",
-                                     routing=routing or mode.routing, max_in_flight=100_000))
+                      node_args=["--transfer-backend", "auto", *mode.node_args], start_timeout_s=300,
+                      hosts=hosts) as cluster:
+        router = Router(RouterConfig(etcd=cluster.etcd_endpoint, cluster_token=cluster.token, model=model,
+                                     cluster=f"bench-{mode.name}", routing=routing or mode.routing,
+                                     max_in_flight=100_000))
         try:
             before = _node_totals(cluster)
             start = time.perf_counter()
@@ -169,7 +178,9 @@ def run_mode(mode: Mode, model: str, num_decode: int, workload: str, requests, c
         finally:
             router.close()
     delta = {k: after[k] - before[k] for k in before}
-    return _summarize(records, seconds, delta, slo_ttft_ms, slo_tpot_ms)
+    out = _summarize(records, seconds, delta, slo_ttft_ms, slo_tpot_ms)
+    out["decisions"] = {"computed_locally": delta["num_local"], "fetched": delta["num_remote"]}
+    return out
 
 
 def build_workload(args, vocab: int, tokenize):
@@ -190,7 +201,7 @@ def build_workload(args, vocab: int, tokenize):
 
 
 def run(args) -> dict:
-    from kvmesh.bench.report import machine, print_table, write_json
+    from kvmesh.bench.report import machine, write_json
     from kvmesh.model.loader import load_model
 
     loaded = load_model(args.model, progress=False)
@@ -200,29 +211,42 @@ def run(args) -> dict:
     requests = build_workload(args, vocab, tokenize)
     if args.rate and args.workload not in ("multi-turn", "mooncake"):
         wl.poisson_arrivals(requests, args.rate, args.seed)
-    chosen = modes(args.prefill)
+    local_tokens = args.local_prefill_tokens if args.local_prefill_tokens is not None else (-1 if args.hosts else 64)
+    chosen = modes(args.prefill, local_tokens)
     names = [m for m in args.modes.split(",") if m] if args.modes else list(chosen)
     num = sum(len(c) for c in requests) if args.workload == "multi-turn" else len(requests)
     res: dict = {"machine": machine(), "model": args.model, "workload": args.workload, "num_requests": num,
                  "prefill_nodes": args.prefill, "decode_nodes": args.decode, "concurrency": args.concurrency,
-                 "rate": args.rate, "slo": {"ttft_ms": args.slo_ttft_ms, "tpot_ms": args.slo_tpot_ms}, "modes": {}}
-    with tqdm(total=num * len(names), desc=f"bench cluster ({args.workload})") as bar:
-        for name in names:
-            bar.set_postfix_str(name)
-            res["modes"][name] = run_mode(chosen[name], args.model, args.decode, args.workload, requests,
-                                          args.concurrency, args.slo_ttft_ms, args.slo_tpot_ms,
-                                          args.routing or None, bar)
-    rows = []
-    for name, m in res["modes"].items():
-        rows.append([name, f"{m['ttft_p50_ms']:.0f}", f"{m['ttft_p99_ms']:.0f}", f"{m['tpot_p50_ms']:.1f}",
-                     f"{m['e2e_p50_ms']:.0f}", f"{m['throughput_tok_s']:.0f}", f"{m['goodput_req_s']:.2f}",
-                     f"{m['hit_rate_local']:.2f}", f"{m['hit_rate_global']:.2f}", m["tokens_computed"],
-                     m["tokens_reused"], f"{m['bytes_transferred'] / 2**20:.1f}",
-                     f"{m['transfer_share_of_ttft']:.2f}"])
-    header = ["mode", "TTFT p50 ms", "TTFT p99 ms", "TPOT p50 ms", "e2e p50 ms", "tok/s", "goodput req/s",
-              "hit local", "hit global", "tokens computed", "tokens reused", "MiB moved", "transfer/TTFT"]
-    print_table(f"{args.workload}, {args.model}: {args.prefill} prefill + {args.decode} decode nodes, "
-                f"{num} requests", header, rows)
+                 "rate": args.rate, "slo": {"ttft_ms": args.slo_ttft_ms, "tpot_ms": args.slo_tpot_ms},
+                 "local_prefill_tokens": local_tokens, "hosts": args.hosts, "modes": {}}
+    caps = [float(x) for x in args.link_gbit.split(",")] if args.link_gbit else [None]
+    hosts = None
+    if args.hosts:
+        from kvmesh.cluster.hosts import Hosts
+
+        hosts = Hosts(args.hosts, prefix="kvbench", subnet="10.81.0").up()
+    try:
+        with tqdm(total=num * len(names) * len(caps), desc=f"bench cluster ({args.workload})") as bar:
+            for cap in caps:
+                if hosts is not None:
+                    for h in hosts.hosts:
+                        hosts.set_rate(h.index, cap * 1000 if cap else None)
+                results = {}
+                for name in names:
+                    bar.set_postfix_str(f"{name}" + (f" @ {cap:g} Gbit/s" if cap else ""))
+                    results[name] = run_mode(chosen[name], args.model, args.decode, args.workload, requests,
+                                             args.concurrency, args.slo_ttft_ms, args.slo_tpot_ms,
+                                             args.routing or None, bar, hosts)
+                if cap is None:
+                    res["modes"] = results
+                else:
+                    res.setdefault("links", {})[f"{cap:g}gbit"] = {"modes": results}
+                _print(args, num, results, f" @ {cap:g} Gbit/s links" if cap else "")
+    finally:
+        if hosts is not None:
+            hosts.down()
+    if "links" in res:  # the top-level modes: the first cap's, for plots and older readers
+        res["modes"] = next(iter(res["links"].values()))["modes"]
     if args.plots:
         from kvmesh.bench.plots import plot_cluster_results
 
@@ -230,6 +254,25 @@ def run(args) -> dict:
         print("plots: " + ", ".join(res["plots"]))
     write_json(args.json, res)
     return res
+
+
+def _print(args, num: int, results: dict, suffix: str) -> None:
+    from kvmesh.bench.report import print_table
+
+    rows = []
+    for name, m in results.items():
+        rows.append([name, f"{m['ttft_p50_ms']:.0f}", f"{m['ttft_p99_ms']:.0f}", f"{m['tpot_p50_ms']:.1f}",
+                     f"{m['e2e_p50_ms']:.0f}", f"{m['throughput_tok_s']:.0f}", f"{m['goodput_req_s']:.2f}",
+                     f"{m['hit_rate_local']:.2f}", f"{m['hit_rate_global']:.2f}", m["tokens_computed"],
+                     m["tokens_reused"], f"{m['bytes_transferred'] / 2**20:.1f}",
+                     f"{m['transfer_share_of_ttft']:.2f}",
+                     f"{m['decisions']['computed_locally']}/{m['decisions']['fetched']}"])
+    header = ["mode", "TTFT p50 ms", "TTFT p99 ms", "TPOT p50 ms", "e2e p50 ms", "tok/s", "goodput req/s",
+              "hit local", "hit global", "tokens computed", "tokens reused", "MiB moved", "transfer/TTFT",
+              "local/fetched"]
+    where = f", {args.hosts} hosts" if args.hosts else ""
+    print_table(f"{args.workload}, {args.model}: {args.prefill} prefill + {args.decode} decode nodes{where}, "
+                f"{num} requests{suffix}", header, rows)
 
 
 def add_arguments(p) -> None:
@@ -258,6 +301,12 @@ def add_arguments(p) -> None:
     p.add_argument("--slo-ttft-ms", type=float, default=500.0)
     p.add_argument("--slo-tpot-ms", type=float, default=100.0)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--hosts", type=int, default=0,
+                   help="run etcd and every node on simulated hosts (network namespaces; needs root)")
+    p.add_argument("--link-gbit", default="", help="with --hosts: comma-separated link caps, every mode at each")
+    p.add_argument("--local-prefill-tokens", type=int, default=None,
+                   help="decode nodes compute uncached suffixes up to this (-1: the cost model; default 64, "
+                        "or -1 with --hosts)")
 
 
 def apply_quick(args) -> None:
