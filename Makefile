@@ -34,7 +34,7 @@ endif
 install: $(STAMP)
 
 test: $(STAMP)
-	$(PY) -m pytest -q $(PYTEST_ARGS) --ignore=tests/gpu tests
+	$(PY) -m pytest -q -rs $(PYTEST_ARGS) --ignore=tests/gpu tests
 
 # On a machine with a CUDA device: the Triton kernels and the model on the GPU.
 test-gpu: $(STAMP)

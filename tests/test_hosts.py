@@ -4,6 +4,7 @@ Runs where root and ``ip netns`` exist; elsewhere each test is skipped with the 
 """
 from __future__ import annotations
 
+import glob
 import json
 import os
 import random
@@ -11,6 +12,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 
@@ -76,11 +78,34 @@ def complete(base_url: str, prompt_ids: list[int]) -> dict:
         return json.loads(r.read())
 
 
+def start_etcd(host) -> tuple[subprocess.Popen, str]:
+    """``kvmesh etcd`` alone on ``host``; returns it and its advertised endpoint."""
+    proc = subprocess.Popen([*host.exec_prefix, sys.executable, "-m", "kvmesh.cli", "etcd", "--host", "0.0.0.0",
+                             "--port", "2379"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    return proc, json.loads(proc.stdout.readline())["etcd"]
+
+
 def test_three_hosts_parity_and_cross_host_reuse(hosts):
-    """etcd + router on host 1, a prefill node on host 2, a decode node on host 3."""
-    placement = {"etcd": 1, "prefill-0": 2, "decode-0": 3}
+    """etcd + router on host 1 (each run alone, as on separate machines), a prefill node on host 2, a decode
+    node on host 3; etcd stops cleanly on SIGTERM."""
+    placement = {"prefill-0": 2, "decode-0": 3}
     args = ["--transfer-backend", BACKEND, "--local-prefill-tokens", "0"]
-    with LocalCluster(1, 1, hosts=hosts, placement=placement, node_args=args, cluster="hosts3") as cluster:
+    data_dirs = set(glob.glob(os.path.join(tempfile.gettempdir(), "kvmesh-etcd-*")))
+    etcd, endpoint = start_etcd(hosts[1])
+    assert endpoint == f"{hosts[1].address}:2379"  # 0.0.0.0 advertised as the address routing out of host 1
+    try:
+        _three_hosts(hosts, endpoint, placement, args)
+    finally:
+        etcd.terminate()
+        assert etcd.wait(timeout=30) == 0
+    assert set(glob.glob(os.path.join(tempfile.gettempdir(), "kvmesh-etcd-*"))) <= data_dirs  # its data dir went
+    assert subprocess.run(["pgrep", "-f", f"listen-client-urls http://0.0.0.0:2379"],
+                          capture_output=True).returncode == 1, "etcd outlived kvmesh etcd"
+
+
+def _three_hosts(hosts, endpoint: str, placement: dict, args: list[str]) -> None:
+    with LocalCluster(1, 1, etcd=endpoint, hosts=hosts, placement=placement, node_args=args,
+                      cluster="hosts3") as cluster:
         assert cluster.etcd_endpoint.startswith(hosts[1].address)
         store = EtcdStore(cluster.etcd_endpoint)
         records, _ = store.get_prefix(KeyLayout("hosts3").nodes_prefix)
