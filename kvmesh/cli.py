@@ -85,6 +85,11 @@ def _add_bench(sub) -> None:
     rt.add_argument("--system-len", type=int, default=256)
     rt.add_argument("--decode", type=int, default=3, help="decode nodes")
     rt.set_defaults(func=_run_bench_routing)
+    kn = which.add_parser("kernels", help="Triton attention on a CUDA device: decode KV bandwidth vs the device, "
+                                          "prefill vs torch SDPA")
+    kn.add_argument("--json", default=None)
+    kn.add_argument("--quick", action="store_true")
+    kn.set_defaults(func=_run_bench_kernels)
     ch = which.add_parser("chaos", help="faults during serving: stalls, kills, aborts, forged and flooding "
                                         "requests; counts lost, corrupted, leaked, forged-accepted")
     ch.add_argument("--json", default=None)
@@ -96,6 +101,13 @@ def _add_bench(sub) -> None:
     cl = which.add_parser("cluster", help="the serving modes compared on one workload (TTFT, TPOT, hit rates, ...)")
     add_cluster_arguments(cl)
     cl.set_defaults(func=_run_bench_cluster)
+
+
+def _run_bench_kernels(args: argparse.Namespace) -> int:
+    from kvmesh.bench import kernels
+
+    kernels.run(args.json, quick=args.quick)
+    return 0
 
 
 def _run_bench_chaos(args: argparse.Namespace) -> int:

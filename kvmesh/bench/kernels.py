@@ -1,0 +1,128 @@
+"""``kvmesh bench kernels``: the Triton attention kernels on a CUDA device, against the device and torch.
+
+    decode   paged decode attention (one new token per sequence) over block tables:
+             KV bytes read per second, as a fraction of this device's measured copy
+             bandwidth (read + write of a large device-to-device copy) and of its
+             datasheet HBM peak where the device is known
+    prefill  paged prefill attention (causal, no cached prefix) against
+             torch.nn.functional.scaled_dot_product_attention on the same q/k/v:
+             TFLOP/s of both and their ratio
+
+Shapes are a Llama-3-8B layer (32 query heads, 8 KV heads, head dim 128), block size 16,
+blocks scattered at random. Times are CUDA-event medians. Needs a CUDA device.
+"""
+from __future__ import annotations
+
+import statistics
+
+import torch
+
+from kvmesh.bench.report import machine, print_table, write_json
+
+HBM_PEAK_BYTES_PER_S = {"H100": 3.35e12, "H200": 4.8e12, "A100": 2.0e12}  # datasheet (SXM) figures
+NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
+
+
+def _time_ms(fn, warmup: int = 3, iters: int = 20) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def copy_bandwidth() -> float:
+    """Bytes per second of a 1 GiB device-to-device copy (read + write counted)."""
+    src = torch.empty(2**30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    ms = _time_ms(lambda: dst.copy_(src))
+    return 2 * src.numel() / (ms / 1e3)
+
+
+def _paged_cache(num_tokens_total: int, dtype: torch.dtype, gen: torch.Generator):
+    num_blocks = -(-num_tokens_total // BLOCK_SIZE) + 8
+    shape = (num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+    k = torch.randn(shape, generator=gen, device="cuda", dtype=torch.float32).to(dtype)
+    v = torch.randn(shape, generator=gen, device="cuda", dtype=torch.float32).to(dtype)
+    return k, v, num_blocks
+
+
+def bench_decode(batch: int, context: int, dtype: torch.dtype, gen: torch.Generator) -> dict:
+    from kvmesh.kernels.triton.attention import decode_attention
+
+    k, v, num_blocks = _paged_cache(batch * context, dtype, gen)
+    per_seq = -(-context // BLOCK_SIZE)
+    order = torch.randperm(num_blocks, generator=gen, device="cuda")[: batch * per_seq]
+    block_tables = order.view(batch, per_seq).to(torch.int32)
+    seq_lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
+    q = torch.randn(batch, NUM_HEADS, HEAD_DIM, generator=gen, device="cuda", dtype=torch.float32).to(dtype)
+    ms = _time_ms(lambda: decode_attention(q, k, v, block_tables, seq_lens, HEAD_DIM ** -0.5))
+    kv_bytes = 2 * batch * context * NUM_KV_HEADS * HEAD_DIM * k.element_size()
+    return {"batch": batch, "context": context, "dtype": str(dtype).removeprefix("torch."), "ms": ms,
+            "kv_bytes_per_s": kv_bytes / (ms / 1e3)}
+
+
+def bench_prefill(length: int, dtype: torch.dtype, gen: torch.Generator) -> dict:
+    from kvmesh.kernels.triton.attention import prefill_attention
+
+    k, v, num_blocks = _paged_cache(length, dtype, gen)
+    per_seq = -(-length // BLOCK_SIZE)
+    block_tables = torch.randperm(num_blocks, generator=gen, device="cuda")[:per_seq].view(1, -1).to(torch.int32)
+    q = torch.randn(length, NUM_HEADS, HEAD_DIM, generator=gen, device="cuda", dtype=torch.float32).to(dtype)
+    seq_lens = torch.tensor([length], dtype=torch.int32, device="cuda")
+    qsl = torch.tensor([0, length], dtype=torch.int32, device="cuda")
+    triton_ms = _time_ms(lambda: prefill_attention(q, k, v, block_tables, seq_lens, qsl, length, HEAD_DIM ** -0.5))
+    # The same keys and values, contiguous, for SDPA (GQA by repeating KV heads, as most callers do).
+    flat = block_tables[0].long()
+    kk = k[flat].reshape(-1, NUM_KV_HEADS, HEAD_DIM)[:length].transpose(0, 1)
+    vv = v[flat].reshape(-1, NUM_KV_HEADS, HEAD_DIM)[:length].transpose(0, 1)
+    rep = NUM_HEADS // NUM_KV_HEADS
+    kk, vv = kk.repeat_interleave(rep, 0)[None], vv.repeat_interleave(rep, 0)[None]
+    qq = q.transpose(0, 1)[None]
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    sdpa_ms = _time_ms(lambda: sdpa(qq, kk, vv, is_causal=True))
+    flops = 2 * 2 * NUM_HEADS * HEAD_DIM * length * length / 2  # QK^T and PV, causal half
+    return {"length": length, "dtype": str(dtype).removeprefix("torch."), "triton_ms": triton_ms,
+            "sdpa_ms": sdpa_ms, "triton_tflops": flops / (triton_ms / 1e3) / 1e12,
+            "sdpa_tflops": flops / (sdpa_ms / 1e3) / 1e12, "triton_vs_sdpa": sdpa_ms / triton_ms}
+
+
+def run(json_path: str | None, quick: bool = False) -> dict:
+    if not torch.cuda.is_available():
+        raise SystemExit("kvmesh bench kernels needs a CUDA device (the CPU path is the torch reference)")
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    name = torch.cuda.get_device_name()
+    peak = next((v for k, v in HBM_PEAK_BYTES_PER_S.items() if k in name), None)
+    ceiling = copy_bandwidth()
+    dtypes = [torch.bfloat16] if quick else [torch.bfloat16, torch.float16]
+    decode_shapes = [(16, 1024), (64, 4096)] if quick else [(1, 4096), (16, 1024), (16, 8192), (64, 4096),
+                                                            (256, 2048)]
+    prefill_lengths = [1024] if quick else [512, 2048, 8192]
+    res = {"machine": machine(), "device": name, "copy_bytes_per_s": ceiling, "hbm_peak_bytes_per_s": peak,
+           "shape": {"num_heads": NUM_HEADS, "num_kv_heads": NUM_KV_HEADS, "head_dim": HEAD_DIM,
+                     "block_size": BLOCK_SIZE},
+           "decode": [bench_decode(b, c, d, gen) for d in dtypes for b, c in decode_shapes],
+           "prefill": [bench_prefill(n, d, gen) for d in dtypes for n in prefill_lengths]}
+    for r in res["decode"]:
+        r["of_copy_bandwidth"] = r["kv_bytes_per_s"] / ceiling
+        r["of_hbm_peak"] = r["kv_bytes_per_s"] / peak if peak else None
+    print(f"\n{name}: device-to-device copy {ceiling / 1e12:.2f} TB/s" +
+          (f", datasheet HBM peak {peak / 1e12:.2f} TB/s" if peak else ""))
+    print_table("paged decode attention (Triton), KV read", ["dtype", "batch", "context", "ms", "TB/s",
+                                                             "of copy", "of HBM peak"],
+                [[r["dtype"], r["batch"], r["context"], f"{r['ms']:.3f}", f"{r['kv_bytes_per_s'] / 1e12:.2f}",
+                  f"{r['of_copy_bandwidth']:.2f}", f"{r['of_hbm_peak']:.2f}" if peak else "-"]
+                 for r in res["decode"]])
+    print_table("causal prefill attention: Triton (paged) vs torch SDPA (contiguous)",
+                ["dtype", "tokens", "Triton ms", "SDPA ms", "Triton TFLOP/s", "SDPA TFLOP/s", "SDPA time / Triton"],
+                [[r["dtype"], r["length"], f"{r['triton_ms']:.3f}", f"{r['sdpa_ms']:.3f}",
+                  f"{r['triton_tflops']:.1f}", f"{r['sdpa_tflops']:.1f}", f"{r['triton_vs_sdpa']:.2f}"]
+                 for r in res["prefill"]])
+    write_json(json_path, res)
+    return res
