@@ -79,7 +79,7 @@ def decode_attention(query, k_cache, v_cache, block_tables, seq_lens, max_seq_le
                      scale: float) -> torch.Tensor:
     if use_triton(query):
         from kvmesh.kernels.triton import attention
-        return attention.decode_attention(query, k_cache, v_cache, block_tables, seq_lens, scale)
+        return attention.decode_attention(query, k_cache, v_cache, block_tables, seq_lens, scale, max_seq_len)
     return ref_attention.decode_attention(query, k_cache, v_cache, block_tables, seq_lens,
                                           max_seq_len, scale)
 

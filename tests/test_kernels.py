@@ -118,7 +118,8 @@ def test_triton_prefill_attention_matches_reference(shape, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("s_lens,hq,hkv,d", [([3, 16, 17, 61], 4, 4, 16), ([200, 9], 9, 3, 40)])
+@pytest.mark.parametrize("s_lens,hq,hkv,d", [([3, 16, 17, 61], 4, 4, 16), ([200, 9], 9, 3, 40),
+                                             ([1000, 3], 8, 2, 32)])  # split-K with an empty split
 def test_triton_decode_attention_matches_reference(s_lens, hq, hkv, d, dtype):
     case = make_case(22, [1] * len(s_lens), s_lens, hq, hkv, d, 16, dtype)
     seq_lens = torch.tensor(s_lens, dtype=torch.int32, device=DEVICE)
