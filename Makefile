@@ -19,6 +19,10 @@ $(STAMP): pyproject.toml Makefile
 	  { echo "installing libibverbs1 (Mooncake needs it even without an RDMA NIC)"; \
 	    (apt-get install -y -q libibverbs1 >/dev/null 2>&1 || \
 	     (apt-get update -q >/dev/null && apt-get install -y -q libibverbs1 >/dev/null)); } || true
+	@command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ] && ! command -v ip >/dev/null && \
+	  { echo "installing iproute2 (ip netns and tc: the simulated-host tests)"; \
+	    (apt-get install -y -q iproute2 >/dev/null 2>&1 || \
+	     (apt-get update -q >/dev/null && apt-get install -y -q iproute2 >/dev/null)); } || true
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 ifeq ($(HAS_NVIDIA),1)

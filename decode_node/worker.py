@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import itertools
 import logging
+import threading
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 
 from kvmesh.decode_node.cost_model import TransferRateEstimator, local_prefill_limit
@@ -65,6 +67,8 @@ class DecodeWorker(NodeRuntime):
         super().__init__(cfg)
         self._requests: dict[str, _ClientRequest] = {}  # engine thread only
         self._round_robin = itertools.count()
+        self._prefills_in_flight: Counter[str] = Counter()  # ComputeAndPush conversations per prefill node
+        self._lock = threading.Lock()
         self.num_remote = 0
         self.num_local = 0
         self.num_fallbacks = 0
@@ -155,13 +159,16 @@ class DecodeWorker(NodeRuntime):
                 return
 
     def _prefill_candidates(self, hits: dict[str, int], preferred: str) -> list[str]:
-        """Prefill nodes, best first: the caller's choice, then the longest cached prefix, then rotation."""
+        """Prefill nodes, best first: the caller's choice, the longest cached prefix, the fewest prompts we
+        have in flight there (load as this node sees it), then rotation."""
         nodes = sorted(self.membership.nodes("prefill"))
         if not nodes:
             return []
         turn = next(self._round_robin) % len(nodes)
         rotation = {n: (i - turn) % len(nodes) for i, n in enumerate(nodes)}
-        return sorted(nodes, key=lambda n: (n != preferred, -hits.get(n, 0), rotation[n]))
+        with self._lock:
+            load = dict(self._prefills_in_flight)
+        return sorted(nodes, key=lambda n: (n != preferred, -hits.get(n, 0), load.get(n, 0), rotation[n]))
 
     def _fetch_from_prefill(self, seq: Sequence, result: _FetchResult, end: int, hits: dict[str, int],
                             preferred: str) -> None:
@@ -170,9 +177,15 @@ class DecodeWorker(NodeRuntime):
             if self._aborting(seq):
                 return
             got = result.got
-            outcome = self.agent.requester.compute_and_push(
-                node_id, seq.block_ids[got:end], list(seq.prompt_token_ids), got,
-                request_id=f"{seq.request_id}/prefill", timeout_s=self.cfg.prefill_timeout_s)
+            with self._lock:
+                self._prefills_in_flight[node_id] += 1
+            try:
+                outcome = self.agent.requester.compute_and_push(
+                    node_id, seq.block_ids[got:end], list(seq.prompt_token_ids), got,
+                    request_id=f"{seq.request_id}/prefill", timeout_s=self.cfg.prefill_timeout_s)
+            finally:
+                with self._lock:
+                    self._prefills_in_flight[node_id] -= 1
             result.tainted += outcome.tainted_block_ids
             result.got = got + outcome.num_written
             if outcome.error is None:

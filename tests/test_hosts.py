@@ -51,6 +51,22 @@ def reference(prompts: list[list[int]]) -> list[list[int]]:
     return [o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
 
 
+def processes_matching(*parts: str) -> list[int]:
+    """Pids whose command line contains every one of ``parts`` (read from /proc, no pgrep needed)."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmdline = f.read().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if all(p in cmdline for p in parts):
+            pids.append(int(entry))
+    return pids
+
+
 def wait_until(predicate, timeout_s: float = 60.0, what: str = "condition") -> None:
     deadline = time.monotonic() + timeout_s
     while not predicate():
@@ -99,8 +115,7 @@ def test_three_hosts_parity_and_cross_host_reuse(hosts):
         etcd.terminate()
         assert etcd.wait(timeout=30) == 0
     assert set(glob.glob(os.path.join(tempfile.gettempdir(), "kvmesh-etcd-*"))) <= data_dirs  # its data dir went
-    assert subprocess.run(["pgrep", "-f", f"listen-client-urls http://0.0.0.0:2379"],
-                          capture_output=True).returncode == 1, "etcd outlived kvmesh etcd"
+    assert not processes_matching("listen-client-urls http://0.0.0.0:2379"), "etcd outlived kvmesh etcd"
 
 
 def _three_hosts(hosts, endpoint: str, placement: dict, args: list[str]) -> None:
@@ -242,8 +257,7 @@ def test_kvmesh_launch_on_a_ray_cluster_spanning_two_hosts(hosts):
                                "--stop"], capture_output=True, text=True, env=env, timeout=120)
         assert all(name in stop.stderr for name in ("etcd", "prefill-0", "decode-0")), stop.stderr
         etcd_port = placed["etcd"].rsplit(":", 1)[1]
-        etcd_left = subprocess.run(["pgrep", "-f", f"etcd .*:{etcd_port}"], capture_output=True, text=True)
-        assert etcd_left.stdout.split() == [], "launch --stop left etcd running"
+        assert not processes_matching("--listen-client-urls", f":{etcd_port}"), "launch --stop left etcd running"
     finally:
         if launch is not None and launch.poll() is None:
             launch.kill()
@@ -252,5 +266,4 @@ def test_kvmesh_launch_on_a_ray_cluster_spanning_two_hosts(hosts):
                 node.stop()
         for suffix in ("-h1", "-h2"):
             shutil.rmtree(temp + suffix, ignore_errors=True)
-    leftovers = subprocess.run(["pgrep", "-f", temp], capture_output=True, text=True).stdout.split()
-    assert leftovers == [], "Ray processes of this test are still running"
+    assert not processes_matching(temp), "Ray processes of this test are still running"
