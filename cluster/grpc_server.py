@@ -113,6 +113,27 @@ class BearerTokenInterceptor(grpc.ServerInterceptor):
         return self._deny_stream if details.method.endswith("/Generate") else self._deny
 
 
+def _follow_readiness(router: Router, health_servicer, server: grpc.Server, period_s: float = 0.5) -> None:
+    """Keep the health service's status in step with ``router.readiness()`` until the server stops."""
+    import threading
+
+    def update() -> None:
+        ready = router.readiness()[0]
+        status = health_pb2.HealthCheckResponse.SERVING if ready else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ("", SERVICE_NAME):
+            health_servicer.set(name, status)
+
+    def loop() -> None:
+        while not server.wait_for_termination(period_s):
+            try:
+                update()
+            except Exception:  # the router is closing
+                return
+
+    update()
+    threading.Thread(target=loop, name="kvmesh-grpc-health", daemon=True).start()
+
+
 def start_grpc_server(router: Router, address: str = "127.0.0.1:50051", max_workers: int = 64,
                       token: str | None = None, tls: tuple[bytes, bytes] | None = None) -> tuple[grpc.Server, int]:
     """Start serving; returns the server and the bound port (``:0`` picks a free one).
@@ -124,12 +145,11 @@ def start_grpc_server(router: Router, address: str = "127.0.0.1:50051", max_work
     pb_grpc.add_RouterServicer_to_server(RouterServicer(router), server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    for name in ("", SERVICE_NAME):
-        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
     if tls is not None:
         port = server.add_secure_port(address, grpc.ssl_server_credentials([tls]))
     else:
         port = server.add_insecure_port(address)
     server.start()
+    _follow_readiness(router, health_servicer, server)
     return server, port

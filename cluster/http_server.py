@@ -34,7 +34,7 @@ def _sampling(body: dict) -> SamplingParams:
     return SamplingParams(max_tokens=16 if max_tokens is None else max_tokens,
                           temperature=1.0 if temperature is None else temperature,
                           top_p=1.0 if top_p is None else top_p, top_k=-1 if top_k is None else top_k,
-                          seed=body.get("seed"),
+                          seed=body.get("seed"), ignore_eos=body.get("ignore_eos", False),  # a vLLM extension
                           stop=(stop,) if isinstance(stop, str) else tuple(stop) if isinstance(stop, list) else stop)
 
 
@@ -66,10 +66,16 @@ class OpenAIServer:
         self.app.router.add_post("/v1/completions", self.completions)
         self.app.router.add_post("/v1/chat/completions", self.chat_completions)
         self.app.router.add_get("/health", self.health)
+        self.app.router.add_get("/ready", self.ready)
         self.app.router.add_get("/metrics", self.metrics)
 
     async def health(self, request: web.Request) -> web.Response:
         return web.json_response({"status": "ok"})
+
+    async def ready(self, request: web.Request) -> web.Response:
+        """200 while a decode node can take requests, else 503; the body says which processes are up."""
+        ready, detail = await asyncio.to_thread(self.router.readiness)
+        return web.json_response(detail, status=200 if ready else 503)
 
     async def metrics(self, request: web.Request) -> web.Response:
         body = await asyncio.to_thread(self.router.metrics.exposition)
@@ -120,7 +126,10 @@ class OpenAIServer:
                 (body.get("stream_options") or {}).get("include_usage")))
         chunks = [first]
         if not first.finished:
-            chunks += await asyncio.to_thread(list, stream)
+            try:
+                chunks += await asyncio.to_thread(list, stream)
+            except KvmeshError as e:  # cut off mid-generation and not migratable: never a partial 200
+                return _error(503, f"the answer was cut off: {e}", "service_unavailable")
         text = "".join(c.text for c in chunks)
         last = chunks[-1]
         choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": last.finish_reason}
@@ -170,13 +179,17 @@ class OpenAIServer:
                         await send({"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
                                     "created": created, "model": model, "choices": [], "usage": _usage(chunk)})
                     break
-                chunk = await asyncio.to_thread(next, stream)
-            await response.write(b"data: [DONE]\n\n")
+                chunk = await asyncio.to_thread(next, stream, None)
+                if chunk is None:
+                    raise KvmeshError("the stream ended without a final chunk")
         except (ConnectionResetError, asyncio.CancelledError):
             stream.close()  # the client went away
             raise
-        except KvmeshError as e:
-            await send({"error": {"message": str(e), "type": "service_unavailable"}})
+        except KvmeshError as e:  # cut off and not migratable: say so, never "stop" or "length"
+            payload = chunk_payload("", "error")
+            payload["error"] = {"message": str(e), "type": "service_unavailable"}
+            await send(payload)
+        await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
         return response
 

@@ -91,7 +91,10 @@ class LocalCluster:
         proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
         node = self.nodes[node_id] = NodeProcess(node_id, role, proc, {})
         if wait:
-            node.info = json.loads(proc.stdout.readline())
+            line = proc.stdout.readline()
+            if not line:
+                raise RuntimeError(f"node {node_id} died during start-up (exit {proc.wait()})")
+            node.info = json.loads(line)
             self.wait_registered({node_id})
         return node
 
@@ -108,6 +111,23 @@ class LocalCluster:
 
     def start_etcd(self) -> None:
         self._etcd.start()
+
+    @property
+    def supervises_etcd(self) -> bool:
+        """True when this cluster started its own etcd (and so may restart it)."""
+        return self._etcd is not None
+
+    @property
+    def etcd_running(self) -> bool:
+        return self._etcd is None or self._etcd.running
+
+    @property
+    def etcd_pid(self) -> int | None:
+        return self._etcd.pid if self._etcd is not None else None
+
+    def restart_etcd(self) -> None:
+        """Start the private etcd again on its ports and data (after it died)."""
+        self._etcd.restart()
 
     def close(self) -> None:
         for client in self._clients.values():

@@ -8,8 +8,9 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30,
 
 
 class RouterMetrics:
-    def __init__(self, node_stats=None):
-        """``node_stats()`` -> {node_id: stats dict}, read at scrape time (per-node load, hit rates, bytes)."""
+    def __init__(self, node_stats=None, readiness=None):
+        """``node_stats()`` -> {node_id: stats dict}, read at scrape time (per-node load, hit rates, bytes);
+        ``readiness()`` -> (ready, detail) as ``Router.readiness`` (process states under a supervisor)."""
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter("kvmesh_requests", "Requests by outcome", ["outcome"], registry=r)
@@ -26,6 +27,8 @@ class RouterMetrics:
         self.in_flight = Gauge("kvmesh_in_flight", "Requests in flight through this router", registry=r)
         if node_stats is not None:
             r.register(_NodeCollector(node_stats))
+        if readiness is not None:
+            r.register(_ReadinessCollector(readiness))
 
     def record_finished(self, cache: dict) -> None:
         self.requests.labels("ok").inc()
@@ -56,3 +59,27 @@ class _NodeCollector:
                 if key in stats:
                     family.add_metric([node_id], float(stats[key]))
         yield from gauges.values()
+
+
+class _ReadinessCollector:
+    """kvmesh_ready, kvmesh_degraded, and per supervised process kvmesh_process_up / _restarts."""
+
+    def __init__(self, readiness):
+        self._readiness = readiness
+
+    def collect(self):
+        ready, detail = self._readiness()
+        yield GaugeMetricFamily("kvmesh_ready", "1 while a decode node can take requests", value=float(ready))
+        supervisor = detail.get("supervisor")
+        if supervisor is None:
+            return
+        yield GaugeMetricFamily("kvmesh_degraded", "1 while a supervised process is not up",
+                                value=float(supervisor["degraded"]))
+        up = GaugeMetricFamily("kvmesh_process_up", "Supervised process is up", labels=["process", "role"])
+        restarts = GaugeMetricFamily("kvmesh_process_restarts", "Restarts of a supervised process",
+                                     labels=["process", "role"])
+        for name, p in supervisor["nodes"].items():
+            up.add_metric([name, p["role"]], float(p["state"] == "up"))
+            restarts.add_metric([name, p["role"]], float(p["restarts"]))
+        yield up
+        yield restarts

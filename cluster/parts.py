@@ -29,7 +29,7 @@ def _interrupt(signum, frame) -> None:
     raise KeyboardInterrupt
 
 
-def _stop_on_sigterm() -> None:
+def stop_on_sigterm() -> None:
     """SIGTERM (systemd, Kubernetes, container runtimes) stops us like Ctrl-C: cleanup runs."""
     signal.signal(signal.SIGTERM, _interrupt)
 
@@ -45,7 +45,7 @@ def add_etcd_arguments(p: argparse.ArgumentParser) -> None:
 def run_etcd(args: argparse.Namespace) -> int:
     from kvmesh.metadata.embedded_etcd import EmbeddedEtcd
 
-    _stop_on_sigterm()
+    stop_on_sigterm()
     etcd = EmbeddedEtcd(args.data_dir, host=args.host, port=args.port, advertise=args.advertise_host)
     try:
         etcd.start()
@@ -99,7 +99,7 @@ def run_router(args: argparse.Namespace) -> int:
     from kvmesh.auth import token_from_env
     from kvmesh.cluster.serve import run_front_ends
 
-    _stop_on_sigterm()
+    stop_on_sigterm()
     token = token_from_env(args.cluster_token)
     if not token:
         print("kvmesh router: no cluster token ($KVMESH_CLUSTER_TOKEN / --cluster-token): nodes that have one "
@@ -107,5 +107,5 @@ def run_router(args: argparse.Namespace) -> int:
     if args.model is None:
         args.model = model_of_cluster(args.etcd, args.cluster, args.wait_for_nodes)
         print(f"the cluster serves {args.model}", file=sys.stderr)
-    run_front_ends(args, args.etcd, args.cluster, lambda: True, token)
+    run_front_ends(args, args.etcd, args.cluster, token)
     return 0

@@ -12,7 +12,7 @@ import itertools
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 
 from kvmesh.cluster.client import sampling_dict
@@ -47,6 +47,8 @@ class RouterConfig:
     request_timeout_s: float = 300.0
     liveness_s: float = 3.0  # a decode node silent this long (and deaf to a ping) is lost
     cluster_token: str = field(default="", repr=False)  # seals every frame to the nodes (kvmesh.auth)
+    max_migrations: int = 5  # a stream moves to another decode node at most this often
+    migration_wait_s: float = 15.0  # with no decode node left, wait this long for one (a restart) to appear
 
 
 @dataclass
@@ -93,7 +95,8 @@ class Router:
         self._in_flight = 0
         self._ids = itertools.count()
         self.num_migrations = 0
-        self.metrics = RouterMetrics(lambda: {n["node_id"]: n["stats"] for n in self.status()})
+        self.supervision: Callable[[], dict] | None = None  # set by launchers that restart dead processes
+        self.metrics = RouterMetrics(lambda: {n["node_id"]: n["stats"] for n in self.status()}, self.readiness)
         self.directory.mirror.wait_healthy(10)
         self.index.mirror.wait_healthy(10)
 
@@ -132,12 +135,13 @@ class Router:
             self._in_flight += 1
         self.metrics.in_flight.inc()
         state = _StreamState(len(prompt_ids))
-        lost: set[str] = set()
+        lost: set[tuple[str, str]] = set()  # (node id, request endpoint): a restarted node is a new incarnation
         conn, rid = None, ""
         try:
             while True:
                 context = list(prompt_ids) + state.tokens
-                node_id = self._choose_node(context, session_id, exclude=lost)
+                node_id = self._choose_node_waiting(context, session_id, lost) if lost else \
+                    self._choose_node(context, session_id)
                 if not lost:
                     self.metrics.queue.observe(time.perf_counter() - arrived)
                 conn = self._connection(node_id)
@@ -156,7 +160,10 @@ class Router:
                         conn = None  # the node finished: nothing to abort
                     return
                 except NodeLost:
-                    lost.add(node_id)
+                    lost.add((node_id, conn.endpoint))
+                    conn = None  # its node is gone: nothing to abort there
+                    if len(lost) > self.cfg.max_migrations:
+                        raise KvmeshError(f"the stream lost {len(lost)} decode nodes; giving up") from None
                     self.num_migrations += 1
                     self.metrics.migrations.inc()
         except KvmeshError:
@@ -204,11 +211,24 @@ class Router:
             if event.token_ids or delta:
                 yield Chunk(event.token_ids, delta, node_id=node_id)
 
-    def _choose_node(self, prompt_ids: list[int], session_id: str, exclude: set[str] = frozenset()) -> str:
-        decode_nodes = {n: r for n, r in self.directory.nodes.items() if r.role == "decode" and n not in exclude}
+    def _choose_node_waiting(self, prompt_ids: list[int], session_id: str, lost: set[tuple[str, str]]) -> str:
+        """After a node was lost: a decode node not lost yet, waiting up to ``migration_wait_s`` for one to
+        (re)appear; raises KvmeshError naming the lost nodes when none does."""
+        deadline = time.monotonic() + self.cfg.migration_wait_s
+        while True:
+            try:
+                return self._choose_node(prompt_ids, session_id, lost)
+            except KvmeshError:
+                if time.monotonic() >= deadline:
+                    raise
+            time.sleep(0.1)
+
+    def _choose_node(self, prompt_ids: list[int], session_id: str, exclude: set[tuple[str, str]] = frozenset()) -> str:
+        decode_nodes = {n: r for n, r in self.directory.nodes.items()
+                        if r.role == "decode" and (n, r.request_endpoint) not in exclude}
         if not decode_nodes:
-            raise KvmeshError("no decode node is available" + (f" ({', '.join(sorted(exclude))} lost)" if exclude
-                                                                 else ""))
+            lost = sorted({n for n, _ in exclude})
+            raise KvmeshError("no decode node is available" + (f" ({', '.join(lost)} lost)" if lost else ""))
         hashes = hash_blocks(self.root_hash, prompt_ids, self.cfg.block_size)
         held = self.index.lookup(hashes) if hashes else {}
         candidates = [Candidate(n, held.get(n, 0) * self.cfg.block_size,
@@ -230,13 +250,31 @@ class Router:
             return conn
 
     # ---- status ----------------------------------------------------------------------------------------
+    def readiness(self) -> tuple[bool, dict]:
+        """Ready while at least one decode node is registered (and, under a supervisor, up)."""
+        decode = sorted(n for n, r in self.directory.nodes.items() if r.role == "decode")
+        detail: dict = {"decode_nodes": decode}
+        up = decode
+        if self.supervision is not None:
+            status = self.supervision()
+            detail["supervisor"] = status
+            up = [n for n in decode if status["nodes"].get(n, {}).get("state", "up") == "up"]
+            detail["degraded"] = status["degraded"]
+        detail["ready"] = bool(up)
+        return bool(up), detail
+
     def status(self) -> list[dict]:
+        """Every registered node with its counters (and, under a supervisor, its process state)."""
+        processes = self.supervision()["nodes"] if self.supervision is not None else {}
         out = []
         for node_id, record in sorted(self.directory.nodes.items()):
             conn = self._connection(node_id)
             reply = conn.stats(timeout_s=2.0)
+            stats = dict(reply.stats) if reply else {}
+            if node_id in processes:
+                stats["process"] = processes[node_id]
             out.append({"node_id": node_id, "role": record.role, "requests": record.request_endpoint,
-                        "in_flight": conn.num_open, "stats": reply.stats if reply else {}})
+                        "in_flight": conn.num_open, "stats": stats})
         return out
 
     def close(self) -> None:

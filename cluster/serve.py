@@ -26,6 +26,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode", type=int, default=1)
     p.add_argument("--etcd", default=None, help="host:port of an etcd (default: start a private one)")
     p.add_argument("--cluster", default=DEFAULT_CLUSTER)
+    p.add_argument("--max-restarts", type=int, default=5,
+                   help="restarts of one dead process per minute before it is left down (0: never restart)")
     add_front_end_arguments(p)
 
 
@@ -43,13 +45,14 @@ def add_front_end_arguments(p: argparse.ArgumentParser) -> None:
                         "random one for the nodes started here)")
 
 
-def run_front_ends(args: argparse.Namespace, etcd: str, cluster: str, alive, cluster_token: str) -> None:
-    """Router + gRPC + HTTP until Ctrl-C or until ``alive()`` turns false."""
+def run_front_ends(args: argparse.Namespace, etcd: str, cluster: str, cluster_token: str, supervision=None) -> None:
+    """Router + gRPC + HTTP until Ctrl-C or SIGTERM; ``supervision()``: process states for /ready and /metrics."""
     from kvmesh.cluster.grpc_server import start_grpc_server
     from kvmesh.cluster.http_server import start_http_server
 
     router = Router(RouterConfig(etcd=etcd, model=args.model, cluster=cluster, routing=args.routing,
                                  max_in_flight=args.max_in_flight, cluster_token=cluster_token))
+    router.supervision = supervision
     tls_files = (args.tls_cert, args.tls_key) if args.tls_cert else None
     tls_pem = tuple(open(f, "rb").read() for f in (args.tls_key, args.tls_cert)) if tls_files else None
     grpc_server, grpc_port = start_grpc_server(router, f"{args.host}:{args.grpc_port}", token=args.api_key,
@@ -64,9 +67,8 @@ def run_front_ends(args: argparse.Namespace, etcd: str, cluster: str, alive, clu
         print(f"ready: OpenAI base_url {scheme}://{args.host}:{http_port}/v1, gRPC {args.host}:{grpc_port} "
               "(kvmesh.v1.Router; reflection and health on). Ctrl-C stops.", file=sys.stderr)
         try:
-            while alive():
-                await asyncio.sleep(1)
-            print("a node exited; stopping", file=sys.stderr)
+            while True:  # dead nodes are the supervisor's business: the front ends keep serving
+                await asyncio.sleep(3600)
         finally:
             await runner.cleanup()
 
@@ -80,11 +82,21 @@ def run_front_ends(args: argparse.Namespace, etcd: str, cluster: str, alive, clu
 
 
 def run_serve(args: argparse.Namespace) -> int:
+    from kvmesh.cluster.parts import stop_on_sigterm
+    from kvmesh.cluster.supervisor import Supervisor
+
+    stop_on_sigterm()
     print(f"starting etcd, {args.prefill} prefill + {args.decode} decode node(s) of {args.model} ...", file=sys.stderr)
-    with LocalCluster(args.prefill, args.decode, model=args.model, etcd=args.etcd, cluster=args.cluster,
-                      start_timeout_s=600, cluster_token=token_from_env(args.cluster_token) or None) as cluster:
-        run_front_ends(args, cluster.etcd_endpoint, args.cluster,
-                       lambda: all(p.proc.poll() is None for p in cluster.nodes.values()), cluster.token)
+    try:
+        with LocalCluster(args.prefill, args.decode, model=args.model, etcd=args.etcd, cluster=args.cluster,
+                          start_timeout_s=600, cluster_token=token_from_env(args.cluster_token) or None) as cluster:
+            supervisor = Supervisor(cluster, max_restarts=args.max_restarts).start()
+            try:
+                run_front_ends(args, cluster.etcd_endpoint, args.cluster, cluster.token, supervisor.status)
+            finally:
+                supervisor.close()
+    except KeyboardInterrupt:  # during start-up
+        pass
     return 0
 
 
@@ -124,5 +136,5 @@ def run_launch(args: argparse.Namespace) -> int:
                          args.cpus_per_node, node_options={"cluster_token": token}, etcd=args.etcd or "",
                          placement=placement).start()
     print(json.dumps({"etcd": cluster.etcd, "nodes": cluster.hosts()}), flush=True)
-    run_front_ends(args, cluster.etcd, args.cluster, lambda: True, token)  # Ray restarts dead node actors
+    run_front_ends(args, cluster.etcd, args.cluster, token)  # Ray restarts dead node actors
     return 0

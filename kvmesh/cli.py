@@ -185,6 +185,7 @@ def _add_local_cluster(sub) -> None:
     p.add_argument("--prefill", type=int, default=1)
     p.add_argument("--decode", type=int, default=1)
     p.add_argument("--etcd", default=None, help="use this etcd instead of starting one")
+    p.add_argument("--max-restarts", type=int, default=5, help="restarts of one dead process per minute")
     p.set_defaults(func=_run_local_cluster)
 
 
@@ -192,19 +193,28 @@ def _run_local_cluster(args: argparse.Namespace) -> int:
     import json as _json
 
     from kvmesh.cluster.local_launcher import LocalCluster
+    from kvmesh.cluster.parts import stop_on_sigterm
+    from kvmesh.cluster.supervisor import Supervisor
 
+    stop_on_sigterm()
     print(f"starting etcd, {args.prefill} prefill and {args.decode} decode node(s) of {args.model} ...",
           file=sys.stderr)
-    with LocalCluster(args.prefill, args.decode, model=args.model, etcd=args.etcd, start_timeout_s=600) as cluster:
-        print(_json.dumps({"etcd": cluster.etcd_endpoint,
-                           "nodes": {n: p.info for n, p in cluster.nodes.items()}}, indent=2))
-        print("serving; send GenerateRequests to a decode node's 'requests' endpoint "
-              "(kvmesh.cluster.client.NodeClient). Ctrl-C stops everything.", file=sys.stderr)
-        try:
-            while all(p.proc.poll() is None for p in cluster.nodes.values()):
-                time.sleep(1)
-        except KeyboardInterrupt:
-            pass
+    try:
+        with LocalCluster(args.prefill, args.decode, model=args.model, etcd=args.etcd,
+                          start_timeout_s=600) as cluster:
+            supervisor = Supervisor(cluster, max_restarts=args.max_restarts).start()
+            print(_json.dumps({"etcd": cluster.etcd_endpoint,
+                               "nodes": {n: p.info for n, p in cluster.nodes.items()}}, indent=2))
+            print("serving; send GenerateRequests to a decode node's 'requests' endpoint "
+                  "(kvmesh.cluster.client.NodeClient, with $KVMESH_CLUSTER_TOKEN). Dead nodes are restarted. "
+                  "Ctrl-C stops everything.", file=sys.stderr)
+            try:
+                while True:
+                    time.sleep(3600)
+            finally:
+                supervisor.close()
+    except KeyboardInterrupt:
+        pass
     return 0
 
 

@@ -91,6 +91,10 @@ class EmbeddedEtcd:
         raise EtcdStartError(f"etcd not healthy within {timeout_s} s; see {self.data_dir / 'etcd.log'}")
 
     @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    @property
     def running(self) -> bool:
         return self._proc is not None and self._proc.poll() is None
 
