@@ -38,6 +38,36 @@ def _sampling(body: dict) -> SamplingParams:
                           stop=(stop,) if isinstance(stop, str) else tuple(stop) if isinstance(stop, list) else stop)
 
 
+def _message_text(content) -> str:
+    """A chat message's content: a string, or a list of parts whose text parts are joined."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and content:
+        texts = []
+        for part in content:
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind != "text" or not isinstance(part.get("text"), str):
+                raise InvalidRequestError(f"message content part of type {kind!r} is not supported (only 'text')")
+            texts.append(part["text"])
+        return "".join(texts)
+    raise InvalidRequestError("message content must be a string or a non-empty list of text parts")
+
+
+# Fields this server does not implement yet: asking for them is a 400 naming the field, never silently ignored.
+_UNSUPPORTED = {"n": lambda v: v not in (None, 1), "best_of": lambda v: v not in (None, 1),
+                "logprobs": lambda v: v not in (None, False, 0), "top_logprobs": lambda v: v not in (None, 0),
+                "echo": lambda v: v not in (None, False), "presence_penalty": lambda v: v not in (None, 0, 0.0),
+                "frequency_penalty": lambda v: v not in (None, 0, 0.0), "logit_bias": lambda v: bool(v),
+                "repetition_penalty": lambda v: v not in (None, 1, 1.0), "tools": lambda v: bool(v),
+                "response_format": lambda v: v not in (None, {"type": "text"})}
+
+
+def _refuse_unsupported(body: dict) -> None:
+    for name, used in _UNSUPPORTED.items():
+        if name in body and used(body[name]):
+            raise InvalidRequestError(f"'{name}' is not supported by this server (got {body[name]!r})")
+
+
 def _usage(chunk) -> dict:
     cached = int(chunk.cache.get("tokens_reused_local", 0)) + int(chunk.cache.get("tokens_reused_remote", 0))
     return {"prompt_tokens": chunk.prompt_tokens, "completion_tokens": chunk.completion_tokens,
@@ -139,17 +169,20 @@ class OpenAIServer:
                                   "choices": [choice], "usage": _usage(last)})
 
     def _prompt(self, body: dict, chat: bool) -> list[int]:
+        _refuse_unsupported(body)
         if chat:
             messages = body.get("messages")
-            if not isinstance(messages, list) or not messages or not all(
-                    isinstance(m, dict) and isinstance(m.get("content"), str) for m in messages):
+            if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
                 raise InvalidRequestError("messages must be a non-empty list of {role, content} objects")
+            messages = [{**m, "content": _message_text(m.get("content"))} for m in messages]
             return self.router.tokenize(self.router.tokenizer.apply_chat_template(messages))
         prompt = body.get("prompt")
         if isinstance(prompt, str):
             return self.router.tokenize(prompt)
         if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             return prompt
+        if isinstance(prompt, list):
+            raise InvalidRequestError("a list of prompts is not supported: send one prompt per request")
         raise InvalidRequestError("prompt must be a string or a list of token ids")
 
     async def _stream(self, request, stream, first, rid: str, chat: bool, include_usage: bool) -> web.StreamResponse:

@@ -75,6 +75,21 @@ def test_openai_client_streams_a_chat_completion(served, reference):
     assert usage.completion_tokens == len(expected.token_ids) and usage.prompt_tokens == len(prompt.encode())
 
 
+def test_chat_content_parts_are_joined_and_non_text_parts_refused(served, reference):
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=served["http"] + "/v1", api_key="unused")
+    parts = [{"type": "text", "text": "Say something "}, {"type": "text", "text": "about caches."}]
+    out = client.chat.completions.create(model="tiny-llama", messages=[{"role": "user", "content": parts}],
+                                         max_tokens=6, temperature=0.0)
+    prompt = served["router"].tokenizer.apply_chat_template([{"role": "user",
+                                                              "content": "Say something about caches."}])
+    assert out.choices[0].message.content == reference(prompt, SamplingParams(max_tokens=6, temperature=0.0)).text
+    image = [{"type": "image_url", "image_url": {"url": "data:,"}}]
+    with pytest.raises(openai.BadRequestError, match="image_url"):
+        client.chat.completions.create(model="tiny-llama", messages=[{"role": "user", "content": image}],
+                                       max_tokens=4)
+
+
 def test_completions_report_cached_tokens(served, reference):
     openai = pytest.importorskip("openai")
     client = openai.OpenAI(base_url=served["http"] + "/v1", api_key="unused")
@@ -104,6 +119,12 @@ def _post(url: str, body: bytes) -> tuple[int, dict]:
     (json.dumps({"prompt": "x", "max_tokens": 5000}).encode(), "context"),
     (json.dumps({"prompt": {"a": 1}}).encode(), "prompt must be"),
     (json.dumps({"prompt": "x", "temperature": -1}).encode(), "temperature"),
+    (json.dumps({"prompt": "x", "n": 3}).encode(), "'n' is not supported"),
+    (json.dumps({"prompt": "x", "logprobs": 2}).encode(), "'logprobs' is not supported"),
+    (json.dumps({"prompt": "x", "echo": True}).encode(), "'echo' is not supported"),
+    (json.dumps({"prompt": "x", "presence_penalty": 0.5}).encode(), "'presence_penalty' is not supported"),
+    (json.dumps({"prompt": ["a", "b"]}).encode(), "a list of prompts is not supported"),
+    (json.dumps({"prompt": "x", "ignore_eos": "yes"}).encode(), "ignore_eos"),
 ])
 def test_http_bad_input_is_a_400_with_a_message(served, body, fragment):
     status, payload = _post(served["http"] + "/v1/completions", body)
