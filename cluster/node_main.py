@@ -5,6 +5,7 @@ import argparse
 import logging
 
 from kvmesh.auth import token_from_env
+from kvmesh.lifecycle import stop_on_sigterm
 from kvmesh.node.runtime import DEFAULT_CLUSTER, NodeConfig
 
 
@@ -46,7 +47,12 @@ def run_node(role: str, args: argparse.Namespace) -> int:
                      prefill_timeout_s=args.prefill_timeout, local_prefill_tokens=args.local_prefill_tokens,
                      enable_prefix_caching=not args.no_prefix_cache, use_global_pool=not args.no_global_pool,
                      cluster_token=token_from_env(args.cluster_token))
-    create_node(cfg).serve_forever()
+    stop_on_sigterm()  # SIGTERM: deregister and close like Ctrl-C or a closed stdin
+    try:
+        node = create_node(cfg)
+    except KeyboardInterrupt:
+        return 0
+    node.serve_forever()
     return 0
 
 

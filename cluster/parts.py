@@ -13,25 +13,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import signal
 import sys
 import time
 
 from kvmesh.errors import KvmeshError
+from kvmesh.lifecycle import stop_on_sigterm
 from kvmesh.node.runtime import DEFAULT_CLUSTER
 
 
 class NoNodesError(KvmeshError, RuntimeError):
     """The router found no node to learn the model from."""
-
-
-def _interrupt(signum, frame) -> None:
-    raise KeyboardInterrupt
-
-
-def stop_on_sigterm() -> None:
-    """SIGTERM (systemd, Kubernetes, container runtimes) stops us like Ctrl-C: cleanup runs."""
-    signal.signal(signal.SIGTERM, _interrupt)
 
 
 def add_etcd_arguments(p: argparse.ArgumentParser) -> None:

@@ -82,7 +82,7 @@ def run_front_ends(args: argparse.Namespace, etcd: str, cluster: str, cluster_to
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    from kvmesh.cluster.parts import stop_on_sigterm
+    from kvmesh.lifecycle import stop_on_sigterm
     from kvmesh.cluster.supervisor import Supervisor
 
     stop_on_sigterm()

@@ -193,7 +193,7 @@ def _run_local_cluster(args: argparse.Namespace) -> int:
     import json as _json
 
     from kvmesh.cluster.local_launcher import LocalCluster
-    from kvmesh.cluster.parts import stop_on_sigterm
+    from kvmesh.lifecycle import stop_on_sigterm
     from kvmesh.cluster.supervisor import Supervisor
 
     stop_on_sigterm()

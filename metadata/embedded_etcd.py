@@ -5,6 +5,8 @@ interface, advertised as ``advertise``) with a data dir of its own, waited on
 until healthy, and stopped on ``stop()`` / context exit / interpreter exit.
 ``restart()`` keeps the ports and data (tests use it to take etcd down and bring
 it back). ``command_prefix`` runs it elsewhere (``ip netns exec NS``: another host).
+etcd runs under ``metadata/etcd_keeper.py``, which stops it and removes its data dir
+if this process dies without cleaning up (even by SIGKILL).
 """
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import os
 import shutil
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 import urllib.request
@@ -69,8 +72,11 @@ class EmbeddedEtcd:
         advertised = f"http://{self.advertise}:{self.client_port}"
         peer = f"http://127.0.0.1:{self.peer_port}"  # a single-member cluster: peers never connect
         self._log = open(self.data_dir / "etcd.log", "ab")
+        keeper = [sys.executable, "-m", "kvmesh.metadata.etcd_keeper",
+                  *(["--remove", str(self.data_dir)] if self._own_dir else []), "--"]
         self._proc = subprocess.Popen(
-            [*self.command_prefix, str(etcd_binary()), "--name", self.name, "--data-dir", str(self.data_dir / "data"),
+            [*self.command_prefix, *keeper, str(etcd_binary()), "--name", self.name,
+             "--data-dir", str(self.data_dir / "data"),
              "--listen-client-urls", client, "--advertise-client-urls", advertised,
              "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
              "--initial-cluster", f"{self.name}={peer}", "--log-level", "warn"],

@@ -1,0 +1,36 @@
+"""Processes we start die with us: PR_SET_PDEATHSIG for children, SIGTERM as a clean stop.
+
+``die_with_parent(sig)`` is a ``preexec_fn``: the child gets ``sig`` when the process
+that started it dies, even by SIGKILL (Linux; elsewhere a no-op, and children fall
+back on noticing their closed stdin). ``stop_on_sigterm()`` turns SIGTERM (systemd,
+Kubernetes, container runtimes) into KeyboardInterrupt, so every command's Ctrl-C
+cleanup runs for it too.
+"""
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import signal
+import sys
+
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent(sig: int = signal.SIGTERM):
+    """A ``preexec_fn`` that asks the kernel to send ``sig`` to the child when its parent dies."""
+
+    def arm() -> None:
+        if sys.platform.startswith("linux"):
+            libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+            libc.prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
+
+    return arm
+
+
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
+def stop_on_sigterm() -> None:
+    """SIGTERM stops the calling process like Ctrl-C (its cleanup runs)."""
+    signal.signal(signal.SIGTERM, _interrupt)
