@@ -222,9 +222,12 @@ def run(args) -> dict:
     caps = [float(x) for x in args.link_gbit.split(",")] if args.link_gbit else [None]
     hosts = None
     if args.hosts:
-        from kvmesh.cluster.hosts import Hosts
+        from kvmesh.cluster.hosts import Hosts, HostsError
 
-        hosts = Hosts(args.hosts, prefix="kvbench", subnet="10.81.0").up()
+        try:
+            hosts = Hosts(args.hosts, prefix="kvbench", subnet="10.81.0").up()
+        except HostsError as e:
+            raise SystemExit(f"kvmesh bench cluster --hosts: {e}") from None
     try:
         with tqdm(total=num * len(names) * len(caps), desc=f"bench cluster ({args.workload})") as bar:
             for cap in caps:
