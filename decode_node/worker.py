@@ -24,6 +24,7 @@ import logging
 import threading
 import time
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from kvmesh.decode_node.cost_model import TransferRateEstimator, local_prefill_limit
@@ -68,6 +69,8 @@ class DecodeWorker(NodeRuntime):
         self._requests: dict[str, _ClientRequest] = {}  # engine thread only
         self._round_robin = itertools.count()
         self._prefills_in_flight: Counter[str] = Counter()  # ComputeAndPush conversations per prefill node
+        # Prefill conversations run beside the fetch that waits for them (never in its pool: no deadlock).
+        self._prefill_workers = ThreadPoolExecutor(16, thread_name_prefix=f"kvmesh-{cfg.node_id}-prefill")
         self._lock = threading.Lock()
         self.num_remote = 0
         self.num_local = 0
@@ -125,14 +128,30 @@ class DecodeWorker(NodeRuntime):
 
     # ---- fetching (worker thread) -----------------------------------------------------------------------
     def _fetch(self, seq: Sequence, num_local: int, end: int, preferred: str) -> None:
-        """Holders push the prefix they have while a prefill node computes the rest (overlapped)."""
+        """Holders push the prefix they have while a prefill node computes the rest (overlapped).
+
+            blocks  [0, num_local)      our own hits
+                    [num_local, split)  the longest prefix the index says a peer holds: a holder's grant
+                    [split, end)        computed and pushed by a prefill node, at the same time: its grant
+
+        The prefill node's blocks are usable only if the holders delivered all of theirs (a stale
+        index leaves a gap, which this node then computes itself).
+        """
         result = _FetchResult(num_local, num_local, num_local)
         try:
             hits = self.lookup_holders(seq.block_hashes[:end])
-            self._fetch_from_holders(seq, result, end, hits)
+            split = max([num_local] + [min(length, end) for length in hits.values()])
+            computing, prefill = None, _FetchResult(split, split, split)
+            if split < end:
+                computing = self._prefill_workers.submit(self._fetch_from_prefill, seq, prefill, end, hits,
+                                                         preferred)
+            self._fetch_from_holders(seq, result, split, hits)
             result.got = result.from_holders
-            if result.got < end and not result.tainted:  # tainted blocks are never granted again
-                self._fetch_from_prefill(seq, result, end, hits, preferred)
+            if computing is not None:
+                computing.result()
+                result.tainted += prefill.tainted
+                if result.from_holders == split:
+                    result.got = prefill.got
         except Exception:
             log.exception("%s: fetching KV for %s failed", self.cfg.node_id, seq.request_id)
         finally:
@@ -262,6 +281,10 @@ class DecodeWorker(NodeRuntime):
         self.endpoint.send(request.identity, encode(nm.TokenEvent(seq.request_id, [], finished=True,
                                                                   finish_reason=seq.finish_reason or "",
                                                                   stats=stats)))
+
+    def close(self) -> None:
+        super().close()
+        self._prefill_workers.shutdown(wait=False, cancel_futures=True)
 
     def role_stats(self) -> dict:
         return {"num_remote": self.num_remote, "num_local": self.num_local, "num_fallbacks": self.num_fallbacks,
