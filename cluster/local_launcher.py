@@ -81,9 +81,10 @@ class LocalCluster:
         self.wait_registered(set(self.nodes))
         return self
 
-    def start_node(self, role: str, node_id: str, wait: bool = True) -> NodeProcess:
+    def start_node(self, role: str, node_id: str, wait: bool = True, extra_args: tuple[str, ...] = ()) -> NodeProcess:
+        """Start (or restart) one node process; with ``wait``, until it is registered."""
         cmd = [sys.executable, "-m", "kvmesh.cli", f"{role}-node", "--node-id", node_id, "--etcd",
-               self.etcd_endpoint, "--cluster", self.cluster, "--model", self.model, *self.node_args]
+               self.etcd_endpoint, "--cluster", self.cluster, "--model", self.model, *self.node_args, *extra_args]
         if self.hosts is not None:
             host = self.hosts[self.placement.setdefault(node_id, self.hosts.hosts[-1].index)]
             cmd = [*host.exec_prefix, *cmd, "--host", host.address]

@@ -9,9 +9,11 @@ RESOURCE_EXHAUSTED); bad input raises ``InvalidRequestError`` (400 / INVALID_ARG
 from __future__ import annotations
 
 import itertools
+import logging
 import threading
 import time
 import uuid
+from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 
@@ -21,14 +23,16 @@ from kvmesh.cluster.node_connection import NodeConnection, NodeLost
 from kvmesh.cluster.routing import Candidate, make_policy
 from kvmesh.engine.sampling_params import SamplingParams
 from kvmesh.errors import InvalidRequestError, KvmeshError
-from kvmesh.kv.block_hash import HashNamespace, hash_blocks
+from kvmesh.kv.block_hash import hash_blocks
 from kvmesh.metadata.block_index import BlockIndex
 from kvmesh.metadata.etcd_store import EtcdStore
 from kvmesh.metadata.registry import NodeDirectory
-from kvmesh.model.loader import load_model
-from kvmesh.node import messages as nm
 from kvmesh.auth import ClusterAuth
-from kvmesh.node.runtime import index_namespace
+from kvmesh.model.loader import load_tokenizer
+from kvmesh.node import messages as nm
+
+
+log = logging.getLogger("kvmesh.router")
 
 
 class Overloaded(KvmeshError, RuntimeError):
@@ -48,6 +52,7 @@ class RouterConfig:
     liveness_s: float = 3.0  # a decode node silent this long (and deaf to a ping) is lost
     cluster_token: str = field(default="", repr=False)  # seals every frame to the nodes (kvmesh.auth)
     max_migrations: int = 5  # a stream moves to another decode node at most this often
+    wait_for_nodes_s: float = 60.0  # the model's fingerprint and hash namespace come from the first node
     migration_wait_s: float = 15.0  # with no decode node left, wait this long for one (a restart) to appear
 
 
@@ -78,17 +83,19 @@ class Router:
     def __init__(self, cfg: RouterConfig):
         self.cfg = cfg
         self._auth = ClusterAuth(cfg.cluster_token)
-        loaded = load_model(cfg.model, dtype=cfg.dtype, progress=False)  # tokenizer, context, fingerprint
+        card = load_tokenizer(cfg.model)  # config and tokenizer only: a router never loads weights
         self.model_name = cfg.model
-        self.tokenizer = loaded.tokenizer
-        self.vocab_size = loaded.config.vocab_size
-        self.max_model_len = loaded.config.max_position_embeddings
-        namespace = HashNamespace.for_model(loaded.fingerprint, cfg.block_size, loaded.dtype)
-        del loaded  # only the tokenizer and the namespace are needed here
-        self.root_hash = namespace.root()
+        self.tokenizer = card.tokenizer
+        self.vocab_size = card.config.vocab_size
+        self.max_model_len = card.config.max_position_embeddings
         self.store = EtcdStore(cfg.etcd)
         self.directory = NodeDirectory(self.store, cfg.cluster)
-        self.index = BlockIndex(self.store, cfg.cluster, index_namespace(namespace))
+        self.directory.mirror.wait_healthy(10)
+        card_of_nodes = self._learn_model_card(cfg.wait_for_nodes_s)
+        self.fingerprint = card_of_nodes["fingerprint"]
+        self.root_hash = bytes.fromhex(card_of_nodes["root_hash"])
+        self.index = BlockIndex(self.store, cfg.cluster, card_of_nodes["index_namespace"])
+        self.refused_nodes: set[str] = set()  # registered, but serving other weights
         self.policy = make_policy(cfg.routing)
         self._connections: dict[str, NodeConnection] = {}
         self._lock = threading.Lock()
@@ -97,7 +104,6 @@ class Router:
         self.num_migrations = 0
         self.supervision: Callable[[], dict] | None = None  # set by launchers that restart dead processes
         self.metrics = RouterMetrics(lambda: {n["node_id"]: n["stats"] for n in self.status()}, self.readiness)
-        self.directory.mirror.wait_healthy(10)
         self.index.mirror.wait_healthy(10)
 
     # ---- requests ----------------------------------------------------------------------------------
@@ -211,6 +217,36 @@ class Router:
             if event.token_ids or delta:
                 yield Chunk(event.token_ids, delta, node_id=node_id)
 
+    def _learn_model_card(self, timeout_s: float) -> dict:
+        """Fingerprint, hash root and index namespace of ``cfg.model`` as its nodes publish them."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            cards = [r.kv_layout for r in self.directory.nodes.values()
+                     if r.kv_layout.get("model") == self.cfg.model and "root_hash" in r.kv_layout]
+            if cards:
+                fingerprints = Counter(c["fingerprint"] for c in cards)
+                if len(fingerprints) > 1:
+                    log.warning("nodes serving %s disagree on its weights %s: routing to the most common",
+                                self.cfg.model, dict(fingerprints))
+                chosen = fingerprints.most_common(1)[0][0]
+                return next(c for c in cards if c["fingerprint"] == chosen)
+            if time.monotonic() > deadline:
+                served = sorted({r.kv_layout.get("model", "?") for r in self.directory.nodes.values()})
+                raise KvmeshError(f"no node of cluster {self.cfg.cluster!r} serves {self.cfg.model!r} within "
+                                  f"{timeout_s:.0f} s" + (f" (it serves {', '.join(served)})" if served else ""))
+            time.sleep(0.1)
+
+    def _serves_our_model(self, node_id: str, record) -> bool:
+        """Nodes with other weights (another fingerprint) are refused: their KV and tokens would be wrong."""
+        if record.kv_layout.get("fingerprint") == self.fingerprint:
+            return True
+        if node_id not in self.refused_nodes:
+            self.refused_nodes.add(node_id)
+            log.warning("refusing node %s: it serves %s (fingerprint %s), not %s (%s)", node_id,
+                        record.kv_layout.get("model"), record.kv_layout.get("fingerprint"), self.cfg.model,
+                        self.fingerprint)
+        return False
+
     def _choose_node_waiting(self, prompt_ids: list[int], session_id: str, lost: set[tuple[str, str]]) -> str:
         """After a node was lost: a decode node not lost yet, waiting up to ``migration_wait_s`` for one to
         (re)appear; raises KvmeshError naming the lost nodes when none does."""
@@ -225,7 +261,8 @@ class Router:
 
     def _choose_node(self, prompt_ids: list[int], session_id: str, exclude: set[tuple[str, str]] = frozenset()) -> str:
         decode_nodes = {n: r for n, r in self.directory.nodes.items()
-                        if r.role == "decode" and (n, r.request_endpoint) not in exclude}
+                        if r.role == "decode" and (n, r.request_endpoint) not in exclude
+                        and self._serves_our_model(n, r)}
         if not decode_nodes:
             lost = sorted({n for n, _ in exclude})
             raise KvmeshError("no decode node is available" + (f" ({', '.join(lost)} lost)" if lost else ""))
@@ -252,8 +289,9 @@ class Router:
     # ---- status ----------------------------------------------------------------------------------------
     def readiness(self) -> tuple[bool, dict]:
         """Ready while at least one decode node is registered (and, under a supervisor, up)."""
-        decode = sorted(n for n, r in self.directory.nodes.items() if r.role == "decode")
-        detail: dict = {"decode_nodes": decode}
+        decode = sorted(n for n, r in self.directory.nodes.items()
+                        if r.role == "decode" and self._serves_our_model(n, r))
+        detail: dict = {"decode_nodes": decode, "refused_nodes": sorted(self.refused_nodes)}
         up = decode
         if self.supervision is not None:
             status = self.supervision()

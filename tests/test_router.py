@@ -371,3 +371,25 @@ def test_stop_strings_end_the_stream_and_the_node_request(served, reference):
     while node.stats()["num_running"] or node.stats()["num_used_blocks"]:
         assert time.monotonic() < deadline, "the node kept generating after the stop string"
         time.sleep(0.05)
+
+
+def test_the_router_loads_no_weights_and_refuses_nodes_with_other_weights(monkeypatch):
+    import kvmesh.model.loader as loader
+
+    def no_weights(*args, **kwargs):
+        raise AssertionError("the router must not load or build a model")
+
+    monkeypatch.setattr(loader, "load_model", no_weights)
+    monkeypatch.setattr(loader, "build_model", no_weights)
+    with LocalCluster(0, 1, cluster="card") as cluster:
+        cluster.start_node("decode", "decode-bf16", extra_args=("--dtype", "bfloat16"))  # same name, other weights
+        router = Router(RouterConfig(etcd=cluster.etcd_endpoint, cluster_token=cluster.token, cluster="card",
+                                     routing="round-robin"))
+        try:
+            nodes = {c.node_id for _ in range(6) for c in router.generate(list(range(3, 40)),
+                                                                         SamplingParams(max_tokens=2)) if c.finished}
+            assert nodes == {"decode-0"}
+            ready, detail = router.readiness()
+            assert ready and detail["refused_nodes"] == ["decode-bf16"] and detail["decode_nodes"] == ["decode-0"]
+        finally:
+            router.close()

@@ -119,7 +119,9 @@ class NodeRuntime:
                           {"num_blocks": layout.num_blocks, "block_size": layout.block_size,
                            "num_layers": layout.num_layers, "bytes_per_block": self.agent.block_bytes,
                            "base_addr": self.agent.base_addr, "transport": self.agent.engine.transport,
-                           "model": self.cfg.model, "dtype": self.cfg.dtype},
+                           "model": self.cfg.model, "dtype": self.cfg.dtype,
+                           "fingerprint": self.loaded.fingerprint, "root_hash": self.engine.kv.root_hash.hex(),
+                           "index_namespace": index_namespace(self.engine.namespace)},
                           layout.num_blocks, {"free_blocks": self.pool.num_free_blocks})
 
     def lookup_holders(self, block_hashes: list[bytes]) -> dict[str, int]:
