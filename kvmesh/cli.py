@@ -1,4 +1,13 @@
-"""The ``kvmesh`` command line: ``kvmesh generate`` (more subcommands join as nodes land)."""
+"""The ``kvmesh`` command line.
+
+    generate                     offline generation on this machine
+    prefill-node / decode-node   one node process of a cluster
+    etcd / router                the cluster's shared parts, run alone (one per machine if you like)
+    serve / local-cluster        a supervised cluster on this machine (serve adds the gRPC + HTTP front ends)
+    launch                       the cluster on Ray (--stop ends it)
+    hosts                        simulated hosts on this machine (network namespaces)
+    bench ...                    benchmarks: JSON + a readable table
+"""
 from __future__ import annotations
 
 import argparse

@@ -11,8 +11,9 @@ every later position mismatches too, so the match point is a binary search:
 ``match_prefix`` matches and (optionally) locks the matched path in one atomic
 step; a locked or pinned node is never evicted; ``evict_lru`` trims the least
 recently used unlocked leaves from their tails, and a parent whose last child
-goes becomes a leaf in turn. The router uses it without block ids as its model
-of each node's cache; the engine can use it with them. Thread-safe.
+goes becomes a leaf in turn. It can run with or without block ids; serving does
+not use it today (the engine's BlockPool is the prefix cache, the router reads the
+global index), `kvmesh bench prefix-cache` compares the two. Thread-safe.
 """
 from __future__ import annotations
 
