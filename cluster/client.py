@@ -34,6 +34,8 @@ def sampling_dict(params: SamplingParams) -> dict:
            "top_k": params.top_k, "ignore_eos": params.ignore_eos, "stop_token_ids": list(params.stop_token_ids)}
     if params.seed is not None:
         out["seed"] = params.seed
+    if params.logprobs is not None:
+        out["logprobs"] = params.logprobs
     return out
 
 

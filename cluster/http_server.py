@@ -26,15 +26,24 @@ def _error(status: int, message: str, kind: str) -> web.Response:
     return web.json_response({"error": {"message": message, "type": kind, "code": status}}, status=status)
 
 
-def _sampling(body: dict) -> SamplingParams:
+def _sampling(body: dict, chat: bool) -> SamplingParams:
     """OpenAI request fields -> SamplingParams (which validates every value and type)."""
     stop = body.get("stop") or ()
+    if chat:  # chat: logprobs is a flag, top_logprobs the number of alternatives
+        if body.get("top_logprobs") and not body.get("logprobs"):
+            raise InvalidRequestError("top_logprobs needs logprobs: true")
+        logprobs = (body.get("top_logprobs") or 0) if body.get("logprobs") is True else None
+        if body.get("logprobs") not in (None, True, False):
+            raise InvalidRequestError(f"logprobs must be true or false for chat, got {body.get('logprobs')!r}")
+    else:
+        logprobs = body.get("logprobs")
     max_tokens = body.get("max_tokens", body.get("max_completion_tokens"))
     temperature, top_p, top_k = body.get("temperature"), body.get("top_p"), body.get("top_k")
     return SamplingParams(max_tokens=16 if max_tokens is None else max_tokens,
                           temperature=1.0 if temperature is None else temperature,
                           top_p=1.0 if top_p is None else top_p, top_k=-1 if top_k is None else top_k,
                           seed=body.get("seed"), ignore_eos=body.get("ignore_eos", False),  # a vLLM extension
+                          logprobs=logprobs,
                           stop=(stop,) if isinstance(stop, str) else tuple(stop) if isinstance(stop, list) else stop)
 
 
@@ -55,7 +64,6 @@ def _message_text(content) -> str:
 
 # Fields this server does not implement yet: asking for them is a 400 naming the field, never silently ignored.
 _UNSUPPORTED = {"n": lambda v: v not in (None, 1), "best_of": lambda v: v not in (None, 1),
-                "logprobs": lambda v: v not in (None, False, 0), "top_logprobs": lambda v: v not in (None, 0),
                 "echo": lambda v: v not in (None, False), "presence_penalty": lambda v: v not in (None, 0, 0.0),
                 "frequency_penalty": lambda v: v not in (None, 0, 0.0), "logit_bias": lambda v: bool(v),
                 "repetition_penalty": lambda v: v not in (None, 1, 1.0), "tools": lambda v: bool(v),
@@ -66,6 +74,21 @@ def _refuse_unsupported(body: dict) -> None:
     for name, used in _UNSUPPORTED.items():
         if name in body and used(body[name]):
             raise InvalidRequestError(f"'{name}' is not supported by this server (got {body[name]!r})")
+
+
+def _logprobs(tokenizer, chunks, chat: bool) -> dict | None:
+    """The OpenAI ``logprobs`` object of these chunks' tokens (None when none were asked for)."""
+    entries = [(tok, lp, top) for c in chunks for tok, lp, top in zip(c.token_ids, c.logprobs,
+                                                                       c.top_logprobs or [[]] * len(c.logprobs))]
+    if not any(c.logprobs for c in chunks):
+        return None
+    text = lambda t: tokenizer.decode([t])  # noqa: E731
+    if chat:
+        return {"content": [{"token": text(t), "logprob": lp, "bytes": list(text(t).encode()),
+                             "top_logprobs": [{"token": text(a), "logprob": v, "bytes": list(text(a).encode())}
+                                              for a, v in top]} for t, lp, top in entries]}
+    return {"tokens": [text(t) for t, _, _ in entries], "token_logprobs": [lp for _, lp, _ in entries],
+            "top_logprobs": [{text(a): v for a, v in top} for _, _, top in entries]}
 
 
 def _usage(chunk) -> dict:
@@ -139,7 +162,7 @@ class OpenAIServer:
         try:
             body = await self._body(request)
             prompt_ids = self._prompt(body, chat)
-            params = _sampling(body)
+            params = _sampling(body, chat)
             stream = self.router.generate(prompt_ids, params, str(body.get("user") or ""))
             first = await asyncio.to_thread(next, stream)  # validation and admission happen here
         except web.HTTPRequestEntityTooLarge:
@@ -162,8 +185,10 @@ class OpenAIServer:
                 return _error(503, f"the answer was cut off: {e}", "service_unavailable")
         text = "".join(c.text for c in chunks)
         last = chunks[-1]
-        choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": last.finish_reason}
-                  if chat else {"index": 0, "text": text, "logprobs": None, "finish_reason": last.finish_reason})
+        logprobs = _logprobs(self.router.tokenizer, chunks, chat)
+        choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
+                   "finish_reason": last.finish_reason}
+                  if chat else {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": last.finish_reason})
         return web.json_response({"id": rid, "object": "chat.completion" if chat else "text_completion",
                                   "created": int(time.time()), "model": self.router.model_name,
                                   "choices": [choice], "usage": _usage(last)})
@@ -193,19 +218,20 @@ class OpenAIServer:
         async def send(payload: dict) -> None:
             await response.write(f"data: {json.dumps(payload)}\n\n".encode())
 
-        def chunk_payload(text: str, finish_reason: str | None, role: bool = False) -> dict:
+        def chunk_payload(text: str, finish_reason: str | None, role: bool = False, logprobs=None) -> dict:
             if chat:
                 delta = {"role": "assistant", "content": text} if role else {"content": text}
-                choice = {"index": 0, "delta": delta, "finish_reason": finish_reason}
+                choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
             else:
-                choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+                choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
             return {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,
                     "model": model, "choices": [choice]}
 
         chunk, is_first = first, True
         try:
             while True:
-                await send(chunk_payload(chunk.text, chunk.finish_reason if chunk.finished else None, is_first))
+                await send(chunk_payload(chunk.text, chunk.finish_reason if chunk.finished else None, is_first,
+                                         _logprobs(self.router.tokenizer, [chunk], chat)))
                 is_first = False
                 if chunk.finished:
                     if include_usage:

@@ -77,6 +77,8 @@ class Chunk:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cache: dict = field(default_factory=dict)
+    logprobs: list[float] = field(default_factory=list)  # per token of token_ids, when asked for
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)  # alternatives per token
 
 
 class Router:
@@ -199,23 +201,27 @@ class Router:
                 raise (InvalidRequestError if "vocabulary" in event.error or "empty" in event.error
                        else KvmeshError)(f"decode node {node_id}: {event.error}")
             state.tokens += event.token_ids
+            logprobs = list(event.logprobs)
+            k = len(event.top_token_ids) // len(event.token_ids) if event.token_ids else 0
+            tops = [list(zip(event.top_token_ids[i * k:(i + 1) * k], event.top_logprobs[i * k:(i + 1) * k]))
+                    for i in range(len(event.token_ids))] if logprobs else []
             full = self.tokenizer.decode(state.tokens)
             hold = full.endswith("\ufffd") and not event.finished  # an incomplete UTF-8 sequence: wait
             cut = min((full.find(s) for s in stop if s in full), default=-1)
             if cut >= 0:
                 state.cut_by_stop_string = True
                 yield Chunk(event.token_ids, full[len(state.text):cut], True, "stop", node_id, state.num_prompt,
-                            len(state.tokens), dict(event.stats))
+                            len(state.tokens), dict(event.stats), logprobs, tops)
                 return
             delta = "" if hold else full[len(state.text):]
             if not hold:
                 state.text = full
             if event.finished:
                 yield Chunk(event.token_ids, delta, True, event.finish_reason, node_id, state.num_prompt,
-                            len(state.tokens), dict(event.stats))
+                            len(state.tokens), dict(event.stats), logprobs, tops)
                 return
             if event.token_ids or delta:
-                yield Chunk(event.token_ids, delta, node_id=node_id)
+                yield Chunk(event.token_ids, delta, node_id=node_id, logprobs=logprobs, top_logprobs=tops)
 
     def _learn_model_card(self, timeout_s: float) -> dict:
         """Fingerprint, hash root and index namespace of ``cfg.model`` as its nodes publish them."""

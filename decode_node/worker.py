@@ -260,8 +260,14 @@ class DecodeWorker(NodeRuntime):
 
     def on_token(self, seq: Sequence, token_id: int) -> None:
         request = self._requests.get(seq.request_id)
-        if request is not None and not seq.is_finished:
-            self.endpoint.send(request.identity, encode(nm.TokenEvent(seq.request_id, [token_id])))
+        if request is None or seq.is_finished:
+            return
+        event = nm.TokenEvent(seq.request_id, [token_id])
+        if seq.params.logprobs is not None:
+            top = seq.output_top_logprobs[-1]
+            event = nm.TokenEvent(seq.request_id, [token_id], logprobs=[seq.output_logprobs[-1]],
+                                  top_token_ids=[t for t, _ in top], top_logprobs=[v for _, v in top])
+        self.endpoint.send(request.identity, encode(event))
 
     def on_failed(self, seq: Sequence, error: str) -> None:
         request = self._requests.pop(seq.request_id, None)

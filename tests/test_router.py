@@ -90,6 +90,48 @@ def test_chat_content_parts_are_joined_and_non_text_parts_refused(served, refere
                                        max_tokens=4)
 
 
+def test_logprobs_equal_the_engines_log_softmax(served):
+    """Completions (logprobs=k) and chat (logprobs + top_logprobs), streamed and not, against the model itself,
+    recomputed from scratch at every position."""
+    openai = pytest.importorskip("openai")
+    import torch
+
+    from kvmesh.model.loader import load_model
+    from tests.conftest import run_prefill
+
+    client = openai.OpenAI(base_url=served["http"] + "/v1", api_key="unused")
+    tokenizer = served["router"].tokenizer
+    loaded = load_model("tiny-llama")
+
+    def expected(prompt_ids: list[int], steps: int, k: int):
+        tokens, out = list(prompt_ids), []
+        for _ in range(steps):
+            logits, _, _ = run_prefill(loaded, tokens)
+            want = torch.log_softmax(logits[-1].double(), -1)
+            best = want.topk(k)
+            out.append((int(best.indices[0]), best.values[0].item(), best.values.tolist()))
+            tokens.append(int(best.indices[0]))
+        return out
+
+    prompt = list(range(40, 90))
+    out = client.completions.create(model="tiny-llama", prompt=prompt, max_tokens=5, temperature=0.0, logprobs=3)
+    lp = out.choices[0].logprobs
+    for i, (tok, logprob, _) in enumerate(expected(prompt, 5, 3)):
+        assert lp.tokens[i] == tokenizer.decode([tok]) and abs(lp.token_logprobs[i] - logprob) < 1e-4
+        assert 1 <= len(lp.top_logprobs[i]) <= 3  # keyed by text: tokens that decode alike share a key
+    stream = client.completions.create(model="tiny-llama", prompt=prompt, max_tokens=5, temperature=0.0,
+                                       logprobs=3, stream=True)
+    streamed = [v for c in stream if c.choices[0].logprobs for v in c.choices[0].logprobs.token_logprobs]
+    assert streamed == pytest.approx(lp.token_logprobs, abs=1e-6)
+    messages = [{"role": "user", "content": "hi"}]
+    chat = client.chat.completions.create(model="tiny-llama", messages=messages, max_tokens=4, temperature=0.0,
+                                          logprobs=True, top_logprobs=2)
+    chat_prompt = tokenizer.encode(tokenizer.apply_chat_template(messages))
+    for entry, (tok, logprob, tops) in zip(chat.choices[0].logprobs.content, expected(chat_prompt, 4, 2)):
+        assert entry.token == tokenizer.decode([tok]) and abs(entry.logprob - logprob) < 1e-4
+        assert [t.logprob for t in entry.top_logprobs] == pytest.approx(tops, abs=1e-4)
+
+
 def test_completions_report_cached_tokens(served, reference):
     openai = pytest.importorskip("openai")
     client = openai.OpenAI(base_url=served["http"] + "/v1", api_key="unused")
@@ -120,7 +162,7 @@ def _post(url: str, body: bytes) -> tuple[int, dict]:
     (json.dumps({"prompt": {"a": 1}}).encode(), "prompt must be"),
     (json.dumps({"prompt": "x", "temperature": -1}).encode(), "temperature"),
     (json.dumps({"prompt": "x", "n": 3}).encode(), "'n' is not supported"),
-    (json.dumps({"prompt": "x", "logprobs": 2}).encode(), "'logprobs' is not supported"),
+    (json.dumps({"prompt": "x", "logprobs": 50}).encode(), "logprobs must be"),
     (json.dumps({"prompt": "x", "echo": True}).encode(), "'echo' is not supported"),
     (json.dumps({"prompt": "x", "presence_penalty": 0.5}).encode(), "'presence_penalty' is not supported"),
     (json.dumps({"prompt": ["a", "b"]}).encode(), "a list of prompts is not supported"),

@@ -38,8 +38,12 @@ def test_sampler_top_k_and_top_p_restrict_the_support():
     assert probs[:2].sum() < 0.7 <= probs[:3].sum()
     seen_p = {sample(logits, [SamplingParams(top_p=0.7)], [gen])[0][0] for _ in range(300)}
     assert seen_p == {0, 1, 2}
-    tok, lp = sample(logits, [SamplingParams(temperature=0.0)], [None])
-    assert tok == [0] and lp[0] == pytest.approx(torch.log_softmax(logits[0], -1)[0].item())
+    tok, lp, top = sample(logits, [SamplingParams(temperature=0.0)], [None])
+    assert tok == [0] and lp[0] == pytest.approx(torch.log_softmax(logits[0], -1)[0].item()) and top == [[]]
+    _, _, top = sample(logits, [SamplingParams(temperature=0.0, logprobs=3)], [None])
+    want = torch.log_softmax(logits[0], -1)
+    assert [t for t, _ in top[0]] == want.argsort(descending=True)[:3].tolist()
+    assert [v for _, v in top[0]] == pytest.approx(want.sort(descending=True).values[:3].tolist())
 
 
 def test_seeded_sampling_is_reproducible_and_seed_dependent(llm):

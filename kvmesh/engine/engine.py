@@ -140,6 +140,9 @@ class LLMEngine:
                 continue
             seq.output_token_ids.append(sampled.token_id)
             seq.cumulative_logprob += sampled.logprob
+            seq.output_logprobs.append(sampled.logprob)
+            if seq.params.logprobs is not None:
+                seq.output_top_logprobs.append(sampled.top)
             if self.on_token is not None:
                 self.on_token(seq, sampled.token_id)
             if self._check_stop(seq):

@@ -21,6 +21,7 @@ from kvmesh.model.llama import LlamaForCausalLM
 class SampledToken(NamedTuple):
     token_id: int
     logprob: float
+    top: list[tuple[int, float]]  # the most likely alternatives with their logprobs, if asked for
 
 
 class ModelRunner:
@@ -65,7 +66,7 @@ class ModelRunner:
             return results
         logits = self.model.compute_logits(hidden[rows])
         seqs = [batch[i][0] for i in sampled_items]
-        tokens, logprobs = sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
-        for i, tok, lp in zip(sampled_items, tokens, logprobs):
-            results[i] = SampledToken(tok, lp)
+        tokens, logprobs, tops = sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
+        for i, tok, lp, top in zip(sampled_items, tokens, logprobs, tops):
+            results[i] = SampledToken(tok, lp, top)
         return results

@@ -6,6 +6,9 @@ from dataclasses import dataclass, field
 from kvmesh.errors import InvalidRequestError
 
 
+MAX_LOGPROBS = 20
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int = 16
@@ -16,6 +19,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     stop: tuple[str, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
+    logprobs: int | None = None  # also return this many most likely alternatives per token (0..20)
 
     def __post_init__(self) -> None:
         # Accept lists from callers while keeping the frozen record hashable.
@@ -42,6 +46,9 @@ class SamplingParams:
             raise InvalidRequestError(f"top_k must be -1 (off) or >= 1, got {self.top_k!r}")
         if any(not s for s in self.stop):
             raise InvalidRequestError("stop strings must be non-empty")
+        if self.logprobs is not None and (isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int)
+                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise InvalidRequestError(f"logprobs must be an integer in 0..{MAX_LOGPROBS}, got {self.logprobs!r}")
 
     @property
     def greedy(self) -> bool:

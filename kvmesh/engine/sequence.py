@@ -26,6 +26,8 @@ class Sequence:
     num_prefix_hit_tokens: int = 0  # tokens reused from the prefix cache at admission
     was_admitted: bool = False
     cumulative_logprob: float = 0.0
+    output_logprobs: list[float] = field(default_factory=list)  # per output token
+    output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)  # when params.logprobs
     output_text: str | None = None  # set when a stop string cut the text
     finish_reason: str | None = None
 

@@ -23,7 +23,7 @@ class GenerateRequest:
             raise MessageError("generate: empty request_id")
 
     def sampling_params(self) -> SamplingParams:
-        allowed = {"max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids", "ignore_eos"}
+        allowed = {"max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids", "ignore_eos", "logprobs"}
         unknown = set(self.sampling) - allowed
         if unknown:
             raise MessageError(f"generate: unknown sampling fields {sorted(unknown)}")
@@ -41,9 +41,15 @@ class TokenEvent:
     finish_reason: str = ""
     error: str = ""
     stats: dict = field(default_factory=dict)  # tokens_reused_local / _remote, tokens_computed
+    logprobs: list[float] = field(default_factory=list)  # per token of token_ids, when asked for
+    top_token_ids: list[int] = field(default_factory=list)  # k alternatives per token, flattened
+    top_logprobs: list[float] = field(default_factory=list)
 
     def validate(self) -> None:
-        pass
+        if self.logprobs and len(self.logprobs) != len(self.token_ids):
+            raise MessageError("tokens: one logprob per token")
+        if len(self.top_token_ids) != len(self.top_logprobs):
+            raise MessageError("tokens: top_token_ids and top_logprobs differ in length")
 
 
 @dataclass(frozen=True)
