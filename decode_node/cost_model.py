@@ -23,9 +23,9 @@ def local_prefill_limit(prefill_tokens_per_s: float, bytes_per_token: int, trans
 class TransferRateEstimator:
     """Bandwidth and round trip to peers, learned from real transfers (exponentially weighted).
 
-    Starts from a prior (``--transfer-gib-per-s``; round trip 5 ms); every holder push that
-    moved at least ``min_bytes`` updates the bandwidth (the first one replaces the prior).
-    Pushes from prefill nodes include their compute and are not counted.
+    Starts from a prior (``--transfer-gib-per-s``; round trip 5 ms); every transfer that
+    moved at least ``min_bytes`` updates the bandwidth (the first one replaces the prior),
+    timed by the writer inside its transfer engine, so a prefill node's compute is not counted.
     """
 
     def __init__(self, prior_bytes_per_s: float, prior_rtt_s: float = 0.005, weight: float = 0.3,
@@ -39,7 +39,7 @@ class TransferRateEstimator:
     def record_transfer(self, num_bytes: int, seconds: float) -> None:
         if num_bytes < self.min_bytes or seconds <= 0:
             return
-        rate = num_bytes / max(seconds - self.rtt_s, seconds / 2)
+        rate = num_bytes / seconds
         if self.num_samples == 0:
             self.bytes_per_s = rate
         else:

@@ -164,12 +164,9 @@ class DecodeWorker(NodeRuntime):
             length = min(length, end)
             if length <= got or self._aborting(seq):
                 continue
-            started = time.perf_counter()
             outcome = self.agent.requester.push(node_id, seq.block_ids[got:length], seq.block_hashes[got:length],
                                                 request_id=f"{seq.request_id}/hold", timeout_s=HOLDER_TIMEOUT_S)
-            if outcome.error is None:  # the holder had the blocks: this timed a pure transfer
-                self.rates.record_transfer(outcome.num_written * self.agent.block_bytes,
-                                           time.perf_counter() - started)
+            self.rates.record_transfer(outcome.num_written * self.agent.block_bytes, outcome.write_s)
             result.tainted += outcome.tainted_block_ids
             if outcome.error is not None:
                 log.warning("%s: holder %s: %s", self.cfg.node_id, node_id, outcome.error)
@@ -205,6 +202,7 @@ class DecodeWorker(NodeRuntime):
             finally:
                 with self._lock:
                     self._prefills_in_flight[node_id] -= 1
+            self.rates.record_transfer(outcome.num_written * self.agent.block_bytes, outcome.write_s)
             result.tainted += outcome.tainted_block_ids
             result.got = got + outcome.num_written
             if outcome.error is None:

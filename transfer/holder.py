@@ -70,6 +70,7 @@ class _Push:
     code: str = ""
     error: str = ""
     compute: bool = False
+    write_s: float = 0.0  # time spent in the transfer engine
 
 
 class KVHolder:
@@ -207,7 +208,7 @@ class KVHolder:
         if push.compute:
             self.compute.release(push.request_id)
         self._reply(push.identity, m.PushResult(push.request_id, list(push.written), final=True, code=push.code,
-                                                error=push.error))
+                                                error=push.error, write_us=int(push.write_s * 1e6)))
 
     # ---- writes (worker threads) ----------------------------------------------------------------------
     def _write_next(self, push: _Push) -> None:
@@ -222,9 +223,11 @@ class KVHolder:
             runs = coalesce(pinned, push.dst_block_ids[start:end])
             descriptors = to_descriptors(runs, self.base_addr, push.requester.base_addr, self.block_bytes,
                                          self.engine.max_descriptor_bytes)
+            started = time.perf_counter()
             try:
                 self.engine.write(push.requester.transfer_endpoint, descriptors, request_id=push.request_id,
                                   grant_id=push.grant_id, timeout_s=remaining)
+                push.write_s += time.perf_counter() - started
             except TransferTimeout as e:
                 if e.pending is not None:  # still running natively: stay busy and pinned until it ends
                     keep_busy = True
@@ -235,7 +238,8 @@ class KVHolder:
             push.num_written = end
             self.bytes_sent += len(pinned) * self.block_bytes
             if end < len(push.written):
-                self._reply(push.identity, m.PushResult(push.request_id, list(push.written), final=False))
+                self._reply(push.identity, m.PushResult(push.request_id, list(push.written), final=False,
+                                                        write_us=int(push.write_s * 1e6)))
         except Exception as e:  # a failed write ends the push with an error; the holder keeps serving
             push.code, push.error = m.ErrorCode.WRITE_FAILED.value, f"{type(e).__name__}: {e}"
             log.warning("%s: push %s failed: %s", self.node_id, push.request_id, push.error)

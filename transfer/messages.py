@@ -155,9 +155,12 @@ class PushResult:
     final: bool = True
     code: str = ""  # ErrorCode when the transfer ended early (the written flags still hold)
     error: str = ""
+    write_us: int = 0  # time the writer spent in the transfer engine so far (the receiver's bandwidth sample)
 
     def validate(self) -> None:
         _check_code(self.TYPE, self.code)
+        if self.write_us < 0:
+            raise MessageError("push_result: negative write_us")
 
 
 @dataclass(frozen=True)

@@ -48,6 +48,7 @@ class PushOutcome(NamedTuple):
     num_written: int  # leading blocks written (and never to be written again)
     tainted_block_ids: list[int]  # stop using these: a writer may still be writing them
     error: TransferError | None
+    write_s: float = 0.0  # the writer's time in its transfer engine: bytes / write_s is the link's rate
 
 
 class _PeerGone(Exception):
@@ -145,6 +146,7 @@ class KVRequester:
         deadline = time.monotonic() + timeout_s
         accept_by = time.monotonic() + min(ACCEPT_TIMEOUT_S, timeout_s) if compute else None
         written = [False] * len(block_ids)
+        write_s = 0.0
         error: TransferError | None = None
         while True:
             limit = min(deadline, accept_by) if accept_by is not None else deadline
@@ -168,6 +170,7 @@ class KVRequester:
                 return PushOutcome(0, [], TransferRefused(f"refused: {msg.reason}", code=msg.code, request_id=cid,
                                                           peer=peer_id))
             elif isinstance(msg, m.PushResult):
+                write_s = max(write_s, msg.write_us / 1e6)
                 if len(msg.written) == len(written):
                     written = msg.written
                 if msg.final:
@@ -176,14 +179,14 @@ class KVRequester:
                     if msg.code:
                         cls = TransferAborted if msg.code == m.ErrorCode.ABORTED.value else TransferError
                         error = cls(f"{msg.code}: {msg.error}", request_id=cid, peer=peer_id)
-                    return PushOutcome(num, [], error)  # the dispatcher closed the grant
+                    return PushOutcome(num, [], error, write_s)  # the dispatcher closed the grant
         # The caller gives up: stop the writer, fence the grant, keep listening for its final.
         with self._lock:
             conv.abandoned = cid in self._conversations
         self._send(peer.side_channel, m.Abort(cid, "requester gave up"))
         tainted = self.grants.revoke(grant.grant_id)
         num = min(_leading(written), grant.num_confirmed) if tainted else _leading(written)
-        return PushOutcome(num, tainted, error)
+        return PushOutcome(num, tainted, error, write_s)
 
     def _drop(self, cid: str) -> None:
         with self._lock:
