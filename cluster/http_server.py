@@ -15,8 +15,8 @@ import uuid
 
 from aiohttp import web
 
+from kvmesh.cluster import openai_protocol as proto
 from kvmesh.cluster.router import Overloaded, Router
-from kvmesh.engine.sampling_params import SamplingParams
 from kvmesh.errors import InvalidRequestError, KvmeshError
 
 MAX_BODY_BYTES = 1 << 20
@@ -24,78 +24,6 @@ MAX_BODY_BYTES = 1 << 20
 
 def _error(status: int, message: str, kind: str) -> web.Response:
     return web.json_response({"error": {"message": message, "type": kind, "code": status}}, status=status)
-
-
-def _sampling(body: dict, chat: bool) -> SamplingParams:
-    """OpenAI request fields -> SamplingParams (which validates every value and type)."""
-    stop = body.get("stop") or ()
-    if chat:  # chat: logprobs is a flag, top_logprobs the number of alternatives
-        if body.get("top_logprobs") and not body.get("logprobs"):
-            raise InvalidRequestError("top_logprobs needs logprobs: true")
-        logprobs = (body.get("top_logprobs") or 0) if body.get("logprobs") is True else None
-        if body.get("logprobs") not in (None, True, False):
-            raise InvalidRequestError(f"logprobs must be true or false for chat, got {body.get('logprobs')!r}")
-    else:
-        logprobs = body.get("logprobs")
-    max_tokens = body.get("max_tokens", body.get("max_completion_tokens"))
-    temperature, top_p, top_k = body.get("temperature"), body.get("top_p"), body.get("top_k")
-    return SamplingParams(max_tokens=16 if max_tokens is None else max_tokens,
-                          temperature=1.0 if temperature is None else temperature,
-                          top_p=1.0 if top_p is None else top_p, top_k=-1 if top_k is None else top_k,
-                          seed=body.get("seed"), ignore_eos=body.get("ignore_eos", False),  # a vLLM extension
-                          logprobs=logprobs,
-                          stop=(stop,) if isinstance(stop, str) else tuple(stop) if isinstance(stop, list) else stop)
-
-
-def _message_text(content) -> str:
-    """A chat message's content: a string, or a list of parts whose text parts are joined."""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list) and content:
-        texts = []
-        for part in content:
-            kind = part.get("type") if isinstance(part, dict) else None
-            if kind != "text" or not isinstance(part.get("text"), str):
-                raise InvalidRequestError(f"message content part of type {kind!r} is not supported (only 'text')")
-            texts.append(part["text"])
-        return "".join(texts)
-    raise InvalidRequestError("message content must be a string or a non-empty list of text parts")
-
-
-# Fields this server does not implement yet: asking for them is a 400 naming the field, never silently ignored.
-_UNSUPPORTED = {"n": lambda v: v not in (None, 1), "best_of": lambda v: v not in (None, 1),
-                "echo": lambda v: v not in (None, False), "presence_penalty": lambda v: v not in (None, 0, 0.0),
-                "frequency_penalty": lambda v: v not in (None, 0, 0.0), "logit_bias": lambda v: bool(v),
-                "repetition_penalty": lambda v: v not in (None, 1, 1.0), "tools": lambda v: bool(v),
-                "response_format": lambda v: v not in (None, {"type": "text"})}
-
-
-def _refuse_unsupported(body: dict) -> None:
-    for name, used in _UNSUPPORTED.items():
-        if name in body and used(body[name]):
-            raise InvalidRequestError(f"'{name}' is not supported by this server (got {body[name]!r})")
-
-
-def _logprobs(tokenizer, chunks, chat: bool) -> dict | None:
-    """The OpenAI ``logprobs`` object of these chunks' tokens (None when none were asked for)."""
-    entries = [(tok, lp, top) for c in chunks for tok, lp, top in zip(c.token_ids, c.logprobs,
-                                                                       c.top_logprobs or [[]] * len(c.logprobs))]
-    if not any(c.logprobs for c in chunks):
-        return None
-    text = lambda t: tokenizer.decode([t])  # noqa: E731
-    if chat:
-        return {"content": [{"token": text(t), "logprob": lp, "bytes": list(text(t).encode()),
-                             "top_logprobs": [{"token": text(a), "logprob": v, "bytes": list(text(a).encode())}
-                                              for a, v in top]} for t, lp, top in entries]}
-    return {"tokens": [text(t) for t, _, _ in entries], "token_logprobs": [lp for _, lp, _ in entries],
-            "top_logprobs": [{text(a): v for a, v in top} for _, _, top in entries]}
-
-
-def _usage(chunk) -> dict:
-    cached = int(chunk.cache.get("tokens_reused_local", 0)) + int(chunk.cache.get("tokens_reused_remote", 0))
-    return {"prompt_tokens": chunk.prompt_tokens, "completion_tokens": chunk.completion_tokens,
-            "total_tokens": chunk.prompt_tokens + chunk.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 def _bearer_middleware(token: str):
@@ -121,6 +49,8 @@ class OpenAIServer:
         self.app.router.add_get("/health", self.health)
         self.app.router.add_get("/ready", self.ready)
         self.app.router.add_get("/metrics", self.metrics)
+        self.app.router.add_post("/tokenize", self.tokenize)
+        self.app.router.add_post("/detokenize", self.detokenize)
 
     async def health(self, request: web.Request) -> web.Response:
         return web.json_response({"status": "ok"})
@@ -136,7 +66,34 @@ class OpenAIServer:
 
     async def models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [
-            {"id": self.router.model_name, "object": "model", "created": 0, "owned_by": "kvmesh"}]})
+            {"id": self.router.model_name, "object": "model", "created": 0, "owned_by": "kvmesh",
+             "max_model_len": self.router.max_model_len}]})
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        """{"prompt": str} or {"messages": [...]} (with the chat template) -> {"tokens", "count", "max_model_len"}."""
+        try:
+            body = await self._body(request)
+            if "messages" in body:
+                tokens = self._prompts({"messages": body["messages"]}, chat=True)[0]
+            elif isinstance(body.get("prompt"), str):
+                tokens = self.router.tokenize(body["prompt"])
+            else:
+                raise InvalidRequestError("tokenize takes a string prompt or chat messages")
+        except InvalidRequestError as e:
+            return _error(400, str(e), "invalid_request_error")
+        return web.json_response({"tokens": tokens, "count": len(tokens), "max_model_len": self.router.max_model_len})
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        """{"tokens": [ids]} -> {"prompt": text}."""
+        try:
+            body = await self._body(request)
+            tokens = body.get("tokens")
+            if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool)
+                                                       and 0 <= t < self.router.vocab_size for t in tokens):
+                raise InvalidRequestError(f"tokens must be a list of token ids in [0, {self.router.vocab_size})")
+        except InvalidRequestError as e:
+            return _error(400, str(e), "invalid_request_error")
+        return web.json_response({"prompt": self.router.tokenizer.decode(tokens)})
 
     async def _body(self, request: web.Request) -> dict:
         try:
@@ -159,12 +116,23 @@ class OpenAIServer:
         return await self._serve(request, chat=True)
 
     async def _serve(self, request: web.Request, chat: bool) -> web.StreamResponse:
+        """One generation per (prompt, n) choice, run concurrently; admitted all together or not at all."""
+        streams = []
         try:
             body = await self._body(request)
-            prompt_ids = self._prompt(body, chat)
-            params = _sampling(body, chat)
-            stream = self.router.generate(prompt_ids, params, str(body.get("user") or ""))
-            first = await asyncio.to_thread(next, stream)  # validation and admission happen here
+            prompts = self._prompts(body, chat)
+            params = proto.choice_params(body, proto.sampling_params(body, chat))
+            if len(prompts) * len(params) > proto.MAX_CHOICES:
+                raise InvalidRequestError(f"{len(prompts)} prompts x n={len(params)} is more than "
+                                          f"{proto.MAX_CHOICES} choices")
+            user = str(body.get("user") or "")
+            streams = [self.router.generate(p, sp, user) for p in prompts for sp in params]
+            firsts = await asyncio.gather(*(asyncio.to_thread(next, s) for s in streams), return_exceptions=True)
+            failure = next((f for f in firsts if isinstance(f, BaseException)), None)
+            if failure is not None:  # validation or admission failed for one: none of them runs
+                for stream in streams:
+                    stream.close()
+                raise failure
         except web.HTTPRequestEntityTooLarge:
             return _error(413, f"the body is larger than {MAX_BODY_BYTES} bytes", "invalid_request_error")
         except (InvalidRequestError, ValueError, TypeError, KeyError) as e:
@@ -175,82 +143,119 @@ class OpenAIServer:
             return _error(503, str(e), "service_unavailable")
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         if body.get("stream"):
-            return await self._stream(request, stream, first, rid, chat, bool(
-                (body.get("stream_options") or {}).get("include_usage")))
-        chunks = [first]
-        if not first.finished:
-            try:
-                chunks += await asyncio.to_thread(list, stream)
-            except KvmeshError as e:  # cut off mid-generation and not migratable: never a partial 200
-                return _error(503, f"the answer was cut off: {e}", "service_unavailable")
-        text = "".join(c.text for c in chunks)
-        last = chunks[-1]
-        logprobs = _logprobs(self.router.tokenizer, chunks, chat)
-        choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-                   "finish_reason": last.finish_reason}
-                  if chat else {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": last.finish_reason})
+            options = body.get("stream_options") or {}
+            return await self._stream(request, streams, firsts, rid, chat, bool(options.get("include_usage")),
+                                      bool(options.get("continuous_usage_stats")), len(params))
+        try:
+            rests = await asyncio.gather(*(asyncio.to_thread(list, s) if not f.finished else _nothing()
+                                           for s, f in zip(streams, firsts)))
+        except KvmeshError as e:  # cut off mid-generation and not migratable: never a partial 200
+            for stream in streams:
+                stream.close()
+            return _error(503, f"the answer was cut off: {e}", "service_unavailable")
+        choices, lasts = [], []
+        for index, (first, rest) in enumerate(zip(firsts, rests)):
+            chunks = [first, *rest]
+            text, last = "".join(c.text for c in chunks), chunks[-1]
+            logprobs = proto.logprobs_object(self.router.tokenizer, chunks, chat)
+            choices.append({"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
+                            "finish_reason": last.finish_reason} if chat else
+                           {"index": index, "text": text, "logprobs": logprobs, "finish_reason": last.finish_reason})
+            lasts.append(last)
         return web.json_response({"id": rid, "object": "chat.completion" if chat else "text_completion",
                                   "created": int(time.time()), "model": self.router.model_name,
-                                  "choices": [choice], "usage": _usage(last)})
+                                  "choices": choices, "usage": _total_usage(lasts, len(params))})
 
-    def _prompt(self, body: dict, chat: bool) -> list[int]:
-        _refuse_unsupported(body)
+    def _prompts(self, body: dict, chat: bool) -> list[list[int]]:
+        proto.refuse_unsupported(body)
         if chat:
             messages = body.get("messages")
             if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
                 raise InvalidRequestError("messages must be a non-empty list of {role, content} objects")
-            messages = [{**m, "content": _message_text(m.get("content"))} for m in messages]
-            return self.router.tokenize(self.router.tokenizer.apply_chat_template(messages))
-        prompt = body.get("prompt")
-        if isinstance(prompt, str):
-            return self.router.tokenize(prompt)
-        if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            return prompt
-        if isinstance(prompt, list):
-            raise InvalidRequestError("a list of prompts is not supported: send one prompt per request")
-        raise InvalidRequestError("prompt must be a string or a list of token ids")
+            messages = [{**m, "content": proto.message_text(m.get("content"))} for m in messages]
+            return [self.router.tokenize(self.router.tokenizer.apply_chat_template(messages))]
+        return proto.completion_prompts(body, self.router.tokenize)
 
-    async def _stream(self, request, stream, first, rid: str, chat: bool, include_usage: bool) -> web.StreamResponse:
+    async def _stream(self, request, streams, firsts, rid: str, chat: bool, include_usage: bool,
+                      continuous_usage: bool, n: int) -> web.StreamResponse:
+        """Every choice's chunks as they come (``index`` tells them apart), then usage, then [DONE]."""
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await response.prepare(request)
         created, model = int(time.time()), self.router.model_name
+        kind = "chat.completion.chunk" if chat else "text_completion"
+        merged: asyncio.Queue = asyncio.Queue()
 
-        async def send(payload: dict) -> None:
-            await response.write(f"data: {json.dumps(payload)}\n\n".encode())
+        async def pump(index: int, stream, first) -> None:
+            chunk = first
+            try:
+                while True:
+                    await merged.put((index, chunk))
+                    if chunk.finished:
+                        return
+                    chunk = await asyncio.to_thread(next, stream, None)
+                    if chunk is None:
+                        raise KvmeshError("the stream ended without a final chunk")
+            except KvmeshError as e:
+                await merged.put((index, e))
 
-        def chunk_payload(text: str, finish_reason: str | None, role: bool = False, logprobs=None) -> dict:
+        def payload(index: int, text: str, finish_reason: str | None, role: bool, logprobs=None) -> dict:
             if chat:
                 delta = {"role": "assistant", "content": text} if role else {"content": text}
-                choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+                choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
             else:
-                choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
-            return {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,
-                    "model": model, "choices": [choice]}
+                choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+            return {"id": rid, "object": kind, "created": created, "model": model, "choices": [choice]}
 
-        chunk, is_first = first, True
+        async def send(body: dict) -> None:
+            await response.write(f"data: {json.dumps(body)}\n\n".encode())
+
+        pumps = [asyncio.create_task(pump(i, s, f)) for i, (s, f) in enumerate(zip(streams, firsts))]
+        started, lasts, open_choices = set(), {}, len(streams)
         try:
-            while True:
-                await send(chunk_payload(chunk.text, chunk.finish_reason if chunk.finished else None, is_first,
-                                         _logprobs(self.router.tokenizer, [chunk], chat)))
-                is_first = False
-                if chunk.finished:
-                    if include_usage:
-                        await send({"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
-                                    "created": created, "model": model, "choices": [], "usage": _usage(chunk)})
-                    break
-                chunk = await asyncio.to_thread(next, stream, None)
-                if chunk is None:
-                    raise KvmeshError("the stream ended without a final chunk")
+            while open_choices:
+                index, item = await merged.get()
+                if isinstance(item, KvmeshError):  # cut off and not migratable: say so, never "stop" or "length"
+                    body = payload(index, "", "error", False)
+                    body["error"] = {"message": str(item), "type": "service_unavailable"}
+                    await send(body)
+                    open_choices -= 1
+                    continue
+                body = payload(index, item.text, item.finish_reason if item.finished else None, index not in started,
+                               proto.logprobs_object(self.router.tokenizer, [item], chat))
+                started.add(index)
+                if continuous_usage and item.finished:
+                    body["usage"] = proto.usage(item)
+                await send(body)
+                if item.finished:
+                    lasts[index] = item
+                    open_choices -= 1
+            if include_usage and len(lasts) == len(streams):
+                await send({"id": rid, "object": kind, "created": created, "model": model, "choices": [],
+                            "usage": _total_usage([lasts[i] for i in range(len(streams))], n)})
         except (ConnectionResetError, asyncio.CancelledError):
-            stream.close()  # the client went away
+            for stream in streams:  # the client went away
+                stream.close()
             raise
-        except KvmeshError as e:  # cut off and not migratable: say so, never "stop" or "length"
-            payload = chunk_payload("", "error")
-            payload["error"] = {"message": str(e), "type": "service_unavailable"}
-            await send(payload)
+        finally:
+            for task in pumps:
+                task.cancel()
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
         return response
+
+
+async def _nothing() -> list:
+    return []
+
+
+def _total_usage(lasts: list, n: int) -> dict:
+    """Prompt tokens once per prompt (every n-th choice starts a prompt), completion tokens of every choice."""
+    per_prompt = [proto.usage(c) for c in lasts[::n]]
+    prompt = sum(u["prompt_tokens"] for u in per_prompt)
+    completion = sum(proto.usage(c)["completion_tokens"] for c in lasts)
+    cached = sum(u["prompt_tokens_details"]["cached_tokens"] for u in per_prompt)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 async def start_http_server(router: Router, host: str = "127.0.0.1", port: int = 8000, token: str | None = None,

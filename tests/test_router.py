@@ -132,6 +132,40 @@ def test_logprobs_equal_the_engines_log_softmax(served):
         assert [t.logprob for t in entry.top_logprobs] == pytest.approx(tops, abs=1e-4)
 
 
+def test_n_choices_and_prompt_lists(served, reference):
+    """A list of prompts and n > 1: one choice each, ``index`` in order, streamed and not; greedy choices agree."""
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=served["http"] + "/v1", api_key="unused")
+    greedy = SamplingParams(max_tokens=6, temperature=0.0)
+    prompts = ["The cache ", "A pool of blocks "]
+    out = client.completions.create(model="tiny-llama", prompt=prompts, max_tokens=6, temperature=0.0, n=2)
+    assert [c.index for c in out.choices] == [0, 1, 2, 3]
+    want = [reference(p, greedy).text for p in prompts]
+    assert [c.text for c in out.choices] == [want[0], want[0], want[1], want[1]]
+    assert out.usage.completion_tokens == sum(len(reference(p, greedy).token_ids) for p in prompts) * 2
+    sampled = client.completions.create(model="tiny-llama", prompt=[[5, 6, 7]], max_tokens=12, temperature=1.0,
+                                        n=3, seed=7)
+    assert len({c.text for c in sampled.choices}) > 1  # independent samples (seeds 7, 8, 9)
+    stream = client.chat.completions.create(model="tiny-llama", messages=[{"role": "user", "content": "hi"}],
+                                            max_tokens=5, temperature=0.0, n=2, stream=True)
+    texts: dict[int, str] = {}
+    for chunk in stream:
+        for choice in chunk.choices:
+            texts[choice.index] = texts.get(choice.index, "") + (choice.delta.content or "")
+    assert set(texts) == {0, 1} and texts[0] == texts[1]
+
+
+def test_tokenize_detokenize_and_models(served):
+    status, body = _post(served["http"] + "/tokenize", json.dumps({"prompt": "hello"}).encode())
+    assert status == 200 and body["tokens"] == served["router"].tokenize("hello") and body["count"] == 5
+    status, back = _post(served["http"] + "/detokenize", json.dumps({"tokens": body["tokens"]}).encode())
+    assert status == 200 and back["prompt"] == "hello"
+    status, bad = _post(served["http"] + "/detokenize", json.dumps({"tokens": [10**6]}).encode())
+    assert status == 400 and "token ids" in bad["error"]["message"]
+    with urllib.request.urlopen(served["http"] + "/v1/models", timeout=10) as r:
+        assert json.loads(r.read())["data"][0]["max_model_len"] == served["router"].max_model_len
+
+
 def test_completions_report_cached_tokens(served, reference):
     openai = pytest.importorskip("openai")
     client = openai.OpenAI(base_url=served["http"] + "/v1", api_key="unused")
@@ -161,11 +195,13 @@ def _post(url: str, body: bytes) -> tuple[int, dict]:
     (json.dumps({"prompt": "x", "max_tokens": 5000}).encode(), "context"),
     (json.dumps({"prompt": {"a": 1}}).encode(), "prompt must be"),
     (json.dumps({"prompt": "x", "temperature": -1}).encode(), "temperature"),
-    (json.dumps({"prompt": "x", "n": 3}).encode(), "'n' is not supported"),
+    (json.dumps({"prompt": "x", "n": 0}).encode(), "n must be"),
+    (json.dumps({"prompt": ["a", "b"], "n": 9}).encode(), "more than 16 choices"),
+    (json.dumps({"prompt": "x", "best_of": 3}).encode(), "'best_of' is not supported"),
     (json.dumps({"prompt": "x", "logprobs": 50}).encode(), "logprobs must be"),
     (json.dumps({"prompt": "x", "echo": True}).encode(), "'echo' is not supported"),
     (json.dumps({"prompt": "x", "presence_penalty": 0.5}).encode(), "'presence_penalty' is not supported"),
-    (json.dumps({"prompt": ["a", "b"]}).encode(), "a list of prompts is not supported"),
+    (json.dumps({"prompt": [["a"], 1]}).encode(), "prompt must be"),
     (json.dumps({"prompt": "x", "ignore_eos": "yes"}).encode(), "ignore_eos"),
 ])
 def test_http_bad_input_is_a_400_with_a_message(served, body, fragment):
