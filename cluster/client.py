@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from kvmesh.auth import ClusterAuth
 from kvmesh.cluster.node_connection import NodeConnection, NodeLost
-from kvmesh.engine.sampling_params import SamplingParams
+from kvmesh.engine.sampling_params import SamplingParams, to_wire
 from kvmesh.errors import KvmeshError
 from kvmesh.node import messages as nm
 
@@ -26,17 +26,6 @@ class Completion:
     stats: dict = field(default_factory=dict)
     ttft_s: float = 0.0
     latency_s: float = 0.0
-
-
-def sampling_dict(params: SamplingParams) -> dict:
-    """SamplingParams as the ``sampling`` map of a GenerateRequest."""
-    out = {"max_tokens": params.max_tokens, "temperature": params.temperature, "top_p": params.top_p,
-           "top_k": params.top_k, "ignore_eos": params.ignore_eos, "stop_token_ids": list(params.stop_token_ids)}
-    if params.seed is not None:
-        out["seed"] = params.seed
-    if params.logprobs is not None:
-        out["logprobs"] = params.logprobs
-    return out
 
 
 class NodeClient:
@@ -61,7 +50,7 @@ class NodeClient:
         for prompt in prompts:
             rid = uuid.uuid4().hex
             completions[rid] = Completion(rid)
-            self._conn.submit(nm.GenerateRequest(rid, list(prompt), sampling_dict(params), prefill_node), events)
+            self._conn.submit(nm.GenerateRequest(rid, list(prompt), to_wire(params), prefill_node), events)
         pending = set(completions)
         deadline = time.monotonic() + timeout_s
         while pending:

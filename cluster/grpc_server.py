@@ -6,13 +6,18 @@ no generated code lives in the repository.
 from __future__ import annotations
 
 import json
+import queue
+import threading
+from collections.abc import Iterator
 from concurrent import futures
+from dataclasses import replace
 from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from kvmesh.cluster.openai_protocol import MAX_CHOICES
 from kvmesh.cluster.router import Overloaded, Router
 from kvmesh.engine.sampling_params import SamplingParams
 from kvmesh.errors import InvalidRequestError, KvmeshError
@@ -33,10 +38,54 @@ pb, pb_grpc = load_protos()
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Router"].full_name
 
 
-def sampling_from_proto(s) -> SamplingParams:
-    return SamplingParams(max_tokens=s.max_tokens or 16, temperature=s.temperature, top_p=s.top_p or 1.0,
-                          top_k=s.top_k or -1, seed=s.seed if s.HasField("seed") else None,
-                          stop_token_ids=tuple(s.stop_token_ids), ignore_eos=s.ignore_eos)
+def sampling_from_proto(s) -> list[SamplingParams]:
+    """One SamplingParams per choice (``n``), with the OpenAI defaults the HTTP API uses."""
+    base = SamplingParams(max_tokens=s.max_tokens or 16, temperature=s.temperature if s.HasField("temperature")
+                          else 1.0, top_p=s.top_p or 1.0, top_k=s.top_k or -1,
+                          seed=s.seed if s.HasField("seed") else None, stop_token_ids=tuple(s.stop_token_ids),
+                          stop=tuple(s.stop), ignore_eos=s.ignore_eos,
+                          logprobs=s.logprobs if s.HasField("logprobs") else None)
+    n = s.n or 1
+    if n > MAX_CHOICES:
+        raise InvalidRequestError(f"n must be in 1..{MAX_CHOICES}, got {n}")
+    return [replace(base, seed=base.seed + i) if base.seed is not None else base for i in range(n)]
+
+
+def merged(streams) -> Iterator[tuple[int, object]]:
+    """(choice index, chunk) from several router streams as they come; the first error is raised here.
+
+    Each stream is advanced, and closed (which aborts its request), by a thread of its own: when the
+    caller stops early, every pump closes its stream at its next chunk.
+    """
+    events: queue.Queue = queue.Queue()
+    stop = threading.Event()
+
+    def pump(index: int, stream) -> None:
+        try:
+            for chunk in stream:
+                if stop.is_set():
+                    break
+                events.put((index, chunk))
+        except Exception as e:  # re-raised on the caller's thread
+            events.put((index, e))
+        finally:
+            stream.close()
+            events.put((index, None))
+
+    for i, s in enumerate(streams):
+        threading.Thread(target=pump, args=(i, s), name=f"kvmesh-grpc-choice-{i}", daemon=True).start()
+    remaining = len(streams)
+    try:
+        while remaining:
+            index, item = events.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield index, item
+    finally:
+        stop.set()
 
 
 class RouterServicer(pb_grpc.RouterServicer):
@@ -51,18 +100,20 @@ class RouterServicer(pb_grpc.RouterServicer):
     def Generate(self, request, context):
         self._check_model(request.model, context)
         try:
-            params = sampling_from_proto(request.sampling)
+            choices = sampling_from_proto(request.sampling)
             if request.WhichOneof("prompt") == "text":
                 prompt_ids = self.router.tokenize(request.text)
             else:
                 prompt_ids = list(request.token_ids.ids)
-            stream = self.router.generate(prompt_ids, params, request.session_id)
-            for chunk in stream:
+            streams = [self.router.generate(prompt_ids, params, request.session_id) for params in choices]
+            for index, chunk in merged(streams):
                 if not context.is_active():
-                    stream.close()
                     return
                 reply = pb.GenerateResponse(token_ids=chunk.token_ids, text=chunk.text, finished=chunk.finished,
-                                            finish_reason=chunk.finish_reason, node_id=chunk.node_id)
+                                            finish_reason=chunk.finish_reason, node_id=chunk.node_id, index=index,
+                                            logprobs=chunk.logprobs)
+                for top in chunk.top_logprobs:
+                    reply.top_logprobs.add(token_ids=[t for t, _ in top], logprobs=[v for _, v in top])
                 if chunk.finished:
                     reply.usage.prompt_tokens = chunk.prompt_tokens
                     reply.usage.completion_tokens = chunk.completion_tokens

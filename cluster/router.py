@@ -17,11 +17,10 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 
-from kvmesh.cluster.client import sampling_dict
 from kvmesh.cluster.metrics import RouterMetrics
 from kvmesh.cluster.node_connection import NodeConnection, NodeLost
 from kvmesh.cluster.routing import Candidate, make_policy
-from kvmesh.engine.sampling_params import SamplingParams
+from kvmesh.engine.sampling_params import SamplingParams, to_wire
 from kvmesh.errors import InvalidRequestError, KvmeshError
 from kvmesh.kv.block_hash import hash_blocks
 from kvmesh.metadata.block_index import BlockIndex
@@ -155,7 +154,7 @@ class Router:
                 conn = self._connection(node_id)
                 rid = f"r{next(self._ids)}-{uuid.uuid4().hex[:8]}"
                 remaining = replace(params, max_tokens=params.max_tokens - len(state.tokens))
-                events = conn.submit(nm.GenerateRequest(rid, context, sampling_dict(remaining)))
+                events = conn.submit(nm.GenerateRequest(rid, context, to_wire(remaining)))
                 try:
                     for chunk in self._stream(events, node_id, state, params.stop):
                         if state.first_token_at is None and chunk.token_ids:

@@ -225,10 +225,26 @@ def test_grpc_generate_health_and_reflection(served, reference):
     stub = pb_grpc.RouterStub(channel)
     ids = list(range(40, 110))
     request = pb.GenerateRequest(model="tiny-llama", token_ids=pb.TokenIds(ids=ids),
-                                 sampling=pb.SamplingParams(max_tokens=12, ignore_eos=True))
+                                 sampling=pb.SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.0))
     replies = list(stub.Generate(request, timeout=60))
     tokens = [t for r in replies for t in r.token_ids]
     assert tokens == reference(ids).token_ids
+    # n choices, logprobs and stop strings, as over HTTP; an unset temperature is OpenAI's 1.0.
+    many = pb.GenerateRequest(model="tiny-llama", token_ids=pb.TokenIds(ids=ids), sampling=pb.SamplingParams(
+        max_tokens=8, ignore_eos=True, n=3, seed=1, logprobs=2))
+    by_choice: dict[int, list] = {}
+    for r in stub.Generate(many, timeout=60):
+        by_choice.setdefault(r.index, []).append(r)
+        assert len(r.logprobs) == len(r.token_ids) and all(len(t.logprobs) == 2 for t in r.top_logprobs)
+    assert sorted(by_choice) == [0, 1, 2] and all(rs[-1].finished for rs in by_choice.values())
+    assert len({tuple(t for r in rs for t in r.token_ids) for rs in by_choice.values()}) > 1  # sampled, seeds 1..3
+    text = reference(ids).text
+    needle = text[len(text) // 2]  # whatever character the greedy answer has halfway
+    cut = list(stub.Generate(pb.GenerateRequest(model="tiny-llama", token_ids=pb.TokenIds(ids=ids),
+                                                sampling=pb.SamplingParams(max_tokens=12, ignore_eos=True,
+                                                                           temperature=0.0, stop=[needle])),
+                             timeout=60))
+    assert "".join(r.text for r in cut) == text[:text.find(needle)] and cut[-1].finish_reason == "stop"
     final = replies[-1]
     assert final.finished and final.usage.prompt_tokens == 70 and final.usage.completion_tokens == 12
     c = final.cache

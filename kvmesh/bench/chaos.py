@@ -31,10 +31,9 @@ from tqdm import tqdm
 
 from kvmesh.auth import REFUSED, ClusterAuth
 from kvmesh.bench.report import machine, print_table, write_json
-from kvmesh.cluster.client import sampling_dict
 from kvmesh.cluster.local_launcher import LocalCluster
 from kvmesh.cluster.node_connection import NodeConnection, NodeLost
-from kvmesh.engine.sampling_params import SamplingParams
+from kvmesh.engine.sampling_params import SamplingParams, to_wire
 from kvmesh.node import messages as nm
 from kvmesh.transfer import messages as m
 from kvmesh.transfer.engine import mooncake_available
@@ -86,7 +85,7 @@ class _Run:
                         self.prompts += _prompt_group(self.rng)
                     rid = f"c{i}-{uuid.uuid4().hex[:6]}"
                     node = f"decode-{i % 2}"
-                    conns[node].submit(nm.GenerateRequest(rid, self.prompts[i], sampling_dict(GREEDY)), events)
+                    conns[node].submit(nm.GenerateRequest(rid, self.prompts[i], to_wire(GREEDY)), events)
                     sent[rid] = {"index": i, "node": node, "tokens": [], "final": None, "aborted": False}
                     if self.abort_every and i % self.abort_every == self.abort_every - 1:
                         time.sleep(0.01)  # let it reach the transfer, then pull the plug

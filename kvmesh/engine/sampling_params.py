@@ -1,4 +1,11 @@
-"""SamplingParams: how one request picks its tokens and when it stops (vLLM's names)."""
+"""SamplingParams: how one request picks its tokens and when it stops (vLLM's names).
+
+The one internal request model: HTTP (``cluster/openai_protocol.py``), gRPC
+(``cluster/grpc_server.py``), the router, clients and nodes all build or carry
+this record, with one set of defaults (OpenAI's: ``temperature`` 1, ``max_tokens``
+16, ``top_p`` 1). Between processes it travels as ``to_wire()`` / ``from_wire()``;
+stop strings stay with the router, which cuts the text (nodes see token ids only).
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -53,6 +60,24 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
+
+
+WIRE_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids", "ignore_eos", "logprobs")
+
+
+def to_wire(params: SamplingParams) -> dict:
+    """The fields a decode node needs, as a msgpack-friendly dict (unset optional fields left out)."""
+    out = {name: getattr(params, name) for name in WIRE_FIELDS if getattr(params, name) is not None}
+    out["stop_token_ids"] = list(params.stop_token_ids)
+    return out
+
+
+def from_wire(fields: dict) -> SamplingParams:
+    """The inverse of ``to_wire``; unknown fields and bad values raise InvalidRequestError."""
+    unknown = set(fields) - set(WIRE_FIELDS)
+    if unknown:
+        raise InvalidRequestError(f"unknown sampling fields {sorted(unknown)}")
+    return SamplingParams(**fields)
 
 
 def _check_number(name: str, value) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from kvmesh.engine.sampling_params import SamplingParams
+from kvmesh.engine.sampling_params import SamplingParams, from_wire
 from kvmesh.wire import MessageError, register
 
 
@@ -23,11 +23,7 @@ class GenerateRequest:
             raise MessageError("generate: empty request_id")
 
     def sampling_params(self) -> SamplingParams:
-        allowed = {"max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids", "ignore_eos", "logprobs"}
-        unknown = set(self.sampling) - allowed
-        if unknown:
-            raise MessageError(f"generate: unknown sampling fields {sorted(unknown)}")
-        return SamplingParams(**self.sampling)
+        return from_wire(self.sampling)
 
 
 @dataclass(frozen=True)
