@@ -167,7 +167,7 @@ class OpenAIServer:
                                   "choices": choices, "usage": _total_usage(lasts, len(params))})
 
     def _prompts(self, body: dict, chat: bool) -> list[list[int]]:
-        proto.refuse_unsupported(body)
+        proto.refuse_unsupported(body, chat)
         if chat:
             messages = body.get("messages")
             if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):

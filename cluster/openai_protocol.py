@@ -58,10 +58,20 @@ _UNSUPPORTED = {"best_of": lambda v: v not in (None, 1),
                 "response_format": lambda v: v not in (None, {"type": "text"})}
 
 
-def refuse_unsupported(body: dict) -> None:
+_FIELDS = {"model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed", "stop", "n",
+           "stream", "stream_options", "ignore_eos", "user", "logprobs"}
+_COMPLETION_FIELDS = _FIELDS | {"prompt"}
+_CHAT_FIELDS = _FIELDS | {"messages", "top_logprobs"}
+
+
+def refuse_unsupported(body: dict, chat: bool) -> None:
+    """400 for a field this server does not implement (named), or does not know at all."""
     for name, used in _UNSUPPORTED.items():
         if name in body and used(body[name]):
             raise InvalidRequestError(f"'{name}' is not supported by this server (got {body[name]!r})")
+    unknown = sorted(set(body) - (_CHAT_FIELDS if chat else _COMPLETION_FIELDS) - set(_UNSUPPORTED))
+    if unknown:
+        raise InvalidRequestError(f"unknown or unsupported field(s) {', '.join(map(repr, unknown))}")
 
 
 def logprobs_object(tokenizer, chunks, chat: bool) -> dict | None:
