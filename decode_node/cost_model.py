@@ -1,23 +1,52 @@
-"""When should a decode node compute an uncached suffix itself? (docs/design.md §2)
+"""Where should a decode node's uncached prompt blocks come from? (docs/design.md §2)
 
-Computing ``n`` tokens here costs ``n / prefill_rate``; having them computed
-elsewhere and moved costs a round trip plus ``n * bytes_per_token / bandwidth``.
-Both per-token costs are linear, so the answer is a token count: compute locally
-up to the break-even length, fetch beyond it.
+Three sources, priced in seconds with measured rates:
+
+    local     compute them here                       tokens / local prefill rate
+    holders   peers that already cache a prefix       round trip + bytes / bandwidth
+    prefill   a prefill node computes and streams     round trip + max(tokens / its rate, bytes / bandwidth)
+              the part no holder has                  (its chunks are sent while it computes)
+
+Holders and the prefill node work at the same time; whatever is not fetched is computed
+here. ``plan_fetch`` picks the cheapest plan, so the cluster never chooses to be slower
+than computing locally (by its estimates, which ``TransferRateEstimator`` keeps measured).
 """
 from __future__ import annotations
 
+from typing import NamedTuple
 
-def local_prefill_limit(prefill_tokens_per_s: float, bytes_per_token: int, transfer_bytes_per_s: float,
-                        round_trip_s: float) -> int:
-    """The largest uncached suffix (in tokens) that is cheaper to compute here than to fetch."""
-    if prefill_tokens_per_s <= 0 or transfer_bytes_per_s <= 0:
+
+class FetchPlan(NamedTuple):
+    holders_end: int  # fetch blocks [num_local, holders_end) from holders (== num_local: none)
+    use_prefill: bool  # a prefill node computes and sends [holders_end, end)
+    seconds: float  # the estimate of the plan
+    local_seconds: float  # the estimate of computing everything here
+
+
+def plan_fetch(num_local: int, held_end: int, end: int, block_size: int, bytes_per_token: int, *,
+               local_tokens_per_s: float, remote_tokens_per_s: float, bytes_per_s: float, rtt_s: float,
+               have_prefill_node: bool) -> FetchPlan:
+    """The cheapest way to get blocks ``[num_local, end)``; peers hold ``[num_local, held_end)``."""
+    if local_tokens_per_s <= 0 or bytes_per_s <= 0:
         raise ValueError("rates must be positive")
-    per_token_compute = 1 / prefill_tokens_per_s
-    per_token_transfer = bytes_per_token / transfer_bytes_per_s
-    if per_token_compute <= per_token_transfer:
-        return 1 << 30  # computing beats moving the bytes at any length
-    return int(round_trip_s / (per_token_compute - per_token_transfer))
+    held_end = max(num_local, min(held_end, end))
+
+    def compute_here(blocks: int) -> float:
+        return blocks * block_size / local_tokens_per_s
+
+    def move(blocks: int) -> float:
+        return blocks * block_size * bytes_per_token / bytes_per_s
+
+    local = compute_here(end - num_local)
+    plans = [FetchPlan(num_local, False, local, local)]
+    if held_end > num_local:  # holders send their part while this node computes the rest
+        plans.append(FetchPlan(held_end, False, max(rtt_s + move(held_end - num_local), compute_here(end - held_end)),
+                               local))
+    if have_prefill_node and remote_tokens_per_s > 0 and held_end < end:
+        rest = end - held_end
+        remote = rtt_s + max(rest * block_size / remote_tokens_per_s, move(rest))
+        plans.append(FetchPlan(held_end, True, max(rtt_s + move(held_end - num_local), remote), local))
+    return min(plans, key=lambda p: p.seconds)
 
 
 class TransferRateEstimator:

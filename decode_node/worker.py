@@ -27,7 +27,7 @@ from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from kvmesh.decode_node.cost_model import TransferRateEstimator, local_prefill_limit
+from kvmesh.decode_node.cost_model import FetchPlan, TransferRateEstimator, plan_fetch
 from kvmesh.engine.request_state import RequestStatus
 from kvmesh.engine.sequence import Sequence
 from kvmesh.errors import KvmeshError, OutOfBlocksError
@@ -89,12 +89,20 @@ class DecodeWorker(NodeRuntime):
         else:
             super().handle(identity, msg)
 
-    def local_prefill_limit(self) -> int:
-        """Uncached tokens worth computing here rather than fetching (docs/design.md §2 cost model)."""
-        if self.cfg.local_prefill_tokens >= 0:
-            return self.cfg.local_prefill_tokens
-        return local_prefill_limit(self.prefill_tokens_per_s, self.engine.layout.bytes_per_token,
-                                   self.rates.bytes_per_s, self.rates.rtt_s)
+    def _plan(self, num_local: int, end: int, hits: dict[str, int]) -> FetchPlan:
+        """Where blocks [num_local, end) come from (docs/design.md §2): the cost model, or the forced limit."""
+        held_end = max([num_local] + [min(length, end) for length in hits.values()])
+        prefill_nodes = self.membership.nodes("prefill")
+        bs = self.cfg.block_size
+        if self.cfg.local_prefill_tokens >= 0:  # forced (tests, benchmarks): fetch whatever is longer
+            fetch = (end - num_local) * bs > self.cfg.local_prefill_tokens
+            return FetchPlan(held_end if fetch else num_local, fetch and bool(prefill_nodes), 0.0, 0.0)
+        remote_rate = max((float(r.kv_layout.get("prefill_tokens_per_s", 0)) for r in prefill_nodes.values()),
+                          default=0.0)
+        return plan_fetch(num_local, held_end, end, bs, self.engine.layout.bytes_per_token,
+                          local_tokens_per_s=self.prefill_tokens_per_s, remote_tokens_per_s=remote_rate,
+                          bytes_per_s=self.rates.bytes_per_s, rtt_s=self.rates.rtt_s,
+                          have_prefill_node=bool(prefill_nodes))
 
     def _admit(self, identity: bytes, msg: nm.GenerateRequest) -> None:
         rid = msg.request_id
@@ -111,8 +119,8 @@ class DecodeWorker(NodeRuntime):
         local = self.engine.kv.find_cached_prefix(seq)
         bs = self.cfg.block_size
         fetchable_end = (seq.num_prompt_tokens - 1) // bs  # the last token is always computed here
-        uncached = seq.num_prompt_tokens - len(local) * bs
-        if fetchable_end <= len(local) or uncached <= self.local_prefill_limit():
+        forced_local = 0 <= (seq.num_prompt_tokens - len(local) * bs) <= self.cfg.local_prefill_tokens
+        if fetchable_end <= len(local) or forced_local:
             self.num_local += 1
             self.engine.scheduler.add(seq)
             return
@@ -122,17 +130,17 @@ class DecodeWorker(NodeRuntime):
             self.num_local += 1
             self.engine.scheduler.add(seq)
             return
-        self.num_remote += 1
         request.fetching, request.fetch_started = True, time.perf_counter()
         self.workers.submit(self._fetch, seq, seq.num_prefix_hit_tokens // bs, fetchable_end, msg.prefill_node)
 
     # ---- fetching (worker thread) -----------------------------------------------------------------------
     def _fetch(self, seq: Sequence, num_local: int, end: int, preferred: str) -> None:
-        """Holders push the prefix they have while a prefill node computes the rest (overlapped).
+        """Holders push the prefix they have while a prefill node computes the rest (overlapped), as planned.
 
             blocks  [0, num_local)      our own hits
                     [num_local, split)  the longest prefix the index says a peer holds: a holder's grant
-                    [split, end)        computed and pushed by a prefill node, at the same time: its grant
+                    [split, end)        computed and pushed by a prefill node (plan.use_prefill), at the
+                                        same time: its grant; otherwise computed here
 
         The prefill node's blocks are usable only if the holders delivered all of theirs (a stale
         index leaves a gap, which this node then computes itself).
@@ -140,9 +148,15 @@ class DecodeWorker(NodeRuntime):
         result = _FetchResult(num_local, num_local, num_local)
         try:
             hits = self.lookup_holders(seq.block_hashes[:end])
-            split = max([num_local] + [min(length, end) for length in hits.values()])
+            plan = self._plan(num_local, end, hits)
+            with self._lock:
+                if plan.holders_end > num_local or plan.use_prefill:
+                    self.num_remote += 1
+                else:
+                    self.num_local += 1  # cheaper here: the request runs at once on what it has
+            split = plan.holders_end
             computing, prefill = None, _FetchResult(split, split, split)
-            if split < end:
+            if plan.use_prefill:
                 computing = self._prefill_workers.submit(self._fetch_from_prefill, seq, prefill, end, hits,
                                                          preferred)
             self._fetch_from_holders(seq, result, split, hits)
@@ -293,6 +307,6 @@ class DecodeWorker(NodeRuntime):
     def role_stats(self) -> dict:
         return {"num_remote": self.num_remote, "num_local": self.num_local, "num_fallbacks": self.num_fallbacks,
                 "num_prefill_refusals": self.num_refusals, "num_aborted": self.num_aborted,
-                "num_tainted_swapped": self.num_tainted_swapped, "local_prefill_limit": self.local_prefill_limit(),
+                "num_tainted_swapped": self.num_tainted_swapped,
                 "transfer_gib_per_s_measured": self.rates.bytes_per_s / 2**30,
                 "num_transfer_samples": self.rates.num_samples}

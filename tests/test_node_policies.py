@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from kvmesh.decode_node.cost_model import local_prefill_limit
+from kvmesh.decode_node.cost_model import plan_fetch
 from kvmesh.metadata.block_index import BlockIndex, BlockPublisher
 from kvmesh.metadata.memory_store import MemoryStore
 from kvmesh.metadata.records import NodeRecord
@@ -13,16 +13,27 @@ from kvmesh.metadata.registry import NodeRegistry
 from tests.metadata_node import chain
 
 
-def test_cost_model_break_even():
-    # 1,000 tok/s compute (1 ms/token), 1 MB/token over 10 GB/s (0.1 ms/token), 9 ms round trip -> 10 tokens.
-    assert local_prefill_limit(1000, 1_000_000, 10e9, 0.009) == 10
-    # Moving a token costs more than computing it: always compute.
-    assert local_prefill_limit(1e6, 1_000_000, 1e9, 0.005) == 1 << 30
-    # A slower network pushes the break-even up; a faster prefill too.
-    assert local_prefill_limit(1000, 1_000_000, 2e9, 0.009) > 10
-    assert local_prefill_limit(5000, 100, 1e9, 0.005) > local_prefill_limit(1000, 100, 1e9, 0.005)
+def test_fetch_plan_picks_the_cheapest_source():
+    bs, bpt = 16, 46_080  # SmolLM2 fp32: 46 KB of KV per token
+    rates = dict(local_tokens_per_s=400.0, remote_tokens_per_s=400.0, rtt_s=0.005, have_prefill_node=True)
+    # Nothing held anywhere, prefill nodes as fast as this one: computing here is never slower.
+    plan = plan_fetch(0, 0, 32, bs, bpt, bytes_per_s=1.25e9, **rates)
+    assert (plan.holders_end, plan.use_prefill) == (0, False) and plan.seconds == plan.local_seconds
+    # A peer holds 30 of 32 blocks over a 10 Gbit/s link: fetch them, compute the 2 others here meanwhile.
+    plan = plan_fetch(0, 30, 32, bs, bpt, bytes_per_s=1.25e9, **rates)
+    assert (plan.holders_end, plan.use_prefill) == (30, False) and plan.seconds < plan.local_seconds / 5
+    # The same over 100 Mbit/s: moving 46 KB/token (3.7 ms) loses to computing it (2.5 ms): stay local.
+    plan = plan_fetch(0, 30, 32, bs, bpt, bytes_per_s=12.5e6, **rates)
+    assert (plan.holders_end, plan.use_prefill) == (0, False)
+    # A prefill node 10x faster (a GPU) on a fast link: it computes what nobody holds.
+    plan = plan_fetch(2, 10, 32, bs, bpt, bytes_per_s=1.25e9, **{**rates, "remote_tokens_per_s": 4000.0})
+    assert (plan.holders_end, plan.use_prefill) == (10, True) and plan.seconds < plan.local_seconds
+    # ... but not when no prefill node is registered.
+    plan = plan_fetch(2, 10, 32, bs, bpt, bytes_per_s=1.25e9,
+                      **{**rates, "remote_tokens_per_s": 4000.0, "have_prefill_node": False})
+    assert not plan.use_prefill
     with pytest.raises(ValueError):
-        local_prefill_limit(0, 1, 1, 1)
+        plan_fetch(0, 0, 1, bs, bpt, bytes_per_s=0, **rates)
 
 
 def test_publisher_queue_is_bounded_and_counts_what_it_drops():
@@ -91,15 +102,18 @@ def test_cache_aware_policy_scores_cache_against_load_and_keeps_sessions():
 
 
 def test_transfer_rate_estimator_learns_the_link_and_flips_the_decision():
-    from kvmesh.decode_node.cost_model import TransferRateEstimator, local_prefill_limit
+    from kvmesh.decode_node.cost_model import TransferRateEstimator
 
     est = TransferRateEstimator(prior_bytes_per_s=2**30)
-    bytes_per_token, prefill_rate = 46_080, 400.0  # SmolLM2 fp32 on 2 cores
-    fast = local_prefill_limit(prefill_rate, bytes_per_token, est.bytes_per_s, est.rtt_s)
+    rates = dict(local_tokens_per_s=400.0, remote_tokens_per_s=400.0, have_prefill_node=True)
+
+    def plan():  # a peer holds the whole 512-token prefix
+        return plan_fetch(0, 32, 32, 16, 46_080, bytes_per_s=est.bytes_per_s, rtt_s=est.rtt_s, **rates)
+
+    assert plan().holders_end == 32  # the prior (1 GiB/s) says fetch
     est.record_transfer(1000, 0.001)  # too small to say anything
     assert est.num_samples == 0
     for _ in range(5):  # a 100 Mbit/s link: 12.5 MB/s, timed inside the writer's transfer engine
         est.record_transfer(12_500_000, 1.0)
     assert abs(est.bytes_per_s - 12_500_000) / 12_500_000 < 0.01
-    slow = local_prefill_limit(prefill_rate, bytes_per_token, est.bytes_per_s, est.rtt_s)
-    assert fast < 100 and slow >= 1 << 30  # moving 46 KB/token at 12.5 MB/s loses to computing at any length
+    assert plan().holders_end == 0  # learned: computing here beats moving the bytes

@@ -121,7 +121,8 @@ class NodeRuntime:
                            "base_addr": self.agent.base_addr, "transport": self.agent.engine.transport,
                            "model": self.cfg.model, "dtype": self.cfg.dtype,
                            "fingerprint": self.loaded.fingerprint, "root_hash": self.engine.kv.root_hash.hex(),
-                           "index_namespace": index_namespace(self.engine.namespace)},
+                           "index_namespace": index_namespace(self.engine.namespace),
+                           "prefill_tokens_per_s": self.prefill_tokens_per_s},
                           layout.num_blocks, {"free_blocks": self.pool.num_free_blocks})
 
     def lookup_holders(self, block_hashes: list[bytes]) -> dict[str, int]:
