@@ -164,8 +164,8 @@ class BearerTokenInterceptor(grpc.ServerInterceptor):
         return self._deny_stream if details.method.endswith("/Generate") else self._deny
 
 
-def _follow_readiness(router: Router, health_servicer, server: grpc.Server, period_s: float = 0.5) -> None:
-    """Keep the health service's status in step with ``router.readiness()`` until the server stops."""
+def _follow_readiness(router: Router, health_servicer, period_s: float = 0.5) -> None:
+    """Keep the health service's status in step with ``router.readiness()`` until the router closes."""
     import threading
 
     def update() -> None:
@@ -175,7 +175,7 @@ def _follow_readiness(router: Router, health_servicer, server: grpc.Server, peri
             health_servicer.set(name, status)
 
     def loop() -> None:
-        while not server.wait_for_termination(period_s):
+        while not router.closed.wait(period_s):  # as long as the router lives
             try:
                 update()
             except Exception:  # the router is closing
@@ -202,5 +202,5 @@ def start_grpc_server(router: Router, address: str = "127.0.0.1:50051", max_work
     else:
         port = server.add_insecure_port(address)
     server.start()
-    _follow_readiness(router, health_servicer, server)
+    _follow_readiness(router, health_servicer)
     return server, port

@@ -104,6 +104,7 @@ class Router:
         self._ids = itertools.count()
         self.num_migrations = 0
         self.supervision: Callable[[], dict] | None = None  # set by launchers that restart dead processes
+        self.closed = threading.Event()  # set by close(): helpers that follow the router stop
         self.metrics = RouterMetrics(lambda: {n["node_id"]: n["stats"] for n in self.status()}, self.readiness)
         self.index.mirror.wait_healthy(10)
 
@@ -321,6 +322,7 @@ class Router:
         return out
 
     def close(self) -> None:
+        self.closed.set()
         for conn in self._connections.values():
             conn.close()
         self.index.close()
