@@ -201,9 +201,10 @@ def _add_local_cluster(sub) -> None:
 def _run_local_cluster(args: argparse.Namespace) -> int:
     import json as _json
 
+    from kvmesh.auth import token_from_env
     from kvmesh.cluster.local_launcher import LocalCluster
-    from kvmesh.lifecycle import stop_on_sigterm
     from kvmesh.cluster.supervisor import Supervisor
+    from kvmesh.lifecycle import stop_on_sigterm
 
     stop_on_sigterm()
     print(f"starting etcd, {args.prefill} prefill and {args.decode} decode node(s) of {args.model} ...",
@@ -212,11 +213,13 @@ def _run_local_cluster(args: argparse.Namespace) -> int:
         with LocalCluster(args.prefill, args.decode, model=args.model, etcd=args.etcd,
                           start_timeout_s=600) as cluster:
             supervisor = Supervisor(cluster, max_restarts=args.max_restarts).start()
-            print(_json.dumps({"etcd": cluster.etcd_endpoint,
-                               "nodes": {n: p.info for n, p in cluster.nodes.items()}}, indent=2))
+            generated = not token_from_env()
+            print(_json.dumps({"etcd": cluster.etcd_endpoint, "nodes": {n: p.info for n, p in cluster.nodes.items()},
+                               **({"cluster_token": cluster.token} if generated else {})}, indent=2))
             print("serving; send GenerateRequests to a decode node's 'requests' endpoint "
-                  "(kvmesh.cluster.client.NodeClient, with $KVMESH_CLUSTER_TOKEN). Dead nodes are restarted. "
-                  "Ctrl-C stops everything.", file=sys.stderr)
+                  "(kvmesh.cluster.client.NodeClient with ClusterAuth(token)"
+                  + (", the cluster_token above: set $KVMESH_CLUSTER_TOKEN to choose your own" if generated else "")
+                  + "). Dead nodes are restarted. Ctrl-C stops everything.", file=sys.stderr)
             try:
                 while True:
                     time.sleep(3600)

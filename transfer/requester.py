@@ -32,7 +32,7 @@ from typing import NamedTuple
 
 import zmq
 
-from kvmesh.auth import REFUSED, AuthError, ClusterAuth
+from kvmesh.auth import AuthError, ClusterAuth
 from kvmesh.kv.block_hash import BlockHash
 from kvmesh.transfer import messages as m
 from kvmesh.transfer.errors import TransferAborted, TransferError, TransferRefused, TransferTimeout
@@ -167,8 +167,8 @@ class KVRequester:
             elif isinstance(msg, m.Refused):
                 self._drop(cid)
                 self.grants.close(grant.grant_id)
-                return PushOutcome(0, [], TransferRefused(f"refused: {msg.reason}", code=msg.code, request_id=cid,
-                                                          peer=peer_id))
+                return PushOutcome(0, [], TransferRefused(f"refused ({msg.code}): {msg.reason}", code=msg.code,
+                                                          request_id=cid, peer=peer_id))
             elif isinstance(msg, m.PushResult):
                 write_s = max(write_s, msg.write_us / 1e6)
                 if len(msg.written) == len(written):

@@ -257,18 +257,14 @@ class BlockPool:
             self.touch(block_ids[:num])
             return num
 
-    @property
-    def generation(self) -> int:
-        """Bumped whenever blocks become matchable or ``notify_change`` is called."""
-        return self._generation
-
     def notify_change(self) -> None:
         """Wake ``wait_for_change`` callers (holders waiting for new work use the same wait)."""
         with self._lock:
             self._notify()
 
     def wait_for_change(self, seen_generation: int, timeout_s: float) -> int:
-        """Block until the generation differs from ``seen_generation`` or ``timeout_s`` passes; returns it."""
+        """Block until the change counter (bumped when blocks become matchable or on ``notify_change``)
+        differs from ``seen_generation``, or ``timeout_s`` passes; returns the counter."""
         with self._cached_cond:
             self._cached_cond.wait_for(lambda: self._generation != seen_generation, timeout_s)
             return self._generation
