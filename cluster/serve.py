@@ -89,12 +89,9 @@ def run_serve(args: argparse.Namespace) -> int:
     print(f"starting etcd, {args.prefill} prefill + {args.decode} decode node(s) of {args.model} ...", file=sys.stderr)
     try:
         with LocalCluster(args.prefill, args.decode, model=args.model, etcd=args.etcd, cluster=args.cluster,
-                          start_timeout_s=600, cluster_token=token_from_env(args.cluster_token) or None) as cluster:
-            supervisor = Supervisor(cluster, max_restarts=args.max_restarts).start()
-            try:
-                run_front_ends(args, cluster.etcd_endpoint, args.cluster, cluster.token, supervisor.status)
-            finally:
-                supervisor.close()
+                          start_timeout_s=600, cluster_token=token_from_env(args.cluster_token) or None) as cluster, \
+                Supervisor(cluster, max_restarts=args.max_restarts) as supervisor:
+            run_front_ends(args, cluster.etcd_endpoint, args.cluster, cluster.token, supervisor.status)
     except KeyboardInterrupt:  # during start-up
         pass
     return 0

@@ -119,3 +119,9 @@ class Supervisor:
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(timeout=120)  # a restart in progress finishes first
+
+    def __enter__(self) -> Supervisor:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.close()  # before the cluster closes: stopping nodes must not look like deaths

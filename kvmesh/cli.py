@@ -211,8 +211,7 @@ def _run_local_cluster(args: argparse.Namespace) -> int:
           file=sys.stderr)
     try:
         with LocalCluster(args.prefill, args.decode, model=args.model, etcd=args.etcd,
-                          start_timeout_s=600) as cluster:
-            supervisor = Supervisor(cluster, max_restarts=args.max_restarts).start()
+                          start_timeout_s=600) as cluster, Supervisor(cluster, max_restarts=args.max_restarts):
             generated = not token_from_env()
             print(_json.dumps({"etcd": cluster.etcd_endpoint, "nodes": {n: p.info for n, p in cluster.nodes.items()},
                                **({"cluster_token": cluster.token} if generated else {})}, indent=2))
@@ -220,11 +219,8 @@ def _run_local_cluster(args: argparse.Namespace) -> int:
                   "(kvmesh.cluster.client.NodeClient with ClusterAuth(token)"
                   + (", the cluster_token above: set $KVMESH_CLUSTER_TOKEN to choose your own" if generated else "")
                   + "). Dead nodes are restarted. Ctrl-C stops everything.", file=sys.stderr)
-            try:
-                while True:
-                    time.sleep(3600)
-            finally:
-                supervisor.close()
+            while True:
+                time.sleep(3600)
     except KeyboardInterrupt:
         pass
     return 0
