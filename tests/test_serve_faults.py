@@ -38,12 +38,13 @@ class Serve:
     def process(self, name: str) -> dict:
         return self.ready()[1]["supervisor"]["nodes"][name]
 
-    def stream(self, prompt: list[int], max_tokens: int) -> list[dict]:
-        """The SSE events of a streaming completion (ignore_eos, greedy), in order."""
+    def stream(self, prompt: list[int], max_tokens: int, events: list[str] | None = None) -> list[str]:
+        """The SSE events of a streaming completion (ignore_eos, greedy), in order; appended to ``events`` as
+        they arrive when given, so another thread can wait for the stream to have started."""
         body = json.dumps({"model": "tiny-llama", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
                            "ignore_eos": True, "stream": True}).encode()
         req = urllib.request.Request(self.url + "/v1/completions", body, {"Content-Type": "application/json"})
-        events = []
+        events = [] if events is None else events
         with _NO_PROXY.open(req, timeout=120) as r:
             for line in r:
                 line = line.decode().strip()
@@ -141,9 +142,10 @@ def test_a_stream_that_cannot_be_migrated_ends_with_an_error():
     serve = Serve("--prefill", "0", "--decode", "1", "--max-restarts", "0")
     try:
         events: list[str] = []
-        thread = threading.Thread(target=lambda: events.extend(serve.stream(list(range(5, 60)), 950)))
+        thread = threading.Thread(target=serve.stream, args=(list(range(5, 60)), 950, events))
         thread.start()
-        wait_until(lambda: "kvmesh_in_flight 1.0" in _metrics(serve), 60, "the stream to start")
+        # Headers go out with the first token (an error before it is an HTTP status, not a stream): wait for it.
+        wait_until(lambda: len(events) > 0, 60, "the stream's first token")
         os.kill(serve.process("decode-0")["pid"], signal.SIGKILL)
         thread.join(timeout=120)
         _, reasons = text_of(events)
