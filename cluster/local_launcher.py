@@ -42,8 +42,13 @@ class LocalCluster:
     def __init__(self, num_prefill: int = 1, num_decode: int = 1, model: str = "tiny-llama",
                  etcd: str | None = None, cluster: str = "local", node_args: list[str] | None = None,
                  start_timeout_s: float = 120.0, cluster_token: str | None = None, hosts: Hosts | None = None,
-                 placement: dict[str, int] | None = None):
-        """``cluster_token``: default $KVMESH_CLUSTER_TOKEN, else a fresh random one (``self.token``)."""
+                 placement: dict[str, int] | None = None, dtype: str = "float32", threads_per_node: int = 0):
+        """``cluster_token``: default $KVMESH_CLUSTER_TOKEN, else a fresh random one (``self.token``).
+
+        ``dtype``: the nodes' model dtype ("auto" resolves on each node). ``threads_per_node``: compute threads
+        of each node; 0 splits this machine's cores evenly among the nodes (at least one each), so that node
+        processes sharing a machine do not thrash each other's caches.
+        """
         self.num_prefill, self.num_decode = num_prefill, num_decode
         self.hosts = hosts
         self.placement = dict(placement or {})
@@ -57,6 +62,8 @@ class LocalCluster:
         self.auth = ClusterAuth(self.token)
         self.model, self.cluster = model, cluster
         self.node_args = node_args or []
+        self.dtype = dtype
+        self.threads_per_node = threads_per_node or max(1, (os.cpu_count() or 1) // max(1, num_prefill + num_decode))
         self.start_timeout_s = start_timeout_s
         if etcd or hosts is None:
             self._etcd = None if etcd else EmbeddedEtcd()
@@ -84,7 +91,8 @@ class LocalCluster:
     def start_node(self, role: str, node_id: str, wait: bool = True, extra_args: tuple[str, ...] = ()) -> NodeProcess:
         """Start (or restart) one node process; with ``wait``, until it is registered."""
         cmd = [sys.executable, "-m", "kvmesh.cli", f"{role}-node", "--node-id", node_id, "--etcd",
-               self.etcd_endpoint, "--cluster", self.cluster, "--model", self.model, *self.node_args, *extra_args]
+               self.etcd_endpoint, "--cluster", self.cluster, "--model", self.model, "--dtype", self.dtype,
+               "--threads", str(self.threads_per_node), *self.node_args, *extra_args]
         if self.hosts is not None:
             host = self.hosts[self.placement.setdefault(node_id, self.hosts.hosts[-1].index)]
             cmd = [*host.exec_prefix, *cmd, "--host", host.address]

@@ -14,7 +14,12 @@ def add_node_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--etcd", required=True, help="host:port of the cluster's etcd")
     p.add_argument("--cluster", default=DEFAULT_CLUSTER, help="cluster name (the same default in every command)")
     p.add_argument("--model", default="tiny-llama")
-    p.add_argument("--dtype", default="float32")
+    p.add_argument("--dtype", default="auto",
+                   help="auto (bfloat16 on CPUs with AMX or AVX512-BF16, else float32), float32, bfloat16, float16; "
+                        "every node of a cluster must resolve to the same dtype")
+    p.add_argument("--threads", type=int, default=0,
+                   help="compute threads of this node (0: torch's default, every core); nodes sharing a machine "
+                        "should get disjoint shares (serve and local-cluster split the cores among their nodes)")
     p.add_argument("--num-kv-blocks", type=int, default=1024)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one engine step")
@@ -39,6 +44,10 @@ def add_node_arguments(p: argparse.ArgumentParser) -> None:
 
 def run_node(role: str, args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level, format=f"%(asctime)s {args.node_id} %(name)s %(levelname)s %(message)s")
+    if args.threads > 0:
+        import torch
+
+        torch.set_num_threads(args.threads)
     cfg = NodeConfig(node_id=args.node_id, role=role, etcd=args.etcd, cluster=args.cluster, model=args.model,
                      dtype=args.dtype, num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
                      max_num_batched_tokens=args.max_num_batched_tokens,

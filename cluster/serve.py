@@ -28,7 +28,16 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cluster", default=DEFAULT_CLUSTER)
     p.add_argument("--max-restarts", type=int, default=5,
                    help="restarts of one dead process per minute before it is left down (0: never restart)")
+    add_node_share_arguments(p)
     add_front_end_arguments(p)
+
+
+def add_node_share_arguments(p: argparse.ArgumentParser) -> None:
+    """--dtype and --threads of the nodes a command starts on this machine."""
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="the nodes' model dtype (auto: bfloat16 on CPUs with AMX or AVX512-BF16, else float32)")
+    p.add_argument("--threads", type=int, default=0,
+                   help="compute threads per node (0: this machine's cores split evenly among the nodes)")
 
 
 def add_front_end_arguments(p: argparse.ArgumentParser) -> None:
@@ -89,7 +98,8 @@ def run_serve(args: argparse.Namespace) -> int:
     print(f"starting etcd, {args.prefill} prefill + {args.decode} decode node(s) of {args.model} ...", file=sys.stderr)
     try:
         with LocalCluster(args.prefill, args.decode, model=args.model, etcd=args.etcd, cluster=args.cluster,
-                          start_timeout_s=600, cluster_token=token_from_env(args.cluster_token) or None) as cluster, \
+                          start_timeout_s=600, dtype=args.dtype, threads_per_node=args.threads,
+                          cluster_token=token_from_env(args.cluster_token) or None) as cluster, \
                 Supervisor(cluster, max_restarts=args.max_restarts) as supervisor:
             run_front_ends(args, cluster.etcd_endpoint, args.cluster, cluster.token, supervisor.status)
     except KeyboardInterrupt:  # during start-up

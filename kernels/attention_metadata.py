@@ -15,7 +15,7 @@ for "do not store"), so attention reads every key from the blocks.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -32,6 +32,11 @@ class AttentionMetadata:
     # Host copies, so the CPU reference path never syncs on device tensors.
     seq_lens_cpu: list[int]
     query_lens_cpu: list[int]
+    # The slots split into (block id, offset) [num_tokens] int64, for paths that index blocks directly.
+    slot_block_ids: torch.Tensor | None = None
+    slot_offsets: torch.Tensor | None = None
+    # Whatever a kernel path derives once per step and every layer reuses (e.g. the decode gather index).
+    per_step: dict = field(default_factory=dict)
 
     @property
     def num_seqs(self) -> int:
@@ -57,19 +62,23 @@ class AttentionMetadata:
         num_decodes = 0
         while num_decodes < len(query_lens) and query_lens[num_decodes] == 1:
             num_decodes += 1
-        slots: list[int] = []
+        slot_block_ids: list[int] = []
+        slot_offsets: list[int] = []
         for q_len, s_len, table in zip(query_lens, seq_lens, block_tables):
             if q_len > s_len or len(table) * block_size < s_len:
                 raise ValueError(f"sequence of {s_len} tokens ({q_len} new) does not fit {len(table)} blocks")
             for pos in range(s_len - q_len, s_len):
-                slots.append(table[pos // block_size] * block_size + pos % block_size)
+                slot_block_ids.append(table[pos // block_size])
+                slot_offsets.append(pos % block_size)
+        block_ids_t = torch.tensor(slot_block_ids, dtype=torch.int64, device=device)
+        offsets_t = torch.tensor(slot_offsets, dtype=torch.int64, device=device)
         width = max((len(t) for t in block_tables), default=0) or 1
         padded = [t + [0] * (width - len(t)) for t in block_tables]
         starts = [0]
         for q_len in query_lens:
             starts.append(starts[-1] + q_len)
         return cls(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+            slot_mapping=block_ids_t * block_size + offsets_t,
             block_tables=torch.tensor(padded, dtype=torch.int32, device=device),
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
             query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
@@ -78,4 +87,6 @@ class AttentionMetadata:
             max_seq_len=max(seq_lens, default=0),
             seq_lens_cpu=list(seq_lens),
             query_lens_cpu=list(query_lens),
+            slot_block_ids=block_ids_t,
+            slot_offsets=offsets_t,
         )

@@ -37,13 +37,15 @@ def use_triton(tensor: torch.Tensor) -> bool:
 
 
 def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
-    """Write new K/V [T, H_kv, D] into one layer's caches by slot (slot -1: skipped)."""
+             md: AttentionMetadata) -> None:
+    """Write new K/V [T, H_kv, D] into one layer's caches at the batch's slots."""
     if use_triton(key):
         from kvmesh.kernels.triton import cache_ops
-        cache_ops.store_kv(key, value, k_cache, v_cache, slot_mapping)
+        cache_ops.store_kv(key, value, k_cache, v_cache, md.slot_mapping)
+    elif md.slot_block_ids is not None:
+        ref_cache.store_kv_at(key, value, k_cache, v_cache, md.slot_block_ids, md.slot_offsets)
     else:
-        ref_cache.store_kv(key, value, k_cache, v_cache, slot_mapping)
+        ref_cache.store_kv(key, value, k_cache, v_cache, md.slot_mapping)
 
 
 def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -54,7 +56,7 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     if num_decode_tokens:
         out[:num_decode_tokens] = decode_attention(
             query[:num_decode_tokens], k_cache, v_cache, md.block_tables[:num_decode_tokens],
-            md.seq_lens[:num_decode_tokens], max(md.seq_lens_cpu[:num_decode_tokens]), scale)
+            md.seq_lens[:num_decode_tokens], max(md.seq_lens_cpu[:num_decode_tokens]), scale, md.per_step)
     if md.num_prefills:
         d = md.num_decodes
         qsl = md.query_start_loc[d:] - num_decode_tokens
@@ -76,12 +78,18 @@ def prefill_attention(query, k_cache, v_cache, block_tables, seq_lens, query_sta
 
 
 def decode_attention(query, k_cache, v_cache, block_tables, seq_lens, max_seq_len: int,
-                     scale: float) -> torch.Tensor:
+                     scale: float, per_step: dict | None = None) -> torch.Tensor:
+    """``per_step`` (the batch's ``AttentionMetadata.per_step``) keeps what every layer can share."""
     if use_triton(query):
         from kvmesh.kernels.triton import attention
         return attention.decode_attention(query, k_cache, v_cache, block_tables, seq_lens, scale, max_seq_len)
+    index = None if per_step is None else per_step.get("decode_index")
+    if index is None:
+        index = ref_attention.decode_index(block_tables, seq_lens, max_seq_len, k_cache.shape[1])
+        if per_step is not None:
+            per_step["decode_index"] = index
     return ref_attention.decode_attention(query, k_cache, v_cache, block_tables, seq_lens,
-                                          max_seq_len, scale)
+                                          max_seq_len, scale, index)
 
 
 def pack_blocks(kv_buffer: torch.Tensor, block_ids: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -27,7 +27,8 @@ def _add_generate(sub) -> None:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=-1)
     p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="auto: bfloat16 on CUDA and on CPUs with AMX or AVX512-BF16, else float32")
     p.add_argument("--device", default="cpu")
     p.add_argument("--verbose", action="store_true", help="print load time and token ids")
     p.set_defaults(func=_run_generate)
@@ -68,6 +69,7 @@ def _add_bench(sub) -> None:
     m.add_argument("--batch", type=int, default=16)
     m.add_argument("--decode-tokens", type=int, default=64)
     m.add_argument("--prefill-lens", default="512,2048", help="comma-separated prompt lengths")
+    m.add_argument("--dtype", default="auto", help="both implementations run in this dtype (auto: see generate)")
     m.set_defaults(func=_run_bench_model)
     t = which.add_parser("transfer", help="KV pushes between two processes vs memcpy and TCP ceilings")
     t.add_argument("--json", default=None)
@@ -168,7 +170,8 @@ def _run_bench_model(args: argparse.Namespace) -> int:
     from kvmesh.bench import model
 
     lens = tuple(int(x) for x in args.prefill_lens.split(",") if x)
-    model.run(args.model, args.json, prefill_lens=lens, batch=args.batch, decode_tokens=args.decode_tokens)
+    model.run(args.model, args.json, prefill_lens=lens, batch=args.batch, decode_tokens=args.decode_tokens,
+              dtype=args.dtype)
     return 0
 
 
@@ -195,6 +198,9 @@ def _add_local_cluster(sub) -> None:
     p.add_argument("--decode", type=int, default=1)
     p.add_argument("--etcd", default=None, help="use this etcd instead of starting one")
     p.add_argument("--max-restarts", type=int, default=5, help="restarts of one dead process per minute")
+    from kvmesh.cluster.serve import add_node_share_arguments
+
+    add_node_share_arguments(p)
     p.set_defaults(func=_run_local_cluster)
 
 
@@ -210,8 +216,9 @@ def _run_local_cluster(args: argparse.Namespace) -> int:
     print(f"starting etcd, {args.prefill} prefill and {args.decode} decode node(s) of {args.model} ...",
           file=sys.stderr)
     try:
-        with LocalCluster(args.prefill, args.decode, model=args.model, etcd=args.etcd,
-                          start_timeout_s=600) as cluster, Supervisor(cluster, max_restarts=args.max_restarts):
+        with LocalCluster(args.prefill, args.decode, model=args.model, etcd=args.etcd, start_timeout_s=600,
+                          dtype=args.dtype, threads_per_node=args.threads) as cluster, \
+                Supervisor(cluster, max_restarts=args.max_restarts):
             generated = not token_from_env()
             print(_json.dumps({"etcd": cluster.etcd_endpoint, "nodes": {n: p.info for n, p in cluster.nodes.items()},
                                **({"cluster_token": cluster.token} if generated else {})}, indent=2))

@@ -43,7 +43,8 @@ def cmdline(pid: int) -> list[str]:
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGKILL], ids=["SIGINT", "SIGTERM", "SIGKILL"])
 def test_serve_leaves_nothing_behind(sig):
-    proc = subprocess.Popen([sys.executable, "-m", "kvmesh.cli", "serve", "--model", "tiny-llama", "--grpc-port",
+    proc = subprocess.Popen([sys.executable, "-m", "kvmesh.cli", "serve", "--model", "tiny-llama",
+                             "--dtype", "float32", "--grpc-port",
                              "0", "--http-port", "0"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     url = json.loads(proc.stdout.readline())["http"].removesuffix("/v1")
     with _NO_PROXY.open(url + "/ready", timeout=10) as r:

@@ -69,3 +69,38 @@ def test_smollm2_greedy_streams_match_transformers(smollm2_hf):
     assert llm.generate(PROMPTS[0], params, use_tqdm=False)[0].token_ids == batched[0].token_ids
     assert "Paris" in batched[0].text
     llm.engine.check_integrity()
+
+
+def test_smollm2_bfloat16_matches_transformers_in_bfloat16():
+    """The dtype ``--dtype auto`` picks on CPUs with native bf16: same logits and greedy streams as
+    transformers run in bf16 on the same GGUF (prefill and the batched decode path both checked)."""
+    from transformers import AutoModelForCausalLM
+
+    from kvmesh.model.presets import PRESETS
+
+    path = PRESETS["smollm2-135m"].gguf_path()
+    hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.bfloat16).eval()
+    llm = LLM("smollm2-135m", dtype="bfloat16", num_kv_blocks=64, progress=False)
+    for prompt in PROMPTS:
+        ids = llm.tokenizer.encode(prompt)
+        ours, _, _ = run_prefill(llm.loaded, ids)
+        with torch.inference_mode():
+            ref = hf(torch.tensor([ids])).logits[0].float()
+        assert (ours - ref).abs().max().item() < 0.25, prompt  # bf16 rounding: logits of magnitude ~20
+    batched = llm.generate(PROMPTS, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    for prompt, out in zip(PROMPTS, batched):
+        assert out.token_ids == _hf_greedy(hf, llm.tokenizer.encode(prompt), 24), prompt
+    llm.engine.check_integrity()
+
+
+def test_auto_dtype_follows_the_cpu(monkeypatch):
+    from kvmesh.model import config
+
+    monkeypatch.setattr(config, "cpu_features", lambda: ["avx2", "avx512_bf16", "avx512f"])
+    assert config.parse_dtype("auto") == torch.bfloat16
+    monkeypatch.setattr(config, "cpu_features", lambda: ["amx_bf16", "amx_tile"])
+    assert config.parse_dtype("auto") == torch.bfloat16
+    monkeypatch.setattr(config, "cpu_features", lambda: ["avx2", "avx512f"])
+    assert config.parse_dtype("auto") == torch.float32
+    assert config.parse_dtype("auto", "cuda") == torch.bfloat16
+    assert config.parse_dtype("bf16") == torch.bfloat16

@@ -435,7 +435,8 @@ def test_kvmesh_serve_end_to_end():
     import sys
 
     openai = pytest.importorskip("openai")
-    proc = subprocess.Popen([sys.executable, "-m", "kvmesh.cli", "serve", "--model", "tiny-llama", "--grpc-port", "0",
+    proc = subprocess.Popen([sys.executable, "-m", "kvmesh.cli", "serve", "--model", "tiny-llama",
+                             "--dtype", "float32", "--grpc-port", "0",
                              "--http-port", "0"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
         endpoints = json.loads(proc.stdout.readline())

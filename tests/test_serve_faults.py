@@ -24,6 +24,7 @@ class Serve:
 
     def __init__(self, *args: str):
         self.proc = subprocess.Popen([sys.executable, "-m", "kvmesh.cli", "serve", "--model", "tiny-llama",
+                                      "--dtype", "float32",
                                       "--grpc-port", "0", "--http-port", "0", "--routing", "round-robin", *args],
                                      stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
         self.url = json.loads(self.proc.stdout.readline())["http"].removesuffix("/v1")

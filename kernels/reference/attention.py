@@ -1,6 +1,8 @@
 """Torch reference attention over the paged KV buffer (prefill with cached prefix, decode)."""
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 
@@ -44,6 +46,21 @@ def prefill_attention(
     return out
 
 
+class DecodeIndex(NamedTuple):
+    """What every layer of one decode step shares: which blocks to gather and which keys are past the end."""
+
+    flat_block_ids: torch.Tensor  # [B * num_blocks] int64, row-major over the batch
+    past_end: torch.Tensor  # [B, 1, 1, num_blocks * block_size] bool, True where a key position >= seq_len
+
+
+def decode_index(block_tables: torch.Tensor, seq_lens: torch.Tensor, max_seq_len: int, block_size: int) -> DecodeIndex:
+    num_blocks = -(-max_seq_len // block_size)
+    flat_ids = block_tables[:, :num_blocks].reshape(-1).to(torch.int64)
+    key_pos = torch.arange(num_blocks * block_size, device=seq_lens.device)
+    past_end = key_pos[None, :] >= seq_lens.to(torch.int64)[:, None]
+    return DecodeIndex(flat_ids, past_end[:, None, None, :])
+
+
 def decode_attention(
     query: torch.Tensor,
     k_cache: torch.Tensor,
@@ -52,18 +69,25 @@ def decode_attention(
     seq_lens: torch.Tensor,
     max_seq_len: int,
     scale: float,
+    index: DecodeIndex | None = None,
 ) -> torch.Tensor:
-    """One new token per sequence, batched: query [B, Hq, D] -> [B, Hq, D]."""
-    block_size = k_cache.shape[1]
-    num_blocks = -(-max_seq_len // block_size)
-    table = block_tables[:, :num_blocks].to(torch.int64)
-    batch = query.shape[0]
-    k = k_cache[table].reshape(batch, num_blocks * block_size, *k_cache.shape[2:])
-    v = v_cache[table].reshape(batch, num_blocks * block_size, *v_cache.shape[2:])
-    k = k.transpose(1, 2).to(query.dtype)  # [B, Hkv, S, D]
-    v = v.transpose(1, 2).to(query.dtype)
-    k_pos = torch.arange(num_blocks * block_size, device=query.device)
-    mask = (k_pos[None, :] < seq_lens.to(torch.int64)[:, None])[:, None, None, :]  # [B, 1, 1, S]
-    q = query.unsqueeze(2)  # [B, Hq, 1, D]
-    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
-    return o.squeeze(2)
+    """One new token per sequence, batched: query [B, Hq, D] -> [B, Hq, D].
+
+    One gather per cache, then two batched matmuls per KV head group (softmax in float32): for the
+    single-row queries of decode this is several times faster on the CPU than the fused SDPA kernel,
+    whose per-call set-up dominates at these sizes. ``index`` (from ``decode_index``) may be computed
+    once per step and shared by every layer.
+    """
+    batch, num_heads, head_dim = query.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    if index is None:
+        index = decode_index(block_tables, seq_lens, max_seq_len, block_size)
+    span = index.past_end.shape[-1]
+    k = k_cache.index_select(0, index.flat_block_ids).view(batch, span, num_kv_heads, head_dim).transpose(1, 2)
+    v = v_cache.index_select(0, index.flat_block_ids).view(batch, span, num_kv_heads, head_dim).transpose(1, 2)
+    k, v = k.contiguous().to(query.dtype), v.contiguous().to(query.dtype)  # [B, Hkv, S, D]
+    q = query.view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)  # [B, Hkv, G, D]
+    scores = torch.matmul(q, k.transpose(-1, -2)).float().mul_(scale)  # [B, Hkv, G, S]
+    scores.masked_fill_(index.past_end, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(query.dtype)
+    return torch.matmul(probs, v).view(batch, num_heads, head_dim)

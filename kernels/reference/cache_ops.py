@@ -27,6 +27,13 @@ def store_kv(
     v_cache[block_ids, offsets] = value.to(v_cache.dtype)
 
 
+def store_kv_at(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                block_ids: torch.Tensor, offsets: torch.Tensor) -> None:
+    """``store_kv`` with the slots already split into (block, offset) int64 tensors, every row stored."""
+    k_cache[block_ids, offsets] = key.to(k_cache.dtype)
+    v_cache[block_ids, offsets] = value.to(v_cache.dtype)
+
+
 def pack_blocks(kv_buffer: torch.Tensor, block_ids: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """Copy whole blocks ``kv_buffer[block_ids]`` into one contiguous staging tensor."""
     packed = kv_buffer.index_select(0, block_ids.to(torch.int64))

@@ -25,14 +25,17 @@ def _hf_twin(loaded):
 
 
 def run(model: str, json_path: str | None, prefill_lens: tuple[int, ...] = (512, 2048), batch: int = 16,
-        decode_tokens: int = 64, repeat: int = 3) -> dict:
+        decode_tokens: int = 64, repeat: int = 3, dtype: str = "auto") -> dict:
     from kvmesh import LLM, SamplingParams
+    from kvmesh.model.config import cpu_features
 
     torch.manual_seed(0)
-    llm = LLM(model, num_kv_blocks=None, kv_cache_memory_gib=1.0, max_num_seqs=max(batch, 16), progress=False)
-    hf = _hf_twin(llm.loaded)
+    llm = LLM(model, dtype=dtype, num_kv_blocks=None, kv_cache_memory_gib=1.0, max_num_seqs=max(batch, 16),
+              progress=False)
+    hf = _hf_twin(llm.loaded)  # in the same dtype
     vocab = llm.loaded.config.vocab_size
-    res: dict = {"machine": machine(), "model": model, "threads": torch.get_num_threads(), "prefill": [], "decode": {}}
+    res: dict = {"machine": machine(), "model": model, "dtype": str(llm.loaded.dtype).removeprefix("torch."),
+                 "cpu_features": cpu_features(), "threads": torch.get_num_threads(), "prefill": [], "decode": {}}
     one = SamplingParams(max_tokens=1, temperature=0.0)
     for n in prefill_lens:
         if n >= llm.engine.max_model_len:
@@ -70,7 +73,7 @@ def run(model: str, json_path: str | None, prefill_lens: tuple[int, ...] = (512,
     d = res["decode"]
     rows.append([f"decode batch {batch} x {decode_tokens}", f"{d['kvmesh_tok_s']:.0f} tok/s",
                  f"{d['transformers_tok_s']:.0f} tok/s", f"{d['speedup']:.2f}x"])
-    print_table(f"{model} ({llm.loaded.dtype}, {res['threads']} threads)", ["work", "kvmesh", "transformers", "speedup"],
-                rows)
+    title = f"{model} ({res['dtype']}, {res['threads']} threads, CPU: {' '.join(res['cpu_features']) or '?'})"
+    print_table(title, ["work", "kvmesh", "transformers", "speedup"], rows)
     write_json(json_path, res)
     return res

@@ -128,9 +128,33 @@ def _rope_scaling_from_hf(scaling: dict | None) -> RopeScaling | None:
     )
 
 
-def parse_dtype(name: str | torch.dtype) -> torch.dtype:
+def cpu_features() -> list[str]:
+    """The CPU flags that decide ``--dtype auto`` (from /proc/cpuinfo; empty where it is not readable)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    return sorted(flags & {"amx_bf16", "amx_tile", "avx512_bf16", "avx512f", "avx2"})
+    except OSError:
+        pass
+    return []
+
+
+def auto_dtype(device: str | torch.device = "cpu") -> torch.dtype:
+    """``--dtype auto``: bfloat16 on CUDA and on CPUs with native bf16 math (AMX or AVX512-BF16), else float32."""
+    if torch.device(device).type == "cuda":
+        return torch.bfloat16
+    features = cpu_features()
+    return torch.bfloat16 if ("amx_bf16" in features or "avx512_bf16" in features) else torch.float32
+
+
+def parse_dtype(name: str | torch.dtype, device: str | torch.device = "cpu") -> torch.dtype:
+    """A dtype name ("float32", "bf16", ... or "auto", resolved for ``device``) -> torch dtype."""
     if isinstance(name, torch.dtype):
         return name
+    if name == "auto":
+        return auto_dtype(device)
     aliases = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
     key = aliases.get(name, name)
     if key not in DTYPES:

@@ -17,7 +17,7 @@ from kvmesh.kernels import ops
 from kvmesh.kernels.attention_metadata import AttentionMetadata
 from kvmesh.model.config import ModelConfig
 from kvmesh.model.layers import RMSNorm, SwiGLU
-from kvmesh.model.rope import RotaryEmbedding, apply_rope
+from kvmesh.model.rope import RotaryEmbedding, apply_rope, rotate
 from kvmesh.model.weight_names import fuse_hf_state_dict, split_to_hf
 
 
@@ -40,16 +40,20 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                 kv_buffer: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
         num_tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split(self.split_sizes, dim=-1)
-        q = q.view(num_tokens, self.num_heads, self.head_dim)
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        qkv = self.qkv_proj(x)
+        v = qkv[:, self.split_sizes[0] + self.split_sizes[1]:].view(num_tokens, self.num_kv_heads, self.head_dim)
         if hasattr(self, "q_norm"):
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, k, *rope)
+            q, k, _ = qkv.split(self.split_sizes, dim=-1)
+            q = self.q_norm(q.view(num_tokens, self.num_heads, self.head_dim))
+            k = self.k_norm(k.view(num_tokens, self.num_kv_heads, self.head_dim))
+            q, k = apply_rope(q, k, *rope)
+        else:  # rotate queries and keys in one go: they sit side by side in the fused projection
+            qk = qkv[:, : self.split_sizes[0] + self.split_sizes[1]]
+            qk = rotate(qk.view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim), *rope)
+            q, k = qk[:, : self.num_heads].contiguous(), qk[:, self.num_heads:]
         k_cache = kv_buffer[:, self.layer_idx, 0]
         v_cache = kv_buffer[:, self.layer_idx, 1]
-        ops.store_kv(k, v, k_cache, v_cache, md.slot_mapping)
+        ops.store_kv(k, v, k_cache, v_cache, md)
         out = ops.paged_attention(q, k_cache, v_cache, md, self.scale)
         return self.o_proj(out.reshape(num_tokens, -1))
 

@@ -45,8 +45,8 @@ def build_model(config: ModelConfig, state_dict: dict[str, torch.Tensor], dtype:
 def load_model(name_or_path: str, dtype: str | torch.dtype = "float32", device: str | torch.device = "cpu",
                progress: bool = True) -> LoadedModel:
     start = time.perf_counter()
-    torch_dtype = parse_dtype(dtype)
     torch_device = torch.device(device)
+    torch_dtype = parse_dtype(dtype, torch_device)
     preset = PRESETS.get(name_or_path)
     path = Path(name_or_path).expanduser()
     if preset is not None and preset.config is not None:

@@ -41,20 +41,27 @@ class RotaryEmbedding(torch.nn.Module):
         inv_freq = inverse_frequencies(head_dim, theta, scaling)
         angles = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
         angles = torch.cat((angles, angles), dim=-1)
+        half = angles.shape[-1] // 2
+        sin = angles.sin()
         self.register_buffer("cos_table", angles.cos(), persistent=False)
-        self.register_buffer("sin_table", angles.sin(), persistent=False)
+        # rotate_half(x) * sin == swap_halves(x) * (sin with its first half negated): one op fewer per call,
+        # and the same floating-point result (a negation is exact).
+        self.register_buffer("signed_sin_table", torch.cat((-sin[:, :half], sin[:, half:]), dim=-1),
+                             persistent=False)
 
     def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [T, 1, D] for the positions of one forward (shared by every layer)."""
-        return (self.cos_table[positions].unsqueeze(1).to(dtype), self.sin_table[positions].unsqueeze(1).to(dtype))
+        """cos, signed sin [T, 1, D] for the positions of one forward (shared by every layer)."""
+        return (self.cos_table[positions].unsqueeze(1).to(dtype),
+                self.signed_sin_table[positions].unsqueeze(1).to(dtype))
 
 
-def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotate ``q`` [T, Hq, D] and ``k`` [T, Hkv, D] with ``RotaryEmbedding.lookup``'s tables."""
-    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+def rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` [T, H, D] (queries, keys, or both side by side) with ``RotaryEmbedding.lookup``'s tables."""
     half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + torch.cat((x[..., half:], x[..., :half]), dim=-1) * signed_sin
+
+
+def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate ``q`` [T, Hq, D] and ``k`` [T, Hkv, D]."""
+    return rotate(q, cos, signed_sin), rotate(k, cos, signed_sin)
