@@ -33,7 +33,7 @@ class RouterMetrics:
     def record_finished(self, cache: dict) -> None:
         self.requests.labels("ok").inc()
         for source, key in (("local", "tokens_reused_local"), ("remote", "tokens_reused_remote"),
-                            ("computed", "tokens_computed")):
+                            ("prefill_node", "tokens_from_prefill_node"), ("computed", "tokens_computed")):
             self.prompt_tokens.labels(source).inc(int(cache.get(key, 0)))
 
     def exposition(self) -> bytes:

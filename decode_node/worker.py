@@ -63,6 +63,9 @@ class _FetchResult:
     tainted: list[int] = field(default_factory=list)  # block ids a stalled writer may still write
 
 
+PROMPT_TOKEN_SOURCES = ("tokens_reused_local", "tokens_reused_remote", "tokens_from_prefill_node", "tokens_computed")
+
+
 class DecodeWorker(NodeRuntime):
     def __init__(self, cfg):
         super().__init__(cfg)
@@ -78,6 +81,9 @@ class DecodeWorker(NodeRuntime):
         self.num_refusals = 0
         self.num_aborted = 0
         self.num_tainted_swapped = 0
+        # Where every finished request's prompt tokens came from, each token counted once (engine thread only).
+        # Keys fixed up front, so the stats thread can read it while the engine thread adds.
+        self.prompt_token_sources: Counter[str] = Counter(dict.fromkeys(PROMPT_TOKEN_SOURCES, 0))
         self.rates = TransferRateEstimator(self.cfg.transfer_gib_per_s * 2**30)
 
     # ---- admission (engine thread) ------------------------------------------------------------------
@@ -292,10 +298,11 @@ class DecodeWorker(NodeRuntime):
         if request is None:
             return
         remote, from_prefill = request.tokens_from_peers, request.tokens_from_prefill
-        stats = {"tokens_reused_local": seq.num_prefix_hit_tokens, "tokens_reused_remote": remote,
-                 "tokens_from_prefill_node": from_prefill,
-                 "tokens_computed": seq.num_prompt_tokens - seq.num_prefix_hit_tokens - remote - from_prefill,
-                 "kv_wait_ms": request.kv_wait_s * 1e3}
+        sources = {"tokens_reused_local": seq.num_prefix_hit_tokens, "tokens_reused_remote": remote,
+                   "tokens_from_prefill_node": from_prefill,
+                   "tokens_computed": seq.num_prompt_tokens - seq.num_prefix_hit_tokens - remote - from_prefill}
+        self.prompt_token_sources.update(sources)
+        stats = {**sources, "kv_wait_ms": request.kv_wait_s * 1e3}
         self.endpoint.send(request.identity, encode(nm.TokenEvent(seq.request_id, [], finished=True,
                                                                   finish_reason=seq.finish_reason or "",
                                                                   stats=stats)))
@@ -308,5 +315,6 @@ class DecodeWorker(NodeRuntime):
         return {"num_remote": self.num_remote, "num_local": self.num_local, "num_fallbacks": self.num_fallbacks,
                 "num_prefill_refusals": self.num_refusals, "num_aborted": self.num_aborted,
                 "num_tainted_swapped": self.num_tainted_swapped,
+                **{f"prompt_{key}": value for key, value in self.prompt_token_sources.items()},
                 "transfer_gib_per_s_measured": self.rates.bytes_per_s / 2**30,
                 "num_transfer_samples": self.rates.num_samples}

@@ -82,6 +82,36 @@ def test_cross_node_prefix_reuse_by_counters(cluster, reference):
     check_all(cluster)
 
 
+def test_every_prompt_token_is_counted_once(cluster, reference):
+    """A mixed workload: prefill-node pushes, peers' caches, local hits, short prompts computed here. Each
+    request's four sources sum to its prompt, and the decode nodes' totals are the sums of their requests."""
+    keys = ("tokens_reused_local", "tokens_reused_remote", "tokens_from_prefill_node", "tokens_computed")
+    before = {n: cluster.client(n).stats() for n in ("decode-0", "decode-1")}
+    totals = {n: dict.fromkeys(keys, 0) for n in before}
+
+    def run(node_id: str, ids: list[int]) -> dict:
+        out = cluster.client(node_id).generate(ids, GREEDY)
+        assert out.error == "" and out.token_ids == reference([ids])[0]
+        assert sum(out.stats[k] for k in keys) == len(ids) and all(out.stats[k] >= 0 for k in keys), out.stats
+        for k in keys:
+            totals[node_id][k] += out.stats[k]
+        return out.stats
+
+    shared = prompt(500, 80)
+    assert run("decode-0", shared + prompt(501, 30))["tokens_from_prefill_node"] > 0
+    assert run("decode-0", shared + prompt(502, 5))["tokens_reused_local"] >= 80
+    assert run("decode-1", prompt(503, 9))["tokens_computed"] == 9  # under a block: nothing to fetch
+    for attempt in range(100):  # until decode-1 sees the shared prefix in the global index (asynchronous)
+        if run("decode-1", shared + prompt(600 + attempt, 21))["tokens_reused_remote"] >= 80:
+            break
+    else:
+        pytest.fail("decode-1 never reused the shared prefix from a peer")
+    for node_id, stats in before.items():
+        after = cluster.client(node_id).stats()
+        assert {k: after[f"prompt_{k}"] - stats[f"prompt_{k}"] for k in keys} == totals[node_id]
+    check_all(cluster)
+
+
 def test_two_hundred_concurrent_requests(cluster, reference):
     prompts = [prompt(1000 + i, 20 + (i * 7) % 60) for i in range(200)]
     expected = reference(prompts)

@@ -134,6 +134,8 @@ def _summarize(records: list[Record], seconds: float, node_delta: dict, slo_ttft
         r.num_tokens < 2 or (r.e2e_s - r.ttft_s) / (r.num_tokens - 1) * 1e3 <= slo_tpot_ms))
     local = [r.cache.get("tokens_reused_local", 0) for r in records]
     remote = [r.cache.get("tokens_reused_remote", 0) for r in records]
+    from_prefill = sum(r.cache.get("tokens_from_prefill_node", 0) for r in records)
+    computed_here = sum(r.cache.get("tokens_computed", 0) for r in records)
     share = [min(1.0, r.cache.get("kv_wait_ms", 0.0) / (r.ttft_s * 1e3)) for r in records if r.ttft_s > 0]
     out = {"requests": len(records), "seconds": seconds,
            "throughput_tok_s": sum(r.num_tokens for r in records) / seconds,
@@ -141,7 +143,13 @@ def _summarize(records: list[Record], seconds: float, node_delta: dict, slo_ttft
            "hit_rate_local": sum(1 for x in local if x > 0) / len(records),
            "hit_rate_global": sum(1 for a, b in zip(local, remote) if a + b > 0) / len(records),
            "tokens_reused": sum(local) + sum(remote), "tokens_reused_remote": sum(remote),
-           "tokens_computed": node_delta["tokens_computed"], "bytes_transferred": node_delta["bytes_received"],
+           # Every prompt token once, by where its KV came from (the decode nodes' own accounting).
+           "prompt_tokens": {"reused_local": sum(local), "reused_remote": sum(remote),
+                             "from_prefill_node": from_prefill, "computed_here": computed_here},
+           # Computed anywhere: on the decode nodes, plus what prefill nodes really computed (their own
+           # cache hits excluded, so this can be less than computed_here + from_prefill_node).
+           "tokens_computed": computed_here + node_delta["prefill_tokens_computed"],
+           "bytes_transferred": node_delta["bytes_received"],
            "transfer_share_of_ttft": statistics.mean(share) if share else 0.0}
     for name, values in (("ttft", ttft), ("tpot", tpot), ("itl", itl), ("e2e", e2e)):
         for q in (50, 90, 99):
@@ -151,11 +159,13 @@ def _summarize(records: list[Record], seconds: float, node_delta: dict, slo_ttft
 
 
 def _node_totals(cluster: LocalCluster) -> dict:
-    totals = {"tokens_computed": 0, "bytes_received": 0, "num_local": 0, "num_remote": 0}
-    for node_id in cluster.nodes:
+    totals = {"prefill_tokens_computed": 0, "bytes_received": 0, "num_local": 0, "num_remote": 0}
+    for node_id, node in cluster.nodes.items():
         stats = cluster.client(node_id).stats()
-        for key in totals:
+        for key in ("bytes_received", "num_local", "num_remote"):
             totals[key] += stats.get(key, 0)
+        if node.role == "prefill":
+            totals["prefill_tokens_computed"] += stats.get("tokens_computed", 0)
     return totals
 
 
