@@ -9,7 +9,10 @@ Three sources, priced in seconds with measured rates:
 
 Holders and the prefill node work at the same time; whatever is not fetched is computed
 here. ``plan_fetch`` picks the cheapest plan, so the cluster never chooses to be slower
-than computing locally (by its estimates, which ``TransferRateEstimator`` keeps measured).
+than computing locally (by its estimates, all measured: ``TransferRateEstimator`` for the
+links, ``RateMeter`` for this node's prefill rate and each prefill node's effective rate as
+this node sees it, queueing included). A prompt whose local estimate is below one round
+trip never looks further (``worth_a_lookup``): no remote plan can beat it.
 """
 from __future__ import annotations
 
@@ -23,10 +26,18 @@ class FetchPlan(NamedTuple):
     local_seconds: float  # the estimate of computing everything here
 
 
+def worth_a_lookup(num_tokens: int, local_tokens_per_s: float, rtt_s: float) -> bool:
+    """False when computing ``num_tokens`` here takes less than one round trip (so no fetch can win)."""
+    return num_tokens / max(local_tokens_per_s, 1e-9) > rtt_s
+
+
 def plan_fetch(num_local: int, held_end: int, end: int, block_size: int, bytes_per_token: int, *,
                local_tokens_per_s: float, remote_tokens_per_s: float, bytes_per_s: float, rtt_s: float,
-               have_prefill_node: bool) -> FetchPlan:
-    """The cheapest way to get blocks ``[num_local, end)``; peers hold ``[num_local, held_end)``."""
+               have_prefill_node: bool, prefill_queue_s: float = 0.0) -> FetchPlan:
+    """The cheapest way to get blocks ``[num_local, end)``; peers hold ``[num_local, held_end)``.
+
+    ``prefill_queue_s``: how long the chosen prefill node needs for the work already sent to it.
+    """
     if local_tokens_per_s <= 0 or bytes_per_s <= 0:
         raise ValueError("rates must be positive")
     held_end = max(num_local, min(held_end, end))
@@ -44,7 +55,7 @@ def plan_fetch(num_local: int, held_end: int, end: int, block_size: int, bytes_p
                                local))
     if have_prefill_node and remote_tokens_per_s > 0 and held_end < end:
         rest = end - held_end
-        remote = rtt_s + max(rest * block_size / remote_tokens_per_s, move(rest))
+        remote = rtt_s + prefill_queue_s + max(rest * block_size / remote_tokens_per_s, move(rest))
         plans.append(FetchPlan(held_end, True, max(rtt_s + move(held_end - num_local), remote), local))
     return min(plans, key=lambda p: p.seconds)
 
@@ -64,6 +75,13 @@ class TransferRateEstimator:
         self.weight = weight
         self.min_bytes = min_bytes
         self.num_samples = 0
+        self.num_rtt_samples = 0
+
+    def record_round_trip(self, seconds: float) -> None:
+        """A request/answer exchange with a peer that did no work in between (its write time taken out)."""
+        if seconds > 0:
+            self.rtt_s += self.weight * (seconds - self.rtt_s)
+            self.num_rtt_samples += 1
 
     def record_transfer(self, num_bytes: int, seconds: float) -> None:
         if num_bytes < self.min_bytes or seconds <= 0:
@@ -74,3 +92,4 @@ class TransferRateEstimator:
         else:
             self.bytes_per_s += self.weight * (rate - self.bytes_per_s)
         self.num_samples += 1
+

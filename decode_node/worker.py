@@ -27,11 +27,12 @@ from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from kvmesh.decode_node.cost_model import FetchPlan, TransferRateEstimator, plan_fetch
+from kvmesh.decode_node.cost_model import FetchPlan, TransferRateEstimator, plan_fetch, worth_a_lookup
 from kvmesh.engine.request_state import RequestStatus
 from kvmesh.engine.sequence import Sequence
 from kvmesh.errors import KvmeshError, OutOfBlocksError
 from kvmesh.node import messages as nm
+from kvmesh.node.rate_meter import RateMeter
 from kvmesh.node.runtime import NodeRuntime
 from kvmesh.transfer.errors import TransferRefused
 from kvmesh.wire import encode
@@ -72,6 +73,9 @@ class DecodeWorker(NodeRuntime):
         self._requests: dict[str, _ClientRequest] = {}  # engine thread only
         self._round_robin = itertools.count()
         self._prefills_in_flight: Counter[str] = Counter()  # ComputeAndPush conversations per prefill node
+        self._prefill_tokens_in_flight: Counter[str] = Counter()  # ... and the prompt tokens they ask for
+        # Each prefill node's rate as this node sees it (whole conversations, its queueing included).
+        self._prefill_rates: dict[str, RateMeter] = {}
         # Prefill conversations run beside the fetch that waits for them (never in its pool: no deadlock).
         self._prefill_workers = ThreadPoolExecutor(16, thread_name_prefix=f"kvmesh-{cfg.node_id}-prefill")
         self._lock = threading.Lock()
@@ -103,12 +107,32 @@ class DecodeWorker(NodeRuntime):
         if self.cfg.local_prefill_tokens >= 0:  # forced (tests, benchmarks): fetch whatever is longer
             fetch = (end - num_local) * bs > self.cfg.local_prefill_tokens
             return FetchPlan(held_end if fetch else num_local, fetch and bool(prefill_nodes), 0.0, 0.0)
-        remote_rate = max((float(r.kv_layout.get("prefill_tokens_per_s", 0)) for r in prefill_nodes.values()),
-                          default=0.0)
+        remote_rate, queue_s = self._best_prefill_node(prefill_nodes, (end - held_end) * bs)
         return plan_fetch(num_local, held_end, end, bs, self.engine.layout.bytes_per_token,
                           local_tokens_per_s=self.prefill_tokens_per_s, remote_tokens_per_s=remote_rate,
                           bytes_per_s=self.rates.bytes_per_s, rtt_s=self.rates.rtt_s,
-                          have_prefill_node=bool(prefill_nodes))
+                          have_prefill_node=bool(prefill_nodes), prefill_queue_s=queue_s)
+
+    def _prefill_rate(self, node_id: str, record) -> RateMeter:
+        meter = self._prefill_rates.get(node_id)
+        if meter is None:  # seeded with the rate the node published (its own start-up measurement)
+            meter = self._prefill_rates[node_id] = RateMeter(float(record.kv_layout.get("prefill_tokens_per_s", 0)),
+                                                            min_amount=32)
+        return meter
+
+    def _best_prefill_node(self, prefill_nodes: dict, num_tokens: int) -> tuple[float, float]:
+        """(rate, queueing seconds) of the prefill node that would finish ``num_tokens`` soonest."""
+        best = (0.0, 0.0)
+        best_s = float("inf")
+        with self._lock:
+            for node_id, record in prefill_nodes.items():
+                rate = self._prefill_rate(node_id, record).per_s
+                if rate <= 0:
+                    continue
+                queue_s = self._prefill_tokens_in_flight[node_id] / rate
+                if queue_s + num_tokens / rate < best_s:
+                    best, best_s = (rate, queue_s), queue_s + num_tokens / rate
+        return best
 
     def _admit(self, identity: bytes, msg: nm.GenerateRequest) -> None:
         rid = msg.request_id
@@ -125,7 +149,11 @@ class DecodeWorker(NodeRuntime):
         local = self.engine.kv.find_cached_prefix(seq)
         bs = self.cfg.block_size
         fetchable_end = (seq.num_prompt_tokens - 1) // bs  # the last token is always computed here
-        forced_local = 0 <= (seq.num_prompt_tokens - len(local) * bs) <= self.cfg.local_prefill_tokens
+        uncached = seq.num_prompt_tokens - len(local) * bs
+        if self.cfg.local_prefill_tokens >= 0:
+            forced_local = uncached <= self.cfg.local_prefill_tokens
+        else:  # cheaper here than any round trip: not even a lookup
+            forced_local = not worth_a_lookup(uncached, self.prefill_tokens_per_s, self.rates.rtt_s)
         if fetchable_end <= len(local) or forced_local:
             self.num_local += 1
             self.engine.scheduler.add(seq)
@@ -184,9 +212,12 @@ class DecodeWorker(NodeRuntime):
             length = min(length, end)
             if length <= got or self._aborting(seq):
                 continue
+            started = time.perf_counter()
             outcome = self.agent.requester.push(node_id, seq.block_ids[got:length], seq.block_hashes[got:length],
                                                 request_id=f"{seq.request_id}/hold", timeout_s=HOLDER_TIMEOUT_S)
             self.rates.record_transfer(outcome.num_written * self.agent.block_bytes, outcome.write_s)
+            if outcome.error is None:  # what the exchange cost beyond the writes: the round trip
+                self.rates.record_round_trip(time.perf_counter() - started - outcome.write_s)
             result.tainted += outcome.tainted_block_ids
             if outcome.error is not None:
                 log.warning("%s: holder %s: %s", self.cfg.node_id, node_id, outcome.error)
@@ -213,8 +244,11 @@ class DecodeWorker(NodeRuntime):
             if self._aborting(seq):
                 return
             got = result.got
+            num_tokens = (end - got) * self.cfg.block_size
             with self._lock:
                 self._prefills_in_flight[node_id] += 1
+                self._prefill_tokens_in_flight[node_id] += num_tokens
+            started = time.perf_counter()
             try:
                 outcome = self.agent.requester.compute_and_push(
                     node_id, seq.block_ids[got:end], list(seq.prompt_token_ids), got,
@@ -222,6 +256,10 @@ class DecodeWorker(NodeRuntime):
             finally:
                 with self._lock:
                     self._prefills_in_flight[node_id] -= 1
+                    self._prefill_tokens_in_flight[node_id] -= num_tokens
+            if outcome.error is None and node_id in self._prefill_rates:
+                with self._lock:  # the whole conversation: its queueing and the transfer included
+                    self._prefill_rates[node_id].record(num_tokens, time.perf_counter() - started)
             self.rates.record_transfer(outcome.num_written * self.agent.block_bytes, outcome.write_s)
             result.tainted += outcome.tainted_block_ids
             result.got = got + outcome.num_written
@@ -317,4 +355,6 @@ class DecodeWorker(NodeRuntime):
                 "num_tainted_swapped": self.num_tainted_swapped,
                 **{f"prompt_{key}": value for key, value in self.prompt_token_sources.items()},
                 "transfer_gib_per_s_measured": self.rates.bytes_per_s / 2**30,
+                "rtt_ms_measured": self.rates.rtt_s * 1e3, "num_rtt_samples": self.rates.num_rtt_samples,
+                "prefill_node_tokens_per_s": {n: m.per_s for n, m in list(self._prefill_rates.items())},
                 "num_transfer_samples": self.rates.num_samples}

@@ -40,10 +40,10 @@ class Mode:
     routing: str
 
 
-def modes(num_prefill: int, local_prefill_tokens: int = 64) -> dict[str, Mode]:
-    # By default decode nodes compute an uncached suffix of up to 64 tokens themselves (docs/design.md §2) and
-    # fetch longer ones (the measured cost model would keep the tiny preset fully local); -1 lets the cost model,
-    # with its measured transfer rate, decide.
+def modes(num_prefill: int, local_prefill_tokens: int = -1) -> dict[str, Mode]:
+    # -1 (default): the decode nodes' cost model decides per request, as in production; a fixed number forces
+    # "compute uncached suffixes up to this many tokens here, fetch longer ones" (to exercise the remote path).
+    # colocated is defined by never fetching.
     disaggregated = ("--local-prefill-tokens", str(local_prefill_tokens))
     return {
         "kvmesh": Mode("kvmesh", num_prefill, disaggregated, "cache-aware"),
@@ -146,6 +146,7 @@ def _summarize(records: list[Record], seconds: float, node_delta: dict, slo_ttft
            # Every prompt token once, by where its KV came from (the decode nodes' own accounting).
            "prompt_tokens": {"reused_local": sum(local), "reused_remote": sum(remote),
                              "from_prefill_node": from_prefill, "computed_here": computed_here},
+           "prompt_tokens_total": sum(r.num_prompt for r in records),
            # Computed anywhere: on the decode nodes, plus what prefill nodes really computed (their own
            # cache hits excluded, so this can be less than computed_here + from_prefill_node).
            "tokens_computed": computed_here + node_delta["prefill_tokens_computed"],
@@ -221,7 +222,7 @@ def run(args) -> dict:
     requests = build_workload(args, vocab, tokenize)
     if args.rate and args.workload not in ("multi-turn", "mooncake"):
         wl.poisson_arrivals(requests, args.rate, args.seed)
-    local_tokens = args.local_prefill_tokens if args.local_prefill_tokens is not None else (-1 if args.hosts else 64)
+    local_tokens = args.local_prefill_tokens
     chosen = modes(args.prefill, local_tokens)
     names = [m for m in args.modes.split(",") if m] if args.modes else list(chosen)
     num = sum(len(c) for c in requests) if args.workload == "multi-turn" else len(requests)
@@ -317,9 +318,9 @@ def add_arguments(p) -> None:
     p.add_argument("--hosts", type=int, default=0,
                    help="run etcd and every node on simulated hosts (network namespaces; needs root)")
     p.add_argument("--link-gbit", default="", help="with --hosts: comma-separated link caps, every mode at each")
-    p.add_argument("--local-prefill-tokens", type=int, default=None,
-                   help="decode nodes compute uncached suffixes up to this (-1: the cost model; default 64, "
-                        "or -1 with --hosts)")
+    p.add_argument("--local-prefill-tokens", type=int, default=-1,
+                   help="decode nodes compute uncached suffixes up to this and fetch longer ones (default -1: "
+                        "the cost model decides, as in production)")
 
 
 def apply_quick(args) -> None:

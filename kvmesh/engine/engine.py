@@ -6,6 +6,7 @@ runner. ``step`` = schedule -> forward -> advance -> stop checks -> free.
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -69,6 +70,8 @@ class LLMEngine:
         self._ids = itertools.count()
         self.num_steps = 0
         self.on_token: Callable[[Sequence, int], None] | None = None  # called for every sampled token
+        # Called after every step that computed prompt tokens: (tokens computed in the step, its seconds).
+        self.on_prefill_step: Callable[[int, float], None] | None = None
 
     # ---- requests -------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None) -> Sequence:
@@ -131,8 +134,11 @@ class LLMEngine:
             raise StepFailed(f"engine step failed: {type(e).__name__}: {e}", failed) from e
 
     def _run_batch(self, batch) -> list[Sequence]:
+        started = time.perf_counter()
         results = self.runner.execute(batch)
         self.num_steps += 1
+        if self.on_prefill_step is not None and any(n > 1 for _, n in batch):
+            self.on_prefill_step(sum(n for _, n in batch), time.perf_counter() - started)
         finished = []
         for (seq, n), sampled in zip(batch, results):
             self.scheduler.advance(seq, n)

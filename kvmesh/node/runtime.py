@@ -33,6 +33,7 @@ from kvmesh.node import messages as nm
 from kvmesh.node.engine_loop import EngineLoop
 from kvmesh.netaddr import advertise_address
 from kvmesh.node.membership import ClusterMembership
+from kvmesh.node.rate_meter import RateMeter
 from kvmesh.router_endpoint import RouterEndpoint
 from kvmesh.transfer.engine import create_transfer_engine
 from kvmesh.transfer.kv_agent import TransferAgent
@@ -87,7 +88,9 @@ class NodeRuntime:
             scheduler=SchedulerConfig(max_num_seqs=cfg.max_num_seqs,
                                       max_num_batched_tokens=cfg.max_num_batched_tokens)))
         self.pool = self.engine.pool
-        self.prefill_tokens_per_s = self._measure_prefill_rate()
+        # Seeded by a start-up measurement, then kept current by every step that computes prompt tokens.
+        self.prefill_meter = RateMeter(self._measure_prefill_rate(), min_amount=32)
+        self.engine.on_prefill_step = self.prefill_meter.record
         self.engine.on_token = self.on_token
         self.membership = ClusterMembership(cfg.etcd, cfg.cluster, cfg.node_id,
                                             index_namespace(self.engine.namespace), cfg.lease_ttl_s,
@@ -133,6 +136,11 @@ class NodeRuntime:
 
     def _peer_left(self, node_id: str) -> None:
         self.agent.requester.peer_gone(node_id)
+
+    @property
+    def prefill_tokens_per_s(self) -> float:
+        """This node's prefill rate as measured (start-up probe, then a moving average of real steps)."""
+        return self.prefill_meter.per_s
 
     def _measure_prefill_rate(self) -> float:
         """Tokens per second of one 64-token prefill (after a warm-up), for the decode-side cost model."""
