@@ -113,6 +113,10 @@ class DecodeWorker(NodeRuntime):
                           bytes_per_s=self.rates.bytes_per_s, rtt_s=self.rates.rtt_s,
                           have_prefill_node=bool(prefill_nodes), prefill_queue_s=queue_s)
 
+    def _prefill_rates_snapshot(self) -> dict[str, float]:
+        with self._lock:
+            return {n: m.per_s for n, m in self._prefill_rates.items()}
+
     def _prefill_rate(self, node_id: str, record) -> RateMeter:
         meter = self._prefill_rates.get(node_id)
         if meter is None:  # seeded with the rate the node published (its own start-up measurement)
@@ -356,5 +360,5 @@ class DecodeWorker(NodeRuntime):
                 **{f"prompt_{key}": value for key, value in self.prompt_token_sources.items()},
                 "transfer_gib_per_s_measured": self.rates.bytes_per_s / 2**30,
                 "rtt_ms_measured": self.rates.rtt_s * 1e3, "num_rtt_samples": self.rates.num_rtt_samples,
-                "prefill_node_tokens_per_s": {n: m.per_s for n, m in list(self._prefill_rates.items())},
+                "prefill_node_tokens_per_s": self._prefill_rates_snapshot(),
                 "num_transfer_samples": self.rates.num_samples}

@@ -43,7 +43,7 @@ def run(json_path: str | None, model: str = "smollm2-135m", prompt_tokens: int =
     f, u = res["rounds"][-1]["full_stats"], res["rounds"][-1]["reuse_stats"]
     print_table(f"{model}: TTFT with the prefix on another node ({prompt_tokens} tokens, new suffix {suffix_tokens})",
                 ["", "TTFT (median)", "decode node: tokens received", "decode node: tokens computed"],
-                [["fresh prompt: prefill node computes it all", f"{full * 1e3:.0f} ms",
+                [["fresh prompt: a full prefill (where the cost model chose)", f"{full * 1e3:.0f} ms",
                   str(f["tokens_reused_remote"] + f["tokens_from_prefill_node"]), str(f["tokens_computed"])],
                  ["same prefix + new suffix on another decode node", f"{reuse * 1e3:.0f} ms",
                   str(u["tokens_reused_remote"] + u["tokens_from_prefill_node"]), str(u["tokens_computed"])],

@@ -174,11 +174,21 @@ class NodeRuntime:
             self.endpoint.send(identity, encode(nm.TokenEvent("", [], finished=True, error=f"malformed: {e}")))
             return
         if isinstance(msg, nm.StatsRequest):
-            self.call_soon(lambda: self.endpoint.send(identity, encode(self._stats(msg.check))))
+            if msg.check:  # integrity checks need the engine between steps
+                self.call_soon(lambda: self.endpoint.send(identity, encode(self._stats(True))))
+            else:  # answered here, at once: a liveness ping must not wait for a long engine step
+                try:
+                    reply = self._stats(False)
+                except RuntimeError:  # a counter dict grew while we read it: read it between steps instead
+                    self.call_soon(lambda: self.endpoint.send(identity, encode(self._stats(False))))
+                    return
+                self.endpoint.send(identity, encode(reply))
             return
         self.handle(identity, msg)
 
     def _stats(self, check: bool) -> nm.StatsReply:
+        """Counters (read without stopping the engine: each is a plain int or a short snapshot); ``check``
+        runs the integrity checks too and must be called on the engine thread."""
         error = ""
         if check:
             try:
