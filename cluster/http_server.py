@@ -267,7 +267,8 @@ async def start_http_server(router: Router, host: str = "127.0.0.1", port: int =
 
         ssl_context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
         ssl_context.load_cert_chain(*tls)
-    runner = web.AppRunner(OpenAIServer(router, token).app)
+    # On shutdown, open streams get 3 s to finish (aiohttp's default is 60 s: a SIGTERM'd router seemed hung).
+    runner = web.AppRunner(OpenAIServer(router, token).app, shutdown_timeout=3.0)
     await runner.setup()
     site = web.TCPSite(runner, host, port, ssl_context=ssl_context)
     await site.start()

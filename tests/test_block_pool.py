@@ -170,3 +170,60 @@ def test_concurrent_match_allocate_free_keep_integrity():
     pool.check_integrity()
     assert not errors, errors[:3]
     assert pool.usage().num_used == 0
+
+
+def _naive_match(pool: BlockPool, hashes: list[bytes]) -> list[int]:
+    out = []
+    for h in hashes:
+        b = pool.cached_block(h)
+        if b is None:
+            break
+        out.append(b)
+    return out
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_match_memo_and_run_inserts_agree_with_a_naive_match(seed):
+    """Random inserts (whole chains, extensions, consecutive and scattered block ids, duplicates), frees,
+    evictions and reallocations: match (memoised chains, fast run inserts) equals a block-by-block lookup."""
+    import random
+
+    rng = random.Random(seed)
+    pool = BlockPool(96, max_memo_chains=8)
+    chains = [hash_blocks(root_hash(bytes([c])), list(range(20 * 16)), 16) for c in range(5)]
+    for _ in range(400):
+        hashes = chains[rng.randrange(len(chains))][: rng.randrange(1, 21)]
+        assert pool.match(hashes) == _naive_match(pool, hashes)
+        held = pool.match_and_touch(hashes)
+        want = rng.randrange(0, len(hashes) - len(held) + 1)
+        try:
+            new = pool.allocate(want)
+        except OutOfBlocksError:
+            new = []
+        if rng.random() < 0.5:
+            rng.shuffle(new)  # scattered ids take the per-block path
+        parent = held[-1] if held else NO_BLOCK
+        if new and rng.random() < 0.3:  # one block at a time, as decode fills blocks
+            for i, b in enumerate(new):
+                parent = pool.cache_and_dedupe([b], hashes[len(held) + i: len(held) + i + 1], parent)[0]
+                new[i] = parent
+        elif new:
+            new = pool.cache_and_dedupe(new, hashes[len(held): len(held) + len(new)], parent)
+        assert pool.match(hashes) == _naive_match(pool, hashes)
+        pool.free(held + new)
+        if rng.random() < 0.2:
+            pool.evict(rng.randrange(1, 10))
+        pool.check_integrity()
+
+
+def test_inserting_over_a_hashed_block_is_refused_on_both_paths():
+    pool = BlockPool(8)
+    hashes = hash_blocks(ROOT, list(range(64)), 16)
+    blocks = pool.allocate(4)
+    pool.cache_blocks(blocks[:2], hashes[:2])
+    other = hash_blocks(root_hash(b"other"), list(range(64)), 16)
+    with pytest.raises(ValueError, match="already holds a hash"):
+        pool.cache_blocks(blocks[:2], other[:2])  # consecutive ids
+    with pytest.raises(ValueError, match="already holds a hash"):
+        pool.cache_blocks([blocks[1], blocks[0]], other[2:4])  # scattered ids
+    pool.check_integrity()

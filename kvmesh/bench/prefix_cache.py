@@ -23,7 +23,8 @@ from kvmesh.kv.radix_index import RadixPrefixIndex
 
 BLOCK = 16
 NUM_TOKENS = 32768
-TARGETS_US = {"match": 10.0, "insert": 50.0, "evict10": 100.0}
+# The targets (SGLang's radix cache on the same work, measured on a machine like this one).
+TARGETS_US = {"match": 16.0, "match_cold": 16.0, "insert": 35.0, "evict10": 100.0, "hash_and_match": 500.0}
 TARGET_MB_PER_1000_PREFIXES = 2.0
 
 
@@ -35,8 +36,8 @@ def _sha256_pickle_chain(token_ids: list[int]) -> list[bytes]:
     return out
 
 
-def _filled_pool(hashes: list[bytes]) -> BlockPool:
-    pool = BlockPool(len(hashes) + 64)
+def _filled_pool(hashes: list[bytes], spare: int = 64) -> BlockPool:
+    pool = BlockPool(len(hashes) + spare)
     blocks = pool.allocate(len(hashes))
     pool.cache_blocks(blocks, hashes)
     pool.free(blocks)
@@ -56,6 +57,11 @@ def bench_structures(repeat: int) -> dict:
     pool = _filled_pool(hashes)
     radix = RadixPrefixIndex(BLOCK, root)
     radix.insert_hashes(hashes, list(range(len(hashes))))
+    def cold_pool_match():  # the memo forgotten: what the first match of a prompt costs
+        pool._chains.clear()
+        return pool.match(hashes)
+
+    res["match_cold_us"] = {"pool": time_call(cold_pool_match, repeat, 20) * 1e6, "radix": float("nan")}
     res["match_us"] = {
         "pool": time_call(lambda: pool.match(hashes), repeat, 20) * 1e6,
         "radix": time_call(lambda: radix.match_hashes(hashes), repeat, 20) * 1e6,
@@ -95,6 +101,9 @@ def bench_structures(repeat: int) -> dict:
 
     res["evict10_us"] = {
         "pool": time_call(lambda: state["pool"].evict(10), repeat * 3, setup=setup_evict_pool) * 1e6,
+        # what a full pool pays when allocation evicts: 10 LRU leaves leave the cache and are handed out
+        "pool_by_allocate": time_call(lambda: state["pool"].allocate(10), repeat * 3,
+                                      setup=lambda: state.update(pool=_filled_pool(hashes, spare=0))) * 1e6,
         "radix": time_call(lambda: state["radix"].evict_lru(10), repeat * 3, setup=setup_evict_radix) * 1e6,
     }
     res["memory"] = bench_memory()
@@ -163,6 +172,10 @@ def bench_engine_workload(num_requests: int = 12) -> dict:
     return out
 
 
+def _verdict(value_us: float, target_us: float) -> str:
+    return f"target <= {target_us:g} us: {'met' if value_us <= target_us else 'NOT met'}"
+
+
 def run(json_path: str | None, repeat: int = 7, with_engine: bool = True) -> dict:
     res = {"machine": machine(), "structures": bench_structures(repeat)}
     if with_engine:
@@ -171,11 +184,16 @@ def run(json_path: str | None, repeat: int = 7, with_engine: bool = True) -> dic
     rows = [
         ["chain hash 2,048 blocks", f"{s['hash']['kvmesh_ms']:.2f} ms", "—",
          f"{s['hash']['speedup']:.1f}x vs sha256+pickle ({s['hash']['baseline_sha256_pickle_ms']:.2f} ms)"],
-        ["hash + match (pool)", f"{s['match_us']['pool_hash_and_match'] / 1e3:.2f} ms", "—", "goal <= 1.5 ms"],
+        ["hash + match (pool)", f"{s['match_us']['pool_hash_and_match'] / 1e3:.2f} ms", "—",
+         _verdict(s["match_us"]["pool_hash_and_match"], TARGETS_US["hash_and_match"])],
     ]
-    for op, key in (("match 32K prompt", "match_us"), ("insert 2,048 blocks", "insert_us"), ("evict 10", "evict10_us")):
+    for op, key in (("match 32K prompt", "match_us"), ("match, first time (no memo)", "match_cold_us"),
+                    ("insert 2,048 blocks", "insert_us"), ("evict 10", "evict10_us")):
         target = TARGETS_US[key.removesuffix("_us")]
-        rows.append([op, f"{s[key]['pool']:.1f} us", f"{s[key]['radix']:.1f} us", f"target < {target:g} us"])
+        radix = s[key]["radix"]
+        rows.append([op, f"{s[key]['pool']:.1f} us", "—" if radix != radix else f"{radix:.1f} us",
+                     _verdict(s[key]["pool"], target)])
+    rows.append(["evict 10 by allocating (full pool)", f"{s['evict10_us']['pool_by_allocate']:.1f} us", "—", ""])
     m = s["memory"]
     rows.append(["memory / 1,000 prefixes", f"{m['pool_mb_per_1000_prefixes']:.2f} MB",
                  f"{m['radix_mb_per_1000_prefixes']:.2f} MB", f"target < {TARGET_MB_PER_1000_PREFIXES} MB"])

@@ -14,10 +14,17 @@ A freed block keeps its hash and stays matchable until allocation takes it
 from the head of the free queue. Per-block records are parallel lists of ints
 (not objects) to keep memory per block small. All public methods take a lock,
 so the transfer layer may pin from its own thread.
+
+Matching is a binary search over the chain (cached blocks of a chain always form
+a prefix of it), then the block ids. Those come from a bounded memo of whole
+chains, keyed by their last block (filled by inserts that extend a known chain
+and by matches; a block's memo entry dies with its hash): matching a long,
+already-seen prompt costs a few dictionary lookups and one list copy.
 """
 from __future__ import annotations
 
 import threading
+from collections import OrderedDict
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -35,7 +42,8 @@ class PoolUsage(NamedTuple):
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, policy: EvictionPolicy | None = None, track_changes: bool = False):
+    def __init__(self, num_blocks: int, policy: EvictionPolicy | None = None, track_changes: bool = False,
+                 max_memo_chains: int = 1024):
         """``track_changes``: log cached / evicted hashes for ``take_cached`` / ``take_evicted``
         (nodes that publish to the global index drain them; a lone engine leaves it off)."""
         if num_blocks < 1:
@@ -51,6 +59,9 @@ class BlockPool:
         self._parent = [NO_BLOCK] * num_blocks  # cached block holding the previous hash of the chain
         self._num_children = [0] * num_blocks  # cached blocks whose parent this is
         self._hash_to_block: dict[BlockHash, int] = {}
+        # last block of a chain -> the chain's block ids from its root block (see the module docstring)
+        self._chains: OrderedDict[int, list[int]] = OrderedDict()
+        self._max_memo_chains = max_memo_chains
         # Free queue: a doubly linked list through _prev/_next, sentinel at index num_blocks.
         sentinel = num_blocks
         self._next = list(range(1, num_blocks + 1)) + [0]
@@ -84,11 +95,15 @@ class BlockPool:
         return self._hash_to_block.get(block_hash)
 
     def match(self, block_hashes: Sequence[BlockHash]) -> list[int]:
-        """Block ids of the longest cached prefix of ``block_hashes`` (takes no reference).
+        """Block ids of the longest cached prefix of ``block_hashes`` (takes no reference; updates the memo).
 
         No cached block is ever an orphaned tail, so the cached blocks of a chain
         form a prefix of it and the match length is a binary search.
         """
+        with self._lock:
+            return self._match(block_hashes)
+
+    def _match(self, block_hashes: Sequence[BlockHash]) -> list[int]:
         get = self._hash_to_block.get
         n = len(block_hashes)
         if n == 0 or get(block_hashes[0]) is None:
@@ -104,9 +119,16 @@ class BlockPool:
                 else:
                     hi = mid
             length = lo + 1
+        last = get(block_hashes[length - 1])
+        chain = self._chains.get(last)
+        if chain is not None and len(chain) >= length:
+            self._chains.move_to_end(last)
+            return chain[len(chain) - length:]  # a chain's blocks are exactly its last block's ancestors
         found = list(map(get, block_hashes[:length]))
         if None in found:  # pragma: no cover - only if the no-orphan invariant were broken
-            found = found[: found.index(None)]
+            return found[: found.index(None)]
+        if self._parent[found[0]] == NO_BLOCK:  # a whole chain: remember it
+            self._remember_chain(found.copy())
         return found
 
     def num_pinned(self) -> int:
@@ -197,11 +219,22 @@ class BlockPool:
         Each block's parent is the holder of the previous hash (``parent_block_id`` for the first).
         """
         with self._lock:
-            holders = []
-            parent, cache_one = parent_block_id, self._cache_one
-            for block, h in zip(block_ids, block_hashes):
-                parent = cache_one(block, h, parent)
-                holders.append(parent)
+            if block_ids and len(block_ids) == len(block_hashes) and \
+                    self._hash_to_block.keys().isdisjoint(block_hashes):
+                holders = self._cache_new_run(block_ids, block_hashes, parent_block_id)
+            else:
+                holders = []
+                parent, cache_one = parent_block_id, self._cache_one
+                for block, h in zip(block_ids, block_hashes):
+                    parent = cache_one(block, h, parent)
+                    holders.append(parent)
+            if holders:
+                if parent_block_id == NO_BLOCK:
+                    self._remember_chain(list(holders))
+                elif parent_block_id in self._chains:  # the chain grows: its memo moves to the new last block
+                    chain = self._chains.pop(parent_block_id)
+                    chain.extend(holders)
+                    self._remember_chain(chain)
             self._notify()
             return holders
 
@@ -305,6 +338,44 @@ class BlockPool:
             return out
 
     # ---- internals -----------------------------------------------------------------------------
+    def _cache_new_run(self, block_ids: Sequence[int], block_hashes: Sequence[BlockHash], parent_block_id: int
+                       ) -> list[int]:
+        """``cache_blocks`` where no hash is cached yet: one pass, no per-block holder lookups."""
+        hashes, parents, num_children = self._hash, self._parent, self._num_children
+        block_ids = list(block_ids)
+        first, n = block_ids[0], len(block_ids)
+        if block_ids == list(range(first, first + n)):  # consecutive ids (fresh allocations): slice writes
+            if any(hashes[first : first + n]):
+                raise ValueError(f"a block of {first}..{first + n - 1} already holds a hash")
+            hashes[first : first + n] = block_hashes
+            parents[first : first + n] = [parent_block_id, *range(first, first + n - 1)]
+            num_children[first : first + n - 1] = [c + 1 for c in num_children[first : first + n - 1]]
+        else:
+            if any(map(hashes.__getitem__, block_ids)):
+                bad = next(b for b in block_ids if hashes[b] is not None)
+                raise ValueError(f"block {bad} already holds a hash")
+            prev = parent_block_id
+            for block, h in zip(block_ids, block_hashes):
+                hashes[block] = h
+                parents[block] = prev
+                prev = block
+            for block in block_ids[:-1]:
+                num_children[block] += 1
+        if parent_block_id != NO_BLOCK:
+            num_children[parent_block_id] += 1
+        self._hash_to_block.update(zip(block_hashes, block_ids))
+        if self.track_changes:
+            self._newly_cached.extend(block_hashes)
+        return block_ids
+
+    def _remember_chain(self, chain: list[int]) -> None:
+        """Memoise ``chain`` (a list nobody else holds: it may be extended in place later)."""
+        chains = self._chains
+        chains[chain[-1]] = chain
+        chains.move_to_end(chain[-1])
+        if len(chains) > self._max_memo_chains:
+            chains.popitem(last=False)
+
     def _cache_one(self, block_id: int, block_hash: BlockHash, parent_block_id: int) -> int:
         holder = self._hash_to_block.get(block_hash)
         if holder is not None:
@@ -351,6 +422,7 @@ class BlockPool:
         if h is None:
             return
         del self._hash_to_block[h]
+        self._chains.pop(block, None)
         self._hash[block] = None
         parent = self._parent[block]
         if parent != NO_BLOCK:
@@ -385,3 +457,7 @@ class BlockPool:
                     children[parent] += 1
             assert sum(h is not None for h in self._hash) == len(self._hash_to_block), "stray block hash"
             assert children == self._num_children, "child counts drifted"
+            for last, chain in self._chains.items():
+                assert chain[-1] == last and self._hash[last] is not None, f"memo of chain ending at {last} is stale"
+                assert self._parent[chain[0]] == NO_BLOCK, "a memo chain does not start at a root block"
+                assert all(self._parent[b] == a for a, b in zip(chain, chain[1:])), "a memo chain is not a chain"
