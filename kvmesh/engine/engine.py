@@ -19,6 +19,7 @@ from kvmesh.engine.request_state import RequestStatus
 from kvmesh.engine.sampling_params import SamplingParams
 from kvmesh.engine.scheduler import Scheduler, SchedulerConfig
 from kvmesh.engine.sequence import Sequence
+from kvmesh.engine.spec_decode.speculator import SpeculativeConfig, Speculator
 from kvmesh.errors import InvalidRequestError, KvmeshError
 from kvmesh.kv.block_hash import HashNamespace
 from kvmesh.kv.block_pool import BlockPool
@@ -46,6 +47,7 @@ class EngineConfig:
     cache_salt: str = ""
     track_pool_changes: bool = False  # nodes that publish to the global index drain the pool's change log
     scheduler: SchedulerConfig = SchedulerConfig()
+    speculative: SpeculativeConfig | None = None  # None: no speculative decoding
 
 
 class LLMEngine:
@@ -67,6 +69,15 @@ class LLMEngine:
         self.kv = KVCacheManager(self.pool, config.block_size, self.namespace.root(), config.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv)
         self.runner = ModelRunner(loaded.model, self.layout.allocate(loaded.device), config.block_size)
+        self.speculator = None
+        if config.speculative is not None:
+            proposer = None
+            if config.speculative.method == "self-draft":
+                from kvmesh.engine.spec_decode.self_draft import SelfDraftProposer
+
+                proposer = SelfDraftProposer(loaded.model, self.runner.kv_buffer, config.block_size,
+                                             config.speculative.draft_layers)
+            self.speculator = Speculator(config.speculative, proposer)
         self._ids = itertools.count()
         self.num_steps = 0
         self.on_token: Callable[[Sequence, int], None] | None = None  # called for every sampled token
@@ -125,7 +136,9 @@ class LLMEngine:
         if not out.batch:
             return []
         try:
-            return self._run_batch(out.batch)
+            drafts = {} if self.speculator is None else self.speculator.propose(out.batch, self.kv,
+                                                                                self.max_model_len)
+            return self._run_batch(out.batch, drafts)
         except Exception as e:  # fail exactly this batch's requests; the engine goes on with the rest
             failed = [seq for seq, _ in out.batch if not seq.is_finished]
             for seq in failed:
@@ -133,28 +146,44 @@ class LLMEngine:
                 self.scheduler.finish(seq, RequestStatus.FAILED)
             raise StepFailed(f"engine step failed: {type(e).__name__}: {e}", failed) from e
 
-    def _run_batch(self, batch) -> list[Sequence]:
+    def _run_batch(self, batch, drafts: dict | None = None) -> list[Sequence]:
+        drafts = drafts or {}
         started = time.perf_counter()
-        results = self.runner.execute(batch)
+        results = self.runner.execute(batch, drafts)
         self.num_steps += 1
-        if self.on_prefill_step is not None and any(n > 1 for _, n in batch):
+        if self.on_prefill_step is not None and any(n > 1 and i not in drafts for i, (_, n) in enumerate(batch)):
             self.on_prefill_step(sum(n for _, n in batch), time.perf_counter() - started)
         finished = []
-        for (seq, n), sampled in zip(batch, results):
-            self.scheduler.advance(seq, n)
-            if sampled is None:
-                continue
-            seq.output_token_ids.append(sampled.token_id)
-            seq.cumulative_logprob += sampled.logprob
-            seq.output_logprobs.append(sampled.logprob)
-            if seq.params.logprobs is not None:
-                seq.output_top_logprobs.append(sampled.top)
-            if self.on_token is not None:
-                self.on_token(seq, sampled.token_id)
-            if self._check_stop(seq):
+        for i, ((seq, n), sampled) in enumerate(zip(batch, results)):
+            tokens = sampled if isinstance(sampled, list) else ([] if sampled is None else [sampled])
+            if i in drafts:
+                self.speculator.record(seq, len(drafts[i].token_ids), len(tokens) - 1)
+            num_emitted, done = 0, False
+            for token in tokens:
+                num_emitted += 1
+                if self._emit(seq, token):
+                    done = True
+                    break
+            # A verification computed K/V for the last token and the kept guesses: one per emitted token.
+            self.scheduler.advance(seq, num_emitted if i in drafts else n)
+            if done:
                 self.scheduler.finish(seq, RequestStatus.FINISHED)
                 finished.append(seq)
+        if self.speculator is not None:
+            for seq in finished:
+                self.speculator.forget(seq)
         return finished
+
+    def _emit(self, seq: Sequence, sampled) -> bool:
+        """Append one sampled token to ``seq`` and stream it; True when ``seq`` is done."""
+        seq.output_token_ids.append(sampled.token_id)
+        seq.cumulative_logprob += sampled.logprob
+        seq.output_logprobs.append(sampled.logprob)
+        if seq.params.logprobs is not None:
+            seq.output_top_logprobs.append(sampled.top)
+        if self.on_token is not None:
+            self.on_token(seq, sampled.token_id)
+        return self._check_stop(seq)
 
     def _check_stop(self, seq: Sequence) -> bool:
         """Sets ``finish_reason`` and returns True when ``seq`` is done."""

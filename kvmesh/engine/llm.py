@@ -15,6 +15,7 @@ from kvmesh.engine.engine import EngineConfig, LLMEngine
 from kvmesh.engine.outputs import RequestOutput
 from kvmesh.engine.sampling_params import SamplingParams
 from kvmesh.engine.scheduler import SchedulerConfig
+from kvmesh.engine.spec_decode.speculator import SpeculativeConfig
 from kvmesh.model.loader import load_model
 
 
@@ -24,14 +25,14 @@ class LLM:
                  max_num_batched_tokens: int = 2048, max_num_seqs: int = 64, max_model_len: int | None = None,
                  enable_prefix_caching: bool = True, long_prefill_token_threshold: int = 0,
                  max_num_partial_prefills: int = 4, eviction_policy: str = "tail-first-lru",
-                 progress: bool = True):
+                 speculative: SpeculativeConfig | None = None, progress: bool = True):
         self.loaded = load_model(model, dtype=dtype, device=device, progress=progress)
         scheduler = SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
                                     long_prefill_token_threshold=long_prefill_token_threshold,
                                     max_num_partial_prefills=max_num_partial_prefills)
         self.engine = LLMEngine(self.loaded, EngineConfig(
             block_size=block_size, num_kv_blocks=num_kv_blocks, kv_cache_memory_gib=kv_cache_memory_gib,
-            max_model_len=max_model_len, enable_prefix_caching=enable_prefix_caching,
+            max_model_len=max_model_len, enable_prefix_caching=enable_prefix_caching, speculative=speculative,
             eviction_policy=eviction_policy, scheduler=scheduler))
 
     @property

@@ -5,6 +5,10 @@ A batch is a list of ``(sequence, num_new_tokens)``: the sequence's tokens
 their K/V stored in its blocks (which must already cover them). Sequences whose
 chunk reaches their last token get a sampled token back; mid-prompt chunks get
 None. Decodes (one new token) are put first, as the kernels expect.
+
+Speculative decoding: ``drafts[i]`` turns batch item i (a decode) into a verification
+of ``[last token, d1 .. dk]`` (num_new_tokens = k + 1); it gets back the list of
+tokens the rejection sampler emits (accepted drafts, then one from the target).
 """
 from __future__ import annotations
 
@@ -12,8 +16,10 @@ from typing import NamedTuple
 
 import torch
 
-from kvmesh.engine.sampler import sample
+from kvmesh.engine.sampler import sample, top_logprobs
 from kvmesh.engine.sequence import Sequence
+from kvmesh.engine.spec_decode.proposers import Proposal
+from kvmesh.engine.spec_decode.rejection import verify_drafts
 from kvmesh.kernels.attention_metadata import AttentionMetadata
 from kvmesh.model.llama import LlamaForCausalLM
 
@@ -32,11 +38,13 @@ class ModelRunner:
         self.device = kv_buffer.device
 
     @torch.inference_mode()
-    def execute(self, batch: list[tuple[Sequence, int]]) -> list[SampledToken | None]:
+    def execute(self, batch: list[tuple[Sequence, int]], drafts: dict[int, Proposal] | None = None
+                ) -> list[SampledToken | list[SampledToken] | None]:
         """Compute one step; returns one entry per batch item in the caller's order.
 
         Does not change the sequences: the caller advances ``num_computed_tokens``.
         """
+        drafts = drafts or {}
         order = sorted(range(len(batch)), key=lambda i: batch[i][1] != 1)  # decodes first, stable
         input_ids: list[int] = []
         positions: list[int] = []
@@ -44,7 +52,10 @@ class ModelRunner:
         for i in order:
             seq, n = batch[i]
             start = seq.num_computed_tokens
-            input_ids += seq.token_ids(start, start + n)
+            if i in drafts:  # the last token (no K/V yet), then the guesses after it
+                input_ids += seq.token_ids(start, start + 1) + drafts[i].token_ids
+            else:
+                input_ids += seq.token_ids(start, start + n)
             positions += range(start, start + n)
             query_lens.append(n)
             seq_lens.append(start + n)
@@ -53,20 +64,31 @@ class ModelRunner:
                                      block_size=self.block_size, device=self.device)
         hidden = self.model(torch.tensor(input_ids, device=self.device),
                             torch.tensor(positions, device=self.device), self.kv_buffer, md)
-        rows, sampled_items = [], []
+        rows, sampled_items, verify_rows = [], [], {}
         end = 0
         for i, q_len in zip(order, query_lens):
             end += q_len
             seq, n = batch[i]
-            if seq.num_computed_tokens + n == seq.num_tokens:
+            if i in drafts:
+                verify_rows[i] = range(end - q_len, end)
+            elif seq.num_computed_tokens + n == seq.num_tokens:
                 rows.append(end - 1)
                 sampled_items.append(i)
-        results: list[SampledToken | None] = [None] * len(batch)
-        if not rows:
-            return results
-        logits = self.model.compute_logits(hidden[rows])
-        seqs = [batch[i][0] for i in sampled_items]
-        tokens, logprobs, tops = sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
-        for i, tok, lp, top in zip(sampled_items, tokens, logprobs, tops):
-            results[i] = SampledToken(tok, lp, top)
+        results: list[SampledToken | list[SampledToken] | None] = [None] * len(batch)
+        if rows:
+            logits = self.model.compute_logits(hidden[rows])
+            seqs = [batch[i][0] for i in sampled_items]
+            tokens, logprobs, tops = sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
+            for i, tok, lp, top in zip(sampled_items, tokens, logprobs, tops):
+                results[i] = SampledToken(tok, lp, top)
+        for i, item_rows in verify_rows.items():
+            results[i] = self._verify(batch[i][0], drafts[i], self.model.compute_logits(hidden[item_rows.start:
+                                                                                               item_rows.stop]))
         return results
+
+    @staticmethod
+    def _verify(seq: Sequence, draft: Proposal, logits: torch.Tensor) -> list[SampledToken]:
+        verdict = verify_drafts(logits, draft.token_ids, seq.params, seq.generator, draft.probs)
+        logprobs = torch.log_softmax(logits[: len(verdict.token_ids)], dim=-1)
+        return [SampledToken(tok, float(logprobs[j, tok]), top_logprobs(logprobs[j], seq.params))
+                for j, tok in enumerate(verdict.token_ids)]

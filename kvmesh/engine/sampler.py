@@ -20,23 +20,34 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
     for row, p in enumerate(params):
         if p.greedy:
             continue
-        scaled = logits[row] / p.temperature
-        if p.top_k > 0 and p.top_k < scaled.numel():
-            kth = torch.topk(scaled, p.top_k).values[-1]
-            scaled = scaled.masked_fill(scaled < kth, float("-inf"))
-        probs = torch.softmax(scaled, dim=-1)
-        if p.top_p < 1.0:
-            sorted_probs, order = probs.sort(descending=True)
-            before = sorted_probs.cumsum(0) - sorted_probs
-            sorted_probs[before >= p.top_p] = 0.0
-            probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+        probs = target_probs(logits[row], p)
         token_ids[row] = int(torch.multinomial(probs, 1, generator=generators[row]).item())
     logprobs = [float(logprobs_all[row, tok]) for row, tok in enumerate(token_ids)]
-    tops: list[list[tuple[int, float]]] = []
-    for row, p in enumerate(params):
-        if p.logprobs:
-            values, ids = torch.topk(logprobs_all[row], p.logprobs)
-            tops.append(list(zip(ids.tolist(), values.tolist())))
-        else:
-            tops.append([])
-    return token_ids, logprobs, tops
+    return token_ids, logprobs, [top_logprobs(logprobs_all[row], p) for row, p in enumerate(params)]
+
+
+def target_probs(logits_row: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The distribution a non-greedy row samples from: temperature, then top-k, then top-p ([V] float32).
+
+    Speculative decoding's rejection sampler accepts drafts against exactly this distribution,
+    so its output is distributed as plain sampling's.
+    """
+    scaled = logits_row / params.temperature
+    if params.top_k > 0 and params.top_k < scaled.numel():
+        kth = torch.topk(scaled, params.top_k).values[-1]
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    probs = torch.softmax(scaled, dim=-1)
+    if params.top_p < 1.0:
+        sorted_probs, order = probs.sort(descending=True)
+        before = sorted_probs.cumsum(0) - sorted_probs
+        sorted_probs[before >= params.top_p] = 0.0
+        probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+    return probs
+
+
+def top_logprobs(logprobs_row: torch.Tensor, params: SamplingParams) -> list[tuple[int, float]]:
+    """The ``params.logprobs`` most likely tokens with their logprobs (empty when not asked for)."""
+    if not params.logprobs:
+        return []
+    values, ids = torch.topk(logprobs_row, params.logprobs)
+    return list(zip(ids.tolist(), values.tolist()))

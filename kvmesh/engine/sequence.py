@@ -30,6 +30,8 @@ class Sequence:
     output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)  # when params.logprobs
     output_text: str | None = None  # set when a stop string cut the text
     finish_reason: str | None = None
+    num_draft_tokens: int = 0  # speculative decoding: guesses verified for this request ...
+    num_accepted_tokens: int = 0  # ... and how many of them were kept
 
     @property
     def num_tokens(self) -> int:

@@ -109,11 +109,15 @@ class LlamaForCausalLM(nn.Module):
         self.rope = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_buffer: torch.Tensor,
-                md: AttentionMetadata) -> torch.Tensor:
-        """input_ids, positions [T] -> final hidden states [T, hidden]; K/V of all T tokens are stored."""
+                md: AttentionMetadata, num_layers: int | None = None) -> torch.Tensor:
+        """input_ids, positions [T] -> final hidden states [T, hidden]; K/V of all T tokens are stored.
+
+        ``num_layers``: run only the first layers (then the final norm), storing K/V of those layers
+        only: an early-exit draft of the same model (speculative decoding's self-draft).
+        """
         x = self.model.embed_tokens(input_ids)
         rope = self.rope.lookup(positions, x.dtype)
-        for layer in self.model.layers:
+        for layer in self.model.layers[:num_layers]:
             x = layer(x, rope, kv_buffer, md)
         return self.model.norm(x)
 
