@@ -23,6 +23,8 @@ class RouterMetrics:
                              registry=r)
         self.prompt_tokens = Counter("kvmesh_prompt_tokens", "Prompt tokens by where their KV came from",
                                      ["source"], registry=r)
+        self.spec_tokens = Counter("kvmesh_spec_tokens", "Speculative decoding: guessed tokens verified, and kept",
+                                   ["outcome"], registry=r)
         self.migrations = Counter("kvmesh_migrations", "Streams moved to another decode node", registry=r)
         self.in_flight = Gauge("kvmesh_in_flight", "Requests in flight through this router", registry=r)
         if node_stats is not None:
@@ -35,6 +37,9 @@ class RouterMetrics:
         for source, key in (("local", "tokens_reused_local"), ("remote", "tokens_reused_remote"),
                             ("prefill_node", "tokens_from_prefill_node"), ("computed", "tokens_computed")):
             self.prompt_tokens.labels(source).inc(int(cache.get(key, 0)))
+        if cache.get("spec_draft_tokens"):
+            self.spec_tokens.labels("drafted").inc(int(cache["spec_draft_tokens"]))
+            self.spec_tokens.labels("accepted").inc(int(cache.get("spec_accepted_tokens", 0)))
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

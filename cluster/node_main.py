@@ -35,6 +35,10 @@ def add_node_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--transfer-gib-per-s", type=float, default=1.0,
                    help="the cost model's bandwidth before it has measured real transfers")
     p.add_argument("--no-prefix-cache", action="store_true", help="compute every prompt in full (baseline)")
+    p.add_argument("--speculative", default="off", choices=["off", "ngram", "self-draft"],
+                   help="decode nodes: speculative decoding with prompt-lookup guesses or a self-draft (the "
+                        "model's first layers); requests whose guesses mostly fail stop guessing for a while")
+    p.add_argument("--num-speculative-tokens", type=int, default=4)
     p.add_argument("--no-global-pool", action="store_true", help="local caches only: no global index lookups")
     p.add_argument("--cluster-token", default=None,
                    help="shared secret that authenticates every frame between nodes and routers "
@@ -55,6 +59,7 @@ def run_node(role: str, args: argparse.Namespace) -> int:
                      lease_ttl_s=args.lease_ttl, transfer_gib_per_s=args.transfer_gib_per_s,
                      prefill_timeout_s=args.prefill_timeout, local_prefill_tokens=args.local_prefill_tokens,
                      enable_prefix_caching=not args.no_prefix_cache, use_global_pool=not args.no_global_pool,
+                     speculative=args.speculative, num_speculative_tokens=args.num_speculative_tokens,
                      cluster_token=token_from_env(args.cluster_token))
     stop_on_sigterm()  # SIGTERM: deregister and close like Ctrl-C or a closed stdin
     try:

@@ -38,6 +38,13 @@ def add_node_share_arguments(p: argparse.ArgumentParser) -> None:
                    help="the nodes' model dtype (auto: bfloat16 on CPUs with AMX or AVX512-BF16, else float32)")
     p.add_argument("--threads", type=int, default=0,
                    help="compute threads per node (0: this machine's cores split evenly among the nodes)")
+    p.add_argument("--speculative", default="off", choices=["off", "ngram", "self-draft"],
+                   help="speculative decoding on the decode nodes (prompt lookup, or the model's first layers)")
+
+
+def node_share_args(args: argparse.Namespace) -> list[str]:
+    """The node arguments ``add_node_share_arguments`` adds beyond dtype and threads."""
+    return ["--speculative", args.speculative]
 
 
 def add_front_end_arguments(p: argparse.ArgumentParser) -> None:
@@ -99,6 +106,7 @@ def run_serve(args: argparse.Namespace) -> int:
     try:
         with LocalCluster(args.prefill, args.decode, model=args.model, etcd=args.etcd, cluster=args.cluster,
                           start_timeout_s=600, dtype=args.dtype, threads_per_node=args.threads,
+                          node_args=node_share_args(args),
                           cluster_token=token_from_env(args.cluster_token) or None) as cluster, \
                 Supervisor(cluster, max_restarts=args.max_restarts) as supervisor:
             run_front_ends(args, cluster.etcd_endpoint, args.cluster, cluster.token, supervisor.status)

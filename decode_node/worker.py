@@ -345,6 +345,8 @@ class DecodeWorker(NodeRuntime):
                    "tokens_computed": seq.num_prompt_tokens - seq.num_prefix_hit_tokens - remote - from_prefill}
         self.prompt_token_sources.update(sources)
         stats = {**sources, "kv_wait_ms": request.kv_wait_s * 1e3}
+        if seq.num_draft_tokens:
+            stats.update(spec_draft_tokens=seq.num_draft_tokens, spec_accepted_tokens=seq.num_accepted_tokens)
         self.endpoint.send(request.identity, encode(nm.TokenEvent(seq.request_id, [], finished=True,
                                                                   finish_reason=seq.finish_reason or "",
                                                                   stats=stats)))

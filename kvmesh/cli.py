@@ -88,6 +88,14 @@ def _add_bench(sub) -> None:
     ru.add_argument("--suffix-tokens", type=int, default=32)
     ru.add_argument("--rounds", type=int, default=3)
     ru.set_defaults(func=_run_bench_reuse)
+    sp = which.add_parser("spec", help="decode tokens/s with and without speculative decoding (copy, chat)")
+    sp.add_argument("--json", default=None)
+    sp.add_argument("--model", default="smollm2-135m")
+    sp.add_argument("--method", default="ngram", choices=["ngram", "self-draft"])
+    sp.add_argument("--num-speculative-tokens", type=int, default=4)
+    sp.add_argument("--max-tokens", type=int, default=96)
+    sp.add_argument("--dtype", default="float32", help="float32: greedy output stays bitwise identical")
+    sp.set_defaults(func=_run_bench_spec)
     rt = which.add_parser("routing", help="cache-aware vs round-robin vs random routing, shared-prefix workload")
     rt.add_argument("--json", default=None)
     rt.add_argument("--model", default="tiny-llama")
@@ -142,6 +150,13 @@ def _run_bench_routing(args: argparse.Namespace) -> int:
     from kvmesh.bench import routing
 
     routing.run(args.json, args.model, args.groups, args.per_group, args.system_len, num_decode=args.decode)
+    return 0
+
+
+def _run_bench_spec(args: argparse.Namespace) -> int:
+    from kvmesh.bench import spec
+
+    spec.run(args.json, args.model, args.method, args.max_tokens, args.num_speculative_tokens, args.dtype)
     return 0
 
 
@@ -209,6 +224,7 @@ def _run_local_cluster(args: argparse.Namespace) -> int:
 
     from kvmesh.auth import token_from_env
     from kvmesh.cluster.local_launcher import LocalCluster
+    from kvmesh.cluster.serve import node_share_args
     from kvmesh.cluster.supervisor import Supervisor
     from kvmesh.lifecycle import stop_on_sigterm
 
@@ -217,7 +233,8 @@ def _run_local_cluster(args: argparse.Namespace) -> int:
           file=sys.stderr)
     try:
         with LocalCluster(args.prefill, args.decode, model=args.model, etcd=args.etcd, start_timeout_s=600,
-                          dtype=args.dtype, threads_per_node=args.threads) as cluster, \
+                          dtype=args.dtype, threads_per_node=args.threads,
+                          node_args=node_share_args(args)) as cluster, \
                 Supervisor(cluster, max_restarts=args.max_restarts):
             generated = not token_from_env()
             print(_json.dumps({"etcd": cluster.etcd_endpoint, "nodes": {n: p.info for n, p in cluster.nodes.items()},

@@ -152,3 +152,24 @@ def test_adaptive_speculation_pauses_a_request_whose_guesses_fail():
     assert adaptive.propose(seq, 4).token_ids == []
     seq.output_token_ids.extend([7] * 10)
     assert adaptive.propose(seq, 4).token_ids == [0] * 4  # tries again after the pause
+
+
+def test_a_decode_node_speculates_and_reports_acceptance():
+    """--speculative ngram on a real decode node: same tokens as plain decoding, acceptance in the final
+    event, the node's stats and the router's /metrics counters."""
+    from kvmesh.cluster.local_launcher import LocalCluster
+    from kvmesh.cluster.metrics import RouterMetrics
+
+    llm = LLM("tiny-llama", num_kv_blocks=256, progress=False)
+    ids = llm.tokenizer.encode(PROMPTS[0])
+    want = llm.generate(ids, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    with LocalCluster(0, 1, node_args=["--speculative", "ngram"], cluster="spec") as cluster:
+        out = cluster.client("decode-0").generate(ids, GREEDY)
+        stats = cluster.client("decode-0").stats(check=True)
+    assert out.error == "" and out.token_ids == want
+    assert 0 < out.stats["spec_accepted_tokens"] <= out.stats["spec_draft_tokens"]
+    assert stats["spec_draft_tokens"] == out.stats["spec_draft_tokens"]
+    metrics = RouterMetrics()
+    metrics.record_finished(out.stats)
+    text = metrics.exposition().decode()
+    assert f'kvmesh_spec_tokens_total{{outcome="accepted"}} {float(out.stats["spec_accepted_tokens"])}' in text

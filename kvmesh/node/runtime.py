@@ -25,6 +25,7 @@ from kvmesh.auth import ClusterAuth
 from kvmesh.engine.engine import EngineConfig, LLMEngine
 from kvmesh.engine.scheduler import SchedulerConfig
 from kvmesh.engine.sequence import Sequence
+from kvmesh.engine.spec_decode.speculator import SpeculativeConfig
 from kvmesh.kv.block_hash import HashNamespace
 from kvmesh.kv.cache_stats import PrefixCacheStats
 from kvmesh.metadata.records import NodeRecord
@@ -65,6 +66,8 @@ class NodeConfig:
     transfer_gib_per_s: float = 1.0  # assumed by the cost model
     enable_prefix_caching: bool = True  # off: every prompt is computed in full (a benchmark baseline)
     use_global_pool: bool = True  # off: no lookups in the global index (local caches only, vLLM-style PD)
+    speculative: str = "off"  # decode nodes: "ngram" (prompt lookup), "self-draft" or "off"
+    num_speculative_tokens: int = 4
     cluster_token: str = field(default="", repr=False)  # authenticates every frame (kvmesh.auth)
 
 
@@ -85,6 +88,8 @@ class NodeRuntime:
         self.engine = LLMEngine(self.loaded, EngineConfig(
             block_size=cfg.block_size, num_kv_blocks=cfg.num_kv_blocks, track_pool_changes=True,
             enable_prefix_caching=cfg.enable_prefix_caching,
+            speculative=None if cfg.speculative == "off" or cfg.role != "decode" else SpeculativeConfig(
+                method=cfg.speculative, num_speculative_tokens=cfg.num_speculative_tokens),
             scheduler=SchedulerConfig(max_num_seqs=cfg.max_num_seqs,
                                       max_num_batched_tokens=cfg.max_num_batched_tokens)))
         self.pool = self.engine.pool
@@ -207,7 +212,8 @@ class NodeRuntime:
                  "num_quarantined_blocks": self.agent.grants.num_quarantined_blocks,
                  "num_quarantined_total": self.agent.grants.num_quarantined_total,
                  "num_pending_pushes": self.agent.holder.num_pending,
-                 "num_failed_steps": self.loop.num_failed_steps, **self.role_stats()}
+                 "num_failed_steps": self.loop.num_failed_steps, **self.role_stats(),
+                 **(self.engine.speculator.stats() if self.engine.speculator is not None else {})}
         return nm.StatsReply(self.cfg.node_id, stats, error)
 
     # ---- role hooks -----------------------------------------------------------------------------------
