@@ -44,7 +44,7 @@ def sampling_from_proto(s) -> list[SamplingParams]:
                           else 1.0, top_p=s.top_p or 1.0, top_k=s.top_k or -1,
                           seed=s.seed if s.HasField("seed") else None, stop_token_ids=tuple(s.stop_token_ids),
                           stop=tuple(s.stop), ignore_eos=s.ignore_eos,
-                          logprobs=s.logprobs if s.HasField("logprobs") else None)
+                          logprobs=s.logprobs if s.HasField("logprobs") else None, priority=s.priority)
     n = s.n or 1
     if n > MAX_CHOICES:
         raise InvalidRequestError(f"n must be in 1..{MAX_CHOICES}, got {n}")

@@ -1,8 +1,8 @@
 """The OpenAI request and response shapes: body fields -> prompts and SamplingParams, chunks -> JSON.
 
 Defaults are OpenAI's where the OpenAI API is spoken (``temperature`` 1, ``max_tokens`` 16);
-``ignore_eos`` is accepted as vLLM does. A field this server does not implement is a 400
-naming it, never silently dropped.
+``ignore_eos`` and ``priority`` (lower is more urgent) are accepted as vLLM does. A field this
+server does not implement is a 400 naming it, never silently dropped.
 """
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ def sampling_params(body: dict, chat: bool) -> SamplingParams:
                           temperature=1.0 if temperature is None else temperature,
                           top_p=1.0 if top_p is None else top_p, top_k=-1 if top_k is None else top_k,
                           seed=body.get("seed"), ignore_eos=body.get("ignore_eos", False),  # a vLLM extension
-                          logprobs=logprobs,
+                          logprobs=logprobs, priority=body.get("priority", 0),  # a vLLM extension too
                           stop=(stop,) if isinstance(stop, str) else tuple(stop) if isinstance(stop, list) else stop)
 
 
@@ -59,7 +59,7 @@ _UNSUPPORTED = {"best_of": lambda v: v not in (None, 1),
 
 
 _FIELDS = {"model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed", "stop", "n",
-           "stream", "stream_options", "ignore_eos", "user", "logprobs"}
+           "stream", "stream_options", "ignore_eos", "user", "logprobs", "priority"}
 _COMPLETION_FIELDS = _FIELDS | {"prompt"}
 _CHAT_FIELDS = _FIELDS | {"messages", "top_logprobs"}
 

@@ -164,7 +164,7 @@ def test_a_failed_step_fails_exactly_its_batch_and_the_engine_goes_on():
     first = [engine.add_request(list(range(1, 40)), params), engine.add_request(list(range(5, 30)), params)]
     real_execute = engine.runner.execute
 
-    def broken(batch):
+    def broken(batch, drafts=None):
         raise RuntimeError("injected kernel failure")
 
     engine.runner.execute = broken

@@ -14,6 +14,7 @@ from kvmesh.errors import InvalidRequestError
 
 
 MAX_LOGPROBS = 20
+MIN_PRIORITY, MAX_PRIORITY = -1000, 1000
 
 
 @dataclass(frozen=True)
@@ -27,6 +28,7 @@ class SamplingParams:
     stop: tuple[str, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
     logprobs: int | None = None  # also return this many most likely alternatives per token (0..20)
+    priority: int = 0  # lower is more urgent (admitted first, preempted last); ageing bounds waits
 
     def __post_init__(self) -> None:
         # Accept lists from callers while keeping the frozen record hashable.
@@ -53,6 +55,10 @@ class SamplingParams:
             raise InvalidRequestError(f"top_k must be -1 (off) or >= 1, got {self.top_k!r}")
         if any(not s for s in self.stop):
             raise InvalidRequestError("stop strings must be non-empty")
+        if isinstance(self.priority, bool) or not isinstance(self.priority, int) or \
+                not MIN_PRIORITY <= self.priority <= MAX_PRIORITY:
+            raise InvalidRequestError(f"priority must be an integer in {MIN_PRIORITY}..{MAX_PRIORITY}, "
+                                      f"got {self.priority!r}")
         if self.logprobs is not None and (isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int)
                                           or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise InvalidRequestError(f"logprobs must be an integer in 0..{MAX_LOGPROBS}, got {self.logprobs!r}")
@@ -62,7 +68,8 @@ class SamplingParams:
         return self.temperature == 0.0 or self.top_k == 1
 
 
-WIRE_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids", "ignore_eos", "logprobs")
+WIRE_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids", "ignore_eos", "logprobs",
+               "priority")
 
 
 def to_wire(params: SamplingParams) -> dict:

@@ -2,18 +2,25 @@
 
 Each step spends a token budget (``max_num_batched_tokens``) in this order:
 
-1. running decodes (one token each), oldest first; when blocks run out, the most
-   recently admitted request is preempted (blocks freed, recomputed later; its own
-   cached blocks usually make that cheap);
+1. running decodes (one token each), oldest first; when blocks run out, the least
+   urgent request is preempted, the newest of them first (blocks freed, recomputed
+   later; its own cached blocks usually make that cheap);
 2. running prefills, the next chunk each (at most ``long_prefill_token_threshold``);
-3. waiting requests, FCFS: prefix-cache hits are adopted and only the rest is
-   scheduled, while at most ``max_num_partial_prefills`` requests are mid-prefill.
+3. waiting requests by (effective priority, arrival): prefix-cache hits are adopted and
+   only the rest is scheduled, while at most ``max_num_partial_prefills`` requests are
+   mid-prefill. A waiting request that finds no room preempts running requests that
+   are strictly less urgent than it.
+
+Priorities: ``SamplingParams.priority``, lower is more urgent (0 by default). Ageing
+bounds starvation: every ``aging_steps`` scheduler steps a request waits, its effective
+priority improves by one, so a request of priority p waits at most about
+``(p - q) * aging_steps`` steps behind a stream of requests of priority q < p.
 
 All status changes go through ``request_state.transition``.
 """
 from __future__ import annotations
 
-from collections import deque
+import itertools
 from dataclasses import dataclass, field
 
 from kvmesh.engine.kv_cache_manager import KVCacheManager
@@ -28,9 +35,11 @@ class SchedulerConfig:
     max_num_seqs: int = 64
     long_prefill_token_threshold: int = 0  # 0: a prefill chunk may take the whole budget
     max_num_partial_prefills: int = 4
+    aging_steps: int = 256  # waiting this many steps makes a request one priority level more urgent
 
     def __post_init__(self) -> None:
-        if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1 or self.max_num_partial_prefills < 1:
+        if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1 or self.max_num_partial_prefills < 1 or \
+                self.aging_steps < 1:
             raise ValueError("scheduler limits must be >= 1")
 
 
@@ -45,19 +54,28 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager):
         self.config = config
         self.kv = kv
-        self.waiting: deque[Sequence] = deque()
+        self.waiting: list[Sequence] = []  # sorted by ``_urgency`` at the start of every admission
         self.running: list[Sequence] = []
         self.awaiting_kv: dict[str, Sequence] = {}
         self.num_preemptions = 0
+        self.num_steps = 0
+        self._arrivals = itertools.count()
 
     def add(self, seq: Sequence) -> None:
+        seq.arrival, seq.arrival_step = next(self._arrivals), self.num_steps
         self.waiting.append(seq)
+
+    def _urgency(self, seq: Sequence) -> tuple[int, int]:
+        """Sort key of waiting requests: effective priority (aged), then arrival."""
+        aged = (self.num_steps - seq.arrival_step) // self.config.aging_steps
+        return seq.params.priority - aged, seq.arrival
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.awaiting_kv)
 
     # ---- one step ----------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
+        self.num_steps += 1
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         scheduled: set[int] = set()
@@ -79,6 +97,8 @@ class Scheduler:
                     out.batch.append((seq, n))
                     scheduled.add(id(seq))
                     budget -= n
+        if len(self.waiting) > 1:
+            self.waiting.sort(key=self._urgency)
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:  # 3. admit
             if sum(s.is_prefilling for s in self.running) >= self.config.max_num_partial_prefills:
                 break
@@ -87,13 +107,21 @@ class Scheduler:
             num_cached_tokens = len(cached) * self.kv.block_size
             n = min(seq.num_tokens - num_cached_tokens, budget, self._threshold())
             if not self.kv.allocate(seq, num_cached_tokens + n, cached):
-                break
+                victim = self._least_urgent(set())
+                if victim is None or victim.params.priority <= seq.params.priority:
+                    break
+                if id(victim) in scheduled:  # it leaves this step's batch too
+                    budget += self._unschedule(victim, scheduled, out)
+                self._preempt(victim)  # a more urgent request takes its blocks; try again
+                out.preempted.append(victim)
+                self.waiting.sort(key=self._urgency)
+                continue
             if not seq.was_admitted:
                 seq.was_admitted = True
                 seq.num_prefix_hit_tokens = num_cached_tokens
                 self.kv.stats.record_lookup(seq.num_prompt_tokens, num_cached_tokens)
             seq.num_computed_tokens = num_cached_tokens
-            self.waiting.popleft()
+            self.waiting.pop(0)
             transition(seq, RequestStatus.RUNNING)
             self.running.append(seq)
             out.batch.append((seq, n))
@@ -109,14 +137,29 @@ class Scheduler:
         return min(seq.num_tokens - seq.num_computed_tokens, budget, self._threshold())
 
     def _make_room(self, seq: Sequence, num_tokens: int, scheduled: set[int], out: SchedulerOutput) -> bool:
-        """Allocate for ``seq``, preempting the newest unscheduled requests; False if ``seq`` itself went."""
+        """Allocate for ``seq``, preempting less urgent unscheduled requests (then the newest of equals);
+        when every other candidate is more urgent than ``seq``, ``seq`` itself goes (returns False)."""
         while not self.kv.allocate(seq, num_tokens):
-            victim = next((s for s in reversed(self.running) if id(s) not in scheduled and s is not seq), None)
-            self._preempt(victim or seq)
-            out.preempted.append(victim or seq)
-            if victim is None:
+            victim = self._least_urgent(scheduled | {id(seq)})
+            if victim is None or (victim.params.priority, victim.arrival) < (seq.params.priority, seq.arrival):
+                victim = seq
+            self._preempt(victim)
+            out.preempted.append(victim)
+            if victim is seq:
                 return False
         return True
+
+    @staticmethod
+    def _unschedule(seq: Sequence, scheduled: set[int], out: SchedulerOutput) -> int:
+        """Take ``seq`` out of this step's batch; returns the tokens it had been given."""
+        index = next(i for i, (s, _) in enumerate(out.batch) if s is seq)
+        scheduled.discard(id(seq))
+        return out.batch.pop(index)[1]
+
+    def _least_urgent(self, excluded: set[int]) -> Sequence | None:
+        """The running request to preempt first: the highest priority value, the newest among equals."""
+        candidates = [s for s in self.running if id(s) not in excluded]
+        return max(candidates, key=lambda s: (s.params.priority, s.arrival), default=None)
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
@@ -124,7 +167,7 @@ class Scheduler:
         seq.num_computed_tokens = 0
         transition(seq, RequestStatus.PREEMPTED)
         transition(seq, RequestStatus.WAITING)
-        self.waiting.appendleft(seq)
+        self.waiting.insert(0, seq)
         self.num_preemptions += 1
 
     def advance(self, seq: Sequence, num_new_tokens: int) -> None:
