@@ -31,7 +31,8 @@ def _bearer_middleware(token: str):
 
     @web.middleware
     async def check(request: web.Request, handler):
-        if request.path.startswith("/v1/") and request.headers.get("Authorization") != expected:
+        protected = request.path.startswith("/v1/") or request.path.startswith("/admin/")
+        if protected and request.headers.get("Authorization") != expected:
             return _error(401, "missing or wrong bearer token", "authentication_error")
         return await handler(request)
 
@@ -51,6 +52,9 @@ class OpenAIServer:
         self.app.router.add_get("/metrics", self.metrics)
         self.app.router.add_post("/tokenize", self.tokenize)
         self.app.router.add_post("/detokenize", self.detokenize)
+        self.app.router.add_get("/admin/pins", self.list_pins)
+        self.app.router.add_post("/admin/pins", self.pin)
+        self.app.router.add_delete("/admin/pins/{pin_id}", self.unpin)
 
     async def health(self, request: web.Request) -> web.Response:
         return web.json_response({"status": "ok"})
@@ -82,6 +86,33 @@ class OpenAIServer:
         except InvalidRequestError as e:
             return _error(400, str(e), "invalid_request_error")
         return web.json_response({"tokens": tokens, "count": len(tokens), "max_model_len": self.router.max_model_len})
+
+    async def pin(self, request: web.Request) -> web.Response:
+        """{"text": str} or {"tokens": [ids]}, optional "label" -> the pin: kept on every node until unpinned."""
+        try:
+            body = await self._body(request)
+            if isinstance(body.get("text"), str):
+                tokens = self.router.tokenize(body["text"])
+            elif isinstance(body.get("tokens"), list):
+                tokens = body["tokens"]
+            else:
+                raise InvalidRequestError("pin takes {\"text\": str} or {\"tokens\": [token ids]}")
+            label = body.get("label", "")
+            if not isinstance(label, str):
+                raise InvalidRequestError("label must be a string")
+            pinned = await asyncio.to_thread(self.router.pin, tokens, label)
+        except InvalidRequestError as e:
+            return _error(400, str(e), "invalid_request_error")
+        return web.json_response(pinned)
+
+    async def unpin(self, request: web.Request) -> web.Response:
+        pin_id = request.match_info["pin_id"]
+        if not await asyncio.to_thread(self.router.unpin, pin_id):
+            return _error(404, f"no pin {pin_id!r}", "not_found_error")
+        return web.json_response({"id": pin_id, "unpinned": True})
+
+    async def list_pins(self, request: web.Request) -> web.Response:
+        return web.json_response({"pins": await asyncio.to_thread(self.router.pins)})
 
     async def detokenize(self, request: web.Request) -> web.Response:
         """{"tokens": [ids]} -> {"prompt": text}."""

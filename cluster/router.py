@@ -24,6 +24,8 @@ from kvmesh.engine.sampling_params import SamplingParams, to_wire
 from kvmesh.errors import InvalidRequestError, KvmeshError
 from kvmesh.kv.block_hash import hash_blocks
 from kvmesh.metadata.block_index import BlockIndex
+from kvmesh.metadata.pins import PinRegistry
+from kvmesh.metadata.records import PinRecord
 from kvmesh.metadata.etcd_store import EtcdStore
 from kvmesh.metadata.registry import NodeDirectory
 from kvmesh.auth import ClusterAuth
@@ -96,6 +98,7 @@ class Router:
         self.fingerprint = card_of_nodes["fingerprint"]
         self.root_hash = bytes.fromhex(card_of_nodes["root_hash"])
         self.index = BlockIndex(self.store, cfg.cluster, card_of_nodes["index_namespace"])
+        self.pin_registry = PinRegistry(self.store, cfg.cluster, card_of_nodes["index_namespace"])
         self.refused_nodes: set[str] = set()  # registered, but serving other weights
         self.policy = make_policy(cfg.routing)
         self._connections: dict[str, NodeConnection] = {}
@@ -321,10 +324,48 @@ class Router:
                         "in_flight": conn.num_open, "stats": stats})
         return out
 
+    # ---- pinned prefixes ---------------------------------------------------------------------------
+    def pin(self, prompt_ids: list[int], label: str = "") -> dict:
+        """Pin a prefix on every node, now and later (etcd-backed); returns its id and size in blocks.
+
+        Raises InvalidRequestError for bad tokens or a prefix shorter than one block."""
+        if not prompt_ids or any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size
+                                 for t in prompt_ids):
+            raise InvalidRequestError(f"a pinned prefix needs token ids in [0, {self.vocab_size})")
+        if len(prompt_ids) >= self.max_model_len:
+            raise InvalidRequestError(f"the prefix has {len(prompt_ids)} tokens; the context is {self.max_model_len}")
+        hashes = hash_blocks(self.root_hash, prompt_ids, self.cfg.block_size)
+        if not hashes:
+            raise InvalidRequestError(f"a pinned prefix needs at least {self.cfg.block_size} tokens (one full "
+                                      f"block), got {len(prompt_ids)}")
+        pin_id = hashes[-1].hex()
+        num_tokens = len(hashes) * self.cfg.block_size
+        self.pin_registry.put(pin_id, PinRecord(list(prompt_ids[:num_tokens]), label, time.time()))
+        return {"id": pin_id, "num_blocks": len(hashes), "num_tokens": num_tokens, "label": label}
+
+    def unpin(self, pin_id: str) -> bool:
+        """False when no such pin exists."""
+        if pin_id not in self.pin_registry.snapshot():
+            return False
+        self.pin_registry.delete(pin_id)
+        return True
+
+    def pins(self) -> list[dict]:
+        """Every pin, with how many of its blocks each node holds pinned right now."""
+        held = {n["node_id"]: n["stats"].get("pinned_prefixes", {}) for n in self.status()}
+        out = []
+        for pin_id, record in sorted(self.pin_registry.snapshot().items()):
+            num_blocks = len(record.token_ids) // self.cfg.block_size
+            out.append({"id": pin_id, "label": record.label, "num_blocks": num_blocks,
+                        "num_tokens": len(record.token_ids), "pinned_at": record.pinned_at,
+                        "nodes": {node: held[node][pin_id][0] for node in held if pin_id in held[node]}})
+        return out
+
     def close(self) -> None:
         self.closed.set()
         for conn in self._connections.values():
             conn.close()
+        self.pin_registry.close()
         self.index.close()
         self.directory.close()
         self.store.close()

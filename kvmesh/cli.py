@@ -6,6 +6,7 @@
     serve / local-cluster        a supervised cluster on this machine (serve adds the gRPC + HTTP front ends)
     launch                       the cluster on Ray (--stop ends it)
     hosts                        simulated hosts on this machine (network namespaces)
+    pin                          pin / unpin / list prefixes kept cached on every node
     bench ...                    benchmarks: JSON + a readable table
 """
 from __future__ import annotations
@@ -250,6 +251,14 @@ def _run_local_cluster(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_pin(sub) -> None:
+    from kvmesh.cluster.pin_cli import add_pin_arguments, run_pin
+
+    p = sub.add_parser("pin", help="pin a prefix on every node (or --unpin ID, --list) through a router")
+    add_pin_arguments(p)
+    p.set_defaults(func=run_pin)
+
+
 def _add_serve(sub) -> None:
     from kvmesh.cluster.serve import add_launch_arguments, add_serve_arguments, run_launch, run_serve
 
@@ -286,6 +295,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_nodes(sub)
     _add_local_cluster(sub)
     _add_serve(sub)
+    _add_pin(sub)
     _add_parts(sub)
     _add_hosts(sub)
     return parser

@@ -2,6 +2,7 @@
 
     /kvmesh/<c>/nodes/<node_id>                          -> NodeRecord (msgpack), on the node's lease
     /kvmesh/<c>/blocks/<ns>/<hash_hex>/<node_id>         -> BlockEntry (msgpack), on the holder's lease
+    /kvmesh/<c>/pins/<ns>/<prefix_id>                    -> PinRecord (msgpack), no lease (until unpinned)
 
 Every name that becomes a key segment is checked, so a ``/`` can never shift the layout.
 """
@@ -39,6 +40,21 @@ class KeyLayout:
         self.root = f"/kvmesh/{cluster}/"
         self.nodes_prefix = f"{self.root}nodes/"
         self.blocks_prefix = f"{self.root}blocks/"
+        self.pins_prefix = f"{self.root}pins/"
+
+    def pins_of_namespace(self, namespace: str) -> str:
+        return f"{self.pins_prefix}{check_name('namespace', namespace)}/"
+
+    def pin(self, namespace: str, prefix_id: str) -> str:
+        if not _HASH_HEX.fullmatch(prefix_id):
+            raise InvalidNameError(f"pin id {prefix_id!r} is not a 32-digit lowercase hex block hash")
+        return self.pins_of_namespace(namespace) + prefix_id
+
+    def parse_pin(self, key: str, namespace: str) -> str | None:
+        """The prefix id of a pin key of ``namespace``, or None if the key does not fit the layout."""
+        prefix = self.pins_of_namespace(namespace)
+        pin_id = key[len(prefix):] if key.startswith(prefix) else ""
+        return pin_id if _HASH_HEX.fullmatch(pin_id) else None
 
     def node(self, node_id: str) -> str:
         return self.nodes_prefix + check_name("node", node_id)

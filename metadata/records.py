@@ -69,3 +69,27 @@ def _unpack_map(data: bytes) -> dict:
     if not isinstance(payload, dict):
         raise RecordError("expected a msgpack map")
     return payload
+
+
+@dataclass(frozen=True)
+class PinRecord:
+    """A pinned prefix: its tokens (nodes hash them in their own namespace) and who asked, when."""
+
+    token_ids: list[int]
+    label: str = ""
+    pinned_at: float = 0.0
+
+    def encode(self) -> bytes:
+        return msgpack.packb(dataclasses.asdict(self), use_bin_type=True)
+
+    @classmethod
+    def decode(cls, data: bytes) -> PinRecord:
+        payload = _unpack_map(data)
+        try:
+            record = cls(**payload)
+        except TypeError as e:
+            raise RecordError(f"pin record: {e}") from None
+        if not isinstance(record.token_ids, list) or not all(
+                isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in record.token_ids):
+            raise RecordError("pin record: token_ids must be a list of non-negative integers")
+        return record

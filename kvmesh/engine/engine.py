@@ -15,13 +15,14 @@ import torch
 from kvmesh.engine.kv_cache_manager import KVCacheManager
 from kvmesh.engine.model_runner import ModelRunner
 from kvmesh.engine.outputs import CompletionOutput, RequestOutput
+from kvmesh.engine.pinned_prefixes import PinnedPrefix, PinnedPrefixes
 from kvmesh.engine.request_state import RequestStatus
 from kvmesh.engine.sampling_params import SamplingParams
 from kvmesh.engine.scheduler import Scheduler, SchedulerConfig
 from kvmesh.engine.sequence import Sequence
 from kvmesh.engine.spec_decode.speculator import SpeculativeConfig, Speculator
 from kvmesh.errors import InvalidRequestError, KvmeshError
-from kvmesh.kv.block_hash import HashNamespace
+from kvmesh.kv.block_hash import HashNamespace, hash_blocks
 from kvmesh.kv.block_pool import BlockPool
 from kvmesh.kv.eviction import POLICIES
 from kvmesh.kv.kv_buffer import KVLayout
@@ -69,6 +70,7 @@ class LLMEngine:
         self.kv = KVCacheManager(self.pool, config.block_size, self.namespace.root(), config.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv)
         self.runner = ModelRunner(loaded.model, self.layout.allocate(loaded.device), config.block_size)
+        self.pins = PinnedPrefixes(self.pool)
         self.speculator = None
         if config.speculative is not None:
             proposer = None
@@ -122,6 +124,21 @@ class LLMEngine:
                 f"the prompt has {len(token_ids)} tokens; the context is {self.max_model_len}, "
                 "which leaves no room for a new token")
 
+    def pin_prefix(self, prompt: str | list[int]) -> PinnedPrefix:
+        """Keep this prompt's full blocks cached (pinned) from now on, including blocks computed later.
+
+        Raises InvalidRequestError for a prompt shorter than one block."""
+        token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+        self._validate(token_ids + [0])  # the prompt itself may fill the context: pinning adds no token
+        hashes = hash_blocks(self.kv.root_hash, token_ids, self.config.block_size)
+        if not hashes:
+            raise InvalidRequestError(f"a pinned prefix needs at least {self.config.block_size} tokens "
+                                      f"(one full block), got {len(token_ids)}")
+        return self.pins.pin(hashes)
+
+    def unpin_prefix(self, pin_id: str) -> bool:
+        return self.pins.unpin(pin_id)
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
@@ -172,6 +189,7 @@ class LLMEngine:
         if self.speculator is not None:
             for seq in finished:
                 self.speculator.forget(seq)
+        self.pins.refresh()
         return finished
 
     def _emit(self, seq: Sequence, sampled) -> bool:
@@ -211,4 +229,5 @@ class LLMEngine:
 
     def check_integrity(self) -> None:
         self.pool.check_integrity()
+        self.pins.check_integrity()
         self.kv.stats.check_integrity()

@@ -13,7 +13,8 @@ from collections.abc import Callable
 
 from kvmesh.metadata.block_index import BlockIndex, BlockPublisher
 from kvmesh.metadata.etcd_store import EtcdStore
-from kvmesh.metadata.records import NodeRecord
+from kvmesh.metadata.pins import PinRegistry
+from kvmesh.metadata.records import NodeRecord, PinRecord
 from kvmesh.metadata.registry import NodeDirectory, NodeRegistry
 from kvmesh.transfer.peers import PeerRecord
 
@@ -32,10 +33,13 @@ def peer_record(record: NodeRecord) -> PeerRecord | None:
 
 class ClusterMembership:
     def __init__(self, etcd: str, cluster: str, node_id: str, namespace: str, lease_ttl_s: int,
-                 on_peer_left: Callable[[str], None]):
+                 on_peer_left: Callable[[str], None],
+                 on_pin_change: Callable[[str, str, PinRecord | None], None] | None = None):
         self.etcd, self.cluster, self.node_id, self.namespace = etcd, cluster, node_id, namespace
         self.lease_ttl_s = lease_ttl_s
         self._on_peer_left = on_peer_left
+        self._on_pin_change = on_pin_change
+        self.pins: PinRegistry | None = None
         self._incarnations: dict[str, tuple[str, str]] = {}  # node id -> endpoints it was last seen with
         self.store = self.publisher = self.index = self.directory = self.registry = None
 
@@ -46,6 +50,7 @@ class ClusterMembership:
         self.directory = NodeDirectory(self.store, self.cluster, on_event=self._on_event)
         self.registry = NodeRegistry(self.store, self.cluster, ttl_s=self.lease_ttl_s)
         self.registry.on_new_lease(self.publisher.set_lease)
+        self.pins = PinRegistry(self.store, self.cluster, self.namespace, self._on_pin_change)
         for mirror in (self.index.mirror, self.directory.mirror):  # serve with a synced view of the cluster
             if not mirror.wait_healthy(sync_timeout_s):
                 log.warning("%s: %s not synced with etcd yet; starting with local caches only",
@@ -82,7 +87,7 @@ class ClusterMembership:
             self.publisher.close()
         if self.registry is not None:
             self.registry.deregister()
-        for part in (self.index, self.directory):
+        for part in (self.index, self.directory, self.pins):
             if part is not None:
                 part.close()
         if self.store is not None:

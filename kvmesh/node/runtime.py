@@ -26,6 +26,7 @@ from kvmesh.engine.engine import EngineConfig, LLMEngine
 from kvmesh.engine.scheduler import SchedulerConfig
 from kvmesh.engine.sequence import Sequence
 from kvmesh.engine.spec_decode.speculator import SpeculativeConfig
+from kvmesh.errors import KvmeshError
 from kvmesh.kv.block_hash import HashNamespace
 from kvmesh.kv.cache_stats import PrefixCacheStats
 from kvmesh.metadata.records import NodeRecord
@@ -99,7 +100,7 @@ class NodeRuntime:
         self.engine.on_token = self.on_token
         self.membership = ClusterMembership(cfg.etcd, cfg.cluster, cfg.node_id,
                                             index_namespace(self.engine.namespace), cfg.lease_ttl_s,
-                                            on_peer_left=self._peer_left)
+                                            on_peer_left=self._peer_left, on_pin_change=self._pin_changed)
         self.agent = TransferAgent(cfg.node_id, self.pool, self.engine.runner.kv_buffer,
                                    create_transfer_engine(cfg.transfer_backend, host=cfg.host, auth=self.auth,
                                                           advertise=self.advertise_host),
@@ -191,6 +192,24 @@ class NodeRuntime:
             return
         self.handle(identity, msg)
 
+    def _pin_changed(self, kind: str, prefix_id: str, record) -> None:
+        """A pin was put or deleted in etcd (mirror thread): apply it on the engine thread."""
+        def apply() -> None:
+            if kind == "delete":
+                self.engine.unpin_prefix(prefix_id)
+                return
+            try:
+                pin = self.engine.pin_prefix(record.token_ids)
+            except KvmeshError as e:
+                log.warning("%s: cannot pin %s: %s", self.cfg.node_id, prefix_id, e)
+                return
+            if pin.prefix_id != prefix_id:  # the router hashed with another namespace: never pin by a wrong id
+                self.engine.unpin_prefix(pin.prefix_id)
+                log.warning("%s: pin %s does not match its tokens here (%s)", self.cfg.node_id, prefix_id,
+                            pin.prefix_id)
+
+        self.call_soon(apply)
+
     def _stats(self, check: bool) -> nm.StatsReply:
         """Counters (read without stopping the engine: each is a plain int or a short snapshot); ``check``
         runs the integrity checks too and must be called on the engine thread."""
@@ -213,6 +232,7 @@ class NodeRuntime:
                  "num_quarantined_total": self.agent.grants.num_quarantined_total,
                  "num_pending_pushes": self.agent.holder.num_pending,
                  "num_failed_steps": self.loop.num_failed_steps, **self.role_stats(),
+                 "pinned_prefixes": {pin_id: list(counts) for pin_id, counts in self.engine.pins.status().items()},
                  **(self.engine.speculator.stats() if self.engine.speculator is not None else {})}
         return nm.StatsReply(self.cfg.node_id, stats, error)
 
