@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
@@ -86,6 +87,16 @@ def model_of_cluster(etcd: str, cluster: str, timeout_s: float) -> str:
         store.close()
 
 
+def exit_now(code: int) -> None:
+    """Leave without the interpreter's shutdown finalizers, once everything of ours is closed.
+
+    gRPC objects (ours and the etcd client's) can deadlock in ``__del__`` at interpreter exit when a
+    daemon thread was frozen holding their lock: a SIGTERM'd router then never exited."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def run_router(args: argparse.Namespace) -> int:
     from kvmesh.auth import token_from_env
     from kvmesh.cluster.serve import run_front_ends
@@ -99,4 +110,4 @@ def run_router(args: argparse.Namespace) -> int:
         args.model = model_of_cluster(args.etcd, args.cluster, args.wait_for_nodes)
         print(f"the cluster serves {args.model}", file=sys.stderr)
     run_front_ends(args, args.etcd, args.cluster, token)
-    return 0
+    exit_now(0)

@@ -15,6 +15,7 @@ import sys
 
 from kvmesh.auth import generate_token, token_from_env
 from kvmesh.cluster.local_launcher import LocalCluster
+from kvmesh.cluster.parts import exit_now
 from kvmesh.cluster.router import Router, RouterConfig
 from kvmesh.errors import KvmeshError
 from kvmesh.node.runtime import DEFAULT_CLUSTER
@@ -112,7 +113,7 @@ def run_serve(args: argparse.Namespace) -> int:
             run_front_ends(args, cluster.etcd_endpoint, args.cluster, cluster.token, supervisor.status)
     except KeyboardInterrupt:  # during start-up
         pass
-    return 0
+    exit_now(0)  # every process and temp dir of ours is gone by now (the with-blocks closed them)
 
 
 def add_launch_arguments(p: argparse.ArgumentParser) -> None:

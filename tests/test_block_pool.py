@@ -227,3 +227,24 @@ def test_inserting_over_a_hashed_block_is_refused_on_both_paths():
     with pytest.raises(ValueError, match="already holds a hash"):
         pool.cache_blocks([blocks[1], blocks[0]], other[2:4])  # scattered ids
     pool.check_integrity()
+
+
+def test_the_pool_keeps_the_prefix_cache_contract():
+    from kvmesh.kv.prefix_cache import PrefixCache
+
+    pool = BlockPool(8)
+    assert isinstance(pool, PrefixCache) and pool.capacity == 8
+    hashes = hash_blocks(ROOT, list(range(80)), 16)  # 5 blocks
+    blocks = pool.allocate(3)
+    assert pool.insert(blocks, hashes[:3], pin=True) == blocks
+    match = pool.match_prefix(hashes)
+    assert match.block_ids == blocks and match.num_matched_blocks == 3 and match.num_remaining_blocks == 2
+    assert pool.match_prefix(hash_blocks(root_hash(b"other"), list(range(16)), 16)).block_ids == []
+    stats = pool.match_stats(16)
+    assert (stats.num_lookups, stats.num_hits, stats.hit_rate, stats.average_match_tokens) == (2, 1, 0.5, 24.0)
+    pool.free(blocks)
+    assert pool.evict_blocks(8) == []  # pinned: never evicted
+    pool.unpin(blocks)
+    assert pool.evict_blocks(2) == [blocks[2], blocks[1]]  # leaves first: the chain's tail, then its parent
+    assert pool.match_prefix(hashes).block_ids == blocks[:1]
+    pool.check_integrity()

@@ -145,7 +145,12 @@ def _three_hosts(hosts, endpoint: str, placement: dict, args: list[str]) -> None
             assert second["usage"]["prompt_tokens_details"]["cached_tokens"] >= 80  # the shared prefix, reused
         finally:
             router.terminate()
-            router.wait(timeout=30)
+            try:
+                assert router.wait(timeout=30) == 0  # a SIGTERM'd router exits cleanly
+            finally:
+                if router.poll() is None:  # never leave it behind, even when the assertion fails
+                    router.kill()
+                    router.wait()
 
 
 def test_a_host_link_going_down_and_coming_back(hosts):

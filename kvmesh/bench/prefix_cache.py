@@ -3,8 +3,8 @@
 Measured in one run, so ratios hold on a noisy machine:
 - chain hashing of 2,048 blocks: kvmesh's blake2b fast path vs a sha256-over-pickle chain
   (the scheme of vLLM's default) as the same-run baseline;
-- match of the whole cached prompt, insert of 2,048 blocks, evict of 10 blocks, for the
-  block pool (the engine's cache) and the radix index (the router's and SGLang-style API);
+- match of the whole cached prompt (memoised and first time), insert of 2,048 blocks, evict
+  of 10 blocks (directly and by allocating from a full pool), for the engine's block pool;
 - memory per cached block and per 1,000 cached prefixes (tracemalloc);
 - the engine on a shared-system-prompt workload (tiny-llama): tokens computed and hit rate,
   prefix caching on vs off.
@@ -19,7 +19,6 @@ import tracemalloc
 from kvmesh.bench.report import machine, print_table, time_call, write_json
 from kvmesh.kv.block_hash import hash_blocks, root_hash
 from kvmesh.kv.block_pool import BlockPool
-from kvmesh.kv.radix_index import RadixPrefixIndex
 
 BLOCK = 16
 NUM_TOKENS = 32768
@@ -55,17 +54,13 @@ def bench_structures(repeat: int) -> dict:
                    "baseline_sha256_pickle_ms": t_base * 1e3, "speedup": t_base / t_hash}
 
     pool = _filled_pool(hashes)
-    radix = RadixPrefixIndex(BLOCK, root)
-    radix.insert_hashes(hashes, list(range(len(hashes))))
     def cold_pool_match():  # the memo forgotten: what the first match of a prompt costs
         pool._chains.clear()
         return pool.match(hashes)
 
-    res["match_cold_us"] = {"pool": time_call(cold_pool_match, repeat, 20) * 1e6, "radix": float("nan")}
+    res["match_cold_us"] = {"pool": time_call(cold_pool_match, repeat, 20) * 1e6}
     res["match_us"] = {
         "pool": time_call(lambda: pool.match(hashes), repeat, 20) * 1e6,
-        "radix": time_call(lambda: radix.match_hashes(hashes), repeat, 20) * 1e6,
-        "radix_locked": time_call(lambda: radix.unlock(radix.match_hashes(hashes, lock=True).node), repeat, 20) * 1e6,
         "pool_hash_and_match": time_call(lambda: pool.match(hash_blocks(root, tokens, BLOCK)), repeat) * 1e6,
     }
 
@@ -82,29 +77,16 @@ def bench_structures(repeat: int) -> dict:
     def do_pool_insert():
         state["pool"].cache_blocks(state["blocks"], hashes)
 
-    def setup_radix():
-        state["radix"] = RadixPrefixIndex(BLOCK, root)
-
-    values = list(range(len(hashes)))
-    res["insert_us"] = {
-        "pool": time_call(do_pool_insert, repeat, setup=setup_pool) * 1e6,
-        "radix": time_call(lambda: state["radix"].insert_hashes(hashes, values), repeat, setup=setup_radix) * 1e6,
-    }
+    res["insert_us"] = {"pool": time_call(do_pool_insert, repeat, setup=setup_pool) * 1e6}
 
     def setup_evict_pool():
         state["pool"] = _filled_pool(hashes)
-
-    def setup_evict_radix():
-        state["radix"] = RadixPrefixIndex(BLOCK, root)
-        for g in range(64):  # 64 prefixes of 32 blocks: evict(10) touches one LRU leaf
-            state["radix"].insert_hashes(hash_blocks(root_hash(b"%d" % g), tokens[: 32 * BLOCK], BLOCK))
 
     res["evict10_us"] = {
         "pool": time_call(lambda: state["pool"].evict(10), repeat * 3, setup=setup_evict_pool) * 1e6,
         # what a full pool pays when allocation evicts: 10 LRU leaves leave the cache and are handed out
         "pool_by_allocate": time_call(lambda: state["pool"].allocate(10), repeat * 3,
                                       setup=lambda: state.update(pool=_filled_pool(hashes, spare=0))) * 1e6,
-        "radix": time_call(lambda: state["radix"].evict_lru(10), repeat * 3, setup=setup_evict_radix) * 1e6,
     }
     res["memory"] = bench_memory()
     return res
@@ -134,22 +116,13 @@ def bench_memory(num_prefixes: int = 1000, blocks_per_prefix: int = 4) -> dict:
             pool.free(blocks)
         return pool
 
-    def build_radix():
-        idx = RadixPrefixIndex(BLOCK)
-        for i, chain in enumerate(chains):
-            idx.insert_hashes(chain, list(range(i * blocks_per_prefix, (i + 1) * blocks_per_prefix)))
-        return idx
-
     hash_bytes = sum(len(h) + 33 for chain in chains for h in chain)  # the digests themselves (bytes objects)
     pool_bytes, _ = _traced(build_pool)
-    radix_bytes, _ = _traced(build_radix)
     return {
         "num_prefixes": num_prefixes, "blocks_per_prefix": blocks_per_prefix,
         "pool_bytes_per_block": (pool_bytes - 0) / num_blocks,
         "pool_bytes_per_block_excl_digest": (pool_bytes - hash_bytes) / num_blocks,
-        "radix_bytes_per_block": radix_bytes / num_blocks,
         "pool_mb_per_1000_prefixes": pool_bytes / 2**20 * 1000 / num_prefixes,
-        "radix_mb_per_1000_prefixes": radix_bytes / 2**20 * 1000 / num_prefixes,
     }
 
 
@@ -182,25 +155,23 @@ def run(json_path: str | None, repeat: int = 7, with_engine: bool = True) -> dic
         res["engine_shared_prompt"] = bench_engine_workload()
     s = res["structures"]
     rows = [
-        ["chain hash 2,048 blocks", f"{s['hash']['kvmesh_ms']:.2f} ms", "—",
+        ["chain hash 2,048 blocks", f"{s['hash']['kvmesh_ms']:.2f} ms",
          f"{s['hash']['speedup']:.1f}x vs sha256+pickle ({s['hash']['baseline_sha256_pickle_ms']:.2f} ms)"],
-        ["hash + match (pool)", f"{s['match_us']['pool_hash_and_match'] / 1e3:.2f} ms", "—",
+        ["hash + match (pool)", f"{s['match_us']['pool_hash_and_match'] / 1e3:.2f} ms",
          _verdict(s["match_us"]["pool_hash_and_match"], TARGETS_US["hash_and_match"])],
     ]
     for op, key in (("match 32K prompt", "match_us"), ("match, first time (no memo)", "match_cold_us"),
                     ("insert 2,048 blocks", "insert_us"), ("evict 10", "evict10_us")):
         target = TARGETS_US[key.removesuffix("_us")]
-        radix = s[key]["radix"]
-        rows.append([op, f"{s[key]['pool']:.1f} us", "—" if radix != radix else f"{radix:.1f} us",
-                     _verdict(s[key]["pool"], target)])
-    rows.append(["evict 10 by allocating (full pool)", f"{s['evict10_us']['pool_by_allocate']:.1f} us", "—", ""])
+        rows.append([op, f"{s[key]['pool']:.1f} us", _verdict(s[key]["pool"], target)])
+    rows.append(["evict 10 by allocating (full pool)", f"{s['evict10_us']['pool_by_allocate']:.1f} us", ""])
     m = s["memory"]
     rows.append(["memory / 1,000 prefixes", f"{m['pool_mb_per_1000_prefixes']:.2f} MB",
-                 f"{m['radix_mb_per_1000_prefixes']:.2f} MB", f"target < {TARGET_MB_PER_1000_PREFIXES} MB"])
-    rows.append(["memory / cached block", f"{m['pool_bytes_per_block']:.0f} B", f"{m['radix_bytes_per_block']:.0f} B",
-                 f"pool {m['pool_bytes_per_block_excl_digest']:.0f} B without the 49-B digest object"])
-    print_table("prefix cache, 32,768-token prompt, 16-token blocks", ["operation", "block pool", "radix index", "note"],
-                rows)
+                 f"target < {TARGET_MB_PER_1000_PREFIXES} MB"])
+    rows.append(["memory / cached block", f"{m['pool_bytes_per_block']:.0f} B",
+                 f"{m['pool_bytes_per_block_excl_digest']:.0f} B without the 49-B digest object"])
+    print_table("prefix cache (the engine's block pool), 32,768-token prompt, 16-token blocks",
+                ["operation", "block pool", "note"], rows)
     if with_engine:
         e = res["engine_shared_prompt"]
         print_table("engine, shared system prompt (tiny-llama, 12 requests)", ["", "cache on", "cache off"], [

@@ -31,6 +31,7 @@ from typing import NamedTuple
 from kvmesh.errors import OutOfBlocksError
 from kvmesh.kv.block_hash import BlockHash
 from kvmesh.kv.eviction import EvictionPolicy, TailFirstLRU
+from kvmesh.kv.prefix_cache import MatchStats, PrefixMatch
 
 NO_BLOCK = -1
 
@@ -62,6 +63,8 @@ class BlockPool:
         # last block of a chain -> the chain's block ids from its root block (see the module docstring)
         self._chains: OrderedDict[int, list[int]] = OrderedDict()
         self._max_memo_chains = max_memo_chains
+        self._num_lookups = self._num_hits = self._num_matched_blocks = 0  # match_prefix's counters
+        self._last_evicted_ids: list[int] | None = None  # collects evict()'s victims for evict_blocks
         # Free queue: a doubly linked list through _prev/_next, sentinel at index num_blocks.
         sentinel = num_blocks
         self._next = list(range(1, num_blocks + 1)) + [0]
@@ -130,6 +133,40 @@ class BlockPool:
         if self._parent[found[0]] == NO_BLOCK:  # a whole chain: remember it
             self._remember_chain(found.copy())
         return found
+
+    # ---- the PrefixCache contract (kvmesh.kv.prefix_cache) ------------------------------------
+    @property
+    def capacity(self) -> int:
+        return self.num_blocks
+
+    def match_prefix(self, block_hashes: Sequence[BlockHash]) -> PrefixMatch:
+        """``match``, counted in ``match_stats``, with the number of blocks left to compute."""
+        found = self.match(block_hashes)
+        with self._lock:
+            self._num_lookups += 1
+            self._num_hits += bool(found)
+            self._num_matched_blocks += len(found)
+        return PrefixMatch(found, len(block_hashes) - len(found))
+
+    def insert(self, block_ids: Sequence[int], block_hashes: Sequence[BlockHash], parent_block_id: int = NO_BLOCK,
+               pin: bool = False) -> list[int]:
+        """``cache_blocks`` (existing holders win), then pin the holders when asked."""
+        with self._lock:
+            holders = self.cache_blocks(block_ids, block_hashes, parent_block_id)
+            if pin:
+                self.pin(holders)
+            return holders
+
+    def evict_blocks(self, num_blocks: int) -> list[int]:
+        """``evict``, returning the ids of the blocks that lost their hashes."""
+        with self._lock:
+            self._last_evicted_ids = []
+            self.evict(num_blocks)
+            out, self._last_evicted_ids = self._last_evicted_ids, None
+            return out
+
+    def match_stats(self, block_size: int) -> MatchStats:
+        return MatchStats(self._num_lookups, self._num_hits, self._num_matched_blocks, block_size)
 
     def num_pinned(self) -> int:
         """Blocks pinned right now (a holder mid-push, a pinned system prompt)."""
@@ -321,6 +358,8 @@ class BlockPool:
                     if self._hash[block] is not None and self._num_children[block] == 0:
                         self._uncache(block)
                         evicted += 1
+                        if self._last_evicted_ids is not None:
+                            self._last_evicted_ids.append(block)
                         progress = True
                     block = self._next[block]
             return evicted
