@@ -18,20 +18,26 @@ GREEDY = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
 CONFIGS = [SpeculativeConfig(method="ngram"), SpeculativeConfig(method="self-draft", draft_layers=1)]
 
 
-@pytest.fixture(scope="module")
-def plain():
-    llm = LLM("tiny-llama", num_kv_blocks=256, progress=False)
+def _plain(model: str) -> dict:
+    llm = LLM(model, num_kv_blocks=256, progress=False)
     return {p: out.outputs[0] for p, out in zip(PROMPTS, llm.generate(PROMPTS, GREEDY, use_tqdm=False))}
 
 
+@pytest.fixture(scope="module")
+def plain():
+    return _plain("tiny-llama")
+
+
+@pytest.mark.parametrize("model", ["tiny-llama", "tiny-qwen3"])
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda c: c.method)
-def test_greedy_output_is_identical_with_speculation(config, plain):
-    llm = LLM("tiny-llama", num_kv_blocks=256, progress=False, speculative=config)
+def test_greedy_output_is_identical_with_speculation(config, model, plain):
+    want = plain if model == "tiny-llama" else _plain(model)
+    llm = LLM(model, num_kv_blocks=256, progress=False, speculative=config)
     batched = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     for prompt, out in zip(PROMPTS, batched):
-        assert out.outputs[0].token_ids == plain[prompt].token_ids, prompt
+        assert out.outputs[0].token_ids == want[prompt].token_ids, prompt
     alone = llm.generate(PROMPTS[0], GREEDY, use_tqdm=False)[0]
-    assert alone.outputs[0].token_ids == plain[PROMPTS[0]].token_ids
+    assert alone.outputs[0].token_ids == want[PROMPTS[0]].token_ids
     stats = llm.engine.speculator.stats()
     assert stats["spec_draft_tokens"] > 0  # guesses were really verified
     if config.method == "ngram":
