@@ -174,7 +174,7 @@ def test_a_host_link_going_down_and_coming_back(hosts):
             records, _ = store.get_prefix(keys.nodes_prefix)
             return {keys.parse_node(kv.key) for kv in records}
 
-        assert held_by_prefill() > 0
+        wait_until(lambda: held_by_prefill() > 0, 30, "host 2 to publish its blocks")  # publication is asynchronous
         hosts.link_down(2)
         try:
             out = client.generate_many(prompts[4:8], GREEDY, timeout_s=60)  # must not hang
