@@ -30,11 +30,7 @@ class NodeRecord:
 
     @classmethod
     def decode(cls, data: bytes) -> NodeRecord:
-        payload = _unpack_map(data)
-        try:
-            record = cls(**payload)
-        except TypeError as e:
-            raise RecordError(f"node record: {e}") from None
+        record = _from_map(cls, data, "node record")
         if record.role not in ("prefill", "decode", "both"):
             raise RecordError(f"node record: unknown role {record.role!r}")
         if not all(isinstance(getattr(record, f), str) for f in ("node_id", "host", "transfer_endpoint",
@@ -61,6 +57,14 @@ class BlockEntry:
         return cls(float(value[0]))
 
 
+def _from_map(cls, data: bytes, what: str):
+    """A record dataclass from a msgpack map of its fields (RecordError naming ``what`` otherwise)."""
+    try:
+        return cls(**_unpack_map(data))
+    except TypeError as e:
+        raise RecordError(f"{what}: {e}") from None
+
+
 def _unpack_map(data: bytes) -> dict:
     try:
         payload = msgpack.unpackb(data, raw=False)
@@ -84,11 +88,7 @@ class PinRecord:
 
     @classmethod
     def decode(cls, data: bytes) -> PinRecord:
-        payload = _unpack_map(data)
-        try:
-            record = cls(**payload)
-        except TypeError as e:
-            raise RecordError(f"pin record: {e}") from None
+        record = _from_map(cls, data, "pin record")
         if not isinstance(record.token_ids, list) or not all(
                 isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in record.token_ids):
             raise RecordError("pin record: token_ids must be a list of non-negative integers")

@@ -109,3 +109,22 @@ def test_kvmesh_pin_keeps_a_prefix_on_every_node_through_a_storm(capsys):
             asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(10)
             loop.call_soon_threadsafe(loop.stop)
             router.close()
+
+
+def test_pin_keys_and_records_refuse_what_does_not_fit_the_layout():
+    from kvmesh.metadata.keys import InvalidNameError, KeyLayout
+    from kvmesh.metadata.records import PinRecord, RecordError
+
+    keys = KeyLayout("c")
+    pin_id = "ab" * 16
+    assert keys.pin("m1", pin_id) == f"/kvmesh/c/pins/m1/{pin_id}"
+    assert keys.parse_pin(keys.pin("m1", pin_id), "m1") == pin_id
+    assert keys.parse_pin(keys.pin("m1", pin_id), "m2") is None  # another namespace's pin
+    assert keys.parse_pin("/kvmesh/c/pins/m1/../x", "m1") is None
+    with pytest.raises(InvalidNameError):
+        keys.pin("m1", "not-a-hash")
+    record = PinRecord([1, 2, 3], "system", 5.0)
+    assert PinRecord.decode(record.encode()) == record
+    for bad in (b"\x01\x02", PinRecord([1, -2]).encode(), PinRecord("abc").encode()):
+        with pytest.raises(RecordError):
+            PinRecord.decode(bad)
