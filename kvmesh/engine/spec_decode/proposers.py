@@ -14,6 +14,7 @@ drafts are mostly rejected, so a workload where guessing fails costs (almost) no
 """
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
@@ -73,12 +74,15 @@ class AdaptiveSpeculation:
     pauses for ``pause_tokens`` output tokens, then tries again (workloads change within a request).
     """
 
-    def __init__(self, proposer: Proposer, min_acceptance: float = 0.3, window: int = 16, pause_tokens: int = 32):
+    def __init__(self, proposer: Proposer, min_acceptance: float = 0.3, window: int = 16, pause_tokens: int = 32,
+                 max_requests: int = 65536):
         self.proposer = proposer
         self.min_acceptance = min_acceptance
         self.window = window
         self.pause_tokens = pause_tokens
-        self._by_request: dict[str, _Acceptance] = {}
+        # Finished requests are forgotten; aborted or failed ones age out of this bound.
+        self._by_request: OrderedDict[str, _Acceptance] = OrderedDict()
+        self._max_requests = max_requests
 
     def propose(self, seq: Sequence, max_tokens: int) -> Proposal:
         state = self._by_request.get(seq.request_id)
@@ -88,6 +92,9 @@ class AdaptiveSpeculation:
 
     def record(self, seq: Sequence, num_drafted: int, num_accepted: int) -> None:
         state = self._by_request.setdefault(seq.request_id, _Acceptance())
+        self._by_request.move_to_end(seq.request_id)
+        if len(self._by_request) > self._max_requests:
+            self._by_request.popitem(last=False)
         state.num_drafted += num_drafted
         state.num_accepted += num_accepted
         if state.num_drafted >= self.window:
