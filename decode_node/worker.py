@@ -158,21 +158,33 @@ class DecodeWorker(NodeRuntime):
             forced_local = uncached <= self.cfg.local_prefill_tokens
         else:  # cheaper here than any round trip: not even a lookup
             forced_local = not worth_a_lookup(uncached, self.prefill_tokens_per_s, self.rates.rtt_s)
-        if fetchable_end <= len(local) or forced_local:
-            self.num_local += 1
+        plan = None
+        if fetchable_end > len(local) and not forced_local:
+            # Planned here, on the engine thread (the index lookup reads the in-memory mirror): a request that
+            # is cheapest computed here joins the scheduler at once, without a detour through a fetch thread.
+            hits = self.lookup_holders(seq.block_hashes[:fetchable_end])
+            plan = self._plan(len(local), fetchable_end, hits)
+        if plan is None or (plan.holders_end <= len(local) and not plan.use_prefill):
+            with self._lock:
+                self.num_local += 1
             self.engine.scheduler.add(seq)
             return
         try:
             self.engine.scheduler.add_awaiting_remote_kv(seq)
         except OutOfBlocksError:
-            self.num_local += 1
+            with self._lock:
+                self.num_local += 1
             self.engine.scheduler.add(seq)
             return
+        with self._lock:
+            self.num_remote += 1
         request.fetching, request.fetch_started = True, time.perf_counter()
-        self.workers.submit(self._fetch, seq, seq.num_prefix_hit_tokens // bs, fetchable_end, msg.prefill_node)
+        self.workers.submit(self._fetch, seq, seq.num_prefix_hit_tokens // bs, fetchable_end, msg.prefill_node, hits,
+                            plan)
 
     # ---- fetching (worker thread) -----------------------------------------------------------------------
-    def _fetch(self, seq: Sequence, num_local: int, end: int, preferred: str) -> None:
+    def _fetch(self, seq: Sequence, num_local: int, end: int, preferred: str, hits: dict[str, int],
+               plan: FetchPlan) -> None:
         """Holders push the prefix they have while a prefill node computes the rest (overlapped), as planned.
 
             blocks  [0, num_local)      our own hits
@@ -181,17 +193,10 @@ class DecodeWorker(NodeRuntime):
                                         same time: its grant; otherwise computed here
 
         The prefill node's blocks are usable only if the holders delivered all of theirs (a stale
-        index leaves a gap, which this node then computes itself).
+        index leaves a gap, which this node then computes itself). ``hits`` and ``plan`` come from admission.
         """
         result = _FetchResult(num_local, num_local, num_local)
         try:
-            hits = self.lookup_holders(seq.block_hashes[:end])
-            plan = self._plan(num_local, end, hits)
-            with self._lock:
-                if plan.holders_end > num_local or plan.use_prefill:
-                    self.num_remote += 1
-                else:
-                    self.num_local += 1  # cheaper here: the request runs at once on what it has
             split = plan.holders_end
             computing, prefill = None, _FetchResult(split, split, split)
             if plan.use_prefill:
