@@ -115,12 +115,16 @@ class Router:
     def tokenize(self, text: str) -> list[int]:
         return self.tokenizer.encode(text)
 
-    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+    def check_token_ids(self, prompt_ids: list[int]) -> None:
+        """InvalidRequestError unless ``prompt_ids`` is a non-empty list of token ids of this model."""
         if not prompt_ids:
             raise InvalidRequestError("the prompt is empty")
-        bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
+        bad = [t for t in prompt_ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size]
         if bad:
             raise InvalidRequestError(f"token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
+
+    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        self.check_token_ids(prompt_ids)
         if len(prompt_ids) + params.max_tokens > self.max_model_len:
             raise InvalidRequestError(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) "
                                       f"exceeds the context of {self.max_model_len}")
@@ -329,9 +333,7 @@ class Router:
         """Pin a prefix on every node, now and later (etcd-backed); returns its id and size in blocks.
 
         Raises InvalidRequestError for bad tokens or a prefix shorter than one block."""
-        if not prompt_ids or any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size
-                                 for t in prompt_ids):
-            raise InvalidRequestError(f"a pinned prefix needs token ids in [0, {self.vocab_size})")
+        self.check_token_ids(prompt_ids)
         if len(prompt_ids) >= self.max_model_len:
             raise InvalidRequestError(f"the prefix has {len(prompt_ids)} tokens; the context is {self.max_model_len}")
         hashes = hash_blocks(self.root_hash, prompt_ids, self.cfg.block_size)
