@@ -40,10 +40,25 @@ def add_node_arguments(p: argparse.ArgumentParser) -> None:
                         "model's first layers); requests whose guesses mostly fail stop guessing for a while")
     p.add_argument("--num-speculative-tokens", type=int, default=4)
     p.add_argument("--no-global-pool", action="store_true", help="local caches only: no global index lookups")
+    p.add_argument("--host-kv-gib", type=float, default=0.0,
+                   help="tier 1: host memory that blocks evicted from the KV buffer move to (0: none; docs/tiers.md)")
+    p.add_argument("--disk-kv-gib", type=float, default=0.0,
+                   help="tier 2: a file on a local disk that the host tier's victims move to (0: none)")
+    p.add_argument("--disk-kv-path", default="",
+                   help="folder of the disk tier's file (kept, and re-adopted by a restart with the same node id "
+                        "and model; default: a temporary folder removed at exit)")
+    p.add_argument("--verify-kv", action=argparse.BooleanOptionalAction, default=True,
+                   help="check each lower-tier block's checksum when it is promoted or served")
     p.add_argument("--cluster-token", default=None,
                    help="shared secret that authenticates every frame between nodes and routers "
                         "(default: $KVMESH_CLUSTER_TOKEN; prefer the variable: argv is visible to local users)")
     p.add_argument("--log-level", default="WARNING")
+
+
+def _gib_to_bytes(flag: str, gib: float) -> int:
+    if gib < 0:
+        raise SystemExit(f"{flag} must be 0 or more, got {gib}")
+    return int(gib * 2**30)
 
 
 def run_node(role: str, args: argparse.Namespace) -> int:
@@ -60,7 +75,9 @@ def run_node(role: str, args: argparse.Namespace) -> int:
                      prefill_timeout_s=args.prefill_timeout, local_prefill_tokens=args.local_prefill_tokens,
                      enable_prefix_caching=not args.no_prefix_cache, use_global_pool=not args.no_global_pool,
                      speculative=args.speculative, num_speculative_tokens=args.num_speculative_tokens,
-                     cluster_token=token_from_env(args.cluster_token))
+                     host_kv_bytes=_gib_to_bytes("--host-kv-gib", args.host_kv_gib),
+                     disk_kv_bytes=_gib_to_bytes("--disk-kv-gib", args.disk_kv_gib), disk_kv_path=args.disk_kv_path,
+                     verify_kv=args.verify_kv, cluster_token=token_from_env(args.cluster_token))
     stop_on_sigterm()  # SIGTERM: deregister and close like Ctrl-C or a closed stdin
     try:
         node = create_node(cfg)

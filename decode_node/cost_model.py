@@ -1,6 +1,8 @@
 """Where should a decode node's uncached prompt blocks come from? (docs/design.md §2)
 
-Three sources, priced in seconds with measured rates:
+Three sources beyond the node's own lower tiers (whose blocks the decode node promotes when
+reading them back is faster than computing them, at their measured read rate), priced in
+seconds with measured rates:
 
     local     compute them here                       tokens / local prefill rate
     holders   peers that already cache a prefix       round trip + bytes / bandwidth
@@ -24,6 +26,7 @@ class FetchPlan(NamedTuple):
     use_prefill: bool  # a prefill node computes and sends [holders_end, end)
     seconds: float  # the estimate of the plan
     local_seconds: float  # the estimate of computing everything here
+    promote_end: int = -1  # blocks [num_local, promote_end) come back from this node's lower tiers (-1: none)
 
 
 def worth_a_lookup(num_tokens: int, local_tokens_per_s: float, rtt_s: float) -> bool:

@@ -53,18 +53,26 @@ class _ClientRequest:
     abort_after_fetch: bool = False
     tokens_from_peers: int = 0  # reused from other nodes' caches
     tokens_from_prefill: int = 0  # pushed by a prefill node
+    tokens_from_host: int = 0  # promoted from this node's host-memory tier
+    tokens_from_disk: int = 0  # ... and from its disk tier
+    promote_s: float = 0.0
     kv_wait_s: float = 0.0
 
 
 @dataclass(slots=True)
 class _FetchResult:
-    num_local: int  # blocks we had
-    from_holders: int  # blocks [num_local, from_holders) came from peers' caches
+    num_local: int  # blocks we had in tier 0
+    from_holders: int  # blocks [promoted, from_holders) came from peers' caches
     got: int  # blocks [from_holders, got) from a prefill node
     tainted: list[int] = field(default_factory=list)  # block ids a stalled writer may still write
+    promoted: int = -1  # blocks [num_local, promoted) restored from our own lower tiers (-1: num_local)
+    num_host: int = 0
+    num_disk: int = 0
+    promote_s: float = 0.0
 
 
-PROMPT_TOKEN_SOURCES = ("tokens_reused_local", "tokens_reused_remote", "tokens_from_prefill_node", "tokens_computed")
+PROMPT_TOKEN_SOURCES = ("tokens_reused_local", "tokens_reused_host", "tokens_reused_disk", "tokens_reused_remote",
+                        "tokens_from_prefill_node", "tokens_computed")
 
 
 class DecodeWorker(NodeRuntime):
@@ -99,19 +107,36 @@ class DecodeWorker(NodeRuntime):
         else:
             super().handle(identity, msg)
 
-    def _plan(self, num_local: int, end: int, hits: dict[str, int]) -> FetchPlan:
-        """Where blocks [num_local, end) come from (docs/design.md §2): the cost model, or the forced limit."""
-        held_end = max([num_local] + [min(length, end) for length in hits.values()])
-        prefill_nodes = self.membership.nodes("prefill")
+    def _plan(self, seq: Sequence, num_local: int, end: int, hits: dict[str, int], lower: list[int]) -> FetchPlan:
+        """Where blocks [num_local, end) come from (docs/design.md §2): the cost model, or the forced limit.
+
+        ``lower``: tiers of the blocks from ``num_local`` on that this node holds below its KV buffer;
+        they are promoted when reading them back beats computing them (docs/tiers.md).
+        """
         bs = self.cfg.block_size
+        promote_end, promote_s = num_local, 0.0
+        if lower and (self.cfg.local_prefill_tokens >= 0 or
+                      self.tiers.read_seconds(lower) < len(lower) * bs / self.prefill_tokens_per_s):
+            promote_end, promote_s = num_local + len(lower), self.tiers.read_seconds(lower)
+        held_end = max([promote_end] + [min(length, end) for length in hits.values()])
+        prefill_nodes = self.membership.nodes("prefill")
         if self.cfg.local_prefill_tokens >= 0:  # forced (tests, benchmarks): fetch whatever is longer
-            fetch = (end - num_local) * bs > self.cfg.local_prefill_tokens
-            return FetchPlan(held_end if fetch else num_local, fetch and bool(prefill_nodes), 0.0, 0.0)
+            fetch = (end - promote_end) * bs > self.cfg.local_prefill_tokens
+            return FetchPlan(held_end if fetch else promote_end, fetch and bool(prefill_nodes), 0.0, 0.0,
+                             promote_end)
         remote_rate, queue_s = self._best_prefill_node(prefill_nodes, (end - held_end) * bs)
-        return plan_fetch(num_local, held_end, end, bs, self.engine.layout.bytes_per_token,
+        bytes_per_s = self.rates.bytes_per_s
+        holder = max(hits, key=hits.get) if hits else None
+        if holder is not None and held_end > promote_end:  # a holder streams disk-tier blocks off its disk first
+            if self.membership.index.slowest_tier(seq.block_hashes[promote_end:held_end], holder) == 2:
+                disk_rate = self.membership.layout_value(holder, "disk_read_bytes_per_s")
+                if disk_rate > 0:
+                    bytes_per_s = min(bytes_per_s, disk_rate)
+        plan = plan_fetch(promote_end, held_end, end, bs, self.engine.layout.bytes_per_token,
                           local_tokens_per_s=self.prefill_tokens_per_s, remote_tokens_per_s=remote_rate,
-                          bytes_per_s=self.rates.bytes_per_s, rtt_s=self.rates.rtt_s,
+                          bytes_per_s=bytes_per_s, rtt_s=self.rates.rtt_s,
                           have_prefill_node=bool(prefill_nodes), prefill_queue_s=queue_s)
+        return plan._replace(seconds=plan.seconds + promote_s, promote_end=promote_end)
 
     def _prefill_rates_snapshot(self) -> dict[str, float]:
         with self._lock:
@@ -158,12 +183,15 @@ class DecodeWorker(NodeRuntime):
             forced_local = uncached <= self.cfg.local_prefill_tokens
         else:  # cheaper here than any round trip: not even a lookup
             forced_local = not worth_a_lookup(uncached, self.prefill_tokens_per_s, self.rates.rtt_s)
-        plan = None
-        if fetchable_end > len(local) and not forced_local:
+        plan, hits = None, {}
+        lower = self.tiers.lower_run(seq.block_hashes[:fetchable_end], len(local)) \
+            if self.tiers is not None and fetchable_end > len(local) else []
+        if fetchable_end > len(local) and (lower or not forced_local):
             # Planned here, on the engine thread (the index lookup reads the in-memory mirror): a request that
             # is cheapest computed here joins the scheduler at once, without a detour through a fetch thread.
-            hits = self.lookup_holders(seq.block_hashes[:fetchable_end])
-            plan = self._plan(len(local), fetchable_end, hits)
+            if not forced_local:
+                hits = self.lookup_holders(seq.block_hashes[:fetchable_end])
+            plan = self._plan(seq, len(local), fetchable_end, hits, lower)
         if plan is None or (plan.holders_end <= len(local) and not plan.use_prefill):
             with self._lock:
                 self.num_local += 1
@@ -188,20 +216,27 @@ class DecodeWorker(NodeRuntime):
         """Holders push the prefix they have while a prefill node computes the rest (overlapped), as planned.
 
             blocks  [0, num_local)      our own hits
-                    [num_local, split)  the longest prefix the index says a peer holds: a holder's grant
+                    [num_local, promoted) restored from our own lower tiers (plan.promote_end)
+                    [promoted, split)   the longest prefix the index says a peer holds: a holder's grant
                     [split, end)        computed and pushed by a prefill node (plan.use_prefill), at the
                                         same time: its grant; otherwise computed here
 
         The prefill node's blocks are usable only if the holders delivered all of theirs (a stale
         index leaves a gap, which this node then computes itself). ``hits`` and ``plan`` come from admission.
         """
-        result = _FetchResult(num_local, num_local, num_local)
+        result = _FetchResult(num_local, num_local, num_local, promoted=num_local)
         try:
             split = plan.holders_end
             computing, prefill = None, _FetchResult(split, split, split)
             if plan.use_prefill:
                 computing = self._prefill_workers.submit(self._fetch_from_prefill, seq, prefill, end, hits,
                                                          preferred)
+            if plan.promote_end > num_local:  # our own lower tiers (while the prefill node computes)
+                restored = self.tiers.restore(seq.block_hashes[num_local:plan.promote_end],
+                                              seq.block_ids[num_local:plan.promote_end])
+                result.promoted = result.from_holders = result.got = num_local + restored.num_blocks
+                result.num_host, result.num_disk, result.promote_s = restored.num_host, restored.num_disk, \
+                    restored.seconds
             self._fetch_from_holders(seq, result, split, hits)
             result.got = result.from_holders
             if computing is not None:
@@ -292,7 +327,9 @@ class DecodeWorker(NodeRuntime):
         request = self._requests[seq.request_id]
         request.fetching = False
         request.kv_wait_s = time.perf_counter() - request.fetch_started
-        request.tokens_from_peers = (result.from_holders - result.num_local) * bs
+        request.tokens_from_peers = (result.from_holders - result.promoted) * bs
+        request.tokens_from_host, request.tokens_from_disk = result.num_host * bs, result.num_disk * bs
+        request.promote_s = result.promote_s
         request.tokens_from_prefill = (result.got - result.from_holders) * bs
         if result.tainted:  # a stalled writer may still write these: never let this request (or anyone) use them
             try:
@@ -345,11 +382,14 @@ class DecodeWorker(NodeRuntime):
         if request is None:
             return
         remote, from_prefill = request.tokens_from_peers, request.tokens_from_prefill
-        sources = {"tokens_reused_local": seq.num_prefix_hit_tokens, "tokens_reused_remote": remote,
+        host, disk = request.tokens_from_host, request.tokens_from_disk
+        sources = {"tokens_reused_local": seq.num_prefix_hit_tokens, "tokens_reused_host": host,
+                   "tokens_reused_disk": disk, "tokens_reused_remote": remote,
                    "tokens_from_prefill_node": from_prefill,
-                   "tokens_computed": seq.num_prompt_tokens - seq.num_prefix_hit_tokens - remote - from_prefill}
+                   "tokens_computed": seq.num_prompt_tokens - seq.num_prefix_hit_tokens - host - disk - remote -
+                   from_prefill}
         self.prompt_token_sources.update(sources)
-        stats = {**sources, "kv_wait_ms": request.kv_wait_s * 1e3}
+        stats = {**sources, "kv_wait_ms": request.kv_wait_s * 1e3, "promote_ms": request.promote_s * 1e3}
         if seq.num_draft_tokens:
             stats.update(spec_draft_tokens=seq.num_draft_tokens, spec_accepted_tokens=seq.num_accepted_tokens)
         self.endpoint.send(request.identity, encode(nm.TokenEvent(seq.request_id, [], finished=True,

@@ -1,7 +1,9 @@
 """The global block index: who holds which KV block (docs/design.md §5).
 
 ``BlockPublisher`` (one per node) writes ``/blocks/<ns>/<hash>/<node>`` for the
-full blocks the node holds and deletes them when it evicts, in batched
+full blocks the node holds (the value names the fastest tier holding it: 0 the
+compute buffer, 1 host memory, 2 disk; docs/tiers.md) and deletes them when the
+block leaves the node, in batched
 transactions on the node's lease, from a background thread. While etcd is
 unreachable the operations wait in a bounded queue and land when it returns;
 past the bound new publishes are dropped (and counted), so the heads of chains
@@ -39,8 +41,8 @@ class BlockPublisher:
         self.keys.block(namespace, b"\0" * 16, node_id)  # validates the names up front
         self.lease_id: int | None = None
         self.max_pending = max_pending
-        self._pending: OrderedDict[bytes, bool] = OrderedDict()  # hash -> True publish / False unpublish
-        self.held: dict[bytes, None] = {}  # what this node holds now (ordered), to re-publish on a new lease
+        self._pending: OrderedDict[bytes, int | None] = OrderedDict()  # hash -> tier to publish, None: unpublish
+        self.held: dict[bytes, int] = {}  # what this node holds now (ordered) and in which tier, for a new lease
         self.num_dropped = 0
         self.num_published = 0
         self._lock = threading.Lock()
@@ -54,35 +56,43 @@ class BlockPublisher:
         """Use a (new) lease; everything held is queued for publishing again."""
         with self._lock:
             self.lease_id = lease_id
-            for h in self.held:
-                self._queue(h, True)
+            for h, tier in self.held.items():
+                self._queue(h, tier)
         self._wake.set()
 
-    def publish(self, block_hashes: Sequence[bytes]) -> None:
-        if not block_hashes:
-            return  # the engine loop calls this every step; nothing new must not wake the flusher
-        with self._lock:
-            for h in block_hashes:
-                self.held[h] = None
-                self._queue(h, True)
-        self._wake.set()
+    def publish(self, block_hashes: Sequence[bytes], tier: int = 0) -> None:
+        self.update([(h, tier) for h in block_hashes])
 
     def unpublish(self, block_hashes: Sequence[bytes]) -> None:
-        if not block_hashes:
-            return
-        with self._lock:
-            for h in block_hashes:
-                self.held.pop(h, None)
-                self._queue(h, False)
-        self._wake.set()
+        self.update([(h, None) for h in block_hashes])
 
-    def _queue(self, block_hash: bytes, put: bool) -> None:
+    def update(self, changes: Sequence[tuple[bytes, int | None]]) -> None:
+        """(hash, tier now holding it, or None: gone from this node); an unchanged tier is not re-sent."""
+        if not changes:
+            return  # the engine loop calls this every step; nothing new must not wake the flusher
+        queued = False
+        with self._lock:
+            for h, tier in changes:
+                if tier is None:
+                    if self.held.pop(h, None) is None and h not in self._pending:
+                        continue
+                elif self.held.get(h) == tier:
+                    continue
+                else:
+                    self.held[h] = tier
+                self._queue(h, tier)
+                queued = True
+        if queued:
+            self._wake.set()
+
+    def _queue(self, block_hash: bytes, tier: int | None) -> None:
+        put = tier is not None
         if block_hash in self._pending:
             del self._pending[block_hash]  # the newest intent wins
         elif put and len(self._pending) >= self.max_pending:
             self.num_dropped += 1  # full: keep the chain heads already queued, drop this later block
             return
-        self._pending[block_hash] = put
+        self._pending[block_hash] = tier
 
     @property
     def num_pending(self) -> int:
@@ -95,9 +105,11 @@ class BlockPublisher:
                 return not self._pending
             batch = list(self._pending.items())
             lease = self.lease_id
-        now = BlockEntry(time.time()).encode()
-        puts = [KeyValue(self.keys.block(self.namespace, h, self.node_id), now) for h, put in batch if put]
-        deletes = [self.keys.block(self.namespace, h, self.node_id) for h, put in batch if not put]
+        now = time.time()
+        values = {tier: BlockEntry(now, tier).encode() for tier in {t for _, t in batch if t is not None}}
+        key = self.keys.block
+        puts = [KeyValue(key(self.namespace, h, self.node_id), values[t]) for h, t in batch if t is not None]
+        deletes = [key(self.namespace, h, self.node_id) for h, t in batch if t is None]
         try:
             if puts:
                 self.store.put_many(puts, lease)
@@ -108,8 +120,8 @@ class BlockPublisher:
         except KeyError:  # the lease expired: the registry grants a new one and calls set_lease
             return False
         with self._lock:
-            for h, put in batch:
-                if self._pending.get(h) is put:
+            for h, tier in batch:
+                if h in self._pending and self._pending[h] == tier:
                     del self._pending[h]
             self.num_published += len(puts)
             return not self._pending
@@ -137,7 +149,7 @@ class BlockIndex:
         self.keys = KeyLayout(cluster)
         self.namespace = namespace
         self.prefix = self.keys.blocks_of_namespace(namespace)
-        self._holders: dict[bytes, set[str]] = {}
+        self._holders: dict[bytes, dict[str, int]] = {}  # hash -> node -> tier
         self.num_skipped = 0
         self.mirror = PrefixMirror(store, self.prefix, self._apply)
 
@@ -153,17 +165,17 @@ class BlockIndex:
         if kind == "delete":
             nodes = self._holders.get(parsed.block_hash)
             if nodes is not None:
-                nodes.discard(parsed.node_id)
+                nodes.pop(parsed.node_id, None)
                 if not nodes:
                     del self._holders[parsed.block_hash]
             return
         try:
-            BlockEntry.decode(value)
+            entry = BlockEntry.decode(value)
         except RecordError as e:
             self.num_skipped += 1
             log.warning("skipping block key %r: %s", key, e)
             return
-        self._holders.setdefault(parsed.block_hash, set()).add(parsed.node_id)
+        self._holders.setdefault(parsed.block_hash, {})[parsed.node_id] = entry.tier
 
     def lookup(self, block_hashes: Sequence[bytes], exclude: str = "") -> dict[str, int]:
         """node_id -> number of leading blocks of the chain it holds (0-length nodes omitted).
@@ -182,6 +194,11 @@ class BlockIndex:
                 continue
             out[node] = _prefix_length(lambda i, n=node: n in holders.get(block_hashes[i], ()), len(block_hashes))
         return out
+
+    def slowest_tier(self, block_hashes: Sequence[bytes], node_id: str) -> int:
+        """The slowest tier ``node_id`` holds these blocks in, per the mirror (0 when it lists none)."""
+        holders = self._holders
+        return max((holders.get(h, {}).get(node_id, 0) for h in block_hashes), default=0)
 
     def lookup_direct(self, block_hashes: Sequence[bytes], exclude: str = "") -> dict[str, int]:
         """The same answer read from etcd itself (fallback and cross-check); {} when etcd is down."""

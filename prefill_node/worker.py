@@ -2,8 +2,8 @@
 
 It serves ComputeAndPush conversations on its side channel (its holder calls
 ``admit``): the prompt is validated and accepted or refused at once; then, on a
-worker thread, its local prefix hits are referenced, a longer prefix held by a
-peer is pulled into this node's pool, and the engine computes the rest with
+worker thread, its local prefix hits are referenced, what its lower KV tiers hold
+next is promoted, a longer prefix held by a peer is pulled into this node's pool, and the engine computes the rest with
 chunked prefill. Every full block is cached as soon as it is computed, and the
 holder writes the granted blocks into the decode node chunk by chunk. When the
 conversation ends (all blocks written, aborted, expired) ``release`` aborts what
@@ -46,6 +46,7 @@ class PrefillWorker(NodeRuntime):
         self.num_prefills = 0
         self.num_refused = 0
         self.tokens_pulled = 0
+        self.tokens_promoted = 0
         self.agent.holder.compute = self
 
     # ---- ComputeHook (holder's worker threads) ---------------------------------------------------------
@@ -85,6 +86,10 @@ class PrefillWorker(NodeRuntime):
             return
         hashes = prefill.hashes
         held = self.pool.match_and_touch(hashes)  # referenced: a concurrent allocation cannot take them
+        if len(held) < len(hashes) and self.tiers is not None:  # our own lower tiers before any peer
+            promoted = self.tiers.promote(hashes[len(held):], held[-1] if held else NO_BLOCK)
+            self.tokens_promoted += len(promoted) * self.cfg.block_size
+            held += promoted
         if len(held) < len(hashes):
             hits = self.lookup_holders(hashes)
             for node_id, length in sorted(hits.items(), key=lambda kv: -kv[1]):
@@ -129,4 +134,5 @@ class PrefillWorker(NodeRuntime):
 
     def role_stats(self) -> dict:
         return {"num_prefills": self.num_prefills, "tokens_pulled": self.tokens_pulled,
+                "tokens_promoted": self.tokens_promoted,
                 "num_prefills_refused": self.num_refused, "num_open_prefills": len(self._prefills)}

@@ -45,11 +45,29 @@ def to_descriptors(runs: Sequence[BlockRun], src_base: int, dst_base: int, block
     (Mooncake's TCP transport moves one descriptor over one stream: a few pieces in
     flight beat one huge descriptor there; RDMA wants one descriptor per run.)
     """
+    return _pieces([(src_base + r.src_start * block_bytes, dst_base + r.dst_start * block_bytes,
+                      r.num_blocks * block_bytes) for r in runs], max_bytes)
+
+
+def _pieces(ranges: Sequence[Sequence[int]], max_bytes: int) -> list[Descriptor]:
+    """(src, dst, length) ranges as descriptors of at most ``max_bytes`` each (0: whole)."""
     out: list[Descriptor] = []
-    for r in runs:
-        src, dst, length = src_base + r.src_start * block_bytes, dst_base + r.dst_start * block_bytes, \
-            r.num_blocks * block_bytes
+    for src, dst, length in ranges:
         step = max_bytes if 0 < max_bytes < length else length
         for offset in range(0, length, step):
             out.append(Descriptor(src + offset, dst + offset, min(step, length - offset)))
     return out
+
+
+def address_descriptors(src_addrs: Sequence[int], dst_addrs: Sequence[int], block_bytes: int,
+                        max_bytes: int = 0) -> list[Descriptor]:
+    """Descriptors for blocks given by address (any registered memory), merging neighbours on both sides."""
+    if len(src_addrs) != len(dst_addrs):
+        raise ValueError("source and destination address lists differ in length")
+    runs: list[list[int]] = []  # [src, dst, length]
+    for src, dst in zip(src_addrs, dst_addrs):
+        if runs and runs[-1][0] + runs[-1][2] == src and runs[-1][1] + runs[-1][2] == dst:
+            runs[-1][2] += block_bytes
+        else:
+            runs.append([src, dst, block_bytes])
+    return _pieces(runs, max_bytes)

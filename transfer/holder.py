@@ -12,8 +12,8 @@ Before every write the push's abort flag and deadline are checked; its deadline
 starts when the message arrives and is capped at MAX_WAIT_MS. The final
 PushResult is the writer's promise that it will not write again: it goes out only
 when no write of the push is running (a Mooncake batch that outlived its timeout
-holds it back until the batch really ends). Pinned source blocks are always
-unpinned.
+holds it back until the batch really ends). Source blocks (``block_source``: the
+pool, then lower KV tiers) are held while written and always released.
 """
 from __future__ import annotations
 
@@ -28,7 +28,8 @@ from typing import Protocol
 from kvmesh.kv.block_hash import BlockHash
 from kvmesh.kv.block_pool import BlockPool
 from kvmesh.transfer import messages as m
-from kvmesh.transfer.coalesce import coalesce, to_descriptors
+from kvmesh.transfer.block_source import BlockSource, PoolSource
+from kvmesh.transfer.coalesce import address_descriptors
 from kvmesh.transfer.engine import TransferEngine
 from kvmesh.transfer.errors import TransferRefused, TransferTimeout
 from kvmesh.transfer.peers import PeerDirectory, PeerRecord
@@ -83,6 +84,7 @@ class KVHolder:
         self.base_addr = base_addr
         self.block_bytes = block_bytes
         self.directory = directory
+        self.source: BlockSource = PoolSource(pool, base_addr, block_bytes)  # nodes with lower tiers swap it
         self.compute: ComputeHook | None = None
         self._reply = reply
         self._pushes: dict[str, _Push] = {}
@@ -189,7 +191,7 @@ class KVHolder:
             with self._lock:
                 pushes = [p for p in self._pushes.values() if not p.busy and p.ready]
             for push in pushes:
-                more = len(self.pool.match(push.block_hashes)) > push.num_written
+                more = self.source.num_available(push.block_hashes) > push.num_written
                 if push.abort_reason or push.code or now > push.expires_at or \
                         push.num_written == len(push.written) or (not more and now > push.wait_until):
                     self._finish(push, now)
@@ -212,31 +214,33 @@ class KVHolder:
 
     # ---- writes (worker threads) ----------------------------------------------------------------------
     def _write_next(self, push: _Push) -> None:
-        pinned: list[int] = []
+        release = None
         keep_busy = False
         try:
-            pinned = self.pool.match_and_pin(push.block_hashes, skip=push.num_written)
+            acquired = self.source.acquire(push.block_hashes, push.num_written, len(push.written) - push.num_written)
+            release = acquired.release
+            num = len(acquired.src_addrs)
             remaining = push.expires_at - time.monotonic()
-            if not pinned or push.abort_reason or remaining <= 0:
+            if not num or push.abort_reason or remaining <= 0:
                 return
-            start, end = push.num_written, push.num_written + len(pinned)
-            runs = coalesce(pinned, push.dst_block_ids[start:end])
-            descriptors = to_descriptors(runs, self.base_addr, push.requester.base_addr, self.block_bytes,
-                                         self.engine.max_descriptor_bytes)
+            start, end = push.num_written, push.num_written + num
+            dst_addrs = [push.requester.base_addr + b * self.block_bytes for b in push.dst_block_ids[start:end]]
+            descriptors = address_descriptors(acquired.src_addrs, dst_addrs, self.block_bytes,
+                                              self.engine.max_descriptor_bytes)
             started = time.perf_counter()
             try:
                 self.engine.write(push.requester.transfer_endpoint, descriptors, request_id=push.request_id,
                                   grant_id=push.grant_id, timeout_s=remaining)
                 push.write_s += time.perf_counter() - started
             except TransferTimeout as e:
-                if e.pending is not None:  # still running natively: stay busy and pinned until it ends
+                if e.pending is not None:  # still running natively: stay busy and hold the sources until it ends
                     keep_busy = True
-                    held, pinned = pinned, []
+                    held, release = release, None
                     e.pending.add_done_callback(lambda _f: self._write_ended(push, held))
                 raise
-            push.written[start:end] = [True] * len(pinned)
+            push.written[start:end] = [True] * num
             push.num_written = end
-            self.bytes_sent += len(pinned) * self.block_bytes
+            self.bytes_sent += num * self.block_bytes
             if end < len(push.written):
                 self._reply(push.identity, m.PushResult(push.request_id, list(push.written), final=False,
                                                         write_us=int(push.write_s * 1e6)))
@@ -244,14 +248,14 @@ class KVHolder:
             push.code, push.error = m.ErrorCode.WRITE_FAILED.value, f"{type(e).__name__}: {e}"
             log.warning("%s: push %s failed: %s", self.node_id, push.request_id, push.error)
         finally:
-            if pinned:
-                self.pool.unpin(pinned)
+            if release is not None:
+                release()
             if not keep_busy:
                 push.busy = False
                 self.pool.notify_change()
 
-    def _write_ended(self, push: _Push, pinned: list[int]) -> None:
-        self.pool.unpin(pinned)
+    def _write_ended(self, push: _Push, release: Callable[[], None]) -> None:
+        release()
         push.busy = False
         self.pool.notify_change()
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 from kvmesh.errors import OutOfBlocksError
@@ -73,6 +73,10 @@ class BlockPool:
         self.track_changes = track_changes
         self._evicted: list[BlockHash] = []
         self._newly_cached: list[BlockHash] = []
+        self._epoch = [0] * num_blocks  # bumped each time a block is allocated (its bytes may change after)
+        # Called under the lock with (hash, parent hash or None) whenever a block loses its hash: the
+        # lower KV tiers (kvmesh.kv.tiers) keep their chains whole with it. Must not call back into the pool.
+        self.on_uncache: Callable[[BlockHash, BlockHash | None], None] | None = None
 
     @property
     def lock(self) -> threading.RLock:
@@ -96,6 +100,24 @@ class BlockPool:
 
     def cached_block(self, block_hash: BlockHash) -> int | None:
         return self._hash_to_block.get(block_hash)
+
+    def block_epoch(self, block_id: int) -> int:
+        """How many times ``block_id`` was allocated: a cached block's bytes are immutable while this holds."""
+        return self._epoch[block_id]
+
+    def cached_free_blocks(self, max_blocks: int) -> list[tuple[int, BlockHash, BlockHash | None, int]]:
+        """Up to ``max_blocks`` cached blocks in free-queue order (next victims first), as
+        (block id, hash, parent hash or None, epoch); for copying them out before they are evicted."""
+        with self._lock:
+            out, sentinel = [], self.num_blocks
+            block = self._next[sentinel]
+            while block != sentinel and len(out) < max_blocks:
+                h = self._hash[block]
+                if h is not None:
+                    parent = self._parent[block]
+                    out.append((block, h, self._hash[parent] if parent != NO_BLOCK else None, self._epoch[block]))
+                block = self._next[block]
+            return out
 
     def match(self, block_hashes: Sequence[BlockHash]) -> list[int]:
         """Block ids of the longest cached prefix of ``block_hashes`` (takes no reference; updates the memo).
@@ -196,6 +218,7 @@ class BlockPool:
                 block = self._pop_evictable()
                 self._uncache(block)
                 self._ref[block] = 1
+                self._epoch[block] += 1
                 out.append(block)
             return out
 
@@ -466,6 +489,8 @@ class BlockPool:
         parent = self._parent[block]
         if parent != NO_BLOCK:
             self._num_children[parent] -= 1
+        if self.on_uncache is not None:
+            self.on_uncache(h, self._hash[parent] if parent != NO_BLOCK else None)
         self._parent[block] = NO_BLOCK
         if self.track_changes:
             self._evicted.append(h)

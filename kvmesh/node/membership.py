@@ -75,6 +75,14 @@ class ClusterMembership:
         record = self.directory.nodes.get(node_id) if self.directory is not None else None
         return peer_record(record) if record is not None else None
 
+    def layout_value(self, node_id: str, key: str) -> float:
+        """A number a node published in its record's layout (0 when it is unknown or not a number)."""
+        record = self.directory.nodes.get(node_id) if self.directory is not None else None
+        try:
+            return float(record.kv_layout.get(key, 0)) if record is not None else 0.0
+        except (TypeError, ValueError):
+            return 0.0
+
     def nodes(self, role: str) -> dict[str, NodeRecord]:
         return {n: r for n, r in self.directory.nodes.items() if r.role == role and n != self.node_id}
 

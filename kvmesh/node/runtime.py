@@ -29,6 +29,7 @@ from kvmesh.engine.spec_decode.speculator import SpeculativeConfig
 from kvmesh.errors import KvmeshError
 from kvmesh.kv.block_hash import HashNamespace
 from kvmesh.kv.cache_stats import PrefixCacheStats
+from kvmesh.kv.tiers.tiered_cache import TierConfig, TieredCache
 from kvmesh.metadata.records import NodeRecord
 from kvmesh.model.loader import load_model
 from kvmesh.node import messages as nm
@@ -37,6 +38,7 @@ from kvmesh.netaddr import advertise_address
 from kvmesh.node.membership import ClusterMembership
 from kvmesh.node.rate_meter import RateMeter
 from kvmesh.router_endpoint import RouterEndpoint
+from kvmesh.transfer.block_source import TieredSource
 from kvmesh.transfer.engine import create_transfer_engine
 from kvmesh.transfer.kv_agent import TransferAgent
 from kvmesh.transfer.peers import FunctionPeers
@@ -67,6 +69,10 @@ class NodeConfig:
     transfer_gib_per_s: float = 1.0  # assumed by the cost model
     enable_prefix_caching: bool = True  # off: every prompt is computed in full (a benchmark baseline)
     use_global_pool: bool = True  # off: no lookups in the global index (local caches only, vLLM-style PD)
+    host_kv_bytes: int = 0  # tier 1: host memory below the KV buffer (docs/tiers.md); 0: none
+    disk_kv_bytes: int = 0  # tier 2: a file on a local disk; 0: none
+    disk_kv_path: str = ""  # its folder ("": a temporary one, removed at exit; a real folder is re-adopted)
+    verify_kv: bool = True  # check lower-tier blocks' checksums when they are promoted or served
     speculative: str = "off"  # decode nodes: "ngram" (prompt lookup), "self-draft" or "off"
     num_speculative_tokens: int = 4
     cluster_token: str = field(default="", repr=False)  # authenticates every frame (kvmesh.auth)
@@ -106,6 +112,15 @@ class NodeRuntime:
                                                           advertise=self.advertise_host),
                                    FunctionPeers(self.membership.peer), self.auth, host=cfg.host,
                                    advertise=self.advertise_host)
+        self.tiers: TieredCache | None = None
+        tier_cfg = TierConfig(cfg.host_kv_bytes, cfg.disk_kv_bytes, cfg.disk_kv_path, cfg.verify_kv)
+        if tier_cfg.enabled:
+            self.tiers = TieredCache(self.pool, self.engine.runner.kv_buffer, tier_cfg, self.engine.kv.root_hash,
+                                     name=cfg.node_id)
+            for tensor in self.tiers.registered_tensors():  # pushes read host-tier and staged disk blocks in place
+                self.agent.engine.register(tensor)
+            self.agent.holder.source = TieredSource(self.pool, self.agent.base_addr, self.agent.block_bytes,
+                                                    self.tiers)
         self.loop = EngineLoop(self.engine, cfg.node_id, self.on_finish, self.on_failed, self._publish)
         self.workers = ThreadPoolExecutor(16, thread_name_prefix=f"kvmesh-{cfg.node_id}")
         self.endpoint = RouterEndpoint(cfg.host, self._on_request, f"requests-{cfg.node_id}", self.auth,
@@ -115,6 +130,8 @@ class NodeRuntime:
     def start(self) -> NodeRuntime:
         """Start the engine thread, the transfer agent, the request endpoint; sync with etcd; register."""
         self.loop.start()
+        if self.tiers is not None:
+            self.tiers.start()
         self.agent.start()
         self.endpoint.start()
         self.membership.start(self.record())
@@ -131,7 +148,9 @@ class NodeRuntime:
                            "model": self.cfg.model, "dtype": self.cfg.dtype,
                            "fingerprint": self.loaded.fingerprint, "root_hash": self.engine.kv.root_hash.hex(),
                            "index_namespace": index_namespace(self.engine.namespace),
-                           "prefill_tokens_per_s": self.prefill_tokens_per_s},
+                           "prefill_tokens_per_s": self.prefill_tokens_per_s,
+                           **({"disk_read_bytes_per_s": self.tiers.read_rates[2].per_s}
+                              if self.tiers is not None and self.tiers.disk is not None else {})},
                           layout.num_blocks, {"free_blocks": self.pool.num_free_blocks})
 
     def lookup_holders(self, block_hashes: list[bytes]) -> dict[str, int]:
@@ -168,9 +187,14 @@ class NodeRuntime:
     # ---- engine-thread hooks ---------------------------------------------------------------------------
     def _publish(self) -> None:
         publisher = self.membership.publisher
-        if publisher is not None:
-            publisher.publish(self.pool.take_cached())
-            publisher.unpublish(self.pool.take_evicted())
+        if publisher is None:
+            return
+        cached, evicted = self.pool.take_cached(), self.pool.take_evicted()
+        if self.tiers is None:
+            publisher.publish(cached)
+            publisher.unpublish(evicted)
+        else:  # a block evicted from tier 0 may live on below it: publish the tier that holds it now
+            publisher.update(self.tiers.take_index_changes(cached + evicted))
 
     def _on_request(self, identity: bytes, payload: bytes) -> None:
         try:
@@ -218,6 +242,8 @@ class NodeRuntime:
             try:
                 self.engine.check_integrity()
                 self.agent.grants.check_integrity()
+                if self.tiers is not None:
+                    self.tiers.check_integrity()
             except AssertionError as e:
                 error = f"integrity: {e}"
         usage = self.pool.usage()
@@ -232,6 +258,7 @@ class NodeRuntime:
                  "num_quarantined_total": self.agent.grants.num_quarantined_total,
                  "num_pending_pushes": self.agent.holder.num_pending,
                  "num_failed_steps": self.loop.num_failed_steps, **self.role_stats(),
+                 **(self.tiers.stats() if self.tiers is not None else {}),
                  "pinned_prefixes": {pin_id: list(counts) for pin_id, counts in self.engine.pins.status().items()},
                  **(self.engine.speculator.stats() if self.engine.speculator is not None else {})}
         return nm.StatsReply(self.cfg.node_id, stats, error)
@@ -275,4 +302,6 @@ class NodeRuntime:
         self.membership.close()
         self.endpoint.close()
         self.agent.close()
+        if self.tiers is not None:
+            self.tiers.close()
         self.workers.shutdown(wait=False, cancel_futures=True)
