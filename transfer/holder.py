@@ -248,11 +248,13 @@ class KVHolder:
             push.code, push.error = m.ErrorCode.WRITE_FAILED.value, f"{type(e).__name__}: {e}"
             log.warning("%s: push %s failed: %s", self.node_id, push.request_id, push.error)
         finally:
-            if release is not None:
-                release()
-            if not keep_busy:
-                push.busy = False
-                self.pool.notify_change()
+            try:
+                if release is not None:
+                    release()
+            finally:
+                if not keep_busy:
+                    push.busy = False
+                    self.pool.notify_change()
 
     def _write_ended(self, push: _Push, release: Callable[[], None]) -> None:
         release()

@@ -95,6 +95,7 @@ class TieredCache:
             self.host = TierStore("host", HOST, HostMedium(cfg.host_bytes // self.block_bytes, self.block_bytes))
             self.stores.append(self.host)
         self.staging: HostMedium | None = None
+        self._free_staging: list[int] = []
         self.num_adopted = 0
         if cfg.disk_bytes > 0:
             folder = cfg.disk_path
