@@ -41,11 +41,19 @@ def add_node_share_arguments(p: argparse.ArgumentParser) -> None:
                    help="compute threads per node (0: this machine's cores split evenly among the nodes)")
     p.add_argument("--speculative", default="off", choices=["off", "ngram", "self-draft"],
                    help="speculative decoding on the decode nodes (prompt lookup, or the model's first layers)")
+    p.add_argument("--host-kv-gib", type=float, default=0.0,
+                   help="per node: host memory below the KV buffer for evicted blocks (docs/tiers.md; 0: none)")
+    p.add_argument("--disk-kv-gib", type=float, default=0.0, help="per node: a local-disk tier below that (0: none)")
+    p.add_argument("--disk-kv-path", default="",
+                   help="folder of the nodes' disk-tier files (one per node id, re-adopted by a restart; default: "
+                        "temporary folders removed at exit)")
 
 
 def node_share_args(args: argparse.Namespace) -> list[str]:
     """The node arguments ``add_node_share_arguments`` adds beyond dtype and threads."""
-    return ["--speculative", args.speculative]
+    out = ["--speculative", args.speculative, "--host-kv-gib", repr(args.host_kv_gib),
+           "--disk-kv-gib", repr(args.disk_kv_gib)]
+    return out + (["--disk-kv-path", args.disk_kv_path] if args.disk_kv_path else [])
 
 
 def add_front_end_arguments(p: argparse.ArgumentParser) -> None:

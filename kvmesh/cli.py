@@ -121,6 +121,12 @@ def _add_bench(sub) -> None:
     cl = which.add_parser("cluster", help="the serving modes compared on one workload (TTFT, TPOT, hit rates, ...)")
     add_cluster_arguments(cl)
     cl.set_defaults(func=_run_bench_cluster)
+    from kvmesh.bench.tiers import add_arguments as add_tiers_arguments
+
+    ti = which.add_parser("tiers", help="multi-turn sessions overflowing the KV buffers: tier 0 alone vs host and "
+                                        "disk tiers (hit rates, TTFT, bytes demoted / promoted)")
+    add_tiers_arguments(ti)
+    ti.set_defaults(func=_run_bench_tiers)
 
 
 def _run_bench_kernels(args: argparse.Namespace) -> int:
@@ -137,6 +143,14 @@ def _run_bench_chaos(args: argparse.Namespace) -> int:
     bad = [b for b, r in out["backends"].items()
            if r["lost"] or r["corrupted"] or r["leaked_blocks"] or r["forged_accepted"]]
     return 1 if bad else 0
+
+
+def _run_bench_tiers(args: argparse.Namespace) -> int:
+    from kvmesh.bench import tiers
+
+    tiers.apply_quick(args)
+    tiers.run(args)
+    return 0
 
 
 def _run_bench_cluster(args: argparse.Namespace) -> int:

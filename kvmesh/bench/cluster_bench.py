@@ -132,7 +132,10 @@ def _summarize(records: list[Record], seconds: float, node_delta: dict, slo_ttft
     e2e = [r.e2e_s * 1e3 for r in records]
     good = sum(1 for r in records if r.ttft_s * 1e3 <= slo_ttft_ms and (
         r.num_tokens < 2 or (r.e2e_s - r.ttft_s) / (r.num_tokens - 1) * 1e3 <= slo_tpot_ms))
-    local = [r.cache.get("tokens_reused_local", 0) for r in records]
+    tier0 = [r.cache.get("tokens_reused_local", 0) for r in records]
+    host = [r.cache.get("tokens_reused_host", 0) for r in records]  # the node's own lower tiers (docs/tiers.md)
+    disk = [r.cache.get("tokens_reused_disk", 0) for r in records]
+    local = [a + b + c for a, b, c in zip(tier0, host, disk)]
     remote = [r.cache.get("tokens_reused_remote", 0) for r in records]
     from_prefill = sum(r.cache.get("tokens_from_prefill_node", 0) for r in records)
     computed_here = sum(r.cache.get("tokens_computed", 0) for r in records)
@@ -142,15 +145,20 @@ def _summarize(records: list[Record], seconds: float, node_delta: dict, slo_ttft
            "goodput_req_s": good / seconds,
            "hit_rate_local": sum(1 for x in local if x > 0) / len(records),
            "hit_rate_global": sum(1 for a, b in zip(local, remote) if a + b > 0) / len(records),
+           # Requests with a hit in each place (a request may hit several).
+           "hit_rate_tier": {name: sum(1 for x in xs if x > 0) / len(records)
+                             for name, xs in (("tier0", tier0), ("host", host), ("disk", disk), ("remote", remote))},
            "tokens_reused": sum(local) + sum(remote), "tokens_reused_remote": sum(remote),
            # Every prompt token once, by where its KV came from (the decode nodes' own accounting).
-           "prompt_tokens": {"reused_local": sum(local), "reused_remote": sum(remote),
+           "prompt_tokens": {"reused_local": sum(tier0), "reused_host": sum(host), "reused_disk": sum(disk),
+                             "reused_remote": sum(remote),
                              "from_prefill_node": from_prefill, "computed_here": computed_here},
            "prompt_tokens_total": sum(r.num_prompt for r in records),
            # Computed anywhere: on the decode nodes, plus what prefill nodes really computed (their own
            # cache hits excluded, so this can be less than computed_here + from_prefill_node).
            "tokens_computed": computed_here + node_delta["prefill_tokens_computed"],
            "bytes_transferred": node_delta["bytes_received"],
+           "bytes_demoted": node_delta["tier_bytes_demoted"], "bytes_promoted": node_delta["tier_bytes_promoted"],
            "transfer_share_of_ttft": statistics.mean(share) if share else 0.0}
     for name, values in (("ttft", ttft), ("tpot", tpot), ("itl", itl), ("e2e", e2e)):
         for q in (50, 90, 99):
@@ -160,10 +168,11 @@ def _summarize(records: list[Record], seconds: float, node_delta: dict, slo_ttft
 
 
 def _node_totals(cluster: LocalCluster) -> dict:
-    totals = {"prefill_tokens_computed": 0, "bytes_received": 0, "num_local": 0, "num_remote": 0}
+    totals = {"prefill_tokens_computed": 0, "bytes_received": 0, "num_local": 0, "num_remote": 0,
+              "tier_bytes_demoted": 0, "tier_bytes_promoted": 0}
     for node_id, node in cluster.nodes.items():
         stats = cluster.client(node_id).stats()
-        for key in ("bytes_received", "num_local", "num_remote"):
+        for key in ("bytes_received", "num_local", "num_remote", "tier_bytes_demoted", "tier_bytes_promoted"):
             totals[key] += stats.get(key, 0)
         if node.role == "prefill":
             totals["prefill_tokens_computed"] += stats.get("tokens_computed", 0)
@@ -172,11 +181,12 @@ def _node_totals(cluster: LocalCluster) -> dict:
 
 def run_mode(mode: Mode, model: str, num_decode: int, workload: str, requests, concurrency: int,
              slo_ttft_ms: float, slo_tpot_ms: float, routing: str | None, bar: tqdm, hosts=None) -> dict:
-    with LocalCluster(mode.num_prefill, num_decode, model=model, cluster=f"bench-{mode.name}",
+    cluster_name = "bench-" + mode.name.replace("+", "-")
+    with LocalCluster(mode.num_prefill, num_decode, model=model, cluster=cluster_name,
                       node_args=["--transfer-backend", "auto", *mode.node_args], start_timeout_s=300,
                       hosts=hosts) as cluster:
         router = Router(RouterConfig(etcd=cluster.etcd_endpoint, cluster_token=cluster.token, model=model,
-                                     cluster=f"bench-{mode.name}", routing=routing or mode.routing,
+                                     cluster=cluster_name, routing=routing or mode.routing,
                                      max_in_flight=100_000))
         try:
             before = _node_totals(cluster)
