@@ -111,6 +111,21 @@ def _drive(router: Router, workload: str, requests, concurrency: int, bar: tqdm)
         with ThreadPoolExecutor(concurrency) as pool:
             list(pool.map(conversation, requests))
         return records
+    if workload == "multi-turn-rounds":  # every session's turn k before any session's turn k + 1 (users pause)
+        prompts: dict[int, list[int]] = {}
+        answers: dict[int, list[int]] = {}
+
+        def turn(req: wl.BenchRequest) -> None:
+            c = req.conversation
+            prompts[c] = req.prompt_ids if req.turn == 0 else prompts[c] + answers[c] + req.follow_up
+            record = _one(router, prompts[c], req.max_tokens, f"conv-{c}")
+            answers[c] = record.answer
+            keep(record)
+
+        with ThreadPoolExecutor(concurrency) as pool:
+            for k in range(max(len(c) for c in requests)):
+                list(pool.map(turn, [c[k] for c in requests if k < len(c)]))
+        return records
     start = time.perf_counter()
 
     def send(req: wl.BenchRequest) -> None:

@@ -4,6 +4,8 @@
     tier0+host         evicted blocks move to a host-memory tier and are promoted back
     tier0+host+disk    a smaller host tier, with a local-disk tier below it
 
+Sessions take turns in rounds (every session's turn k before any turn k + 1, as users pause
+between turns), so a session's blocks have aged out of the KV buffer by its next turn.
 Every mode gets a fresh local cluster (decode nodes only by default, cache-aware routing
 with session stickiness, the cost model deciding) and the same conversations. The KV buffer
 of each node is sized so that the working set (every conversation's final prompt and
@@ -81,7 +83,7 @@ def run(args) -> dict:
         chosen = modes(args, size, disk_path)
         for name in names:
             bar.set_postfix_str(name)
-            res["modes"][name] = run_mode(chosen[name], args.model, args.decode, "multi-turn", conversations,
+            res["modes"][name] = run_mode(chosen[name], args.model, args.decode, "multi-turn-rounds", conversations,
                                           args.concurrency, args.slo_ttft_ms, args.slo_tpot_ms, None, bar)
     base = res["modes"].get("tier0")
     if base:
@@ -135,4 +137,4 @@ def add_arguments(p) -> None:
 
 def apply_quick(args) -> None:
     if args.quick:
-        args.sessions, args.turns = 16, 3
+        args.sessions, args.turns, args.first_len = 24, 3, 192
