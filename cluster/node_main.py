@@ -48,7 +48,8 @@ def add_node_arguments(p: argparse.ArgumentParser) -> None:
                    help="folder of the disk tier's file (kept, and re-adopted by a restart with the same node id "
                         "and model; default: a temporary folder removed at exit)")
     p.add_argument("--verify-kv", action=argparse.BooleanOptionalAction, default=True,
-                   help="check each lower-tier block's checksum when it is promoted or served")
+                   help="check a crc32 of each lower-tier block when it is promoted or served, and of each block "
+                        "a peer pushes here (a mismatch is recomputed, never used)")
     p.add_argument("--cluster-token", default=None,
                    help="shared secret that authenticates every frame between nodes and routers "
                         "(default: $KVMESH_CLUSTER_TOKEN; prefer the variable: argv is visible to local users)")

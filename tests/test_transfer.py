@@ -72,7 +72,7 @@ class Holder:
 def make_agent(name: str, backend: str, num_blocks: int = 48, kv: torch.Tensor | None = None) -> TransferAgent:
     kv = torch.zeros((num_blocks, *BLOCK_SHAPE)) if kv is None else kv
     return TransferAgent(name, BlockPool(kv.shape[0]), kv, create_transfer_engine(backend, auth=AUTH), StaticPeers(),
-                         AUTH).start()
+                         AUTH, verify_kv=True).start()
 
 
 @pytest.fixture
@@ -134,6 +134,29 @@ def test_pull_prefix_caches_what_the_peer_holds(requester):
         requester.pool.free(ids)
         requester.pool.check_integrity()
     finally:
+        holder.close()
+
+
+@pytest.mark.parametrize("requester", BACKENDS, indirect=True)
+def test_a_block_damaged_in_flight_is_not_kept(requester):
+    holder = Holder(requester.engine.name, seed=13, requester=requester, chain=8)
+    verify = requester.requester.verify
+    damaged = []
+
+    def flip_then_verify(block_ids, checksums):  # a bit flipped between the writer's memory and ours
+        kv_of(requester)[block_ids[5]].view(-1)[3] += 1.0
+        damaged.append(block_ids[5])
+        return verify(block_ids, checksums)
+
+    requester.requester.verify = flip_then_verify
+    try:
+        ids = requester.pull_prefix(holder.node_id, chain_hashes(8), timeout_s=30, request_id="v")
+        assert len(ids) == 5 and damaged and damaged[0] not in ids  # blocks 0..4 kept; 5 on are recomputed
+        assert requester.pool.match(chain_hashes(8)) == ids
+        assert requester.requester.num_checksum_failures == 1
+        requester.pool.free(ids)
+    finally:
+        requester.requester.verify = verify
         holder.close()
 
 

@@ -72,6 +72,7 @@ class _Push:
     error: str = ""
     compute: bool = False
     write_s: float = 0.0  # time spent in the transfer engine
+    checksums: list[int] = field(default_factory=list)  # per block, when the holder checksums what it sends
 
 
 class KVHolder:
@@ -85,6 +86,8 @@ class KVHolder:
         self.block_bytes = block_bytes
         self.directory = directory
         self.source: BlockSource = PoolSource(pool, base_addr, block_bytes)  # nodes with lower tiers swap it
+        # crc32 of the blocks at these source addresses, sent with every PushResult (None: send no checksums).
+        self.checksum: Callable[[list[int]], list[int]] | None = None
         self.compute: ComputeHook | None = None
         self._reply = reply
         self._pushes: dict[str, _Push] = {}
@@ -210,7 +213,8 @@ class KVHolder:
         if push.compute:
             self.compute.release(push.request_id)
         self._reply(push.identity, m.PushResult(push.request_id, list(push.written), final=True, code=push.code,
-                                                error=push.error, write_us=int(push.write_s * 1e6)))
+                                                error=push.error, write_us=int(push.write_s * 1e6),
+                                                checksums=list(push.checksums)))
 
     # ---- writes (worker threads) ----------------------------------------------------------------------
     def _write_next(self, push: _Push) -> None:
@@ -238,12 +242,17 @@ class KVHolder:
                     held, release = release, None
                     e.pending.add_done_callback(lambda _f: self._write_ended(push, held))
                 raise
+            if self.checksum is not None:  # of the bytes just sent, still held: the receiver compares
+                if not push.checksums:
+                    push.checksums = [0] * len(push.written)
+                push.checksums[start:end] = self.checksum(acquired.src_addrs)
             push.written[start:end] = [True] * num
             push.num_written = end
             self.bytes_sent += num * self.block_bytes
             if end < len(push.written):
                 self._reply(push.identity, m.PushResult(push.request_id, list(push.written), final=False,
-                                                        write_us=int(push.write_s * 1e6)))
+                                                        write_us=int(push.write_s * 1e6),
+                                                        checksums=list(push.checksums)))
         except Exception as e:  # a failed write ends the push with an error; the holder keeps serving
             push.code, push.error = m.ErrorCode.WRITE_FAILED.value, f"{type(e).__name__}: {e}"
             log.warning("%s: push %s failed: %s", self.node_id, push.request_id, push.error)

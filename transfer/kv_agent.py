@@ -11,7 +11,9 @@ registers the KV buffer and binds the side channel; ``start`` starts the threads
 """
 from __future__ import annotations
 
+import ctypes
 import logging
+import zlib
 
 import torch
 
@@ -33,7 +35,8 @@ log = logging.getLogger("kvmesh.transfer")
 class TransferAgent:
     def __init__(self, node_id: str, pool: BlockPool, kv_buffer: torch.Tensor, engine: TransferEngine,
                  directory: PeerDirectory, auth: ClusterAuth | None = None, host: str = "127.0.0.1",
-                 num_workers: int = 4, advertise: str | None = None):
+                 num_workers: int = 4, advertise: str | None = None, verify_kv: bool = False):
+        """``verify_kv``: send a crc32 of every pushed block and check the ones received (host memory only)."""
         self.node_id = node_id
         self.pool = pool
         self.engine = engine
@@ -54,7 +57,22 @@ class TransferAgent:
         self.holder = KVHolder(node_id, pool, engine, self.base_addr, self.block_bytes, directory,
                                lambda identity, msg: self._endpoint.send(identity, m.encode(msg)), num_workers)
         self.requester = KVRequester(node_id, self.grants, directory, self.auth)
+        if verify_kv and kv_buffer.device.type == "cpu":
+            self.holder.checksum = self._checksum_addresses
+            self.requester.verify = self._verify_blocks
         self.num_malformed = 0
+
+    def _checksum_addresses(self, addrs: list[int]) -> list[int]:
+        return [zlib.crc32((ctypes.c_ubyte * self.block_bytes).from_address(a)) for a in addrs]
+
+    def _verify_blocks(self, block_ids: list[int], checksums: list[int]) -> int:
+        """How many leading blocks of ours hold bytes whose crc32 is the writer's."""
+        good = 0
+        for block, expected in zip(block_ids, checksums):
+            if self._checksum_addresses([self.base_addr + block * self.block_bytes])[0] != expected:
+                break
+            good += 1
+        return good
 
     def start(self) -> TransferAgent:
         self.holder.start()

@@ -20,7 +20,7 @@ block ids against the requester's published layout.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 from typing import ClassVar
 
@@ -156,11 +156,15 @@ class PushResult:
     code: str = ""  # ErrorCode when the transfer ended early (the written flags still hold)
     error: str = ""
     write_us: int = 0  # time the writer spent in the transfer engine so far (the receiver's bandwidth sample)
+    checksums: list[int] = field(default_factory=list)  # crc32 of each written block's source bytes (0: none)
 
     def validate(self) -> None:
         _check_code(self.TYPE, self.code)
         if self.write_us < 0:
             raise MessageError("push_result: negative write_us")
+        if self.checksums and (len(self.checksums) != len(self.written) or
+                               not all(0 <= c < 2**32 for c in self.checksums)):
+            raise MessageError("push_result: checksums must be one crc32 per requested block")
 
 
 @dataclass(frozen=True)

@@ -53,7 +53,7 @@ def main() -> None:
     pool = BlockPool(args.num_blocks)
     auth = ClusterAuth(token_from_env())
     agent = TransferAgent(f"holder-{args.seed}", pool, kv, create_transfer_engine(args.backend, auth=auth), peers,
-                          auth).start()
+                          auth, verify_kv=True).start()
     # Scattered source ids: the chain lives in a shuffled set of blocks.
     everything = pool.allocate(args.num_blocks)
     order = torch.randperm(args.num_blocks, generator=torch.Generator().manual_seed(args.seed + 1)).tolist()

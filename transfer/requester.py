@@ -21,6 +21,8 @@ stopped), and the error, if any.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import itertools
 import logging
 import queue
@@ -82,6 +84,9 @@ class KVRequester:
         self._thread = threading.Thread(target=self._run, name=f"kvmesh-requester-{node_id}", daemon=True)
         self._ids = itertools.count()
         self.bytes_received = 0
+        # (block ids, the writer's crc32s) -> how many leading blocks match; None: trust what arrives.
+        self.verify: Callable[[list[int], list[int]], int] | None = None
+        self.num_checksum_failures = 0
         self.block_bytes = grants.block_bytes
 
     def start(self) -> KVRequester:
@@ -175,6 +180,13 @@ class KVRequester:
                     written = msg.written
                 if msg.final:
                     num = _leading(written)
+                    if self.verify is not None and msg.checksums:
+                        good = self.verify(block_ids[:num], msg.checksums[:num])
+                        if good < num:  # the bytes that arrived are not what the writer sent: recompute them
+                            self.num_checksum_failures += 1
+                            log.warning("%s: block %d of %s from %s failed its checksum: %d of %d blocks kept",
+                                        self.node_id, good, cid, peer_id, good, num)
+                            num = good
                     self.bytes_received += num * self.block_bytes
                     if msg.code:
                         cls = TransferAborted if msg.code == m.ErrorCode.ABORTED.value else TransferError

@@ -72,7 +72,7 @@ class NodeConfig:
     host_kv_bytes: int = 0  # tier 1: host memory below the KV buffer (docs/tiers.md); 0: none
     disk_kv_bytes: int = 0  # tier 2: a file on a local disk; 0: none
     disk_kv_path: str = ""  # its folder ("": a temporary one, removed at exit; a real folder is re-adopted)
-    verify_kv: bool = True  # check lower-tier blocks' checksums when they are promoted or served
+    verify_kv: bool = True  # crc32 of lower-tier blocks (promoted, served) and of every pushed block (received)
     speculative: str = "off"  # decode nodes: "ngram" (prompt lookup), "self-draft" or "off"
     num_speculative_tokens: int = 4
     cluster_token: str = field(default="", repr=False)  # authenticates every frame (kvmesh.auth)
@@ -111,7 +111,7 @@ class NodeRuntime:
                                    create_transfer_engine(cfg.transfer_backend, host=cfg.host, auth=self.auth,
                                                           advertise=self.advertise_host),
                                    FunctionPeers(self.membership.peer), self.auth, host=cfg.host,
-                                   advertise=self.advertise_host)
+                                   advertise=self.advertise_host, verify_kv=cfg.verify_kv)
         self.tiers: TieredCache | None = None
         tier_cfg = TierConfig(cfg.host_kv_bytes, cfg.disk_kv_bytes, cfg.disk_kv_path, cfg.verify_kv)
         if tier_cfg.enabled:
@@ -257,6 +257,7 @@ class NodeRuntime:
                  "num_quarantined_blocks": self.agent.grants.num_quarantined_blocks,
                  "num_quarantined_total": self.agent.grants.num_quarantined_total,
                  "num_pending_pushes": self.agent.holder.num_pending,
+                 "num_checksum_failures": self.agent.requester.num_checksum_failures,
                  "num_failed_steps": self.loop.num_failed_steps, **self.role_stats(),
                  **(self.tiers.stats() if self.tiers is not None else {}),
                  "pinned_prefixes": {pin_id: list(counts) for pin_id, counts in self.engine.pins.status().items()},
