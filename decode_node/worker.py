@@ -31,6 +31,7 @@ from kvmesh.decode_node.cost_model import FetchPlan, TransferRateEstimator, plan
 from kvmesh.engine.request_state import RequestStatus
 from kvmesh.engine.sequence import Sequence
 from kvmesh.errors import KvmeshError, OutOfBlocksError
+from kvmesh.kv.block_pool import NO_BLOCK
 from kvmesh.node import messages as nm
 from kvmesh.node.rate_meter import RateMeter
 from kvmesh.node.runtime import NodeRuntime
@@ -56,6 +57,8 @@ class _ClientRequest:
     tokens_from_host: int = 0  # promoted from this node's host-memory tier
     tokens_from_disk: int = 0  # ... and from its disk tier
     promote_s: float = 0.0
+    promoted_in_place: bool = False  # promoted at admission: the scheduler counts those tokens as prefix hits
+    tier0_hit_tokens: int = 0  # ... beyond these, which were in tier 0 already
     kv_wait_s: float = 0.0
 
 
@@ -192,6 +195,10 @@ class DecodeWorker(NodeRuntime):
             if not forced_local:
                 hits = self.lookup_holders(seq.block_hashes[:fetchable_end])
             plan = self._plan(seq, len(local), fetchable_end, hits, lower)
+        if plan is not None and plan.promote_end > len(local) and plan.holders_end <= plan.promote_end and \
+                not plan.use_prefill:  # only our own lower tiers: promote here, no detour through a fetch thread
+            self._promote_now(request, len(local), plan.promote_end)
+            plan = None
         if plan is None or (plan.holders_end <= len(local) and not plan.use_prefill):
             with self._lock:
                 self.num_local += 1
@@ -209,6 +216,20 @@ class DecodeWorker(NodeRuntime):
         request.fetching, request.fetch_started = True, time.perf_counter()
         self.workers.submit(self._fetch, seq, seq.num_prefix_hit_tokens // bs, fetchable_end, msg.prefill_node, hits,
                             plan)
+
+    def _promote_now(self, request: _ClientRequest, num_local: int, end: int) -> None:
+        """Engine thread: restore blocks [num_local, end) from this node's lower tiers into tier 0 (cached, free),
+        where the scheduler's prefix match finds them; cheaper than computing them, by the plan."""
+        seq = request.seq
+        held = self.pool.match_and_touch(seq.block_hashes[:num_local])  # the parent must outlive the allocation
+        if len(held) == num_local:
+            promotion = self.tiers.promote(seq.block_hashes[num_local:end], held[-1] if held else NO_BLOCK)
+            self.pool.free(promotion.block_ids)
+            restored, bs = promotion.restored, self.cfg.block_size
+            request.tokens_from_host, request.tokens_from_disk = restored.num_host * bs, restored.num_disk * bs
+            request.promote_s, request.promoted_in_place = restored.seconds, True
+            request.tier0_hit_tokens = num_local * bs
+        self.pool.free(held)
 
     # ---- fetching (worker thread) -----------------------------------------------------------------------
     def _fetch(self, seq: Sequence, num_local: int, end: int, preferred: str, hits: dict[str, int],
@@ -382,12 +403,16 @@ class DecodeWorker(NodeRuntime):
         if request is None:
             return
         remote, from_prefill = request.tokens_from_peers, request.tokens_from_prefill
-        host, disk = request.tokens_from_host, request.tokens_from_disk
-        sources = {"tokens_reused_local": seq.num_prefix_hit_tokens, "tokens_reused_host": host,
+        host, disk, tier0 = request.tokens_from_host, request.tokens_from_disk, seq.num_prefix_hit_tokens
+        if request.promoted_in_place:  # the prefix hit includes what was promoted (unless it was evicted again)
+            used = max(0, tier0 - request.tier0_hit_tokens)
+            host = min(host, used)
+            disk = min(disk, used - host)
+            tier0 -= host + disk
+        sources = {"tokens_reused_local": tier0, "tokens_reused_host": host,
                    "tokens_reused_disk": disk, "tokens_reused_remote": remote,
                    "tokens_from_prefill_node": from_prefill,
-                   "tokens_computed": seq.num_prompt_tokens - seq.num_prefix_hit_tokens - host - disk - remote -
-                   from_prefill}
+                   "tokens_computed": seq.num_prompt_tokens - tier0 - host - disk - remote - from_prefill}
         self.prompt_token_sources.update(sources)
         stats = {**sources, "kv_wait_ms": request.kv_wait_s * 1e3, "promote_ms": request.promote_s * 1e3}
         if seq.num_draft_tokens:

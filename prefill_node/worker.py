@@ -87,7 +87,7 @@ class PrefillWorker(NodeRuntime):
         hashes = prefill.hashes
         held = self.pool.match_and_touch(hashes)  # referenced: a concurrent allocation cannot take them
         if len(held) < len(hashes) and self.tiers is not None:  # our own lower tiers before any peer
-            promoted = self.tiers.promote(hashes[len(held):], held[-1] if held else NO_BLOCK)
+            promoted = self.tiers.promote(hashes[len(held):], held[-1] if held else NO_BLOCK).block_ids
             self.tokens_promoted += len(promoted) * self.cfg.block_size
             held += promoted
         if len(held) < len(hashes):

@@ -36,7 +36,7 @@ class Node:
     def compute(self, hashes: list[bytes]) -> None:
         """Hold the cached prefix, 'compute' the rest (deterministic bytes per hash), cache, free."""
         held = self.pool.match_and_touch(hashes)
-        held += self.tiers.promote(hashes[len(held):], held[-1] if held else NO_BLOCK)
+        held += self.tiers.promote(hashes[len(held):], held[-1] if held else NO_BLOCK).block_ids
         start = len(held)
         new = self.pool.allocate(len(hashes) - start)
         for b, h in zip(new, hashes[start:]):
@@ -75,7 +75,7 @@ def test_demote_then_promote_is_bitwise(node):
     assert node.pool.match(hashes) == []
     assert node.tiers.lower_run(hashes) == [HOST] * 6
     node.check()
-    blocks = node.tiers.promote(hashes)
+    blocks = node.tiers.promote(hashes).block_ids
     assert len(blocks) == 6 and node.pool.match(hashes) == blocks
     for b, h in zip(blocks, hashes):
         assert torch.equal(node.kv[b], node.expected(h))
@@ -93,7 +93,7 @@ def test_host_victims_move_to_disk_and_come_back_bitwise(node):
     assert len(node.tiers.disk) > 0 and node.tiers.counters["demoted_disk"] > 0
     first = chains[0]
     assert node.tiers.tier_of(first[0]) == DISK
-    blocks = node.tiers.promote(first)
+    blocks = node.tiers.promote(first).block_ids
     assert len(blocks) == 4
     for b, h in zip(blocks, first):
         assert torch.equal(node.kv[b], node.expected(h))
@@ -132,7 +132,7 @@ def test_a_corrupted_disk_block_is_detected_and_dropped_with_its_descendants(tmp
         n.pool.evict(n.pool.num_blocks)
         assert n.tiers.lower_run(hashes) == [DISK] * 5
         n.tiers.disk.medium.corrupt(n.tiers.disk.get(hashes[2]).slot, offset=17)
-        blocks = n.tiers.promote(hashes)
+        blocks = n.tiers.promote(hashes).block_ids
         assert len(blocks) == 2  # the two good blocks before it; the bad one is never served
         assert n.tiers.counters["corrupt"] == 1
         assert n.tiers.lower_run(hashes, 2) == []  # it and everything after it are gone
@@ -196,7 +196,7 @@ def test_a_restart_re_adopts_the_disk_tier(tmp_path):
         assert sorted(again.tiers.disk.hashes()) == before
         changes = dict(again.tiers.take_index_changes([]))
         assert changes == {h: DISK for h in before}  # what the node publishes at start
-        blocks = again.tiers.promote(hashes)
+        blocks = again.tiers.promote(hashes).block_ids
         again.truth = first.truth
         for b, h in zip(blocks, hashes):
             assert torch.equal(again.kv[b], again.expected(h))

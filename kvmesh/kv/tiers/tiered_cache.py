@@ -69,6 +69,11 @@ class RestoreResult(NamedTuple):
     seconds: float
 
 
+class Promotion(NamedTuple):
+    block_ids: list[int]  # cached in tier 0, one reference each, owned by the caller
+    restored: RestoreResult
+
+
 class SendBlocks(NamedTuple):
     """Lower-tier blocks made addressable for one push: their source addresses; call ``release`` after."""
 
@@ -215,24 +220,27 @@ class TieredCache:
                     self.read_rates[tier].record(num * self.block_bytes, read_s[tier])
         return RestoreResult(done, host, disk, corrupt, time.perf_counter() - started)
 
-    def promote(self, block_hashes: Sequence[bytes], parent_block_id: int = NO_BLOCK) -> list[int]:
+    def promote(self, block_hashes: Sequence[bytes], parent_block_id: int = NO_BLOCK) -> Promotion:
         """Bring the lower-tier run at the start of ``block_hashes`` into tier 0 and cache it there.
 
-        Returns the block ids with one reference each, owned by the caller (``pool.free`` them);
-        [] when nothing is below tier 0 or tier 0 has no room. ``parent_block_id`` (referenced by the
-        caller) holds the hash before ``block_hashes[0]``.
+        The block ids come back with one reference each, owned by the caller (``pool.free`` them);
+        none when nothing is below tier 0 or tier 0 has no room. ``parent_block_id`` (referenced by
+        the caller, so allocation cannot take it) holds the hash before ``block_hashes[0]``.
         """
         n = len(self.lower_run(block_hashes))
+        nothing = Promotion([], RestoreResult(0, 0, 0, 0, 0.0))
         if n == 0:
-            return []
+            return nothing
         try:
             block_ids = self.pool.allocate(n)
         except OutOfBlocksError:
-            return []
+            return nothing
         result = self.restore(block_hashes[:n], block_ids)
         self.pool.free(block_ids[result.num_blocks:])
         kept = block_ids[:result.num_blocks]
-        return self.pool.cache_and_dedupe(kept, block_hashes[:len(kept)], parent_block_id) if kept else []
+        if kept:
+            kept = self.pool.cache_and_dedupe(kept, block_hashes[:len(kept)], parent_block_id)
+        return Promotion(kept, result)
 
     def _read(self, store: TierStore, entry: TierEntry, out: torch.Tensor) -> bool:
         """Read a pinned entry's bytes into ``out`` (CPU); False on a checksum mismatch or a read error."""
