@@ -40,7 +40,7 @@ def sizes(args, bytes_per_block: int) -> dict:
     longest = math.ceil((args.first_len + (args.turns - 1) * args.turn_len + args.turns * args.output_len)
                         / BLOCK_SIZE) + 1
     running = math.ceil(args.concurrency / max(1, args.decode)) * longest  # room the running requests need
-    tier0 = max(math.ceil(ws / (args.overflow * nodes)), running + 8)
+    tier0 = max(int(ws // (args.overflow * nodes)), running + 8)  # rounded down: the overflow is at least asked
     per_node = math.ceil(ws / max(1, args.decode))
     return {"working_set_blocks": ws, "tier0_blocks": tier0, "host_blocks": math.ceil(1.25 * per_node),
             "small_host_blocks": math.ceil(0.25 * per_node), "disk_blocks": math.ceil(1.25 * per_node),

@@ -106,12 +106,13 @@ class BlockPool:
         return self._epoch[block_id]
 
     def cached_free_blocks(self, max_blocks: int) -> list[tuple[int, BlockHash, BlockHash | None, int]]:
-        """Up to ``max_blocks`` cached blocks in free-queue order (next victims first), as
+        """Cached blocks among the next ``max_blocks`` of the free queue (the next victims, soonest first), as
         (block id, hash, parent hash or None, epoch); for copying them out before they are evicted."""
         with self._lock:
-            out, sentinel = [], self.num_blocks
+            out, sentinel, scanned = [], self.num_blocks, 0
             block = self._next[sentinel]
-            while block != sentinel and len(out) < max_blocks:
+            while block != sentinel and scanned < max_blocks:
+                scanned += 1
                 h = self._hash[block]
                 if h is not None:
                     parent = self._parent[block]

@@ -54,7 +54,7 @@ class TierConfig:
     disk_path: str = ""  # folder of the tier file ("": a temporary folder, removed on close, nothing re-adopted)
     verify: bool = True  # check every block's checksum when it is promoted or served
     staging_blocks: int = 32  # registered buffer that disk blocks are read into before a push
-    demote_window: int = 256  # cached free blocks looked at per round, next victims first
+    demote_window: int = 1024  # how far down tier 0's free queue (the next victims) each round looks
 
     @property
     def enabled(self) -> bool:
