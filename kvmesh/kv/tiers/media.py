@@ -21,6 +21,7 @@ import logging
 import mmap
 import os
 import struct
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple, Protocol
@@ -121,6 +122,7 @@ class DiskMedium:
             os.ftruncate(self._fd, layout.file_bytes)
             self._pwrite(self._file_header(), 0)
         self.reused = reusable
+        self._buffers = threading.local()  # one aligned buffer per thread and size, reused
 
     def _open(self, flags: int) -> int:
         self._direct = False
@@ -157,10 +159,15 @@ class DiskMedium:
         return False
 
     def _buffer(self, size: int) -> mmap.mmap:
-        return mmap.mmap(-1, size)  # page-aligned, as O_DIRECT wants
+        """A page-aligned buffer (as O_DIRECT wants) of ``size`` bytes, this thread's own."""
+        cache = self._buffers.__dict__
+        buf = cache.get(size)
+        if buf is None:
+            buf = cache[size] = mmap.mmap(-1, size)
+        return buf
 
     def _pwrite(self, data: bytes | memoryview, offset: int) -> None:
-        buf = self._buffer(len(data))
+        buf = mmap.mmap(-1, len(data))
         buf[:] = data
         written = os.pwrite(self._fd, buf, offset)
         if written != len(data):
@@ -171,6 +178,7 @@ class DiskMedium:
 
     def write(self, slot: int, data: torch.Tensor, block_hash: bytes, parent: bytes | None, checksum: int) -> None:
         buf = self._buffer(self.layout.slot_bytes)
+        buf[:ALIGN] = bytes(ALIGN)
         buf[:_SLOT_HEADER.size] = _SLOT_HEADER.pack(_SLOT_MAGIC, parent is not None, block_hash,
                                                     parent or _NO_PARENT, checksum)
         torch.frombuffer(buf, dtype=torch.uint8, count=self.block_bytes, offset=ALIGN).copy_(data)
@@ -191,7 +199,7 @@ class DiskMedium:
 
     def scan(self) -> list[SlotHeader]:
         """Every slot that holds a block (its header), for re-adoption after a restart."""
-        found, buf = [], self._buffer(ALIGN)
+        found, buf = [], mmap.mmap(-1, ALIGN)
         for slot in range(self.num_slots):
             if os.preadv(self._fd, [buf], self._offset(slot)) < _SLOT_HEADER.size:
                 continue
@@ -202,7 +210,7 @@ class DiskMedium:
 
     def corrupt(self, slot: int, offset: int = 0) -> None:
         """Flip one payload byte of ``slot`` (tests of the checksum path)."""
-        buf = self._buffer(ALIGN)
+        buf = mmap.mmap(-1, ALIGN)
         os.preadv(self._fd, [buf], self._offset(slot) + ALIGN)
         buf[offset] ^= 0xFF
         os.pwrite(self._fd, buf, self._offset(slot) + ALIGN)
