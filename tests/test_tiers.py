@@ -47,6 +47,12 @@ class Node:
             assert torch.equal(self.kv[b], self.expected(h)), "a block's KV is not what was computed"
         self.pool.free(held)
 
+    def push_down(self, hashes: list[bytes]) -> None:
+        """Compute a chain, copy it below tier 0, and empty tier 0: the chain lives in the lower tiers only."""
+        self.compute(hashes)
+        self.tiers.demote_now()
+        self.pool.evict(self.pool.num_blocks)
+
     def expected(self, h: bytes) -> torch.Tensor:
         if h not in self.truth:
             self.truth[h] = torch.randn(SHAPE, generator=torch.Generator().manual_seed(int.from_bytes(h[:4], "little")))
@@ -71,7 +77,7 @@ def test_demote_then_promote_is_bitwise(node):
     hashes = chain(1, 6)
     node.compute(hashes)
     assert node.tiers.demote_now() == 6
-    node.pool.evict(node.pool.num_blocks)  # tier 0 forgets everything
+    node.pool.evict(node.pool.num_blocks)  # tier 0 forgets everything (push_down, with the count checked)
     assert node.pool.match(hashes) == []
     assert node.tiers.lower_run(hashes) == [HOST] * 6
     node.check()
@@ -127,9 +133,7 @@ def test_a_corrupted_disk_block_is_detected_and_dropped_with_its_descendants(tmp
     n = Node(tmp_path, num_blocks=6, host_blocks=0, disk_blocks=16)
     try:
         hashes = chain(3, 5)
-        n.compute(hashes)
-        n.tiers.demote_now()
-        n.pool.evict(n.pool.num_blocks)
+        n.push_down(hashes)
         assert n.tiers.lower_run(hashes) == [DISK] * 5
         n.tiers.disk.medium.corrupt(n.tiers.disk.get(hashes[2]).slot, offset=17)
         blocks = n.tiers.promote(hashes).block_ids
@@ -146,9 +150,7 @@ def test_a_corrupted_disk_block_is_detected_and_dropped_with_its_descendants(tmp
 
 def test_a_torn_host_block_is_not_served_to_peers(node):
     hashes = chain(4, 3)
-    node.compute(hashes)
-    node.tiers.demote_now()
-    node.pool.evict(node.pool.num_blocks)
+    node.push_down(hashes)
     node.tiers.host.medium.tensor[node.tiers.host.get(hashes[1]).slot, 5] ^= 1
     source = TieredSource(node.pool, node.kv.data_ptr(), BLOCK_BYTES, node.tiers)
     assert source.num_available(hashes) == 3
@@ -163,9 +165,7 @@ def test_disk_blocks_are_staged_for_pushes_and_released(tmp_path):
     n = Node(tmp_path, num_blocks=6, host_blocks=0, disk_blocks=16)
     try:
         hashes = chain(5, 6)
-        n.compute(hashes)
-        n.tiers.demote_now()
-        n.pool.evict(n.pool.num_blocks)
+        n.push_down(hashes)
         source = TieredSource(n.pool, n.kv.data_ptr(), BLOCK_BYTES, n.tiers)
         got = source.acquire(hashes, 0, 6)
         assert len(got.src_addrs) == 4  # the staging buffer holds 4 blocks

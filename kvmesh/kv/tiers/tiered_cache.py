@@ -203,7 +203,7 @@ class TieredCache:
                 with self._lock:
                     store.unpin(entry)
                     if not ok:
-                        self._drop_if_held(h)
+                        self._discard(h)
             if not ok:
                 corrupt += 1
                 break
@@ -213,7 +213,6 @@ class TieredCache:
         with self._lock:
             self.counters["promoted_host"] += host
             self.counters["promoted_disk"] += disk
-            self.counters["corrupt"] += corrupt
             self.counters["bytes_promoted"] += done * self.block_bytes
             for tier, num in ((HOST, host), (DISK, disk)):
                 if num:
@@ -249,7 +248,11 @@ class TieredCache:
         except OSError as e:
             log.warning("%s: reading %s slot %d failed: %s", self.name, store.name, entry.slot, e)
             return False
-        if self.cfg.verify and block_checksum(out) != entry.checksum:
+        return self._intact(store, entry, out)
+
+    def _intact(self, store: TierStore, entry: TierEntry, data: torch.Tensor) -> bool:
+        """``data`` (an entry's bytes) matches the checksum taken at demotion (always true with verify off)."""
+        if self.cfg.verify and block_checksum(data) != entry.checksum:
             log.warning("%s: %s block %s failed its checksum: dropped, it will be recomputed", self.name,
                         store.name, entry.block_hash.hex())
             return False
@@ -281,21 +284,15 @@ class TieredCache:
                 store.touch(h)
                 pinned.append((store, entry))
                 slot = self._free_staging.pop() if store.tier == DISK else -1
-            if store.tier == HOST:
-                if self.cfg.verify and block_checksum(self.host.medium.view(entry.slot)) != entry.checksum:
-                    with self._lock:
-                        self.counters["corrupt"] += 1
-                        self._drop_if_held(h)
-                    break
-                addrs.append(self.host.medium.address(entry.slot))
-                continue
-            staged.append(slot)
-            if not self._read(store, entry, self.staging.view(slot)):
+            if store.tier == DISK:
+                staged.append(slot)
+            ok = self._intact(store, entry, self.host.medium.view(entry.slot)) if store.tier == HOST else \
+                self._read(store, entry, self.staging.view(slot))
+            if not ok:
                 with self._lock:
-                    self.counters["corrupt"] += 1
-                    self._drop_if_held(h)
+                    self._discard(h)
                 break
-            addrs.append(self.staging.address(slot))
+            addrs.append(self.host.medium.address(entry.slot) if store.tier == HOST else self.staging.address(slot))
         with self._lock:
             self.counters["served_host"] += sum(1 for s, _ in pinned if s.tier == HOST)
             self.counters["served_disk"] += len(staged)
@@ -413,6 +410,11 @@ class TieredCache:
                     del self._children[entry.parent]
         self._dirty.add(h)
         return entry
+
+    def _discard(self, h: bytes) -> None:
+        """A block failed its checksum or could not be read: counted, dropped, never used."""
+        self.counters["corrupt"] += 1
+        self._drop_if_held(h)
 
     def _drop_if_held(self, h: bytes) -> None:
         """Drop a block from the lower tiers; if it left the node, its lower-tier descendants go too."""
