@@ -73,6 +73,14 @@ def node(tmp_path):
     n.close()
 
 
+@pytest.fixture
+def disk_node(tmp_path):
+    """No host tier: tier 0 spills straight to disk."""
+    n = Node(tmp_path, num_blocks=6, host_blocks=0, disk_blocks=16)
+    yield n
+    n.close()
+
+
 def test_demote_then_promote_is_bitwise(node):
     hashes = chain(1, 6)
     node.compute(hashes)
@@ -129,23 +137,20 @@ def test_chains_stay_whole_across_tiers_under_a_random_workload(tmp_path):
         n.close()
 
 
-def test_a_corrupted_disk_block_is_detected_and_dropped_with_its_descendants(tmp_path):
-    n = Node(tmp_path, num_blocks=6, host_blocks=0, disk_blocks=16)
-    try:
-        hashes = chain(3, 5)
-        n.push_down(hashes)
-        assert n.tiers.lower_run(hashes) == [DISK] * 5
-        n.tiers.disk.medium.corrupt(n.tiers.disk.get(hashes[2]).slot, offset=17)
-        blocks = n.tiers.promote(hashes).block_ids
-        assert len(blocks) == 2  # the two good blocks before it; the bad one is never served
-        assert n.tiers.counters["corrupt"] == 1
-        assert n.tiers.lower_run(hashes, 2) == []  # it and everything after it are gone
-        n.pool.free(blocks)
-        n.check()
-        n.compute(hashes)  # recomputed: the bytes are right again
-        n.check()
-    finally:
-        n.close()
+def test_a_corrupted_disk_block_is_detected_and_dropped_with_its_descendants(disk_node):
+    n = disk_node
+    hashes = chain(3, 5)
+    n.push_down(hashes)
+    assert n.tiers.lower_run(hashes) == [DISK] * 5
+    n.tiers.disk.medium.corrupt(n.tiers.disk.get(hashes[2]).slot, offset=17)
+    blocks = n.tiers.promote(hashes).block_ids
+    assert len(blocks) == 2  # the two good blocks before it; the bad one is never served
+    assert n.tiers.counters["corrupt"] == 1
+    assert n.tiers.lower_run(hashes, 2) == []  # it and everything after it are gone
+    n.pool.free(blocks)
+    n.check()
+    n.compute(hashes)  # recomputed: the bytes are right again
+    n.check()
 
 
 def test_a_torn_host_block_is_not_served_to_peers(node):
@@ -161,23 +166,20 @@ def test_a_torn_host_block_is_not_served_to_peers(node):
     node.check()
 
 
-def test_disk_blocks_are_staged_for_pushes_and_released(tmp_path):
-    n = Node(tmp_path, num_blocks=6, host_blocks=0, disk_blocks=16)
-    try:
-        hashes = chain(5, 6)
-        n.push_down(hashes)
-        source = TieredSource(n.pool, n.kv.data_ptr(), BLOCK_BYTES, n.tiers)
-        got = source.acquire(hashes, 0, 6)
-        assert len(got.src_addrs) == 4  # the staging buffer holds 4 blocks
-        staged = n.tiers.staging.tensor
-        for i, addr in enumerate(got.src_addrs):
-            slot = (addr - staged.data_ptr()) // BLOCK_BYTES
-            assert torch.equal(staged[slot].view(torch.float32).view(SHAPE), n.expected(hashes[i]))
-        got.release()
-        assert sorted(n.tiers._free_staging) == [0, 1, 2, 3]
-        n.check()
-    finally:
-        n.close()
+def test_disk_blocks_are_staged_for_pushes_and_released(disk_node):
+    n = disk_node
+    hashes = chain(5, 6)
+    n.push_down(hashes)
+    source = TieredSource(n.pool, n.kv.data_ptr(), BLOCK_BYTES, n.tiers)
+    got = source.acquire(hashes, 0, 6)
+    assert len(got.src_addrs) == 4  # the staging buffer holds 4 blocks
+    staged = n.tiers.staging.tensor
+    for i, addr in enumerate(got.src_addrs):
+        slot = (addr - staged.data_ptr()) // BLOCK_BYTES
+        assert torch.equal(staged[slot].view(torch.float32).view(SHAPE), n.expected(hashes[i]))
+    got.release()
+    assert sorted(n.tiers._free_staging) == [0, 1, 2, 3]
+    n.check()
 
 
 def test_a_restart_re_adopts_the_disk_tier(tmp_path):

@@ -4,28 +4,24 @@
     TieredSource   tier 0 first; past its cached prefix, blocks held in host memory (sent in
                    place) or on disk (read into a registered staging buffer first)
 
-``acquire`` returns the source addresses of the next blocks of a chain (one kind of
-memory per call) and a ``release`` the holder calls once the write ended.
+``acquire`` returns ``SendBlocks``: the source addresses of the next blocks of a chain
+(one kind of memory per call) and a ``release`` the holder calls once the write ended.
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import NamedTuple, Protocol
+from collections.abc import Sequence
+from typing import Protocol
 
 from kvmesh.kv.block_hash import BlockHash
 from kvmesh.kv.block_pool import BlockPool
-
-
-class Acquired(NamedTuple):
-    src_addrs: list[int]  # one per block, in chain order
-    release: Callable[[], None]
+from kvmesh.kv.tiers.tiered_cache import SendBlocks
 
 
 class BlockSource(Protocol):
     def num_available(self, block_hashes: Sequence[BlockHash]) -> int:
         """How many leading blocks of the chain this node can send now (no side effects)."""
 
-    def acquire(self, block_hashes: Sequence[BlockHash], skip: int, max_blocks: int) -> Acquired:
+    def acquire(self, block_hashes: Sequence[BlockHash], skip: int, max_blocks: int) -> SendBlocks:
         """Hold up to ``max_blocks`` blocks from index ``skip`` for reading ([] when none is here)."""
 
 
@@ -36,10 +32,10 @@ class PoolSource:
     def num_available(self, block_hashes: Sequence[BlockHash]) -> int:
         return len(self.pool.match(block_hashes))
 
-    def acquire(self, block_hashes: Sequence[BlockHash], skip: int, max_blocks: int) -> Acquired:
+    def acquire(self, block_hashes: Sequence[BlockHash], skip: int, max_blocks: int) -> SendBlocks:
         pinned = self.pool.match_and_pin(block_hashes[:skip + max_blocks], skip=skip)
-        return Acquired([self.base_addr + b * self.block_bytes for b in pinned],
-                        lambda: self.pool.unpin(pinned) if pinned else None)
+        return SendBlocks([self.base_addr + b * self.block_bytes for b in pinned],
+                          lambda: self.pool.unpin(pinned) if pinned else None)
 
 
 class TieredSource(PoolSource):
@@ -52,9 +48,8 @@ class TieredSource(PoolSource):
         in_pool = len(self.pool.match(block_hashes))
         return in_pool + len(self.tiers.lower_run(block_hashes, in_pool))
 
-    def acquire(self, block_hashes: Sequence[BlockHash], skip: int, max_blocks: int) -> Acquired:
+    def acquire(self, block_hashes: Sequence[BlockHash], skip: int, max_blocks: int) -> SendBlocks:
         acquired = super().acquire(block_hashes, skip, max_blocks)
         if acquired.src_addrs:
             return acquired
-        blocks = self.tiers.send_blocks(block_hashes[skip:], max_blocks)
-        return Acquired(blocks.src_addrs, blocks.release)
+        return self.tiers.send_blocks(block_hashes[skip:], max_blocks)

@@ -44,7 +44,6 @@ from kvmesh.node.rate_meter import RateMeter
 log = logging.getLogger("kvmesh.tiers")
 
 HOST, DISK = 1, 2
-TIER_NAMES = {0: "tier0", HOST: "host", DISK: "disk"}
 
 
 @dataclass(frozen=True)
@@ -75,7 +74,7 @@ class Promotion(NamedTuple):
 
 
 class SendBlocks(NamedTuple):
-    """Lower-tier blocks made addressable for one push: their source addresses; call ``release`` after."""
+    """Blocks held for one push: their source addresses in registered memory; call ``release`` after the write."""
 
     src_addrs: list[int]
     release: Callable[[], None]
@@ -154,9 +153,6 @@ class TieredCache:
             changed, self._dirty = self._dirty, set()
         changed.update(block_hashes)
         return [(h, self.tier_of(h)) for h in changed]
-
-    def usage(self) -> dict:
-        return {store.name: {"blocks": len(store), "capacity": store.num_slots} for store in self.stores}
 
     def stats(self) -> dict:
         return {**{f"tier_{k}": v for k, v in self.counters.items()},
