@@ -236,3 +236,25 @@ def test_compacted_watch_is_reported_and_the_mirror_resyncs(etcd):
     wait_for(lambda: mirror.healthy and mirror.num_resyncs >= 2, what="resync")
     assert copy == {"/compact/a": b"1", "/compact/b": b"2"}
     mirror.close()
+
+
+def test_a_peer_registered_after_the_last_watch_event_is_found_in_etcd(etcd):
+    """A holder asked by a node that registered a moment ago must not refuse it as unknown."""
+    from kvmesh.metadata.store import KeyValue
+    from kvmesh.node.membership import ClusterMembership
+
+    layout = {"base_addr": 4096, "num_blocks": 8, "bytes_per_block": 512}
+    me = ClusterMembership(etcd.endpoint, "fresh-peer", "holder", "mfresh", 10, on_peer_left=lambda _n: None)
+    me.start(NodeRecord("holder", "prefill", "127.0.0.1", "127.0.0.1:1", "tcp://127.0.0.1:2", kv_layout=layout))
+    try:
+        me.directory.close()  # its mirror hears nothing from now on
+        store = EtcdStore(etcd.endpoint)
+        record = NodeRecord("newcomer", "decode", "127.0.0.1", "127.0.0.1:3", "tcp://127.0.0.1:4", kv_layout=layout)
+        store.put_many([KeyValue(KeyLayout("fresh-peer").node("newcomer"), record.encode())])
+        store.close()
+        assert "newcomer" not in me.directory.nodes
+        peer = me.peer("newcomer")
+        assert peer is not None and peer.side_channel == "tcp://127.0.0.1:4" and peer.num_blocks == 8
+        assert me.peer("nobody") is None and me.peer("../bad name") is None
+    finally:
+        me.close()

@@ -12,10 +12,12 @@ import logging
 from collections.abc import Callable
 
 from kvmesh.metadata.block_index import BlockIndex, BlockPublisher
+from kvmesh.metadata.keys import InvalidNameError, KeyLayout
 from kvmesh.metadata.etcd_store import EtcdStore
 from kvmesh.metadata.pins import PinRegistry
-from kvmesh.metadata.records import NodeRecord, PinRecord
+from kvmesh.metadata.records import NodeRecord, PinRecord, RecordError
 from kvmesh.metadata.registry import NodeDirectory, NodeRegistry
+from kvmesh.metadata.store import StoreUnavailable
 from kvmesh.transfer.peers import PeerRecord
 
 log = logging.getLogger("kvmesh.node")
@@ -72,7 +74,17 @@ class ClusterMembership:
             self._on_peer_left(node_id)
 
     def peer(self, node_id: str) -> PeerRecord | None:
-        record = self.directory.nodes.get(node_id) if self.directory is not None else None
+        """Where ``node_id``'s KV memory is: from the directory's mirror, or, for a node that registered so
+        recently that its watch event has not arrived yet, from etcd itself (None: not a registered node)."""
+        if self.directory is None:
+            return None
+        record = self.directory.nodes.get(node_id)
+        if record is None:
+            try:
+                value = self.store.get_many([KeyLayout(self.cluster).node(node_id)])[0]
+                record = NodeRecord.decode(value) if value is not None else None
+            except (InvalidNameError, RecordError, StoreUnavailable):
+                return None
         return peer_record(record) if record is not None else None
 
     def layout_value(self, node_id: str, key: str) -> float:
