@@ -42,12 +42,14 @@ class LocalCluster:
     def __init__(self, num_prefill: int = 1, num_decode: int = 1, model: str = "tiny-llama",
                  etcd: str | None = None, cluster: str = "local", node_args: list[str] | None = None,
                  start_timeout_s: float = 120.0, cluster_token: str | None = None, hosts: Hosts | None = None,
-                 placement: dict[str, int] | None = None, dtype: str = "float32", threads_per_node: int = 0):
+                 placement: dict[str, int] | None = None, dtype: str = "float32", threads_per_node: int = 0,
+                 per_node_args: dict[str, list[str]] | None = None):
         """``cluster_token``: default $KVMESH_CLUSTER_TOKEN, else a fresh random one (``self.token``).
 
         ``dtype``: the nodes' model dtype ("auto" resolves on each node). ``threads_per_node``: compute threads
         of each node; 0 splits this machine's cores evenly among the nodes (at least one each), so that node
-        processes sharing a machine do not thrash each other's caches.
+        processes sharing a machine do not thrash each other's caches. ``per_node_args``: node id -> arguments
+        added to that node's command line only (after ``node_args``).
         """
         self.num_prefill, self.num_decode = num_prefill, num_decode
         self.hosts = hosts
@@ -62,6 +64,7 @@ class LocalCluster:
         self.auth = ClusterAuth(self.token)
         self.model, self.cluster = model, cluster
         self.node_args = node_args or []
+        self.per_node_args = dict(per_node_args or {})
         self.dtype = dtype
         self.threads_per_node = threads_per_node or max(1, (os.cpu_count() or 1) // max(1, num_prefill + num_decode))
         self.start_timeout_s = start_timeout_s
@@ -92,7 +95,8 @@ class LocalCluster:
         """Start (or restart) one node process; with ``wait``, until it is registered."""
         cmd = [sys.executable, "-m", "kvmesh.cli", f"{role}-node", "--node-id", node_id, "--etcd",
                self.etcd_endpoint, "--cluster", self.cluster, "--model", self.model, "--dtype", self.dtype,
-               "--threads", str(self.threads_per_node), *self.node_args, *extra_args]
+               "--threads", str(self.threads_per_node), *self.node_args, *self.per_node_args.get(node_id, ()),
+               *extra_args]
         if self.hosts is not None:
             host = self.hosts[self.placement.setdefault(node_id, self.hosts.hosts[-1].index)]
             cmd = [*host.exec_prefix, *cmd, "--host", host.address]

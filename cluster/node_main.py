@@ -5,6 +5,7 @@ import argparse
 import logging
 
 from kvmesh.auth import token_from_env
+from kvmesh.device import DeviceError
 from kvmesh.lifecycle import stop_on_sigterm
 from kvmesh.node.runtime import DEFAULT_CLUSTER, NodeConfig
 
@@ -17,6 +18,13 @@ def add_node_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto",
                    help="auto (bfloat16 on CPUs with AMX or AVX512-BF16, else float32), float32, bfloat16, float16; "
                         "every node of a cluster must resolve to the same dtype")
+    p.add_argument("--device", default="auto",
+                   help="auto (the first visible CUDA device, else the CPU), cpu, cuda or cuda:N: where the model "
+                        "and the KV buffer live (dtype auto is bfloat16 there)")
+    p.add_argument("--kv-transfer-memory", default="auto", choices=["auto", "direct", "host-staging"],
+                   help="what the transfer engine registers: the KV buffer itself (direct: host memory, or GPU "
+                        "memory with GPUDirect RDMA) or a pinned host mirror copied per transfer (host-staging); "
+                        "auto picks and logs why")
     p.add_argument("--threads", type=int, default=0,
                    help="compute threads of this node (0: torch's default, every core); nodes sharing a machine "
                         "should get disjoint shares (serve and local-cluster split the cores among their nodes)")
@@ -69,7 +77,8 @@ def run_node(role: str, args: argparse.Namespace) -> int:
 
         torch.set_num_threads(args.threads)
     cfg = NodeConfig(node_id=args.node_id, role=role, etcd=args.etcd, cluster=args.cluster, model=args.model,
-                     dtype=args.dtype, num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
+                     dtype=args.dtype, device=args.device, kv_transfer_memory=args.kv_transfer_memory,
+                     num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
                      max_num_batched_tokens=args.max_num_batched_tokens,
                      host=args.host, advertise_host=args.advertise_host, transfer_backend=args.transfer_backend,
                      lease_ttl_s=args.lease_ttl, transfer_gib_per_s=args.transfer_gib_per_s,
@@ -84,6 +93,8 @@ def run_node(role: str, args: argparse.Namespace) -> int:
         node = create_node(cfg)
     except KeyboardInterrupt:
         return 0
+    except (DeviceError, ValueError) as e:  # a --device or --kv-transfer-memory this machine cannot honour
+        raise SystemExit(f"{args.node_id}: {e}") from None
     node.serve_forever()
     return 0
 

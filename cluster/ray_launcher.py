@@ -7,9 +7,10 @@ and the router follows the directory to its new endpoints. Across machines: node
 actors are spread over the Ray nodes (``placement`` pins a role to the nodes that
 offer a custom resource instead), every actor binds all interfaces and
 advertises its Ray node's IP, and etcd does the same (or ``etcd`` names one).
-Node actors ask Ray for a GPU when ``gpus_per_node`` > 0 (the Triton path), else
-for CPUs. ``stop_cluster`` (``kvmesh launch --stop``) stops etcd cleanly (no data
-dir left behind) and kills them all.
+Node actors ask Ray for a GPU when ``gpus_per_node`` > 0 and compute on the one Ray
+assigns (``--device auto``: model, KV buffer and Triton kernels there), else on CPUs.
+``stop_cluster`` (``kvmesh launch --stop``) stops etcd cleanly (no data dir left
+behind) and kills them all.
 
 Ray 2.60 turns token authentication on: every process joining the cluster (a
 worker's ``ray start``, the ``kvmesh launch`` driver) needs ``RAY_AUTH_MODE=token``
@@ -54,9 +55,11 @@ class NodeActor:
 
     def __init__(self, role: str, node_id: str, etcd: str, cluster: str, model: str, node_options: dict) -> None:
         from kvmesh.cluster.node_main import create_node
+        from kvmesh.device import device_for_ray_actor
         from kvmesh.node.runtime import NodeConfig
 
         options = {"host": "0.0.0.0", "advertise_host": node_ip(), **node_options}
+        options["device"] = device_for_ray_actor(options.get("device", "auto"), ray.get_gpu_ids())
         self.node = create_node(NodeConfig(node_id=node_id, role=role, etcd=etcd, cluster=cluster, model=model,
                                            **options))
 

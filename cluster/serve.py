@@ -34,9 +34,13 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def add_node_share_arguments(p: argparse.ArgumentParser) -> None:
-    """--dtype and --threads of the nodes a command starts on this machine."""
+    """--dtype, --device, --threads and the other per-node options of the nodes a command starts here."""
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="the nodes' model dtype (auto: bfloat16 on CPUs with AMX or AVX512-BF16, else float32)")
+                   help="the nodes' model dtype (auto: bfloat16 on CUDA and on CPUs with AMX or AVX512-BF16, "
+                        "else float32)")
+    p.add_argument("--device", default="auto",
+                   help="the nodes' device: auto (the first visible CUDA device, else the CPU), cpu, cuda or "
+                        "cuda:N; every node of this machine shares it")
     p.add_argument("--threads", type=int, default=0,
                    help="compute threads per node (0: this machine's cores split evenly among the nodes)")
     p.add_argument("--speculative", default="off", choices=["off", "ngram", "self-draft"],
@@ -51,7 +55,7 @@ def add_node_share_arguments(p: argparse.ArgumentParser) -> None:
 
 def node_share_args(args: argparse.Namespace) -> list[str]:
     """The node arguments ``add_node_share_arguments`` adds beyond dtype and threads."""
-    out = ["--speculative", args.speculative, "--host-kv-gib", repr(args.host_kv_gib),
+    out = ["--device", args.device, "--speculative", args.speculative, "--host-kv-gib", repr(args.host_kv_gib),
            "--disk-kv-gib", repr(args.disk_kv_gib)]
     return out + (["--disk-kv-path", args.disk_kv_path] if args.disk_kv_path else [])
 
@@ -135,8 +139,13 @@ def add_launch_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--prefill", type=int, default=1)
     p.add_argument("--decode", type=int, default=1)
-    p.add_argument("--gpus-per-node", type=float, default=0)
+    p.add_argument("--gpus-per-node", type=float, default=0,
+                   help="GPUs Ray reserves for each node actor (the actor computes on the one Ray assigns)")
     p.add_argument("--cpus-per-node", type=float, default=1)
+    p.add_argument("--device", default="auto",
+                   help="the node actors' device: auto (the GPU Ray assigned, else the CPU), cpu, cuda or cuda:N")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="the node actors' model dtype (auto: bfloat16 on CUDA and on CPUs with AMX or AVX512-BF16)")
     add_front_end_arguments(p)
 
 
@@ -157,7 +166,8 @@ def run_launch(args: argparse.Namespace) -> int:
         raise KvmeshError(f"--placement takes prefill=RESOURCE or decode=RESOURCE, not {args.placement}")
     token = token_from_env(args.cluster_token) or generate_token()
     cluster = RayCluster(args.prefill, args.decode, args.model, args.cluster, args.gpus_per_node,
-                         args.cpus_per_node, node_options={"cluster_token": token}, etcd=args.etcd or "",
+                         args.cpus_per_node, etcd=args.etcd or "",
+                         node_options={"cluster_token": token, "device": args.device, "dtype": args.dtype},
                          placement=placement).start()
     print(json.dumps({"etcd": cluster.etcd, "nodes": cluster.hosts()}), flush=True)
     run_front_ends(args, cluster.etcd, args.cluster, token)  # Ray restarts dead node actors

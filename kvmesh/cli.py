@@ -30,7 +30,7 @@ def _add_generate(sub) -> None:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="auto: bfloat16 on CUDA and on CPUs with AMX or AVX512-BF16, else float32")
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--device", default="auto", help="auto (the first visible CUDA device, else the CPU), cpu, cuda[:N]")
     p.add_argument("--verbose", action="store_true", help="print load time and token ids")
     p.set_defaults(func=_run_generate)
 
@@ -71,6 +71,7 @@ def _add_bench(sub) -> None:
     m.add_argument("--decode-tokens", type=int, default=64)
     m.add_argument("--prefill-lens", default="512,2048", help="comma-separated prompt lengths")
     m.add_argument("--dtype", default="auto", help="both implementations run in this dtype (auto: see generate)")
+    m.add_argument("--device", default="cpu", help="both run here: cpu, cuda or cuda:N (auto: CUDA when visible)")
     m.set_defaults(func=_run_bench_model)
     t = which.add_parser("transfer", help="KV pushes between two processes vs memcpy and TCP ceilings")
     t.add_argument("--json", default=None)
@@ -201,7 +202,7 @@ def _run_bench_model(args: argparse.Namespace) -> int:
 
     lens = tuple(int(x) for x in args.prefill_lens.split(",") if x)
     model.run(args.model, args.json, prefill_lens=lens, batch=args.batch, decode_tokens=args.decode_tokens,
-              dtype=args.dtype)
+              dtype=args.dtype, device=args.device)
     return 0
 
 

@@ -33,9 +33,14 @@ def reference():
 
 @pytest.fixture(scope="module", params=BACKENDS)
 def cluster(request):
-    """2 prefill + 2 decode nodes moving KV over each transfer backend (every test runs on both)."""
+    """2 prefill + 2 decode nodes moving KV over each transfer backend (every test runs on both).
+
+    prefill-1 and decode-1 register a host mirror of their KV buffer (what nodes on a GPU without
+    GPUDirect do), so pushes run direct -> direct, direct <-> staged and staged -> staged."""
     args = REMOTE_ONLY + ["--transfer-backend", request.param]
-    with LocalCluster(num_prefill=2, num_decode=2, node_args=args, cluster=f"t2x2{request.param}") as c:
+    staged = ["--kv-transfer-memory", "host-staging"]
+    with LocalCluster(num_prefill=2, num_decode=2, node_args=args, cluster=f"t2x2{request.param}",
+                      per_node_args={"prefill-1": staged, "decode-1": staged}) as c:
         yield c
 
 
@@ -57,6 +62,22 @@ def test_one_prefill_one_decode_matches_the_single_node_engine(cluster, referenc
     assert [c.error for c in out] == [""] * 5
     assert [c.token_ids for c in out] == reference(prompts)
     assert all(c.stats["tokens_from_prefill_node"] > 0 for c, p in zip(out, prompts) if len(p) > 32)
+    check_all(cluster)
+
+
+def test_host_staged_nodes_compute_what_the_single_node_engine_does(cluster, reference):
+    prompts = [prompt(40 + i, n) for i, n in enumerate((70, 100, 48))]
+    staged_in, staged_out = (cluster.client(n).stats()["kv_memory"] for n in ("decode-1", "prefill-1"))
+    assert staged_in["mode"] == staged_out["mode"] == "host-staging"
+    assert cluster.client("decode-0").stats()["kv_memory"]["mode"] == "direct"
+    for decode_id, prefill_id in [("decode-1", "prefill-0"), ("decode-0", "prefill-1"), ("decode-1", "prefill-1")]:
+        out = cluster.client(decode_id).generate_many(prompts, GREEDY, prefill_node=prefill_id)
+        assert [c.error for c in out] == [""] * 3 and [c.token_ids for c in out] == reference(prompts)
+        assert all(c.stats["tokens_from_prefill_node"] > 0 for c in out)
+        prompts = [p + prompt(50 + len(p), 17) for p in prompts]  # new blocks for the next pair
+    after_in, after_out = (cluster.client(n).stats()["kv_memory"] for n in ("decode-1", "prefill-1"))
+    assert after_in["blocks_staged_in"] > staged_in["blocks_staged_in"]
+    assert after_out["blocks_staged_out"] > staged_out["blocks_staged_out"]
     check_all(cluster)
 
 

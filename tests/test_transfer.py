@@ -36,12 +36,13 @@ class Holder:
     """kvmesh.transfer.peer_process as a subprocess that trusts ``requester``."""
 
     def __init__(self, backend: str, seed: int, requester: TransferAgent | None, chain: int = 20, delay_ms: int = 0,
-                 num_blocks: int = 64, token: str = TOKEN):
+                 num_blocks: int = 64, token: str = TOKEN, kv_memory: str = "auto"):
         self.seed, self.num_blocks = seed, num_blocks
         trusted = ["--requester", json.dumps(dataclasses.asdict(requester.record))] if requester else []
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "kvmesh.transfer.peer_process", "--backend", backend, "--seed", str(seed),
-             "--chain", str(chain), "--delay-ms", str(delay_ms), "--num-blocks", str(num_blocks), *trusted],
+             "--chain", str(chain), "--delay-ms", str(delay_ms), "--num-blocks", str(num_blocks),
+             "--kv-memory", kv_memory, *trusted],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
             env={**os.environ, TOKEN_ENV: token})
         self.info = json.loads(self.proc.stdout.readline())
@@ -69,10 +70,11 @@ class Holder:
             self.proc.wait(timeout=10)
 
 
-def make_agent(name: str, backend: str, num_blocks: int = 48, kv: torch.Tensor | None = None) -> TransferAgent:
+def make_agent(name: str, backend: str, num_blocks: int = 48, kv: torch.Tensor | None = None,
+               kv_memory: str = "auto") -> TransferAgent:
     kv = torch.zeros((num_blocks, *BLOCK_SHAPE)) if kv is None else kv
     return TransferAgent(name, BlockPool(kv.shape[0]), kv, create_transfer_engine(backend, auth=AUTH), StaticPeers(),
-                         AUTH, verify_kv=True).start()
+                         AUTH, verify_kv=True, kv_memory=kv_memory).start()
 
 
 @pytest.fixture
@@ -119,6 +121,33 @@ def test_every_byte_arrives_scattered_ids(requester):
         requester.pool.free(list(range(48)))
     finally:
         holder.close()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_host_staged_kv_memory_moves_every_byte_through_the_mirrors(backend):
+    """Both ends stage (the GPU path without GPUDirect): the holder copies its blocks into its mirror
+    before writing, the requester copies what lands in its mirror into its KV buffer."""
+    agent = make_agent("staged", backend, kv_memory="host-staging")
+    holder = Holder(backend, seed=13, requester=agent, kv_memory="host-staging")
+    try:
+        assert agent.memory.staged and agent.base_addr == agent.memory.registered.data_ptr()
+        hashes = chain_hashes(20)
+        dst = [40, 3, 4, 5, 17, 18, 30, 31, 32, 33, 0, 1, 2, 44, 45, 46, 9, 8, 7, 6]
+        agent.pool.allocate(48)
+        before = agent.kv_buffer.clone()
+        outcome = agent.requester.push(holder.node_id, dst, hashes, request_id="s", timeout_s=20)
+        assert outcome.error is None and outcome.num_written == 20
+        for i, block in enumerate(dst):  # in the KV buffer itself, not only in the mirror
+            assert torch.equal(agent.kv_buffer[block], holder.expected_block(i)), f"block {i}"
+        untouched = sorted(set(range(48)) - set(dst))
+        assert torch.equal(agent.kv_buffer[untouched], before[untouched])
+        assert agent.memory.num_blocks_staged_in == 20 and agent.requester.num_checksum_failures == 0
+        agent.pool.free(list(range(48)))
+    finally:
+        holder.close()
+        agent.close()
+    agent.pool.check_integrity()
+    agent.grants.check_integrity()
 
 
 @pytest.mark.parametrize("requester", BACKENDS, indirect=True)

@@ -9,7 +9,7 @@
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from kvmesh.kv.block_hash import BlockHash
@@ -26,22 +26,32 @@ class BlockSource(Protocol):
 
 
 class PoolSource:
-    def __init__(self, pool: BlockPool, base_addr: int, block_bytes: int):
+    def __init__(self, pool: BlockPool, base_addr: int, block_bytes: int,
+                 stage_out: Callable[[list[int]], None] | None = None):
+        """``stage_out``: copies pinned blocks into the registered memory first (a device buffer's host mirror)."""
         self.pool, self.base_addr, self.block_bytes = pool, base_addr, block_bytes
+        self.stage_out = stage_out
 
     def num_available(self, block_hashes: Sequence[BlockHash]) -> int:
         return len(self.pool.match(block_hashes))
 
     def acquire(self, block_hashes: Sequence[BlockHash], skip: int, max_blocks: int) -> SendBlocks:
         pinned = self.pool.match_and_pin(block_hashes[:skip + max_blocks], skip=skip)
+        if pinned and self.stage_out is not None:
+            try:
+                self.stage_out(pinned)
+            except BaseException:
+                self.pool.unpin(pinned)
+                raise
         return SendBlocks([self.base_addr + b * self.block_bytes for b in pinned],
                           lambda: self.pool.unpin(pinned) if pinned else None)
 
 
 class TieredSource(PoolSource):
-    def __init__(self, pool: BlockPool, base_addr: int, block_bytes: int, tiers):
+    def __init__(self, pool: BlockPool, base_addr: int, block_bytes: int, tiers,
+                 stage_out: Callable[[list[int]], None] | None = None):
         """``tiers``: the node's ``kvmesh.kv.tiers.tiered_cache.TieredCache``."""
-        super().__init__(pool, base_addr, block_bytes)
+        super().__init__(pool, base_addr, block_bytes, stage_out)
         self.tiers = tiers
 
     def num_available(self, block_hashes: Sequence[BlockHash]) -> int:

@@ -77,15 +77,18 @@ class _Push:
 
 class KVHolder:
     def __init__(self, node_id: str, pool: BlockPool, engine: TransferEngine, base_addr: int, block_bytes: int,
-                 directory: PeerDirectory, reply: Callable[[bytes, m.Message], None], num_workers: int = 4):
-        """``reply(identity, msg)`` sends on the side channel (any thread)."""
+                 directory: PeerDirectory, reply: Callable[[bytes, m.Message], None], num_workers: int = 4,
+                 stage_out: Callable[[list[int]], None] | None = None):
+        """``reply(identity, msg)`` sends on the side channel (any thread). ``stage_out(block_ids)`` copies
+        pool blocks into the registered memory before they are written (``transfer/kv_memory.py``)."""
         self.node_id = node_id
         self.pool = pool
         self.engine = engine
         self.base_addr = base_addr
         self.block_bytes = block_bytes
         self.directory = directory
-        self.source: BlockSource = PoolSource(pool, base_addr, block_bytes)  # nodes with lower tiers swap it
+        self.stage_out = stage_out
+        self.source: BlockSource = PoolSource(pool, base_addr, block_bytes, stage_out)  # lower tiers swap it
         # crc32 of the blocks at these source addresses, sent with every PushResult (None: send no checksums).
         self.checksum: Callable[[list[int]], list[int]] | None = None
         self.compute: ComputeHook | None = None

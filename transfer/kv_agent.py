@@ -26,6 +26,7 @@ from kvmesh.transfer.engine import TransferEngine
 from kvmesh.transfer.errors import TransferError
 from kvmesh.transfer.grants import GrantTable
 from kvmesh.transfer.holder import KVHolder
+from kvmesh.transfer.kv_memory import choose_kv_memory
 from kvmesh.transfer.peers import PeerDirectory, PeerRecord
 from kvmesh.transfer.requester import KVRequester, PushOutcome
 
@@ -35,8 +36,10 @@ log = logging.getLogger("kvmesh.transfer")
 class TransferAgent:
     def __init__(self, node_id: str, pool: BlockPool, kv_buffer: torch.Tensor, engine: TransferEngine,
                  directory: PeerDirectory, auth: ClusterAuth | None = None, host: str = "127.0.0.1",
-                 num_workers: int = 4, advertise: str | None = None, verify_kv: bool = False):
-        """``verify_kv``: send a crc32 of every pushed block and check the ones received (host memory only)."""
+                 num_workers: int = 4, advertise: str | None = None, verify_kv: bool = False,
+                 kv_memory: str = "auto"):
+        """``verify_kv``: send a crc32 of every pushed block and check the ones received (registered memory
+        the CPU can read). ``kv_memory``: direct, host-staging or auto (``transfer/kv_memory.py``)."""
         self.node_id = node_id
         self.pool = pool
         self.engine = engine
@@ -44,9 +47,10 @@ class TransferAgent:
         self.kv_buffer = kv_buffer
         self.block_bytes = kv_buffer[0].numel() * kv_buffer.element_size()
         self.num_blocks = kv_buffer.shape[0]
-        self.base_addr = engine.register(kv_buffer)
-        log.info("%s: transfer engine %s at %s, transport %s (%s)", node_id, engine.name, engine.endpoint,
-                 engine.transport, engine.transport_reason)
+        self.memory = choose_kv_memory(kv_buffer, engine, kv_memory)
+        self.base_addr = engine.register(self.memory.registered)
+        log.info("%s: transfer engine %s at %s, transport %s (%s); KV memory %s (%s)", node_id, engine.name,
+                 engine.endpoint, engine.transport, engine.transport_reason, self.memory.mode, self.memory.reason)
         refusable = hasattr(engine, "set_write_guard")
         self.grants = GrantTable(pool, self.base_addr, self.block_bytes, writes_refusable=refusable)
         if refusable:
@@ -55,9 +59,11 @@ class TransferAgent:
                                         advertise=advertise)
         self.side_channel = self._endpoint.endpoint
         self.holder = KVHolder(node_id, pool, engine, self.base_addr, self.block_bytes, directory,
-                               lambda identity, msg: self._endpoint.send(identity, m.encode(msg)), num_workers)
+                               lambda identity, msg: self._endpoint.send(identity, m.encode(msg)), num_workers,
+                               stage_out=self.memory.stage_out)
         self.requester = KVRequester(node_id, self.grants, directory, self.auth)
-        if verify_kv and kv_buffer.device.type == "cpu":
+        self.requester.stage_in = self.memory.stage_in
+        if verify_kv and self.memory.host_visible:
             self.holder.checksum = self._checksum_addresses
             self.requester.verify = self._verify_blocks
         self.num_malformed = 0

@@ -45,6 +45,7 @@ def main() -> None:
     p.add_argument("--delay-ms", type=int, default=0)
     p.add_argument("--block-elems", type=int, default=0, help="fp32 elements per block (default: a small model's)")
     p.add_argument("--contiguous", action="store_true", help="the chain in blocks 0..chain-1, not shuffled")
+    p.add_argument("--kv-memory", default="auto", help="direct, host-staging or auto (transfer/kv_memory.py)")
     p.add_argument("--requester", action="append", default=[], help="PeerRecord JSON of a node allowed to ask")
     args = p.parse_args()
     peers = StaticPeers([PeerRecord(**json.loads(r)) for r in args.requester])
@@ -53,7 +54,7 @@ def main() -> None:
     pool = BlockPool(args.num_blocks)
     auth = ClusterAuth(token_from_env())
     agent = TransferAgent(f"holder-{args.seed}", pool, kv, create_transfer_engine(args.backend, auth=auth), peers,
-                          auth, verify_kv=True).start()
+                          auth, verify_kv=True, kv_memory=args.kv_memory).start()
     # Scattered source ids: the chain lives in a shuffled set of blocks.
     everything = pool.allocate(args.num_blocks)
     order = torch.randperm(args.num_blocks, generator=torch.Generator().manual_seed(args.seed + 1)).tolist()

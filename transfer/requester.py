@@ -86,6 +86,8 @@ class KVRequester:
         self.bytes_received = 0
         # (block ids, the writer's crc32s) -> how many leading blocks match; None: trust what arrives.
         self.verify: Callable[[list[int], list[int]], int] | None = None
+        # Copies blocks reported written out of the registered memory (a device buffer's host mirror).
+        self.stage_in: Callable[[list[int]], None] | None = None
         self.num_checksum_failures = 0
         self.block_bytes = grants.block_bytes
 
@@ -151,6 +153,7 @@ class KVRequester:
         deadline = time.monotonic() + timeout_s
         accept_by = time.monotonic() + min(ACCEPT_TIMEOUT_S, timeout_s) if compute else None
         written = [False] * len(block_ids)
+        num_landed = 0  # leading blocks already copied out of the registered memory
         write_s = 0.0
         error: TransferError | None = None
         while True:
@@ -178,6 +181,7 @@ class KVRequester:
                 write_s = max(write_s, msg.write_us / 1e6)
                 if len(msg.written) == len(written):
                     written = msg.written
+                    num_landed = self._land(block_ids, num_landed, _leading(written))
                 if msg.final:
                     num = _leading(written)
                     if self.verify is not None and msg.checksums:
@@ -199,6 +203,12 @@ class KVRequester:
         tainted = self.grants.revoke(grant.grant_id)
         num = min(_leading(written), grant.num_confirmed) if tainted else _leading(written)
         return PushOutcome(num, tainted, error, write_s)
+
+    def _land(self, block_ids: list[int], num_landed: int, num_written: int) -> int:
+        """Stage in the blocks written since the last report (while the rest are still in flight)."""
+        if self.stage_in is not None and num_written > num_landed:
+            self.stage_in(block_ids[num_landed:num_written])
+        return max(num_landed, num_written)
 
     def _drop(self, cid: str) -> None:
         with self._lock:

@@ -25,17 +25,20 @@ def _hf_twin(loaded):
 
 
 def run(model: str, json_path: str | None, prefill_lens: tuple[int, ...] = (512, 2048), batch: int = 16,
-        decode_tokens: int = 64, repeat: int = 3, dtype: str = "auto") -> dict:
+        decode_tokens: int = 64, repeat: int = 3, dtype: str = "auto", device: str = "cpu") -> dict:
     from kvmesh import LLM, SamplingParams
+    from kvmesh.device import device_name, synchronize
     from kvmesh.model.config import cpu_features
 
     torch.manual_seed(0)
-    llm = LLM(model, dtype=dtype, num_kv_blocks=None, kv_cache_memory_gib=1.0, max_num_seqs=max(batch, 16),
-              progress=False)
-    hf = _hf_twin(llm.loaded)  # in the same dtype
+    llm = LLM(model, dtype=dtype, device=device, num_kv_blocks=None, kv_cache_memory_gib=1.0,
+              max_num_seqs=max(batch, 16), progress=False)
+    dev = llm.loaded.device
+    hf = _hf_twin(llm.loaded).to(dev)  # in the same dtype, on the same device
     vocab = llm.loaded.config.vocab_size
     res: dict = {"machine": machine(), "model": model, "dtype": str(llm.loaded.dtype).removeprefix("torch."),
-                 "cpu_features": cpu_features(), "threads": torch.get_num_threads(), "prefill": [], "decode": {}}
+                 "device": device_name(dev), "cpu_features": cpu_features(), "threads": torch.get_num_threads(),
+                 "prefill": [], "decode": {}}
     one = SamplingParams(max_tokens=1, temperature=0.0)
     for n in prefill_lens:
         if n >= llm.engine.max_model_len:
@@ -45,7 +48,7 @@ def run(model: str, json_path: str | None, prefill_lens: tuple[int, ...] = (512,
         prompts = iter([[(t + r) % vocab for t in ids] for r in range(repeat + 2)])
         t_ours = time_call(lambda: llm.generate(next(prompts), one, use_tqdm=False), repeat)
         with torch.inference_mode():
-            t_hf = time_call(lambda: hf(torch.tensor([ids])), repeat)
+            t_hf = time_call(lambda: (hf(torch.tensor([ids], device=dev)), synchronize(dev)), repeat)
         res["prefill"].append({"tokens": n, "kvmesh_s": t_ours, "transformers_s": t_hf, "speedup": t_hf / t_ours})
     prompt_ids = [torch.randint(0, vocab, (32,)).tolist() for _ in range(batch)]
 
@@ -55,8 +58,10 @@ def run(model: str, json_path: str | None, prefill_lens: tuple[int, ...] = (512,
 
     def theirs(n: int) -> None:
         with torch.inference_mode():
-            hf.generate(torch.tensor(prompt_ids), attention_mask=torch.ones(batch, 32, dtype=torch.long),
+            hf.generate(torch.tensor(prompt_ids, device=dev),
+                        attention_mask=torch.ones(batch, 32, dtype=torch.long, device=dev),
                         max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+        synchronize(dev)
 
     ours(4), theirs(4)  # warm-up: allocator, oneDNN primitives for these shapes
     start = time.perf_counter()
@@ -73,7 +78,8 @@ def run(model: str, json_path: str | None, prefill_lens: tuple[int, ...] = (512,
     d = res["decode"]
     rows.append([f"decode batch {batch} x {decode_tokens}", f"{d['kvmesh_tok_s']:.0f} tok/s",
                  f"{d['transformers_tok_s']:.0f} tok/s", f"{d['speedup']:.2f}x"])
-    title = f"{model} ({res['dtype']}, {res['threads']} threads, CPU: {' '.join(res['cpu_features']) or '?'})"
+    title = (f"{model} ({res['dtype']}, {res['device']}, {res['threads']} threads, "
+             f"CPU: {' '.join(res['cpu_features']) or '?'})")
     print_table(title, ["work", "kvmesh", "transformers", "speedup"], rows)
     write_json(json_path, res)
     return res

@@ -82,8 +82,8 @@ class ModelRunner:
             for i, tok, lp, top in zip(sampled_items, tokens, logprobs, tops):
                 results[i] = SampledToken(tok, lp, top)
         for i, item_rows in verify_rows.items():
-            results[i] = self._verify(batch[i][0], drafts[i], self.model.compute_logits(hidden[item_rows.start:
-                                                                                               item_rows.stop]))
+            logits = self.model.compute_logits(hidden[item_rows.start:item_rows.stop])
+            results[i] = self._verify(batch[i][0], drafts[i], logits.float().cpu())  # k + 1 rows, CPU generators
         return results
 
     @staticmethod

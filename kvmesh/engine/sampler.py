@@ -20,7 +20,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
     for row, p in enumerate(params):
         if p.greedy:
             continue
-        probs = target_probs(logits[row], p)
+        probs = target_probs(logits[row].float().cpu(), p)  # drawn on the CPU: a seed means one stream anywhere
         token_ids[row] = int(torch.multinomial(probs, 1, generator=generators[row]).item())
     logprobs = [float(logprobs_all[row, tok]) for row, tok in enumerate(token_ids)]
     return token_ids, logprobs, [top_logprobs(logprobs_all[row], p) for row, p in enumerate(params)]

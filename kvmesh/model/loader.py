@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from kvmesh.device import resolve_device
 from kvmesh.errors import UnknownModelError
 from kvmesh.model.config import ModelConfig, parse_dtype
 from kvmesh.model.fingerprint import digest_files, digest_state_dict, model_fingerprint
@@ -45,7 +46,7 @@ def build_model(config: ModelConfig, state_dict: dict[str, torch.Tensor], dtype:
 def load_model(name_or_path: str, dtype: str | torch.dtype = "float32", device: str | torch.device = "cpu",
                progress: bool = True) -> LoadedModel:
     start = time.perf_counter()
-    torch_device = torch.device(device)
+    torch_device = resolve_device(device) if isinstance(device, str) else torch.device(device)
     torch_dtype = parse_dtype(dtype, torch_device)
     preset = PRESETS.get(name_or_path)
     path = Path(name_or_path).expanduser()

@@ -26,6 +26,7 @@ from kvmesh.engine.engine import EngineConfig, LLMEngine
 from kvmesh.engine.scheduler import SchedulerConfig
 from kvmesh.engine.sequence import Sequence
 from kvmesh.engine.spec_decode.speculator import SpeculativeConfig
+from kvmesh.device import device_name, resolve_device
 from kvmesh.errors import KvmeshError
 from kvmesh.kv.block_hash import HashNamespace
 from kvmesh.kv.cache_stats import PrefixCacheStats
@@ -56,6 +57,8 @@ class NodeConfig:
     cluster: str = DEFAULT_CLUSTER
     model: str = "tiny-llama"
     dtype: str = "float32"
+    device: str = "cpu"  # auto | cpu | cuda[:N] (kvmesh/device.py)
+    kv_transfer_memory: str = "auto"  # direct | host-staging | auto (transfer/kv_memory.py)
     block_size: int = 16
     num_kv_blocks: int = 1024
     max_num_seqs: int = 64
@@ -91,7 +94,8 @@ class NodeRuntime:
         if not self.auth.enabled:
             log.warning("%s: no cluster token (--cluster-token / $KVMESH_CLUSTER_TOKEN): any process that reaches "
                         "this node can submit work and make it write KV", cfg.node_id)
-        self.loaded = load_model(cfg.model, dtype=cfg.dtype, progress=False)
+        self.device = resolve_device(cfg.device)
+        self.loaded = load_model(cfg.model, dtype=cfg.dtype, device=self.device, progress=False)
         self.engine = LLMEngine(self.loaded, EngineConfig(
             block_size=cfg.block_size, num_kv_blocks=cfg.num_kv_blocks, track_pool_changes=True,
             enable_prefix_caching=cfg.enable_prefix_caching,
@@ -111,7 +115,8 @@ class NodeRuntime:
                                    create_transfer_engine(cfg.transfer_backend, host=cfg.host, auth=self.auth,
                                                           advertise=self.advertise_host),
                                    FunctionPeers(self.membership.peer), self.auth, host=cfg.host,
-                                   advertise=self.advertise_host, verify_kv=cfg.verify_kv)
+                                   advertise=self.advertise_host, verify_kv=cfg.verify_kv,
+                                   kv_memory=cfg.kv_transfer_memory)
         self.tiers: TieredCache | None = None
         tier_cfg = TierConfig(cfg.host_kv_bytes, cfg.disk_kv_bytes, cfg.disk_kv_path, cfg.verify_kv)
         if tier_cfg.enabled:
@@ -120,7 +125,7 @@ class NodeRuntime:
             for tensor in self.tiers.registered_tensors():  # pushes read host-tier and staged disk blocks in place
                 self.agent.engine.register(tensor)
             self.agent.holder.source = TieredSource(self.pool, self.agent.base_addr, self.agent.block_bytes,
-                                                    self.tiers)
+                                                    self.tiers, self.agent.memory.stage_out)
         self.loop = EngineLoop(self.engine, cfg.node_id, self.on_finish, self.on_failed, self._publish)
         self.workers = ThreadPoolExecutor(16, thread_name_prefix=f"kvmesh-{cfg.node_id}")
         self.endpoint = RouterEndpoint(cfg.host, self._on_request, f"requests-{cfg.node_id}", self.auth,
@@ -145,7 +150,8 @@ class NodeRuntime:
                           {"num_blocks": layout.num_blocks, "block_size": layout.block_size,
                            "num_layers": layout.num_layers, "bytes_per_block": self.agent.block_bytes,
                            "base_addr": self.agent.base_addr, "transport": self.agent.engine.transport,
-                           "model": self.cfg.model, "dtype": self.cfg.dtype,
+                           "model": self.cfg.model, "dtype": str(self.loaded.dtype).removeprefix("torch."),
+                           "device": device_name(self.device), "kv_memory": self.agent.memory.mode,
                            "fingerprint": self.loaded.fingerprint, "root_hash": self.engine.kv.root_hash.hex(),
                            "index_namespace": index_namespace(self.engine.namespace),
                            "prefill_tokens_per_s": self.prefill_tokens_per_s,
@@ -258,6 +264,7 @@ class NodeRuntime:
                  "num_quarantined_total": self.agent.grants.num_quarantined_total,
                  "num_pending_pushes": self.agent.holder.num_pending,
                  "num_checksum_failures": self.agent.requester.num_checksum_failures,
+                 "device": device_name(self.device), "kv_memory": self.agent.memory.describe(),
                  "num_failed_steps": self.loop.num_failed_steps, **self.role_stats(),
                  **(self.tiers.stats() if self.tiers is not None else {}),
                  "pinned_prefixes": {pin_id: list(counts) for pin_id, counts in self.engine.pins.status().items()},

@@ -50,7 +50,7 @@ class SelfDraftProposer:
             if seq.params.greedy:
                 token = int(logits.argmax())
             else:
-                q = target_probs(logits, seq.params)
+                q = target_probs(logits.float().cpu(), seq.params)  # the request's generator is a CPU one
                 q = q / q.sum()
                 token = int(torch.multinomial(q, 1, generator=seq.generator).item())
                 probs.append(q)
