@@ -10,7 +10,7 @@ TORCH_CPU_VERSION := 2.13.0
 HAS_NVIDIA := $(shell test -e /proc/driver/nvidia/version && echo 1)
 PYTEST_ARGS ?=
 
-.PHONY: all install test test-gpu generate serve clean
+.PHONY: all install test test-gpu gpu-check generate serve clean
 
 all: test
 
@@ -42,7 +42,12 @@ test: $(STAMP)
 
 # On a machine with a CUDA device: the Triton kernels and the model on the GPU.
 test-gpu: $(STAMP)
-	$(PY) -m pytest -q $(PYTEST_ARGS) tests/gpu
+	$(PY) -m pytest -q $(PYTEST_ARGS) tests/gpu tests/test_kernels.py
+
+# The whole GPU check (docs/gpu.md): the GPU suite, then the kernel and model benchmarks on the device.
+gpu-check: test-gpu
+	$(VENV)/bin/kvmesh bench kernels --json docs/results/kernels_gpu.json
+	$(VENV)/bin/kvmesh bench model --device cuda --batch 32 --dtype bfloat16 --json docs/results/model_gpu.json
 
 generate: $(STAMP)
 	$(VENV)/bin/kvmesh generate --model smollm2-135m --prompt "The capital of France is" --max-tokens 8
