@@ -16,6 +16,7 @@ import uuid
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
+from typing import NamedTuple
 
 from kvmesh.cluster.metrics import RouterMetrics
 from kvmesh.cluster.node_connection import NodeConnection, NodeLost
@@ -23,6 +24,7 @@ from kvmesh.cluster.routing import Candidate, make_policy
 from kvmesh.engine.sampling_params import SamplingParams, to_wire
 from kvmesh.errors import InvalidRequestError, KvmeshError
 from kvmesh.kv.block_hash import hash_blocks
+from kvmesh.kv.prefix_hasher import PrefixHasher
 from kvmesh.metadata.block_index import BlockIndex
 from kvmesh.metadata.pins import PinRegistry
 from kvmesh.metadata.records import PinRecord
@@ -55,6 +57,33 @@ class RouterConfig:
     max_migrations: int = 5  # a stream moves to another decode node at most this often
     wait_for_nodes_s: float = 60.0  # the model's fingerprint and hash namespace come from the first node
     migration_wait_s: float = 15.0  # with no decode node left, wait this long for one (a restart) to appear
+
+
+class Route(NamedTuple):
+    node_id: str
+    uncached_tokens: int  # of the prompt, as the index saw the node when it was chosen
+
+
+class _Queued:
+    """One request's share of a node's queued prompt tokens, released once (first token, end or move)."""
+
+    def __init__(self, counts: Counter, lock: threading.Lock):
+        self._counts, self._lock = counts, lock
+        self._node, self._tokens = "", 0
+
+    def add(self, node_id: str, tokens: int) -> None:
+        self.release()
+        with self._lock:
+            self._counts[node_id] += tokens
+        self._node, self._tokens = node_id, tokens
+
+    def release(self) -> None:
+        if self._tokens:
+            with self._lock:
+                self._counts[self._node] -= self._tokens
+                if self._counts[self._node] <= 0:
+                    del self._counts[self._node]
+            self._tokens = 0
 
 
 @dataclass
@@ -101,9 +130,11 @@ class Router:
         self.pin_registry = PinRegistry(self.store, cfg.cluster, card_of_nodes["index_namespace"])
         self.refused_nodes: set[str] = set()  # registered, but serving other weights
         self.policy = make_policy(cfg.routing)
+        self.hasher = PrefixHasher(cfg.block_size)  # a prompt repeating a recent prefix is compared, not rehashed
         self._connections: dict[str, NodeConnection] = {}
         self._lock = threading.Lock()
         self._in_flight = 0
+        self._queued_tokens: Counter[str] = Counter()  # node -> uncached prompt tokens awaiting a first token
         self._ids = itertools.count()
         self.num_migrations = 0
         self.supervision: Callable[[], dict] | None = None  # set by launchers that restart dead processes
@@ -152,11 +183,13 @@ class Router:
         state = _StreamState(len(prompt_ids))
         lost: set[tuple[str, str]] = set()  # (node id, request endpoint): a restarted node is a new incarnation
         conn, rid = None, ""
+        queued = _Queued(self._queued_tokens, self._lock)
         try:
             while True:
                 context = list(prompt_ids) + state.tokens
-                node_id = self._choose_node_waiting(context, session_id, lost) if lost else \
+                node_id, uncached = self._choose_node_waiting(context, session_id, lost) if lost else \
                     self._choose_node(context, session_id)
+                queued.add(node_id, uncached)
                 if not lost:
                     self.metrics.queue.observe(time.perf_counter() - arrived)
                 conn = self._connection(node_id)
@@ -165,6 +198,8 @@ class Router:
                 events = conn.submit(nm.GenerateRequest(rid, context, to_wire(remaining)))
                 try:
                     for chunk in self._stream(events, node_id, state, params.stop):
+                        if chunk.token_ids:
+                            queued.release()
                         if state.first_token_at is None and chunk.token_ids:
                             state.first_token_at = time.perf_counter()
                             self.metrics.ttft.observe(state.first_token_at - arrived)
@@ -185,6 +220,7 @@ class Router:
             self.metrics.requests.labels("error").inc()
             raise
         finally:
+            queued.release()
             if conn is not None:
                 conn.abort(rid)
             self.metrics.in_flight.dec()
@@ -260,7 +296,7 @@ class Router:
                         self.fingerprint)
         return False
 
-    def _choose_node_waiting(self, prompt_ids: list[int], session_id: str, lost: set[tuple[str, str]]) -> str:
+    def _choose_node_waiting(self, prompt_ids: list[int], session_id: str, lost: set[tuple[str, str]]) -> Route:
         """After a node was lost: a decode node not lost yet, waiting up to ``migration_wait_s`` for one to
         (re)appear; raises KvmeshError naming the lost nodes when none does."""
         deadline = time.monotonic() + self.cfg.migration_wait_s
@@ -272,19 +308,25 @@ class Router:
                     raise
             time.sleep(0.1)
 
-    def _choose_node(self, prompt_ids: list[int], session_id: str, exclude: set[tuple[str, str]] = frozenset()) -> str:
+    def _choose_node(self, prompt_ids: list[int], session_id: str, exclude: set[tuple[str, str]] = frozenset()
+                     ) -> Route:
         decode_nodes = {n: r for n, r in self.directory.nodes.items()
                         if r.role == "decode" and (n, r.request_endpoint) not in exclude
                         and self._serves_our_model(n, r)}
         if not decode_nodes:
             lost = sorted({n for n, _ in exclude})
             raise KvmeshError("no decode node is available" + (f" ({', '.join(lost)} lost)" if lost else ""))
-        hashes = hash_blocks(self.root_hash, prompt_ids, self.cfg.block_size)
+        hashes = self.hasher.hash(self.root_hash, prompt_ids)
         held = self.index.lookup(hashes) if hashes else {}
+        with self._lock:
+            queued = dict(self._queued_tokens)
         candidates = [Candidate(n, held.get(n, 0) * self.cfg.block_size,
-                                self._connections[n].num_open if n in self._connections else 0)
-                      for n in sorted(decode_nodes)]
-        return self.policy.choose(candidates, session_id)
+                                self._connections[n].num_open if n in self._connections else 0, len(prompt_ids),
+                                queued.get(n, 0), float(r.kv_layout.get("prefill_tokens_per_s", 0) or 0))
+                      for n, r in sorted(decode_nodes.items())]
+        chosen_id = self.policy.choose(candidates, session_id)
+        chosen = next(c for c in candidates if c.node_id == chosen_id)
+        return Route(chosen.node_id, max(0, len(prompt_ids) - chosen.cached_tokens))
 
     def _connection(self, node_id: str) -> NodeConnection:
         """The connection to a node's current endpoint (a restarted node registers a new one)."""

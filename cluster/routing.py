@@ -1,10 +1,13 @@
 """Routing policies: which decode node serves a request (policy, apart from the router's mechanism).
 
 A policy sees, for each live decode node, how long a prefix of the prompt the
-global index says it holds and how loaded it is, and picks one. ``cache-aware``
-scores cached tokens against load and keeps a multi-turn session on its node
-unless that node is clearly more loaded than the best alternative;
-``round-robin`` and ``random`` are the baselines.
+global index says it holds, how loaded it is, the prompt tokens already queued
+there and the node's measured prefill rate, and picks one. ``cache-aware``
+predicts the time to first token on each node (queued tokens plus this prompt's
+uncached tokens, at the node's rate) and takes the soonest, so a cached prefix
+wins exactly while computing it elsewhere would take longer than waiting for it;
+it keeps a multi-turn session on its node unless that node is clearly more
+loaded. ``round-robin`` and ``random`` are the baselines.
 """
 from __future__ import annotations
 
@@ -18,6 +21,14 @@ class Candidate(NamedTuple):
     node_id: str
     cached_tokens: int  # prefix of this prompt the index says the node holds
     load: int  # requests in flight through this router to the node
+    prompt_tokens: int = 0  # this prompt's length
+    queued_tokens: int = 0  # uncached prompt tokens routed to the node whose first token has not come back
+    prefill_tokens_per_s: float = 0.0  # the node's measured prefill rate (its registry record); 0: unknown
+
+    def predicted_ttft_s(self) -> float:
+        """Seconds until this prompt's first token here: the queue, then its uncached tokens (rate known)."""
+        uncached = max(0, self.prompt_tokens - self.cached_tokens)
+        return (self.queued_tokens + uncached) / self.prefill_tokens_per_s
 
 
 class RoutingPolicy(Protocol):
@@ -49,7 +60,8 @@ class RandomChoice:
 
 
 class CacheAware:
-    """score = cached_tokens - tokens_per_request * load; sessions stick within ``slack`` requests of load."""
+    """The soonest predicted first token (rates known), else cached_tokens - tokens_per_request * load;
+    sessions stick within ``slack`` requests of load."""
 
     name = "cache-aware"
 
@@ -60,7 +72,11 @@ class CacheAware:
         self._max_sessions = max_sessions
 
     def choose(self, candidates: list[Candidate], session_id: str = "") -> str:
-        best = max(candidates, key=lambda c: (c.cached_tokens - self.tokens_per_request * c.load, -c.load, c.node_id))
+        if all(c.prefill_tokens_per_s > 0 for c in candidates):
+            best = min(candidates, key=lambda c: (c.predicted_ttft_s(), c.load, c.node_id))
+        else:
+            best = max(candidates, key=lambda c: (c.cached_tokens - self.tokens_per_request * c.load, -c.load,
+                                                  c.node_id))
         if session_id:
             sticky = next((c for c in candidates if c.node_id == self._sessions.get(session_id)), None)
             if sticky is not None and sticky.load <= min(c.load for c in candidates) + self.slack:

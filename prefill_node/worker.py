@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from kvmesh.engine.sampling_params import SamplingParams
 from kvmesh.engine.sequence import Sequence
-from kvmesh.kv.block_hash import BlockHash, hash_blocks
+from kvmesh.kv.block_hash import BlockHash
 from kvmesh.kv.block_pool import NO_BLOCK
 from kvmesh.node.runtime import NodeRuntime
 from kvmesh.transfer import messages as m
@@ -58,7 +58,7 @@ class PrefillWorker(NodeRuntime):
         except Exception as e:
             self.num_refused += 1
             raise TransferRefused(str(e), code=m.ErrorCode.INVALID_PROMPT.value, request_id=msg.request_id) from None
-        hashes = hash_blocks(self.engine.kv.root_hash, prompt[: (len(prompt) - 1) // bs * bs], bs)
+        hashes = self.engine.kv.hash_prompt(prompt[: (len(prompt) - 1) // bs * bs])
         wanted = hashes[msg.first_block: msg.first_block + len(msg.dst_block_ids)]
         if len(wanted) < len(msg.dst_block_ids):
             self.num_refused += 1

@@ -80,6 +80,40 @@ def test_registry_renews_an_expired_lease_and_republishes():
         index.close()
 
 
+def test_cache_aware_policy_predicts_time_to_first_token_when_rates_are_known():
+    import threading
+    from collections import Counter
+
+    from kvmesh.cluster.router import _Queued
+    from kvmesh.cluster.routing import CacheAware, Candidate
+
+    policy = CacheAware()
+
+    def pick(a_cached: int, a_queued: int, b_queued: int = 0, a_rate: float = 10_000.0) -> str:
+        return policy.choose([Candidate("a", a_cached, 1, 600, a_queued, a_rate),
+                              Candidate("b", 0, 0, 600, b_queued, 10_000.0)])
+
+    assert pick(512, 0) == "a"  # 88 tokens there vs 600 here
+    assert pick(512, 2_000) == "b"  # 2,088 queued-and-uncached tokens there: computing 600 here is sooner
+    assert pick(512, 400, b_queued=400) == "a"  # the same queue on both: the cache decides
+    assert pick(512, 0, a_rate=1_000.0) == "b"  # a slow node: 88 ms there vs 60 ms here
+    assert pick(0, 0) == "b"  # nothing cached anywhere: the shorter queue, then the lighter load
+    # A node whose rate is unknown: the token score (cached tokens against load) decides.
+    assert policy.choose([Candidate("a", 512, 1, 600, 5_000, 0.0), Candidate("b", 0, 0, 600, 0, 1e4)]) == "a"
+
+    counts, lock = Counter(), threading.Lock()
+    share = _Queued(counts, lock)
+    share.add("a", 100)
+    other = _Queued(counts, lock)
+    other.add("a", 50)
+    assert counts == {"a": 150}
+    share.add("b", 70)  # moved (a migration): its tokens leave a's queue
+    assert counts == {"a": 50, "b": 70}
+    share.release(), share.release()  # first token, then the end: released once
+    other.release()
+    assert counts == {}
+
+
 def test_cache_aware_policy_scores_cache_against_load_and_keeps_sessions():
     from kvmesh.cluster.routing import Candidate, CacheAware, RandomChoice, RoundRobin, make_policy
 

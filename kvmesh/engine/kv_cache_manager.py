@@ -18,6 +18,7 @@ from kvmesh.engine.sequence import Sequence
 from kvmesh.kv.block_hash import BlockHash, hash_blocks
 from kvmesh.kv.block_pool import NO_BLOCK, BlockPool
 from kvmesh.kv.cache_stats import PrefixCacheStats
+from kvmesh.kv.prefix_hasher import PrefixHasher
 
 
 class KVCacheManager:
@@ -27,6 +28,11 @@ class KVCacheManager:
         self.root_hash = root_hash
         self.enable_prefix_caching = enable_prefix_caching
         self.stats = PrefixCacheStats()
+        self.hasher = PrefixHasher(block_size)  # prompts that repeat a recent prefix are compared, not rehashed
+
+    def hash_prompt(self, token_ids: list[int]) -> list[BlockHash]:
+        """The block hashes of every full block of a prompt (from the namespace root)."""
+        return self.hasher.hash(self.root_hash, token_ids)
 
     def update_hashes(self, seq: Sequence) -> None:
         """Extend ``seq.block_hashes`` to every full block of its tokens (prompt and output)."""
@@ -34,9 +40,11 @@ class KVCacheManager:
         have = len(seq.block_hashes)
         if num_full <= have:
             return
-        parent = seq.block_hashes[-1] if have else self.root_hash
         tokens = seq.token_ids(have * self.block_size, num_full * self.block_size)
-        seq.block_hashes.extend(hash_blocks(parent, tokens, self.block_size))
+        if not have:
+            seq.block_hashes.extend(self.hasher.hash(self.root_hash, tokens))
+            return
+        seq.block_hashes.extend(hash_blocks(seq.block_hashes[-1], tokens, self.block_size))
 
     def find_cached_prefix(self, seq: Sequence) -> list[int]:
         """Block ids of the longest usable cached prefix (no reference taken); fills ``seq.block_hashes``."""

@@ -86,24 +86,31 @@ def hash_blocks(parent: BlockHash, token_ids: Sequence[int], block_size: int, st
         return []
     # One bulk conversion, then 64-byte slices of a bytes object (cheaper than memoryview slices here).
     data = tokens_to_bytes(token_ids[start_block * block_size : num_full * block_size])
+    if extras is None:
+        return hash_block_bytes(parent, data, 4 * block_size)
     step = 4 * block_size
     out: list[BlockHash] = []
-    append, copy = out.append, _BLOCK_HASHER.copy
     prev = parent
-    if extras is None:
-        for offset in range(0, len(data), step):
-            h = copy()
-            h.update(prev)
-            h.update(data[offset : offset + step])
-            prev = h.digest()
-            append(prev)
-        return out
     for extra, offset in zip(extras, range(0, len(data), step)):
-        h = copy()
+        h = _BLOCK_HASHER.copy()
         h.update(prev)
         h.update(data[offset : offset + step])
         if extra:
             h.update(extra)
+        prev = h.digest()
+        out.append(prev)
+    return out
+
+
+def hash_block_bytes(parent: BlockHash, data: bytes, step: int, start_block: int = 0) -> list[BlockHash]:
+    """The chain over whole blocks of token bytes (``step`` bytes each) from block ``start_block`` of ``data``."""
+    out: list[BlockHash] = []
+    append, copy = out.append, _BLOCK_HASHER.copy
+    prev = parent
+    for offset in range(start_block * step, len(data) - step + 1, step):
+        h = copy()
+        h.update(prev)
+        h.update(data[offset : offset + step])
         prev = h.digest()
         append(prev)
     return out

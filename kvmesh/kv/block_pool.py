@@ -74,6 +74,7 @@ class BlockPool:
         self._evicted: list[BlockHash] = []
         self._newly_cached: list[BlockHash] = []
         self._epoch = [0] * num_blocks  # bumped each time a block is allocated (its bytes may change after)
+        self._ids = list(range(num_blocks))  # slices of these spot and write runs of consecutive block ids
         # Called under the lock with (hash, parent hash or None) whenever a block loses its hash: the
         # lower KV tiers (kvmesh.kv.tiers) keep their chains whole with it. Must not call back into the pool.
         self.on_uncache: Callable[[BlockHash, BlockHash | None], None] | None = None
@@ -407,12 +408,14 @@ class BlockPool:
         hashes, parents, num_children = self._hash, self._parent, self._num_children
         block_ids = list(block_ids)
         first, n = block_ids[0], len(block_ids)
-        if block_ids == list(range(first, first + n)):  # consecutive ids (fresh allocations): slice writes
+        if block_ids == self._ids[first : first + n]:  # consecutive ids (fresh allocations): slice writes
             if any(hashes[first : first + n]):
                 raise ValueError(f"a block of {first}..{first + n - 1} already holds a hash")
             hashes[first : first + n] = block_hashes
-            parents[first : first + n] = [parent_block_id, *range(first, first + n - 1)]
-            num_children[first : first + n - 1] = [c + 1 for c in num_children[first : first + n - 1]]
+            parents[first + 1 : first + n] = self._ids[first : first + n - 1]
+            parents[first] = parent_block_id
+            # A block without a hash is nobody's parent (only leaves lose their hashes), so each had 0 children.
+            num_children[first : first + n - 1] = [1] * (n - 1)
         else:
             if any(map(hashes.__getitem__, block_ids)):
                 bad = next(b for b in block_ids if hashes[b] is not None)
