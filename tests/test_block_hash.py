@@ -51,3 +51,32 @@ def test_same_digest_in_a_fresh_process():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env={"PYTHONHASHSEED": "123", "PATH": ""}).stdout.strip()
     assert out == hash_blocks(root_hash(b"ns"), list(range(64)), 16)[-1].hex()
+
+
+def test_prefix_hasher_equals_hash_blocks_and_stays_bounded():
+    """Repeated, extended, shortened and edited prompts from two roots: the memo's hashes are exactly the
+    plain chain's, it reuses what repeats, and it never holds more token bytes than its bound."""
+    import random
+
+    from kvmesh.kv.prefix_hasher import PrefixHasher
+
+    rng = random.Random(5)
+    roots = [root_hash(b"a"), root_hash(b"b")]
+    base = [rng.randrange(50_000) for _ in range(3_000)]
+    hasher = PrefixHasher(16, max_bytes=40_000)
+    for trial in range(300):
+        prompt = base[: rng.randrange(0, 3_000)]
+        if prompt and rng.random() < 0.5:  # one token changed somewhere: the chains part there
+            prompt[rng.randrange(len(prompt))] = rng.randrange(50_000)
+        if rng.random() < 0.3:
+            prompt += [rng.randrange(50_000) for _ in range(rng.randrange(100))]
+        root = roots[rng.random() < 0.2]
+        got = hasher.hash(root, prompt)
+        assert got == hash_blocks(root, prompt, 16), trial
+        got.append(b"caller's list")  # the caller owns what it gets: the memo is not touched
+        assert hasher.num_bytes <= 40_000
+    assert hasher.num_blocks_reused > 0 and hasher.num_blocks_hashed > 0
+    reused = hasher.num_blocks_reused
+    assert hasher.hash(roots[0], base[:1_600]) == hasher.hash(roots[0], base[:1_600]) == \
+        hash_blocks(roots[0], base[:1_600], 16)
+    assert hasher.num_blocks_reused - reused >= 100  # the second time, all 100 blocks came from the memo
