@@ -37,7 +37,9 @@ def cluster(request):
 
     prefill-1 and decode-1 register a host mirror of their KV buffer (what nodes on a GPU without
     GPUDirect do), so pushes run direct -> direct, direct <-> staged and staged -> staged."""
-    args = REMOTE_ONLY + ["--transfer-backend", request.param]
+    # Tests here assert that prefill nodes did the work: a generous timeout keeps a CPU-starved prefill node
+    # from being given up on (the fault tests below keep REMOTE_ONLY's short one).
+    args = REMOTE_ONLY + ["--transfer-backend", request.param, "--prefill-timeout", "30"]
     staged = ["--kv-transfer-memory", "host-staging"]
     with LocalCluster(num_prefill=2, num_decode=2, node_args=args, cluster=f"t2x2{request.param}",
                       per_node_args={"prefill-1": staged, "decode-1": staged}) as c:
