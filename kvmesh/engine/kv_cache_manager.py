@@ -41,10 +41,8 @@ class KVCacheManager:
         if num_full <= have:
             return
         tokens = seq.token_ids(have * self.block_size, num_full * self.block_size)
-        if not have:
-            seq.block_hashes.extend(self.hasher.hash(self.root_hash, tokens))
-            return
-        seq.block_hashes.extend(hash_blocks(seq.block_hashes[-1], tokens, self.block_size))
+        seq.block_hashes.extend(hash_blocks(seq.block_hashes[-1], tokens, self.block_size) if have
+                                else self.hash_prompt(tokens))
 
     def find_cached_prefix(self, seq: Sequence) -> list[int]:
         """Block ids of the longest usable cached prefix (no reference taken); fills ``seq.block_hashes``."""
