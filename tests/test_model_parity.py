@@ -8,6 +8,7 @@ from kvmesh import LLM, SamplingParams
 from tests.conftest import hf_reference, run_prefill
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a land far"]
+LONG_PROMPT = " ".join(f"Step {i}: add {i * 7 % 13} apples to the basket, then count them again." for i in range(24))
 
 
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen3"])
@@ -73,20 +74,28 @@ def test_smollm2_greedy_streams_match_transformers(smollm2_hf):
 
 def test_smollm2_bfloat16_matches_transformers_in_bfloat16():
     """The dtype ``--dtype auto`` picks on CPUs with native bf16: same logits and greedy streams as
-    transformers run in bf16 on the same GGUF (prefill and the batched decode path both checked)."""
+    transformers run in bf16 on the same GGUF (prefill and the batched decode path both checked).
+
+    The reference is transformers' eager attention, which rounds scores to bf16 as our CPU bf16
+    attention does; against its fp32 model both drift alike (~0.4 per row at 400 tokens).
+    """
     from transformers import AutoModelForCausalLM
 
     from kvmesh.model.presets import PRESETS
 
     path = PRESETS["smollm2-135m"].gguf_path()
-    hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.bfloat16).eval()
+    hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.bfloat16,
+                                              attn_implementation="eager").eval()
     llm = LLM("smollm2-135m", dtype="bfloat16", num_kv_blocks=64, progress=False)
-    for prompt in PROMPTS:
+    for prompt in PROMPTS + [LONG_PROMPT]:  # the long one spans several chunks of the bf16 prefill attention
         ids = llm.tokenizer.encode(prompt)
         ours, _, _ = run_prefill(llm.loaded, ids)
         with torch.inference_mode():
             ref = hf(torch.tensor([ids])).logits[0].float()
-        assert (ours - ref).abs().max().item() < 0.25, prompt  # bf16 rounding: logits of magnitude ~20
+        row_err = (ours - ref).abs().max(-1).values
+        assert row_err.max().item() < 1.0, prompt  # logits of magnitude ~20; a few rows flip a bf16 rounding
+        assert row_err.mean().item() < 0.05, prompt
+        assert torch.equal(ours.argmax(-1), ref.argmax(-1)), prompt
     batched = llm.generate(PROMPTS, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True), use_tqdm=False)
     for prompt, out in zip(PROMPTS, batched):
         assert out.token_ids == _hf_greedy(hf, llm.tokenizer.encode(prompt), 24), prompt

@@ -26,15 +26,24 @@ def prefill_attention(
     """Causal attention of each sequence's new tokens over its whole paged context.
 
     query [T, Hq, D] holds the sequences' new tokens back to back; returns [T, Hq, D].
+    Reduced precision (bf16/fp16) takes ``chunked_causal_attention`` (GEMMs in the input dtype:
+    2.4x faster than torch's CPU flash kernel at 2,048 tokens in bf16, and rounding as the
+    decode path does); fp32 takes SDPA (there the flash kernel is the faster).
     """
     out = torch.empty_like(query)
     start = 0
     for i, (q_len, s_len) in enumerate(zip(query_lens, seq_lens)):
+        context_len = s_len - q_len
+        k = gather_kv(k_cache, block_tables[i], s_len).to(query.dtype)  # [S, Hkv, D]
+        v = gather_kv(v_cache, block_tables[i], s_len).to(query.dtype)
+        if query.dtype != torch.float32:
+            rows = slice(start, start + q_len)
+            out[rows] = chunked_causal_attention(query[rows], k, v, context_len, scale)
+            start += q_len
+            continue
         # 4-D inputs: torch's fused CPU kernels skip 3-D inputs (4-7x slower).
         q = query[start : start + q_len].transpose(0, 1)[None]  # [1, Hq, q_len, D]
-        k = gather_kv(k_cache, block_tables[i], s_len).transpose(0, 1)[None].to(q.dtype)
-        v = gather_kv(v_cache, block_tables[i], s_len).transpose(0, 1)[None].to(q.dtype)
-        context_len = s_len - q_len
+        k, v = k.transpose(0, 1)[None], v.transpose(0, 1)[None]
         if context_len == 0:  # plain causal: the fastest path
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
         else:  # causal, offset by the cached prefix
@@ -43,6 +52,43 @@ def prefill_attention(
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
         out[start : start + q_len] = o[0].transpose(0, 1)
         start += q_len
+    return out
+
+
+_CHUNK_SCORE_ELEMENTS = 1 << 22  # scores held at once: ~8 MiB in bf16
+
+
+def chunked_causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, context_len: int,
+                             scale: float) -> torch.Tensor:
+    """One sequence: query [Lq, Hq, D] at positions context_len.., key/value [S, Hkv, D] -> [Lq, Hq, D].
+
+    Queries go in chunks of rows; a chunk's scores cover only the keys it can see, so the
+    causal upper triangle is skipped chunk by chunk and masked only inside the diagonal block::
+
+        keys:        0 ................ context_len + s ........ context_len + e
+        chunk s..e:  [ all visible (prefix + earlier chunks) | lower triangle  ]
+
+    Scores stay in the input dtype (as eager Hugging Face attention); the softmax accumulates
+    in fp32 inside torch.
+    """
+    q_len, num_heads, head_dim = query.shape
+    num_kv_heads = key.shape[1]
+    group = num_heads // num_kv_heads
+    keys_t = key.permute(1, 2, 0).contiguous()  # [Hkv, D, S]
+    values = value.transpose(0, 1).contiguous()  # [Hkv, S, D]
+    out = torch.empty_like(query)
+    chunk = max(16, min(128, _CHUNK_SCORE_ELEMENTS // (num_heads * key.shape[0])))
+    for s in range(0, q_len, chunk):
+        e = min(q_len, s + chunk)
+        n, end = e - s, context_len + e
+        q = (query[s:e] * scale).view(n, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)
+        scores = torch.bmm(q.reshape(num_kv_heads, group * n, head_dim), keys_t[:, :, :end])
+        scores = scores.view(num_kv_heads, group, n, end)
+        diagonal = torch.ones(n, n, dtype=torch.bool, device=query.device).triu_(1)
+        scores[..., context_len + s : end].masked_fill_(diagonal, float("-inf"))
+        probs = torch.softmax(scores, dim=-1).view(num_kv_heads, group * n, end)
+        o = torch.bmm(probs, values[:, :end]).view(num_kv_heads, group, n, head_dim)
+        out[s:e] = o.permute(2, 0, 1, 3).reshape(n, num_heads, head_dim)
     return out
 
 

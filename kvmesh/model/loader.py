@@ -14,6 +14,7 @@ import torch
 from kvmesh.device import resolve_device
 from kvmesh.errors import UnknownModelError
 from kvmesh.model.config import ModelConfig, parse_dtype
+from kvmesh.model.cpu_linear import can_pack, pack_linears
 from kvmesh.model.fingerprint import digest_files, digest_state_dict, model_fingerprint
 from kvmesh.model.gguf_loader import load_gguf_cached
 from kvmesh.model.hf_loader import is_hf_directory, load_hf_directory
@@ -36,10 +37,12 @@ class LoadedModel:
 
 def build_model(config: ModelConfig, state_dict: dict[str, torch.Tensor], dtype: torch.dtype,
                 device: torch.device) -> LlamaForCausalLM:
-    """Instantiate without a throwaway random init, then adopt the given weights."""
+    """Instantiate without a throwaway random init, adopt the given weights, pack them on the CPU."""
     with torch.device(device):
         model = LlamaForCausalLM.uninitialized(config)
     model.load_weights_assign({k: v.to(device=device, dtype=dtype) for k, v in state_dict.items()})
+    if can_pack(device, dtype):
+        pack_linears(model)
     return model.eval()
 
 

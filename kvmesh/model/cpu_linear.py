@@ -1,0 +1,74 @@
+"""Linear layers with their weights pre-packed for oneDNN, the fast CPU matmul path.
+
+``F.linear`` on the CPU re-lays-out the weight on every call (bf16) or goes through
+MKL's sgemm (fp32, which on AMD CPUs picks slow code paths). Packing each weight
+once into oneDNN's blocked layout and calling oneDNN directly measured, on 2 EPYC
+cores with SmolLM2-135M shapes: 1.4x faster at decode batch sizes in bf16 and
+2.2x faster at every batch size in fp32. Results are bit-identical in bf16 and
+equal to rounding in fp32 (accumulation order).
+
+``pack_linears(model)`` swaps every ``nn.Linear`` of a CPU model for a
+``PackedLinear`` in place; ``state_dict()`` still yields the dense weights (so
+``hf_state_dict`` and reference models keep working). A tied head gets its own
+packed copy, the embedding keeps the dense table. ``KVMESH_PACKED_LINEAR=0``
+turns packing off (for A/B runs).
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import nn
+
+#: The batch size oneDNN tunes the packed layout for: decode batches (larger batches run as fast).
+PACKING_BATCH_HINT = 16
+
+
+def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
+    """True where packing is available and wanted: CPU, oneDNN built in, a dtype it packs."""
+    if os.environ.get("KVMESH_PACKED_LINEAR", "1") == "0":
+        return False
+    if device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    if dtype == torch.float32:
+        return True
+    return dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
+class PackedLinear(nn.Module):
+    """``y = x W^T + b`` with W held in oneDNN's blocked layout (read-only after packing)."""
+
+    def __init__(self, linear: nn.Linear, batch_hint: int = PACKING_BATCH_HINT):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), batch_hint)
+        self.bias = linear.bias
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """A dense copy of the weight (for exports and checks; not on the hot path)."""
+        return self.packed_weight.to_dense()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):  # noqa: ANN001 (torch's signature)
+        destination[prefix + "weight"] = self.weight
+        if self.bias is not None:
+            destination[prefix + "bias"] = self.bias if keep_vars else self.bias.detach()
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, packed=onednn"
+
+
+def pack_linears(model: nn.Module) -> int:
+    """Replace every ``nn.Linear`` below ``model`` by a ``PackedLinear``; returns how many were packed.
+
+    Call once, after the weights are loaded and before serving; the dense weights are released
+    (except those shared with another module, e.g. a tied embedding).
+    """
+    targets = [(parent, name, child) for parent in model.modules()
+               for name, child in parent.named_children() if type(child) is nn.Linear]
+    for parent, name, child in targets:
+        setattr(parent, name, PackedLinear(child))
+    return len(targets)

@@ -1,0 +1,58 @@
+"""Pre-packed oneDNN linears: same results as ``F.linear``, dense weights still exported."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvmesh.model.cpu_linear import PackedLinear, can_pack, pack_linears
+from kvmesh.model.loader import load_model
+
+CPU = torch.device("cpu")
+pytestmark = pytest.mark.skipif(not can_pack(CPU, torch.float32), reason="torch built without oneDNN")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_linear_matches_f_linear(dtype, bias):
+    if not can_pack(CPU, dtype):
+        pytest.skip(f"oneDNN cannot pack {dtype} on this CPU")
+    gen = torch.Generator().manual_seed(0)
+    dense = nn.Linear(96, 200, bias=bias).to(dtype)
+    packed = PackedLinear(dense)
+    for rows in (1, 7, 16, 300):
+        x = torch.randn(rows, 96, generator=gen).to(dtype)
+        got, want = packed(x), F.linear(x, dense.weight, dense.bias)
+        assert got.shape == want.shape and got.dtype == dtype
+        if dtype == torch.bfloat16 and not bias:
+            assert torch.equal(got, want)
+        elif dtype == torch.bfloat16:  # the bias is added before rounding, not after: one bf16 ulp apart
+            assert torch.allclose(got.float(), want.float(), rtol=8e-3, atol=1e-3)
+        else:
+            assert torch.allclose(got, want, rtol=1e-5, atol=1e-5)
+    x3 = torch.randn(2, 3, 96, generator=gen).to(dtype)
+    assert packed(x3).shape == (2, 3, 200)
+    assert torch.equal(packed.weight, dense.weight.detach())
+    state = packed.state_dict()
+    assert sorted(state) == (["bias", "weight"] if bias else ["weight"])
+    assert torch.equal(state["weight"], dense.weight.detach())
+
+
+def test_loaded_cpu_model_is_packed_and_exports_its_dense_weights(monkeypatch):
+    packed = load_model("tiny-llama")
+    monkeypatch.setenv("KVMESH_PACKED_LINEAR", "0")
+    plain = load_model("tiny-llama")
+    assert not can_pack(CPU, torch.float32)
+    monkeypatch.delenv("KVMESH_PACKED_LINEAR")
+    assert not any(isinstance(m, nn.Linear) for m in packed.model.modules())
+    assert any(isinstance(m, nn.Linear) for m in plain.model.modules())
+    assert not any(isinstance(m, PackedLinear) for m in plain.model.modules())
+    ours, theirs = packed.model.hf_state_dict(), plain.model.hf_state_dict()
+    assert ours.keys() == theirs.keys()
+    for name in ours:
+        assert torch.equal(ours[name], theirs[name]), name
+    assert packed.fingerprint == plain.fingerprint  # packing is a layout, not different weights
+    assert pack_linears(packed.model) == 0  # nothing left to pack
+    assert not can_pack(torch.device("meta"), torch.float32)
+    assert not can_pack(CPU, torch.float16)
