@@ -113,3 +113,20 @@ def test_every_front_end_carries_the_priority():
     for bad in ("high", 1.5, True, 10**6):
         with pytest.raises(InvalidRequestError, match="priority"):
             SamplingParams(priority=bad)
+
+
+def test_prompts_that_fit_the_step_are_admitted_together_and_partial_prefills_stay_bounded():
+    """``max_num_partial_prefills`` bounds requests left mid-prompt, not prompts completed in the step."""
+    s = _scheduler(200, max_num_partial_prefills=2, max_num_seqs=32)
+    for i in range(16):
+        s.add(_seq(f"short{i}", 0, num_tokens=10))
+    out = _step(s)
+    assert len(out.batch) == 16 and all(n == 10 for _, n in out.batch)  # 160 tokens: one step, not eight
+    s = _scheduler(200, max_num_partial_prefills=2, max_num_seqs=32)
+    for i in range(4):
+        s.add(_seq(f"long{i}", 0, num_tokens=200))  # 800 tokens: 256 per step
+    for _ in range(3):
+        out = _step(s)
+        assert sum(seq.is_prefilling for seq in s.running) <= 2
+        assert out.num_batched_tokens <= 256
+    s.kv.pool.check_integrity()

@@ -7,9 +7,9 @@ Each step spends a token budget (``max_num_batched_tokens``) in this order:
    later; its own cached blocks usually make that cheap);
 2. running prefills, the next chunk each (at most ``long_prefill_token_threshold``);
 3. waiting requests by (effective priority, arrival): prefix-cache hits are adopted and
-   only the rest is scheduled, while at most ``max_num_partial_prefills`` requests are
-   mid-prefill. A waiting request that finds no room preempts running requests that
-   are strictly less urgent than it.
+   only the rest is scheduled, while at most ``max_num_partial_prefills`` requests stay
+   mid-prefill after the step (a prompt that fits in the step always may). A waiting
+   request that finds no room preempts running requests strictly less urgent than it.
 
 Priorities: ``SamplingParams.priority``, lower is more urgent (0 by default). Ageing
 bounds starvation: every ``aging_steps`` scheduler steps a request waits, its effective
@@ -99,13 +99,15 @@ class Scheduler:
                     budget -= n
         if len(self.waiting) > 1:
             self.waiting.sort(key=self._urgency)
+        num_partial = self._num_partial_after(out.batch)
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:  # 3. admit
-            if sum(s.is_prefilling for s in self.running) >= self.config.max_num_partial_prefills:
-                break
             seq = self.waiting[0]
             cached = self.kv.find_cached_prefix(seq) if seq.num_computed_tokens == 0 else []
             num_cached_tokens = len(cached) * self.kv.block_size
             n = min(seq.num_tokens - num_cached_tokens, budget, self._threshold())
+            stays_partial = num_cached_tokens + n < seq.num_tokens
+            if stays_partial and num_partial >= self.config.max_num_partial_prefills:
+                break
             if not self.kv.allocate(seq, num_cached_tokens + n, cached):
                 victim = self._least_urgent(set())
                 if victim is None or victim.params.priority <= seq.params.priority:
@@ -127,8 +129,15 @@ class Scheduler:
             out.batch.append((seq, n))
             scheduled.add(id(seq))
             budget -= n
+            num_partial += stays_partial
         out.num_batched_tokens = self.config.max_num_batched_tokens - budget
         return out
+
+    def _num_partial_after(self, batch: list[tuple[Sequence, int]]) -> int:
+        """Running requests still mid-prompt once this step's chunks are computed."""
+        chunk = {id(seq): n for seq, n in batch}
+        return sum(1 for s in self.running
+                   if s.is_prefilling and s.num_computed_tokens + chunk.get(id(s), 0) < s.num_tokens)
 
     def _threshold(self) -> int:
         return self.config.long_prefill_token_threshold or self.config.max_num_batched_tokens

@@ -15,10 +15,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        # F.rms_norm without a weight normalises in fp32 and rounds once to x's dtype: the same
+        # values as the textbook float32 ops, in one kernel instead of six.
+        return self.weight * F.rms_norm(x, (x.shape[-1],), None, self.eps)
 
 
 class SwiGLU(nn.Module):
