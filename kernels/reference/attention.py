@@ -78,14 +78,14 @@ def chunked_causal_attention(query: torch.Tensor, key: torch.Tensor, value: torc
     values = value.transpose(0, 1).contiguous()  # [Hkv, S, D]
     out = torch.empty_like(query)
     chunk = max(16, min(128, _CHUNK_SCORE_ELEMENTS // (num_heads * key.shape[0])))
+    above_diagonal = torch.ones(chunk, chunk, dtype=torch.bool, device=query.device).triu_(1)
     for s in range(0, q_len, chunk):
         e = min(q_len, s + chunk)
         n, end = e - s, context_len + e
         q = (query[s:e] * scale).view(n, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)
         scores = torch.bmm(q.reshape(num_kv_heads, group * n, head_dim), keys_t[:, :, :end])
         scores = scores.view(num_kv_heads, group, n, end)
-        diagonal = torch.ones(n, n, dtype=torch.bool, device=query.device).triu_(1)
-        scores[..., context_len + s : end].masked_fill_(diagonal, float("-inf"))
+        scores[..., context_len + s : end].masked_fill_(above_diagonal[:n, :n], float("-inf"))
         probs = torch.softmax(scores, dim=-1).view(num_kv_heads, group * n, end)
         o = torch.bmm(probs, values[:, :end]).view(num_kv_heads, group, n, head_dim)
         out[s:e] = o.permute(2, 0, 1, 3).reshape(n, num_heads, head_dim)
