@@ -16,7 +16,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # F.rms_norm without a weight normalises in fp32 and rounds once to x's dtype: the same
-        # values as the textbook float32 ops, in one kernel instead of six.
+        # values as the textbook float32 ops with fewer dispatches from Python (on the CPU it is
+        # still a composite: 12.7 vs 15.5 us at [16, 576] bf16).
         return self.weight * F.rms_norm(x, (x.shape[-1],), None, self.eps)
 
 
