@@ -1,8 +1,10 @@
 """The one dispatch point: every kernel call of the model goes through here.
 
-CUDA tensors take the Triton kernels, everything else the torch reference.
-``KVMESH_KERNELS=torch`` forces the reference anywhere; ``KVMESH_KERNELS=triton``
-forces Triton (on the CPU that needs ``TRITON_INTERPRET=1``, for tests).
+CUDA tensors take the Triton kernels; on the CPU, decode attention takes the native
+kernel (``kernels/cpu``, compiled on first use) where it loads, everything else the
+torch reference. ``KVMESH_KERNELS=torch`` forces the reference anywhere;
+``KVMESH_KERNELS=triton`` forces Triton (on the CPU that needs ``TRITON_INTERPRET=1``,
+for tests).
 """
 from __future__ import annotations
 
@@ -12,8 +14,11 @@ import os
 import torch
 
 from kvmesh.kernels.attention_metadata import AttentionMetadata
+from kvmesh.kernels.cpu import library as native
 from kvmesh.kernels.reference import attention as ref_attention
 from kvmesh.kernels.reference import cache_ops as ref_cache
+from kvmesh.kernels.reference import norm as ref_norm
+from kvmesh.kernels.reference.rotary import rotate
 
 
 @functools.cache
@@ -23,6 +28,11 @@ def triton_available() -> bool:
     except Exception:
         return False
     return True
+
+
+def use_native(tensor: torch.Tensor) -> bool:
+    """CPU tensors take the native kernels unless ``KVMESH_KERNELS`` asks for another path."""
+    return tensor.device.type == "cpu" and os.environ.get("KVMESH_KERNELS", "auto") == "auto"
 
 
 def use_triton(tensor: torch.Tensor) -> bool:
@@ -83,6 +93,8 @@ def decode_attention(query, k_cache, v_cache, block_tables, seq_lens, max_seq_le
     if use_triton(query):
         from kvmesh.kernels.triton import attention
         return attention.decode_attention(query, k_cache, v_cache, block_tables, seq_lens, scale, max_seq_len)
+    if use_native(query) and native.can_decode(query, k_cache, v_cache):
+        return native.decode_attention(query, k_cache, v_cache, block_tables, seq_lens, scale)
     index = None if per_step is None else per_step.get("decode_index")
     if index is None:
         index = ref_attention.decode_index(block_tables, seq_lens, max_seq_len, k_cache.shape[1])
@@ -90,6 +102,40 @@ def decode_attention(query, k_cache, v_cache, block_tables, seq_lens, max_seq_le
             per_step["decode_index"] = index
     return ref_attention.decode_attention(query, k_cache, v_cache, block_tables, seq_lens,
                                           max_seq_len, scale, index)
+
+
+def rope_store(qkv: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, k_cache: torch.Tensor,
+               v_cache: torch.Tensor, md: AttentionMetadata, num_heads: int) -> torch.Tensor:
+    """Rotate the queries and keys of a fused projection ``qkv`` [T, (Hq + 2 Hkv) * D] with
+    ``RotaryEmbedding.lookup``'s tables, store keys and values at the batch's slots; returns the
+    queries [T, Hq, D] (contiguous)."""
+    num_tokens = qkv.shape[0]
+    cos2, sin2 = cos.reshape(num_tokens, -1), signed_sin.reshape(num_tokens, -1)
+    if (use_native(qkv) and md.slot_block_ids is not None and native.can_rope_store(qkv, cos2, k_cache, v_cache)):
+        return native.rope_store(qkv, cos2, sin2, k_cache, v_cache, md.slot_block_ids, md.slot_offsets, num_heads)
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    q_size = num_heads * head_dim
+    qk = qkv[:, : q_size + num_kv_heads * head_dim].view(num_tokens, num_heads + num_kv_heads, head_dim)
+    qk = rotate(qk, cos, signed_sin)  # queries and keys side by side in the fused projection: one rotation
+    v = qkv[:, q_size + num_kv_heads * head_dim:].view(num_tokens, num_kv_heads, head_dim)
+    store_kv(qk[:, num_heads:], v, k_cache, v_cache, md)
+    return qk[:, :num_heads].contiguous()
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``weight * rms_norm(x)`` over the last dim (float32 statistics, Hugging Face's roundings)."""
+    if use_native(x) and native.can_norm(x, weight):
+        return native.rms_norm(x, weight, eps)
+    return ref_norm.rms_norm(x, weight, eps)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(x + residual, rms_norm(x + residual))``. The native path adds in place and returns ``x`` itself,
+    so callers must not keep using the old ``x``."""
+    if use_native(x) and native.can_norm(x, weight) and residual.is_contiguous() and residual.dtype == x.dtype:
+        return x, native.rms_norm(x, weight, eps, residual=residual)
+    return ref_norm.add_rms_norm(x, residual, weight, eps)
 
 
 def pack_blocks(kv_buffer: torch.Tensor, block_ids: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:

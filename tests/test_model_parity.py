@@ -77,7 +77,10 @@ def test_smollm2_bfloat16_matches_transformers_in_bfloat16():
     transformers run in bf16 on the same GGUF (prefill and the batched decode path both checked).
 
     The reference is transformers' eager attention, which rounds scores to bf16 as our CPU bf16
-    attention does; against its fp32 model both drift alike (~0.4 per row at 400 tokens).
+    attention does. Short prompts agree to the bit. Over a long prompt two bf16 implementations
+    cannot: one sum of squares added in another order flips one rounding, and attention carries the
+    flip to every later row (our native RMSNorm sums in another order than torch's). There both are
+    held to the float32 model instead, and ours must be as close to it as transformers-bf16 is.
     """
     from transformers import AutoModelForCausalLM
 
@@ -87,15 +90,27 @@ def test_smollm2_bfloat16_matches_transformers_in_bfloat16():
     hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.bfloat16,
                                               attn_implementation="eager").eval()
     llm = LLM("smollm2-135m", dtype="bfloat16", num_kv_blocks=64, progress=False)
-    for prompt in PROMPTS + [LONG_PROMPT]:  # the long one spans several chunks of the bf16 prefill attention
+    for prompt in PROMPTS:
         ids = llm.tokenizer.encode(prompt)
         ours, _, _ = run_prefill(llm.loaded, ids)
         with torch.inference_mode():
             ref = hf(torch.tensor([ids])).logits[0].float()
         row_err = (ours - ref).abs().max(-1).values
-        assert row_err.max().item() < 1.0, prompt  # logits of magnitude ~20; a few rows flip a bf16 rounding
+        assert row_err.max().item() < 1.0, prompt  # logits of magnitude ~20
         assert row_err.mean().item() < 0.05, prompt
         assert torch.equal(ours.argmax(-1), ref.argmax(-1)), prompt
+    # The long prompt spans several chunks of the bf16 prefill attention.
+    hf32 = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+    ids = llm.tokenizer.encode(LONG_PROMPT)
+    ours, _, _ = run_prefill(llm.loaded, ids)
+    with torch.inference_mode():
+        ref16 = hf(torch.tensor([ids])).logits[0].float()
+        ref32 = hf32(torch.tensor([ids])).logits[0].float()
+    ours_err, hf_err = ((x - ref32).abs().max(-1).values for x in (ours, ref16))
+    assert ours_err.mean().item() <= 1.1 * hf_err.mean().item()  # ~0.38 both
+    assert ours_err.max().item() <= 1.25 * hf_err.max().item()  # ~1.6 both
+    ours_flips, hf_flips = ((x.argmax(-1) != ref32.argmax(-1)).sum().item() for x in (ours, ref16))
+    assert ours_flips <= hf_flips + 2, (ours_flips, hf_flips)  # of 427 rows
     batched = llm.generate(PROMPTS, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True), use_tqdm=False)
     for prompt, out in zip(PROMPTS, batched):
         assert out.token_ids == _hf_greedy(hf, llm.tokenizer.encode(prompt), 24), prompt

@@ -17,7 +17,7 @@ from kvmesh.kernels import ops
 from kvmesh.kernels.attention_metadata import AttentionMetadata
 from kvmesh.model.config import ModelConfig
 from kvmesh.model.layers import RMSNorm, SwiGLU
-from kvmesh.model.rope import RotaryEmbedding, apply_rope, rotate
+from kvmesh.model.rope import RotaryEmbedding, apply_rope
 from kvmesh.model.weight_names import fuse_hf_state_dict, split_to_hf
 
 
@@ -41,19 +41,16 @@ class Attention(nn.Module):
                 kv_buffer: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
         num_tokens = x.shape[0]
         qkv = self.qkv_proj(x)
-        v = qkv[:, self.split_sizes[0] + self.split_sizes[1]:].view(num_tokens, self.num_kv_heads, self.head_dim)
-        if hasattr(self, "q_norm"):
-            q, k, _ = qkv.split(self.split_sizes, dim=-1)
-            q = self.q_norm(q.view(num_tokens, self.num_heads, self.head_dim))
-            k = self.k_norm(k.view(num_tokens, self.num_kv_heads, self.head_dim))
-            q, k = apply_rope(q, k, *rope)
-        else:  # rotate queries and keys in one go: they sit side by side in the fused projection
-            qk = qkv[:, : self.split_sizes[0] + self.split_sizes[1]]
-            qk = rotate(qk.view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim), *rope)
-            q, k = qk[:, : self.num_heads].contiguous(), qk[:, self.num_heads:]
         k_cache = kv_buffer[:, self.layer_idx, 0]
         v_cache = kv_buffer[:, self.layer_idx, 1]
-        ops.store_kv(k, v, k_cache, v_cache, md)
+        if hasattr(self, "q_norm"):
+            q, k, v = qkv.split(self.split_sizes, dim=-1)
+            q = self.q_norm(q.reshape(num_tokens, self.num_heads, self.head_dim))
+            k = self.k_norm(k.reshape(num_tokens, self.num_kv_heads, self.head_dim))
+            q, k = apply_rope(q, k, *rope)
+            ops.store_kv(k, v.view(num_tokens, self.num_kv_heads, self.head_dim), k_cache, v_cache, md)
+        else:  # rotation and the cache write in one kernel call where the CPU kernels are there
+            q = ops.rope_store(qkv, *rope, k_cache, v_cache, md, self.num_heads)
         out = ops.paged_attention(q, k_cache, v_cache, md, self.scale)
         return self.o_proj(out.reshape(num_tokens, -1))
 
@@ -66,9 +63,17 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, rope, kv_buffer, md):
-        x = x + self.self_attn(self.input_layernorm(x), rope, kv_buffer, md)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x: torch.Tensor, pending: torch.Tensor | None, rope, kv_buffer, md
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: the residual stream; pending: the previous layer's MLP output not yet added to it (None
+        for the first layer). Returns (stream, this layer's MLP output): each residual add is fused
+        into the norm that follows it."""
+        if pending is None:
+            h = self.input_layernorm(x)
+        else:
+            x, h = self.input_layernorm.add_forward(x, pending)
+        x, h = self.post_attention_layernorm.add_forward(x, self.self_attn(h, rope, kv_buffer, md))
+        return x, self.mlp(h)
 
 
 class LlamaBackbone(nn.Module):
@@ -117,9 +122,10 @@ class LlamaForCausalLM(nn.Module):
         """
         x = self.model.embed_tokens(input_ids)
         rope = self.rope.lookup(positions, x.dtype)
+        pending = None
         for layer in self.model.layers[:num_layers]:
-            x = layer(x, rope, kv_buffer, md)
-        return self.model.norm(x)
+            x, pending = layer(x, pending, rope, kv_buffer, md)
+        return self.model.norm(x) if pending is None else self.model.norm.add_forward(x, pending)[1]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

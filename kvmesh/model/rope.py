@@ -10,6 +10,7 @@ import math
 
 import torch
 
+from kvmesh.kernels.reference.rotary import rotate
 from kvmesh.model.config import RopeScaling
 
 
@@ -53,12 +54,6 @@ class RotaryEmbedding(torch.nn.Module):
         """cos, signed sin [T, 1, D] for the positions of one forward (shared by every layer)."""
         return (self.cos_table[positions].unsqueeze(1).to(dtype),
                 self.signed_sin_table[positions].unsqueeze(1).to(dtype))
-
-
-def rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` [T, H, D] (queries, keys, or both side by side) with ``RotaryEmbedding.lookup``'s tables."""
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat((x[..., half:], x[..., :half]), dim=-1) * signed_sin
 
 
 def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor

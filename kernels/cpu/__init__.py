@@ -1,0 +1,1 @@
+"""Native CPU kernels (C, compiled on first use, called through ctypes); ``library`` loads them."""

@@ -1,0 +1,204 @@
+"""The native CPU kernels: compiled on first use for this machine, loaded through ctypes.
+
+``load()`` compiles the C files beside this one (``decode_attention.c``, ``rms_norm.c``,
+``rope_store.c``; helpers in ``common.h``) into one library with the system C compiler (``$CC``, else ``cc``/``gcc``)
+for the CPU it runs on (``-march=native``) into ``$KVMESH_CACHE_DIR/native/`` (the file name carries
+a hash of the source, the flags, the compiler and the CPU's feature flags, so a changed source or
+another machine builds afresh; concurrent processes each write a temporary file and rename it into
+place). The library is built with OpenMP and links ``libgomp.so.1``, the runtime torch has already
+loaded, so its threads are torch's pool and ``torch.set_num_threads`` (``--threads``) bounds both.
+
+Where no compiler or no build works, ``load()`` returns None once with the reason logged, and the
+callers keep the torch reference kernels: the library is a speed-up, never a requirement.
+``KVMESH_KERNELS=torch`` turns it off (see ``kernels/ops.py``).
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCES = tuple(sorted(Path(__file__).parent.glob("*.c")))
+HEADERS = tuple(sorted(Path(__file__).parent.glob("*.h")))
+FLAGS = ("-O3", "-march=native", "-fno-trapping-math", "-fno-math-errno", "-ffp-contract=off", "-fPIC", "-shared")
+_P, _I64, _INT, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+_SIGNATURES = {
+    "decode_attention": [_P, _P, _P, _I64, _P, _I64, _P, _INT, _INT, _INT, _INT, _INT, _F, _P],
+    "rms_norm": [_P, _P, _P, _I64, _I64, _F, _P],
+    "rope_store": [_P, _I64, _INT, _INT, _INT, _P, _P, _P, _P, _I64, _P, _P, _P],
+}
+_SUFFIXES = {torch.bfloat16: "bf16", torch.float32: "f32"}
+
+
+class NativeKernelError(RuntimeError):
+    """A native kernel refused its arguments (status -2) or ran out of memory (-1)."""
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get("KVMESH_CACHE_DIR", Path.home() / ".cache" / "kvmesh")) / "native"
+
+
+def _compiler() -> str | None:
+    for name in (os.environ.get("CC"), "cc", "gcc"):
+        if name and shutil.which(name):
+            return shutil.which(name)
+    return None
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _build(compiler: str, out: Path) -> str | None:
+    """Compile into ``out``; returns None, or why it failed (OpenMP is dropped if it alone fails)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    error = ""
+    for openmp in (("-fopenmp",), ()):
+        with tempfile.NamedTemporaryFile(dir=out.parent, suffix=".so", delete=False) as tmp:
+            tmp_path = Path(tmp.name)
+        cmd = [compiler, *FLAGS, *openmp, "-o", str(tmp_path), *map(str, SOURCES), "-lm"]
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            tmp_path.unlink(missing_ok=True)
+            return f"{compiler} failed to run: {exc}"
+        if proc.returncode == 0:
+            os.replace(tmp_path, out)
+            return None
+        tmp_path.unlink(missing_ok=True)
+        error = proc.stderr.strip().splitlines()[-1:] or [f"exit status {proc.returncode}"]
+        error = f"{' '.join(cmd)}: {error[0]}"
+    return error
+
+
+@functools.cache
+def load() -> ctypes.CDLL | None:
+    """The compiled library, building it if needed; None (reason logged once) where it cannot be had."""
+    compiler = _compiler()
+    if compiler is None:
+        log.info("native CPU kernels off: no C compiler (set CC); using the torch kernels")
+        return None
+    key = hashlib.blake2b(digest_size=8)
+    for part in (*(src.read_bytes() for src in SOURCES + HEADERS), " ".join(FLAGS).encode(), compiler.encode(),
+                 _cpu_flags().encode()):
+        key.update(part)
+    path = _cache_dir() / f"kvmesh_cpu_{key.hexdigest()}.so"
+    if not path.exists():
+        reason = _build(compiler, path)
+        if reason is not None:
+            log.warning("native CPU kernels off (using the torch kernels): %s", reason)
+            return None
+    try:
+        lib = ctypes.CDLL(str(path))
+    except OSError as exc:
+        log.warning("native CPU kernels off (using the torch kernels): %s", exc)
+        return None
+    for name, argtypes in _SIGNATURES.items():
+        for suffix in _SUFFIXES.values():
+            fn = getattr(lib, f"{name}_{suffix}")
+            fn.argtypes, fn.restype = argtypes, ctypes.c_int
+    return lib
+
+
+def can_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """Whether ``decode_attention`` takes these tensors (side-effect free apart from building once)."""
+    if query.device.type != "cpu" or query.dtype not in _SUFFIXES or not k_cache.dtype == v_cache.dtype == query.dtype:
+        return False
+    _, _, num_kv_heads, head_dim = k_cache.shape
+    inner = (num_kv_heads * head_dim, head_dim, 1)
+    return (head_dim % 16 == 0 and query.shape[1] % num_kv_heads == 0 and k_cache.stride() == v_cache.stride()
+            and tuple(k_cache.stride()[1:]) == inner and query.is_contiguous() and load() is not None)
+
+
+def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                     seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """One new token per sequence: query [B, Hq, D] -> [B, Hq, D], reading K/V from the paged caches.
+
+    Same contract and roundings as ``reference.attention.decode_attention``; check ``can_decode`` first.
+    ``block_tables`` [B, max_blocks] and ``seq_lens`` [B] are converted to contiguous int32 if needed.
+    """
+    lib = load()
+    batch, num_heads, head_dim = query.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    tables = block_tables.to(torch.int32).contiguous()
+    lens = seq_lens.to(torch.int32).contiguous()
+    out = torch.empty_like(query)
+    status = getattr(lib, f"decode_attention_{_SUFFIXES[query.dtype]}")(
+        query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0), tables.data_ptr(),
+        tables.stride(0), lens.data_ptr(), batch, num_heads, num_kv_heads, head_dim, block_size, scale,
+        out.data_ptr())
+    if status != 0:
+        raise NativeKernelError(f"decode_attention returned {status} for query {tuple(query.shape)}, "
+                                f"cache {tuple(k_cache.shape)}")
+    return out
+
+
+def can_norm(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether ``rms_norm`` takes these tensors (side-effect free apart from building once)."""
+    return (x.device.type == "cpu" and x.dtype in _SUFFIXES and weight.dtype == x.dtype and x.is_contiguous()
+            and weight.is_contiguous() and x.shape[-1] == weight.shape[0] and load() is not None)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """``weight * rms_norm(x)`` over the last dim, rounded as ``model.layers.RMSNorm`` does; check ``can_norm``.
+
+    With ``residual`` (same shape and dtype, contiguous), ``x`` becomes ``x + residual`` **in place**
+    first and the norm is taken of that: the fused residual add of a decoder layer.
+    """
+    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype
+                                 or not residual.is_contiguous()):
+        raise ValueError(f"residual {tuple(residual.shape)} {residual.dtype} does not match "
+                         f"x {tuple(x.shape)} {x.dtype}")
+    out = torch.empty_like(x)
+    dim = x.shape[-1]
+    getattr(load(), f"rms_norm_{_SUFFIXES[x.dtype]}")(
+        x.data_ptr(), None if residual is None else residual.data_ptr(), weight.data_ptr(), x.numel() // dim, dim,
+        eps, out.data_ptr())
+    return out
+
+
+def can_rope_store(qkv: torch.Tensor, cos: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """Whether ``rope_store`` takes these tensors (side-effect free apart from building once)."""
+    if qkv.device.type != "cpu" or qkv.dtype not in _SUFFIXES:
+        return False
+    if not cos.dtype == k_cache.dtype == v_cache.dtype == qkv.dtype:
+        return False
+    _, _, num_kv_heads, head_dim = k_cache.shape
+    inner = (num_kv_heads * head_dim, head_dim, 1)
+    return (qkv.is_contiguous() and cos.is_contiguous() and k_cache.stride() == v_cache.stride()
+            and tuple(k_cache.stride()[1:]) == inner and load() is not None)
+
+
+def rope_store(qkv: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, k_cache: torch.Tensor,
+               v_cache: torch.Tensor, block_ids: torch.Tensor, offsets: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Rotate the queries and keys of a fused projection ``qkv`` [T, (Hq + 2 Hkv) * D]; store the keys and
+    values at slots (``block_ids``, ``offsets``, int64 [T]) of one layer's caches; returns the queries
+    [T, Hq, D]. Same values as ``model.rope.rotate`` then ``store_kv_at``; check ``can_rope_store`` first."""
+    num_tokens = qkv.shape[0]
+    _, _, num_kv_heads, head_dim = k_cache.shape
+    q = torch.empty(num_tokens, num_heads, head_dim, dtype=qkv.dtype)
+    ids, offs = block_ids.to(torch.int64).contiguous(), offsets.to(torch.int64).contiguous()
+    status = getattr(load(), f"rope_store_{_SUFFIXES[qkv.dtype]}")(
+        qkv.data_ptr(), num_tokens, num_heads, num_kv_heads, head_dim, cos.data_ptr(), signed_sin.data_ptr(),
+        k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0), ids.data_ptr(), offs.data_ptr(), q.data_ptr())
+    if status != 0:
+        raise NativeKernelError(f"rope_store returned {status} for qkv {tuple(qkv.shape)}, head_dim {head_dim}")
+    return q
+

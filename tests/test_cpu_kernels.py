@@ -1,0 +1,163 @@
+"""Native CPU kernels (kernels/cpu): against the torch references and a float64 oracle, through the
+dispatch, and the fallback when no compiler is there."""
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvmesh import LLM, SamplingParams
+from kvmesh.kernels import ops
+from kvmesh.kernels.cpu import library as native
+from kvmesh.kernels.reference import attention as ref_attn
+from kvmesh.kernels.reference import cache_ops as ref_cache
+from kvmesh.kernels.reference import norm as ref_norm
+from kvmesh.kernels.reference.rotary import rotate
+from tests.test_kernels import dense_oracle
+from tests.test_kernels import make_case as make_device_case
+
+
+def make_case(*args):
+    """tests/test_kernels.py's paged case, on the CPU whatever its DEVICE (cuda on a GPU machine)."""
+    case = make_device_case(*args)
+    return dataclasses.replace(case, query=case.query.cpu(), k_cache=case.k_cache.cpu(), v_cache=case.v_cache.cpu(),
+                               block_tables=case.block_tables.cpu())
+
+DECODE_SHAPES = [
+    # seq_lens, Hq, Hkv, D, block_size
+    ([1, 16, 17, 90], 8, 2, 32, 16),  # a one-token context, exact and ragged block ends
+    ([300], 9, 3, 64, 16),  # one sequence: the work is split over KV heads
+    ([5, 40, 33, 64, 7, 100, 1, 19], 4, 4, 16, 8),  # more sequences than threads, no GQA
+    ([70, 129], 8, 1, 128, 32),  # multi-query, head_dim 128
+]
+
+
+def test_the_library_builds_here_and_shares_torchs_openmp_runtime():
+    """This machine has a C compiler (CI's too), so the kernels must load; their OpenMP threads must be
+    torch's own pool, not a second one spinning beside it."""
+    assert native._compiler() is not None, "no C compiler: the native kernels cannot be tested here"
+    assert native.load() is not None
+    maps = Path("/proc/self/maps").read_text()
+    assert len({line.split()[-1] for line in maps.splitlines() if "libgomp" in line}) <= 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", DECODE_SHAPES)
+def test_native_decode_attention_matches_the_reference_and_the_oracle(shape, dtype):
+    s_lens, hq, hkv, d, bs = shape
+    case = make_case(21, [1] * len(s_lens), s_lens, hq, hkv, d, bs, dtype)
+    seq_lens = torch.tensor(s_lens, dtype=torch.int32)
+    scale = d**-0.5
+    assert native.can_decode(case.query, case.k_cache, case.v_cache)
+    ours = native.decode_attention(case.query, case.k_cache, case.v_cache, case.block_tables, seq_lens, scale)
+    ref = ref_attn.decode_attention(case.query, case.k_cache, case.v_cache, case.block_tables, seq_lens,
+                                    max(s_lens), scale)
+    oracle = dense_oracle(case, scale)
+    assert ours.dtype == dtype and ours.shape == case.query.shape
+    if dtype == torch.float32:
+        assert (ours.double() - oracle).abs().max().item() < 1e-5
+        assert (ours - ref).abs().max().item() < 1e-5
+    else:  # the same roundings as the reference: at most a bf16 rounding apart, as close to the oracle
+        assert (ours.float() - ref.float()).abs().max().item() <= 2**-7 * ref.float().abs().max().item()
+        ours_err = (ours.double() - oracle).abs().max().item()
+        assert ours_err <= 1.1 * (ref.double() - oracle).abs().max().item() + 1e-3
+
+
+def test_native_decode_attention_refuses_what_it_cannot_take():
+    case = make_case(3, [1], [20], 4, 2, 24, 16, torch.float32)  # head_dim 24: not a multiple of 16
+    assert not native.can_decode(case.query, case.k_cache, case.v_cache)
+    case = make_case(3, [1], [20], 4, 2, 32, 16, torch.float16)  # no fp16 kernel
+    assert not native.can_decode(case.query, case.k_cache, case.v_cache)
+    seq_lens = torch.tensor([20], dtype=torch.int32)
+    odd = make_case(3, [1], [20], 4, 2, 24, 16, torch.float32)
+    with pytest.raises(native.NativeKernelError, match="returned -2"):
+        native.decode_attention(odd.query, odd.k_cache, odd.v_cache, odd.block_tables, seq_lens, 0.2)
+    # the dispatch falls back to the reference for it
+    out = ops.decode_attention(odd.query, odd.k_cache, odd.v_cache, odd.block_tables, seq_lens, 20, 0.2)
+    assert (out.double() - dense_oracle(odd, 0.2)).abs().max().item() < 1e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 16, 300])  # 300 rows: the threaded path
+def test_native_rms_norm_and_its_fused_residual_add(dtype, rows):
+    gen = torch.Generator().manual_seed(rows)
+    x = (torch.randn(rows, 576, generator=gen) * 3).to(dtype)
+    x[:, 7] = 200.0  # an outlier channel, as real hidden states have
+    residual = torch.randn(rows, 576, generator=gen).to(dtype)
+    weight = (torch.rand(576, generator=gen) + 0.5).to(dtype)
+    assert native.can_norm(x, weight)
+    ref = ref_norm.rms_norm(x, weight, 1e-5)
+    ours = native.rms_norm(x.clone(), weight, 1e-5)
+    exact = (x.double() * torch.rsqrt(x.double().pow(2).mean(-1, keepdim=True) + 1e-5)) * weight.double()
+    if dtype == torch.float32:
+        assert (ours - ref).abs().max().item() < 1e-5 * exact.abs().max().item()
+    else:  # a different order of the float32 sum may move a rounding, by one bf16 step at most
+        assert (ours.float() - ref.float()).abs().max().item() <= 2**-7 * exact.abs().max().item()
+        assert (ours != ref).float().mean().item() < 0.01
+    total, want = ref_norm.add_rms_norm(x, residual, weight, 1e-5)
+    stream = x.clone()
+    normed = native.rms_norm(stream, weight, 1e-5, residual=residual)
+    assert torch.equal(stream, total)  # the residual add is exact and in place
+    assert (normed.float() - want.float()).abs().max().item() <= 2**-7 * exact.abs().max().item() + 1e-5
+    with pytest.raises(ValueError, match="does not match"):
+        native.rms_norm(x, weight, 1e-5, residual=residual[:, :10])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_tokens", [3, 600])  # 600 tokens: the threaded path
+def test_native_rope_store_equals_rotate_then_store(dtype, num_tokens):
+    """Element-wise with the same roundings: bitwise equal to the torch path, every slot it writes and
+    none it does not."""
+    hq, hkv, d, bs, num_blocks = 6, 2, 32, 16, 64
+    gen = torch.Generator().manual_seed(num_tokens)
+    qkv = torch.randn(num_tokens, (hq + 2 * hkv) * d, generator=gen).to(dtype)
+    angles = torch.randn(num_tokens, 1, d, generator=gen)
+    cos, signed_sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    slots = torch.randperm(num_blocks * bs, generator=gen)[:num_tokens]
+    block_ids, offsets = slots // bs, slots % bs
+    initial = torch.randn(num_blocks, 3, 2, bs, hkv, d, generator=gen).to(dtype)
+    buffers = [initial.clone(), initial.clone()]
+    q = native.rope_store(qkv, cos.view(num_tokens, d), signed_sin.view(num_tokens, d), buffers[0][:, 1, 0],
+                          buffers[0][:, 1, 1], block_ids, offsets, hq)
+    qk = rotate(qkv[:, : (hq + hkv) * d].view(num_tokens, hq + hkv, d), cos, signed_sin)
+    v = qkv[:, (hq + hkv) * d:].view(num_tokens, hkv, d)
+    ref_cache.store_kv_at(qk[:, hq:], v, buffers[1][:, 1, 0], buffers[1][:, 1, 1], block_ids, offsets)
+    assert torch.equal(q, qk[:, :hq])
+    assert torch.equal(buffers[0], buffers[1])
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_engine_streams_equal_with_and_without_the_native_kernels(dtype, monkeypatch):
+    """The whole decode path (rope+store, norms with fused adds, paged decode attention) through the engine:
+    greedy tokens equal to the torch kernels', for ragged batches that grow past several blocks."""
+    prompts = [list(range(3, 3 + n)) for n in (5, 17, 40, 64)]
+    params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    runs = {}
+    for mode in ("torch", "auto"):
+        monkeypatch.setenv("KVMESH_KERNELS", mode)
+        llm = LLM("tiny-llama", dtype=dtype, num_kv_blocks=64, progress=False)
+        runs[mode] = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        llm.engine.check_integrity()
+    assert runs["auto"] == runs["torch"]
+
+
+def test_without_a_compiler_the_torch_kernels_serve(tmp_path):
+    """A machine with no working C compiler: load() says why once and gives None; a model still runs."""
+    code = ("import logging; logging.basicConfig(level=logging.INFO)\n"
+            "from kvmesh.kernels.cpu import library\n"
+            "assert library.load() is None\n"
+            "from kvmesh import LLM, SamplingParams\n"
+            "out = LLM('tiny-llama', num_kv_blocks=32, progress=False).generate([[5, 6, 7]],"
+            " SamplingParams(max_tokens=4, temperature=0.0), use_tqdm=False)\n"
+            "assert len(out[0].token_ids) == 4\n")
+    env = {**os.environ, "CC": "false", "KVMESH_CACHE_DIR": str(tmp_path), "KVMESH_KERNELS": "auto"}
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True,
+                          timeout=240)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "native CPU kernels off" in proc.stderr
