@@ -161,3 +161,22 @@ def test_without_a_compiler_the_torch_kernels_serve(tmp_path):
                           timeout=240)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "native CPU kernels off" in proc.stderr
+
+
+def test_results_do_not_depend_on_the_thread_count():
+    """Threads only share out whole (sequence, KV head) items and rows: one thread gives the same bits."""
+    case = make_case(5, [1] * 3, [40, 300, 77], 8, 2, 64, 16, torch.bfloat16)
+    seq_lens = torch.tensor([40, 300, 77], dtype=torch.int32)
+    x = torch.randn(400, 576).to(torch.bfloat16)
+    weight = torch.rand(576).to(torch.bfloat16)
+    runs = []
+    saved = torch.get_num_threads()
+    try:
+        for threads in (1, 2, 4):
+            torch.set_num_threads(threads)
+            runs.append((native.decode_attention(case.query, case.k_cache, case.v_cache, case.block_tables,
+                                                 seq_lens, 0.125), native.rms_norm(x, weight, 1e-5)))
+    finally:
+        torch.set_num_threads(saved)
+    for attn, norm in runs[1:]:
+        assert torch.equal(attn, runs[0][0]) and torch.equal(norm, runs[0][1])

@@ -1,8 +1,9 @@
 /* Paged decode attention on the CPU, read straight from the block-major KV buffer.
  *
  * Built on first use by kernels/cpu/library.py (cc -O3 -march=native -fopenmp) and called through
- * ctypes, one call per layer; the (sequence, KV head) pairs are shared out among the OpenMP threads
- * (torch's own pool: the library links the libgomp torch has loaded). It computes what
+ * ctypes, one call per layer; the (sequence, KV head) pairs are shared out among num_threads OpenMP
+ * threads (torch's own pool: the library links the libgomp torch has loaded; the caller passes
+ * torch's intra-op thread count, since OpenMP's default is per calling thread). It computes what
  * kernels/reference/attention.py::decode_attention does without gathering the context into new
  * tensors first, and with the same roundings:
  *
@@ -27,9 +28,6 @@
 #ifdef __AVX512BF16__
 #define HAVE_AVX512_BF16 1
 #endif
-#endif
-#ifdef _OPENMP
-#include <omp.h>
 #endif
 
 
@@ -180,18 +178,14 @@ INLINE void attend(const void *query, const void *k_cache, const void *v_cache, 
 INLINE int decode_attention(const void *query, const void *k_cache, const void *v_cache, int64_t block_stride,
                             const int32_t *block_tables, int64_t table_stride, const int32_t *seq_lens, int batch,
                             int num_heads, int num_kv_heads, int head_dim, int block_size, float scale, void *out,
-                            int bf16) {
+                            int num_threads, int bf16) {
     if (head_dim % LANES || num_kv_heads <= 0 || num_heads % num_kv_heads) return -2;
     int group = num_heads / num_kv_heads, max_len = 0, failed = 0;
     for (int b = 0; b < batch; b++) max_len = seq_lens[b] > max_len ? seq_lens[b] : max_len;
-#ifdef _OPENMP
-    int split = batch < omp_get_max_threads() ? num_kv_heads : 1;
-#else
-    int split = 1;
-#endif
+    int split = batch < num_threads ? num_kv_heads : 1;
     int items = batch * split, heads_per_item = num_kv_heads / split;
     size_t floats = (size_t)heads_per_item * group * (max_len + 2 * head_dim), elem = bf16 ? 2 : 4;
-#pragma omp parallel if (items > 1)
+#pragma omp parallel num_threads(num_threads) if (items > 1 && num_threads > 1)
     {
         float *scratch = malloc(sizeof(float) * floats);
         if (!scratch) {
@@ -219,14 +213,16 @@ INLINE int decode_attention(const void *query, const void *k_cache, const void *
 
 int decode_attention_bf16(const void *query, const void *k_cache, const void *v_cache, int64_t block_stride,
                           const int32_t *block_tables, int64_t table_stride, const int32_t *seq_lens, int batch,
-                          int num_heads, int num_kv_heads, int head_dim, int block_size, float scale, void *out) {
+                          int num_heads, int num_kv_heads, int head_dim, int block_size, float scale, void *out,
+                          int num_threads) {
     return decode_attention(query, k_cache, v_cache, block_stride, block_tables, table_stride, seq_lens, batch,
-                            num_heads, num_kv_heads, head_dim, block_size, scale, out, 1);
+                            num_heads, num_kv_heads, head_dim, block_size, scale, out, num_threads, 1);
 }
 
 int decode_attention_f32(const void *query, const void *k_cache, const void *v_cache, int64_t block_stride,
                          const int32_t *block_tables, int64_t table_stride, const int32_t *seq_lens, int batch,
-                         int num_heads, int num_kv_heads, int head_dim, int block_size, float scale, void *out) {
+                         int num_heads, int num_kv_heads, int head_dim, int block_size, float scale, void *out,
+                         int num_threads) {
     return decode_attention(query, k_cache, v_cache, block_stride, block_tables, table_stride, seq_lens, batch,
-                            num_heads, num_kv_heads, head_dim, block_size, scale, out, 0);
+                            num_heads, num_kv_heads, head_dim, block_size, scale, out, num_threads, 0);
 }

@@ -6,7 +6,8 @@ for the CPU it runs on (``-march=native``) into ``$KVMESH_CACHE_DIR/native/`` (t
 a hash of the source, the flags, the compiler and the CPU's feature flags, so a changed source or
 another machine builds afresh; concurrent processes each write a temporary file and rename it into
 place). The library is built with OpenMP and links ``libgomp.so.1``, the runtime torch has already
-loaded, so its threads are torch's pool and ``torch.set_num_threads`` (``--threads``) bounds both.
+loaded, so its threads are torch's pool; every call passes ``torch.get_num_threads()``, so
+``torch.set_num_threads`` (``--threads``) bounds both, whichever thread calls.
 
 Where no compiler or no build works, ``load()`` returns None once with the reason logged, and the
 callers keep the torch reference kernels: the library is a speed-up, never a requirement.
@@ -34,9 +35,10 @@ HEADERS = tuple(sorted(Path(__file__).parent.glob("*.h")))
 FLAGS = ("-O3", "-march=native", "-fno-trapping-math", "-fno-math-errno", "-ffp-contract=off", "-fPIC", "-shared")
 _P, _I64, _INT, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 _SIGNATURES = {
-    "decode_attention": [_P, _P, _P, _I64, _P, _I64, _P, _INT, _INT, _INT, _INT, _INT, _F, _P],
-    "rms_norm": [_P, _P, _P, _I64, _I64, _F, _P],
-    "rope_store": [_P, _I64, _INT, _INT, _INT, _P, _P, _P, _P, _I64, _P, _P, _P],
+    # each takes torch's intra-op thread count last (OpenMP's own default is per calling thread)
+    "decode_attention": [_P, _P, _P, _I64, _P, _I64, _P, _INT, _INT, _INT, _INT, _INT, _F, _P, _INT],
+    "rms_norm": [_P, _P, _P, _I64, _I64, _F, _P, _INT],
+    "rope_store": [_P, _I64, _INT, _INT, _INT, _P, _P, _P, _P, _I64, _P, _P, _P, _INT],
 }
 _SUFFIXES = {torch.bfloat16: "bf16", torch.float32: "f32"}
 
@@ -117,6 +119,11 @@ def load() -> ctypes.CDLL | None:
     return lib
 
 
+def _as(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``tensor`` as a contiguous ``dtype`` tensor, without a dispatch when it already is one (per-layer calls)."""
+    return tensor if tensor.dtype == dtype and tensor.is_contiguous() else tensor.to(dtype).contiguous()
+
+
 def can_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
     """Whether ``decode_attention`` takes these tensors (side-effect free apart from building once)."""
     if query.device.type != "cpu" or query.dtype not in _SUFFIXES or not k_cache.dtype == v_cache.dtype == query.dtype:
@@ -137,13 +144,12 @@ def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     lib = load()
     batch, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
-    tables = block_tables.to(torch.int32).contiguous()
-    lens = seq_lens.to(torch.int32).contiguous()
+    tables, lens = _as(block_tables, torch.int32), _as(seq_lens, torch.int32)
     out = torch.empty_like(query)
     status = getattr(lib, f"decode_attention_{_SUFFIXES[query.dtype]}")(
         query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0), tables.data_ptr(),
         tables.stride(0), lens.data_ptr(), batch, num_heads, num_kv_heads, head_dim, block_size, scale,
-        out.data_ptr())
+        out.data_ptr(), torch.get_num_threads())
     if status != 0:
         raise NativeKernelError(f"decode_attention returned {status} for query {tuple(query.shape)}, "
                                 f"cache {tuple(k_cache.shape)}")
@@ -170,7 +176,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     dim = x.shape[-1]
     getattr(load(), f"rms_norm_{_SUFFIXES[x.dtype]}")(
         x.data_ptr(), None if residual is None else residual.data_ptr(), weight.data_ptr(), x.numel() // dim, dim,
-        eps, out.data_ptr())
+        eps, out.data_ptr(), torch.get_num_threads())
     return out
 
 
@@ -194,10 +200,11 @@ def rope_store(qkv: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, k
     num_tokens = qkv.shape[0]
     _, _, num_kv_heads, head_dim = k_cache.shape
     q = torch.empty(num_tokens, num_heads, head_dim, dtype=qkv.dtype)
-    ids, offs = block_ids.to(torch.int64).contiguous(), offsets.to(torch.int64).contiguous()
+    ids, offs = _as(block_ids, torch.int64), _as(offsets, torch.int64)
     status = getattr(load(), f"rope_store_{_SUFFIXES[qkv.dtype]}")(
         qkv.data_ptr(), num_tokens, num_heads, num_kv_heads, head_dim, cos.data_ptr(), signed_sin.data_ptr(),
-        k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0), ids.data_ptr(), offs.data_ptr(), q.data_ptr())
+        k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0), ids.data_ptr(), offs.data_ptr(), q.data_ptr(),
+        torch.get_num_threads())
     if status != 0:
         raise NativeKernelError(f"rope_store returned {status} for qkv {tuple(qkv.shape)}, head_dim {head_dim}")
     return q

@@ -35,10 +35,10 @@ INLINE void norm_row(void *x, const void *residual, const void *weight, int64_t 
 }
 
 INLINE int rms_norm(void *x, const void *residual, const void *weight, int64_t rows, int64_t dim, float eps,
-                    void *out, int bf16) {
+                    void *out, int num_threads, int bf16) {
     size_t elem = bf16 ? 2 : 4;
-    if (rows * dim >= PARALLEL_MIN_ELEMENTS) {
-#pragma omp parallel for
+    if (rows * dim >= PARALLEL_MIN_ELEMENTS && num_threads > 1) {
+#pragma omp parallel for num_threads(num_threads)
         for (int64_t r = 0; r < rows; r++) {
             char *xr = (char *)x + r * dim * elem, *outr = (char *)out + r * dim * elem;
             const char *res = residual ? (const char *)residual + r * dim * elem : NULL;
@@ -52,10 +52,12 @@ INLINE int rms_norm(void *x, const void *residual, const void *weight, int64_t r
     return 0;
 }
 
-int rms_norm_bf16(void *x, const void *residual, const void *weight, int64_t rows, int64_t dim, float eps, void *out) {
-    return rms_norm(x, residual, weight, rows, dim, eps, out, 1);
+int rms_norm_bf16(void *x, const void *residual, const void *weight, int64_t rows, int64_t dim, float eps, void *out,
+                  int num_threads) {
+    return rms_norm(x, residual, weight, rows, dim, eps, out, num_threads, 1);
 }
 
-int rms_norm_f32(void *x, const void *residual, const void *weight, int64_t rows, int64_t dim, float eps, void *out) {
-    return rms_norm(x, residual, weight, rows, dim, eps, out, 0);
+int rms_norm_f32(void *x, const void *residual, const void *weight, int64_t rows, int64_t dim, float eps, void *out,
+                 int num_threads) {
+    return rms_norm(x, residual, weight, rows, dim, eps, out, num_threads, 0);
 }

@@ -45,10 +45,10 @@ INLINE void rope_store_token(const void *qkv, int64_t t, int num_heads, int num_
 
 INLINE int rope_store(const void *qkv, int64_t num_tokens, int num_heads, int num_kv_heads, int head_dim,
                       const void *cos, const void *signed_sin, void *k_cache, void *v_cache, int64_t block_stride,
-                      const int64_t *block_ids, const int64_t *offsets, void *q_out, int bf16) {
+                      const int64_t *block_ids, const int64_t *offsets, void *q_out, int num_threads, int bf16) {
     if (head_dim % 2) return -2;
-    if (num_tokens * (num_heads + 2 * num_kv_heads) * head_dim >= PARALLEL_MIN_ELEMENTS) {
-#pragma omp parallel for
+    if (num_tokens * (num_heads + 2 * num_kv_heads) * head_dim >= PARALLEL_MIN_ELEMENTS && num_threads > 1) {
+#pragma omp parallel for num_threads(num_threads)
         for (int64_t t = 0; t < num_tokens; t++)
             bf16 ? rope_store_token(qkv, t, num_heads, num_kv_heads, head_dim, cos, signed_sin, k_cache, v_cache,
                                     block_stride, block_ids, offsets, q_out, 1)
@@ -64,14 +64,14 @@ INLINE int rope_store(const void *qkv, int64_t num_tokens, int num_heads, int nu
 
 int rope_store_bf16(const void *qkv, int64_t num_tokens, int num_heads, int num_kv_heads, int head_dim,
                     const void *cos, const void *signed_sin, void *k_cache, void *v_cache, int64_t block_stride,
-                    const int64_t *block_ids, const int64_t *offsets, void *q_out) {
+                    const int64_t *block_ids, const int64_t *offsets, void *q_out, int num_threads) {
     return rope_store(qkv, num_tokens, num_heads, num_kv_heads, head_dim, cos, signed_sin, k_cache, v_cache,
-                      block_stride, block_ids, offsets, q_out, 1);
+                      block_stride, block_ids, offsets, q_out, num_threads, 1);
 }
 
 int rope_store_f32(const void *qkv, int64_t num_tokens, int num_heads, int num_kv_heads, int head_dim,
                    const void *cos, const void *signed_sin, void *k_cache, void *v_cache, int64_t block_stride,
-                   const int64_t *block_ids, const int64_t *offsets, void *q_out) {
+                   const int64_t *block_ids, const int64_t *offsets, void *q_out, int num_threads) {
     return rope_store(qkv, num_tokens, num_heads, num_kv_heads, head_dim, cos, signed_sin, k_cache, v_cache,
-                      block_stride, block_ids, offsets, q_out, 0);
+                      block_stride, block_ids, offsets, q_out, num_threads, 0);
 }
