@@ -6,6 +6,7 @@ the GPU Ray assigned; an actor given none gets the CPU (``device_for_ray_actor``
 """
 from __future__ import annotations
 
+import functools
 import re
 
 import torch
@@ -62,3 +63,18 @@ def synchronize(device: torch.device) -> None:
     """Wait for the device's queued work (timing, handing memory to another engine); no-op on the CPU."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+@functools.cache
+def cpu_features() -> list[str]:
+    """The CPU flags kvmesh decides on (``--dtype auto``, packed linears, the bf16 prefill attention):
+    from /proc/cpuinfo, read once; empty where it is not readable."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    return sorted(flags & {"amx_bf16", "amx_tile", "avx512_bf16", "avx512f", "avx2"})
+    except OSError:
+        pass
+    return []

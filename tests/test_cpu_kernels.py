@@ -140,7 +140,7 @@ def test_engine_streams_equal_with_and_without_the_native_kernels(dtype, monkeyp
     runs = {}
     for mode in ("torch", "auto"):
         monkeypatch.setenv("KVMESH_KERNELS", mode)
-        llm = LLM("tiny-llama", dtype=dtype, num_kv_blocks=64, progress=False)
+        llm = LLM("tiny-llama", dtype=dtype, device="cpu", num_kv_blocks=64, progress=False)
         runs[mode] = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
         llm.engine.check_integrity()
     assert runs["auto"] == runs["torch"]
@@ -152,7 +152,7 @@ def test_without_a_compiler_the_torch_kernels_serve(tmp_path):
             "from kvmesh.kernels.cpu import library\n"
             "assert library.load() is None\n"
             "from kvmesh import LLM, SamplingParams\n"
-            "out = LLM('tiny-llama', num_kv_blocks=32, progress=False).generate([[5, 6, 7]],"
+            "out = LLM('tiny-llama', device='cpu', num_kv_blocks=32, progress=False).generate([[5, 6, 7]],"
             " SamplingParams(max_tokens=4, temperature=0.0), use_tqdm=False)\n"
             "assert len(out[0].token_ids) == 4\n")
     env = {**os.environ, "CC": "false", "KVMESH_CACHE_DIR": str(tmp_path), "KVMESH_KERNELS": "auto"}

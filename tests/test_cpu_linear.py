@@ -40,6 +40,7 @@ def test_packed_linear_matches_f_linear(dtype, bias):
 
 
 def test_loaded_cpu_model_is_packed_and_exports_its_dense_weights(monkeypatch):
+    monkeypatch.setenv("KVMESH_PACKED_LINEAR", "1")  # packed even on an AMX machine, where it is off by default
     packed = load_model("tiny-llama")
     monkeypatch.setenv("KVMESH_PACKED_LINEAR", "0")
     plain = load_model("tiny-llama")
@@ -56,3 +57,17 @@ def test_loaded_cpu_model_is_packed_and_exports_its_dense_weights(monkeypatch):
     assert pack_linears(packed.model) == 0  # nothing left to pack
     assert not can_pack(torch.device("meta"), torch.float32)
     assert not can_pack(CPU, torch.float16)
+
+
+def test_packing_is_off_by_default_where_the_cpu_has_amx(monkeypatch):
+    """Measured: packed linears are slower than F.linear where oneDNN has AMX kernels (docs/benchmarks.md)."""
+    from kvmesh.model import cpu_linear
+
+    monkeypatch.delenv("KVMESH_PACKED_LINEAR", raising=False)
+    monkeypatch.setattr(cpu_linear, "cpu_features", lambda: ["amx_bf16", "amx_tile", "avx512_bf16", "avx512f"])
+    assert not can_pack(CPU, torch.float32) and not can_pack(CPU, torch.bfloat16)
+    monkeypatch.setenv("KVMESH_PACKED_LINEAR", "1")
+    assert can_pack(CPU, torch.float32)
+    monkeypatch.delenv("KVMESH_PACKED_LINEAR")
+    monkeypatch.setattr(cpu_linear, "cpu_features", lambda: ["avx2", "avx512_bf16", "avx512f"])
+    assert can_pack(CPU, torch.float32)

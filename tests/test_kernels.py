@@ -104,7 +104,9 @@ CHUNKED_SHAPES = [
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("shape", CHUNKED_SHAPES)
-def test_reference_prefill_in_reduced_precision_takes_the_chunked_path_and_matches_the_oracle(shape, dtype):
+def test_reference_prefill_in_reduced_precision_takes_the_chunked_path_and_matches_the_oracle(shape, dtype,
+                                                                                              monkeypatch):
+    monkeypatch.setattr(ref_attn, "cpu_features", lambda: ["avx512_bf16", "avx512f"])  # no AMX: the chunked path
     q_lens, s_lens, hq, hkv, d, bs = shape
     case = make_case(13, q_lens, s_lens, hq, hkv, d, bs, dtype)
     scale = d**-0.5
@@ -117,6 +119,19 @@ def test_reference_prefill_in_reduced_precision_takes_the_chunked_path_and_match
     sdpa = ref_attn.prefill_attention(case.query.cpu().float(), case.k_cache.cpu().float(),
                                       case.v_cache.cpu().float(), case.block_tables.cpu(), q_lens, s_lens, scale)
     assert (out.double() - sdpa.double()).abs().max().item() < 2 * err + 1e-3
+
+
+def test_reference_prefill_in_bf16_on_an_amx_cpu_takes_sdpa(monkeypatch):
+    """With AMX, torch's flash kernel is the faster bf16 path (docs/benchmarks.md); it must agree as well."""
+    q_lens, s_lens, hq, hkv, d, bs = CHUNKED_SHAPES[1]
+    case = make_case(13, q_lens, s_lens, hq, hkv, d, bs, torch.bfloat16)
+    args = (case.query.cpu(), case.k_cache.cpu(), case.v_cache.cpu(), case.block_tables.cpu(), q_lens, s_lens, d**-0.5)
+    calls = []
+    monkeypatch.setattr(ref_attn, "chunked_causal_attention", lambda *a: calls.append(a))
+    monkeypatch.setattr(ref_attn, "cpu_features", lambda: ["amx_bf16", "amx_tile", "avx512_bf16", "avx512f"])
+    out = ref_attn.prefill_attention(*args)
+    assert calls == []
+    assert (out.double() - dense_oracle(case, d**-0.5)).abs().max().item() < 3e-2
 
 
 def test_reference_decode_attention_matches_dense_oracle():

@@ -29,7 +29,7 @@ def run(model: str, json_path: str | None, prefill_lens: tuple[int, ...] = (512,
         decode_tokens: int = 64, repeat: int = 3, dtype: str = "auto", device: str = "cpu") -> dict:
     from kvmesh import LLM, SamplingParams
     from kvmesh.device import device_name, synchronize
-    from kvmesh.model.config import cpu_features
+    from kvmesh.device import cpu_features
 
     torch.manual_seed(0)
     llm = LLM(model, dtype=dtype, device=device, num_kv_blocks=None, kv_cache_memory_gib=1.0,

@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from kvmesh.device import cpu_features  # noqa: F401 (parse_dtype looks it up here; tests patch it)
 from kvmesh.errors import UnsupportedModelError
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
@@ -126,19 +127,6 @@ def _rope_scaling_from_hf(scaling: dict | None) -> RopeScaling | None:
         high_freq_factor=float(scaling["high_freq_factor"]),
         original_max_position_embeddings=int(scaling["original_max_position_embeddings"]),
     )
-
-
-def cpu_features() -> list[str]:
-    """The CPU flags that decide ``--dtype auto`` (from /proc/cpuinfo; empty where it is not readable)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    flags = set(line.split(":", 1)[1].split())
-                    return sorted(flags & {"amx_bf16", "amx_tile", "avx512_bf16", "avx512f", "avx2"})
-    except OSError:
-        pass
-    return []
 
 
 def auto_dtype(device: str | torch.device = "cpu") -> torch.dtype:
