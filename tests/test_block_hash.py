@@ -80,3 +80,25 @@ def test_prefix_hasher_equals_hash_blocks_and_stays_bounded():
     assert hasher.hash(roots[0], base[:1_600]) == hasher.hash(roots[0], base[:1_600]) == \
         hash_blocks(roots[0], base[:1_600], 16)
     assert hasher.num_blocks_reused - reused >= 100  # the second time, all 100 blocks came from the memo
+
+
+def test_native_chain_equals_hashlib_and_falls_back_to_it(monkeypatch):
+    """The one-call C BLAKE2b chain (kernels/cpu/blake2b_chain.c) gives hashlib's digests for every message
+    length around BLAKE2b's 128-byte block; without the library, hash_blocks takes hashlib."""
+    import random
+
+    from kvmesh.kernels.cpu import library
+    from kvmesh.kv import block_hash
+
+    assert library.load() is not None  # this machine has a compiler (see tests/test_cpu_kernels.py)
+    rng = random.Random(7)
+    for step in (4, 64, 96, 112, 113, 128, 200, 256):
+        data = bytes(rng.randrange(256) for _ in range(step * 9))
+        parent = bytes(rng.randrange(256) for _ in range(16))
+        want = block_hash._hash_block_bytes_hashlib(parent, data, step)
+        assert library.blake2b_chain(parent, data, step, b"kvmesh-kv-v1") == want, step
+        assert block_hash.hash_block_bytes(want[2], data, step, start_block=3) == want[3:], step
+    tokens = list(range(5000, 5000 + 16 * 40))
+    native = hash_blocks(root_hash(b"ns"), tokens, 16)
+    monkeypatch.setattr(library, "load", lambda: None)
+    assert hash_blocks(root_hash(b"ns"), tokens, 16) == native

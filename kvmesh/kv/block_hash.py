@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kvmesh.kernels.cpu import library as native_kernels
+
 BlockHash = bytes  # 16 bytes
 
 _NS_PERSON = b"kvmesh-ns-v1"
@@ -103,7 +105,19 @@ def hash_blocks(parent: BlockHash, token_ids: Sequence[int], block_size: int, st
 
 
 def hash_block_bytes(parent: BlockHash, data: bytes, step: int, start_block: int = 0) -> list[BlockHash]:
-    """The chain over whole blocks of token bytes (``step`` bytes each) from block ``start_block`` of ``data``."""
+    """The chain over whole blocks of token bytes (``step`` bytes each) from block ``start_block`` of ``data``.
+
+    In one native call where the CPU kernels are loaded (``kernels/cpu/blake2b_chain.c``, checked
+    against hashlib in the tests), else through hashlib: the same digests either way.
+    """
+    native = native_kernels.blake2b_chain(parent, data[start_block * step:] if start_block else data, step,
+                                          _KV_PERSON)
+    if native is not None:
+        return native
+    return _hash_block_bytes_hashlib(parent, data, step, start_block)
+
+
+def _hash_block_bytes_hashlib(parent: BlockHash, data: bytes, step: int, start_block: int = 0) -> list[BlockHash]:
     out: list[BlockHash] = []
     append, copy = out.append, _BLOCK_HASHER.copy
     prev = parent
