@@ -1,7 +1,8 @@
 """The one dispatch point: every kernel call of the model goes through here.
 
-CUDA tensors take the Triton kernels; on the CPU, decode attention takes the native
-kernel (``kernels/cpu``, compiled on first use) where it loads, everything else the
+CUDA tensors take the Triton kernels; on the CPU, decode attention, RMSNorm (with its
+fused residual add) and RoPE + K/V store take the native kernels (``kernels/cpu``,
+compiled on first use) where they load and take the arguments, everything else the
 torch reference. ``KVMESH_KERNELS=torch`` forces the reference anywhere;
 ``KVMESH_KERNELS=triton`` forces Triton (on the CPU that needs ``TRITON_INTERPRET=1``,
 for tests).
