@@ -180,3 +180,25 @@ def test_results_do_not_depend_on_the_thread_count():
         torch.set_num_threads(saved)
     for attn, norm in runs[1:]:
         assert torch.equal(attn, runs[0][0]) and torch.equal(norm, runs[0][1])
+
+
+def test_the_portable_build_without_avx512_agrees(monkeypatch, tmp_path):
+    """Machines without AVX-512 compile the plain C loops (here: -mno-avx512f): same answers."""
+    monkeypatch.setenv("KVMESH_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(native, "FLAGS", native.FLAGS + ("-mno-avx512f",))
+    native.load.cache_clear()
+    try:
+        assert native.load() is not None
+        for dtype in (torch.float32, torch.bfloat16):
+            s_lens = [1, 16, 17, 90]
+            case = make_case(21, [1] * 4, s_lens, 8, 2, 32, 16, dtype)
+            seq_lens = torch.tensor(s_lens, dtype=torch.int32)
+            ours = native.decode_attention(case.query, case.k_cache, case.v_cache, case.block_tables, seq_lens, 0.2)
+            ref = ref_attn.decode_attention(case.query, case.k_cache, case.v_cache, case.block_tables, seq_lens,
+                                            max(s_lens), 0.2)
+            assert (ours.float() - ref.float()).abs().max().item() <= 2**-7 * ref.float().abs().max().item() + 1e-6
+            x, w = torch.randn(5, 64).to(dtype), torch.rand(64).to(dtype)
+            assert (native.rms_norm(x, w, 1e-5).float() - ref_norm.rms_norm(x, w, 1e-5).float()).abs().max() < 2e-2
+        assert list(tmp_path.glob("native/*.so"))  # it really was a second build
+    finally:
+        native.load.cache_clear()  # the next caller loads the default build again
