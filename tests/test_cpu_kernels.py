@@ -146,6 +146,19 @@ def test_engine_streams_equal_with_and_without_the_native_kernels(dtype, monkeyp
     assert runs["auto"] == runs["torch"]
 
 
+def test_an_unwritable_cache_dir_falls_back_with_the_reason(monkeypatch, tmp_path, caplog):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    monkeypatch.setenv("KVMESH_CACHE_DIR", str(blocker))
+    native.load.cache_clear()
+    try:
+        with caplog.at_level("WARNING"):
+            assert native.load() is None
+        assert "cannot write" in caplog.text
+    finally:
+        native.load.cache_clear()
+
+
 def test_without_a_compiler_the_torch_kernels_serve(tmp_path):
     """A machine with no working C compiler: load() says why once and gives None; a model still runs."""
     code = ("import logging; logging.basicConfig(level=logging.INFO)\n"

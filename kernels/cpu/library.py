@@ -78,11 +78,14 @@ def _cpu_flags() -> str:
 
 def _build(compiler: str, out: Path) -> str | None:
     """Compile into ``out``; returns None, or why it failed (OpenMP is dropped if it alone fails)."""
-    out.parent.mkdir(parents=True, exist_ok=True)
     error = ""
     for openmp in (("-fopenmp",), ()):
-        with tempfile.NamedTemporaryFile(dir=out.parent, suffix=".so", delete=False) as tmp:
-            tmp_path = Path(tmp.name)
+        try:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            with tempfile.NamedTemporaryFile(dir=out.parent, suffix=".so", delete=False) as tmp:
+                tmp_path = Path(tmp.name)
+        except OSError as exc:
+            return f"cannot write {out.parent}: {exc}"
         cmd = [compiler, *FLAGS, *openmp, "-o", str(tmp_path), *map(str, SOURCES), "-lm"]
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
