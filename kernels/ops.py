@@ -134,7 +134,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(x + residual, rms_norm(x + residual))``. The native path adds in place and returns ``x`` itself,
     so callers must not keep using the old ``x``."""
-    if use_native(x) and native.can_norm(x, weight) and residual.is_contiguous() and residual.dtype == x.dtype:
+    if use_native(x) and native.can_norm(x, weight, residual):
         return x, native.rms_norm(x, weight, eps, residual=residual)
     return ref_norm.add_rms_norm(x, residual, weight, eps)
 

@@ -66,15 +66,18 @@ def synchronize(device: torch.device) -> None:
 
 
 @functools.cache
-def cpu_features() -> list[str]:
-    """The CPU flags kvmesh decides on (``--dtype auto``, packed linears, the bf16 prefill attention):
-    from /proc/cpuinfo, read once; empty where it is not readable."""
+def cpu_flags() -> tuple[str, ...]:
+    """Every flag of the CPU (/proc/cpuinfo, read once; empty where it is not readable)."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
                 if line.startswith("flags"):
-                    flags = set(line.split(":", 1)[1].split())
-                    return sorted(flags & {"amx_bf16", "amx_tile", "avx512_bf16", "avx512f", "avx2"})
+                    return tuple(sorted(line.split(":", 1)[1].split()))
     except OSError:
         pass
-    return []
+    return ()
+
+
+def cpu_features() -> list[str]:
+    """The CPU flags kvmesh decides on (``--dtype auto``, packed linears, the bf16 prefill attention)."""
+    return sorted(set(cpu_flags()) & {"amx_bf16", "amx_tile", "avx512_bf16", "avx512f", "avx2"})

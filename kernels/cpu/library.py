@@ -31,6 +31,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from kvmesh.device import cpu_flags
+
 log = logging.getLogger(__name__)
 
 SOURCES = tuple(sorted(Path(__file__).parent.glob("*.c")))
@@ -64,16 +66,6 @@ def _compiler() -> str | None:
         if name and shutil.which(name):
             return shutil.which(name)
     return None
-
-
-def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line
-    except OSError:
-        pass
-    return platform.processor()
 
 
 def _build(compiler: str, out: Path) -> str | None:
@@ -110,7 +102,7 @@ def load() -> ctypes.CDLL | None:
         return None
     key = hashlib.blake2b(digest_size=8)
     for part in (*(src.read_bytes() for src in SOURCES + HEADERS), " ".join(FLAGS).encode(), compiler.encode(),
-                 _cpu_flags().encode()):
+                 " ".join(cpu_flags() or [platform.processor()]).encode()):
         key.update(part)
     path = _cache_dir() / f"kvmesh_cpu_{key.hexdigest()}.so"
     if not path.exists():
@@ -139,14 +131,20 @@ def _as(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return tensor if tensor.dtype == dtype and tensor.is_contiguous() else tensor.to(dtype).contiguous()
 
 
+def _is_layer_view(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """One layer's K and V of the block-major buffer: [blocks, block_size, H_kv, D], rows contiguous."""
+    _, _, num_kv_heads, head_dim = k_cache.shape
+    return (k_cache.stride() == v_cache.stride() and k_cache.dtype == v_cache.dtype
+            and tuple(k_cache.stride()[1:]) == (num_kv_heads * head_dim, head_dim, 1))
+
+
 def can_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
     """Whether ``decode_attention`` takes these tensors (side-effect free apart from building once)."""
-    if query.device.type != "cpu" or query.dtype not in _SUFFIXES or not k_cache.dtype == v_cache.dtype == query.dtype:
+    if query.device.type != "cpu" or query.dtype not in _SUFFIXES or k_cache.dtype != query.dtype:
         return False
-    _, _, num_kv_heads, head_dim = k_cache.shape
-    inner = (num_kv_heads * head_dim, head_dim, 1)
-    return (head_dim % 16 == 0 and query.shape[1] % num_kv_heads == 0 and k_cache.stride() == v_cache.stride()
-            and tuple(k_cache.stride()[1:]) == inner and query.is_contiguous() and load() is not None)
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    return (head_dim % 16 == 0 and query.shape[1] % num_kv_heads == 0 and _is_layer_view(k_cache, v_cache)
+            and query.is_contiguous() and load() is not None)
 
 
 def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -171,8 +169,11 @@ def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     return out
 
 
-def can_norm(x: torch.Tensor, weight: torch.Tensor) -> bool:
+def can_norm(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None = None) -> bool:
     """Whether ``rms_norm`` takes these tensors (side-effect free apart from building once)."""
+    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype
+                                 or not residual.is_contiguous()):
+        return False
     return (x.device.type == "cpu" and x.dtype in _SUFFIXES and weight.dtype == x.dtype and x.is_contiguous()
             and weight.is_contiguous() and x.shape[-1] == weight.shape[0] and load() is not None)
 
@@ -183,8 +184,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     With ``residual`` (same shape and dtype, contiguous), ``x`` becomes ``x + residual`` **in place**
     first and the norm is taken of that: the fused residual add of a decoder layer.
     """
-    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype
-                                 or not residual.is_contiguous()):
+    if residual is not None and not can_norm(x, weight, residual):
         raise ValueError(f"residual {tuple(residual.shape)} {residual.dtype} does not match "
                          f"x {tuple(x.shape)} {x.dtype}")
     out = torch.empty_like(x)
@@ -197,14 +197,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
 
 def can_rope_store(qkv: torch.Tensor, cos: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
     """Whether ``rope_store`` takes these tensors (side-effect free apart from building once)."""
-    if qkv.device.type != "cpu" or qkv.dtype not in _SUFFIXES:
+    if qkv.device.type != "cpu" or qkv.dtype not in _SUFFIXES or not cos.dtype == k_cache.dtype == qkv.dtype:
         return False
-    if not cos.dtype == k_cache.dtype == v_cache.dtype == qkv.dtype:
-        return False
-    _, _, num_kv_heads, head_dim = k_cache.shape
-    inner = (num_kv_heads * head_dim, head_dim, 1)
-    return (qkv.is_contiguous() and cos.is_contiguous() and k_cache.stride() == v_cache.stride()
-            and tuple(k_cache.stride()[1:]) == inner and load() is not None)
+    return (qkv.is_contiguous() and cos.is_contiguous() and _is_layer_view(k_cache, v_cache)
+            and load() is not None)
 
 
 def rope_store(qkv: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, k_cache: torch.Tensor,
@@ -223,7 +219,6 @@ def rope_store(qkv: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, k
     if status != 0:
         raise NativeKernelError(f"rope_store returned {status} for qkv {tuple(qkv.shape)}, head_dim {head_dim}")
     return q
-
 
 
 def blake2b_chain(parent: bytes, data: bytes, step: int, person: bytes, digest_size: int = 16) -> list[bytes] | None:
