@@ -30,7 +30,6 @@
 #endif
 #endif
 
-
 /* scores[g * n] = round(q[g] . k) * scale for the group's query rows q [group, head_dim] (q_raw: the
  * same rows in the model dtype, which the AVX512-BF16 path multiplies directly, two pairs a lane) */
 INLINE void dot_group(const float *restrict q, const void *restrict q_raw, const void *restrict k, int group,
