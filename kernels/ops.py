@@ -110,10 +110,9 @@ def rope_store(qkv: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, k
     """Rotate the queries and keys of a fused projection ``qkv`` [T, (Hq + 2 Hkv) * D] with
     ``RotaryEmbedding.lookup``'s tables, store keys and values at the batch's slots; returns the
     queries [T, Hq, D] (contiguous)."""
+    if use_native(qkv) and md.slot_block_ids is not None and native.can_rope_store(qkv, cos, k_cache, v_cache):
+        return native.rope_store(qkv, cos, signed_sin, k_cache, v_cache, md.slot_block_ids, md.slot_offsets, num_heads)
     num_tokens = qkv.shape[0]
-    cos2, sin2 = cos.reshape(num_tokens, -1), signed_sin.reshape(num_tokens, -1)
-    if (use_native(qkv) and md.slot_block_ids is not None and native.can_rope_store(qkv, cos2, k_cache, v_cache)):
-        return native.rope_store(qkv, cos2, sin2, k_cache, v_cache, md.slot_block_ids, md.slot_offsets, num_heads)
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
     q_size = num_heads * head_dim
     qk = qkv[:, : q_size + num_kv_heads * head_dim].view(num_tokens, num_heads + num_kv_heads, head_dim)

@@ -199,15 +199,17 @@ def can_rope_store(qkv: torch.Tensor, cos: torch.Tensor, k_cache: torch.Tensor, 
     """Whether ``rope_store`` takes these tensors (side-effect free apart from building once)."""
     if qkv.device.type != "cpu" or qkv.dtype not in _SUFFIXES or not cos.dtype == k_cache.dtype == qkv.dtype:
         return False
-    return (qkv.is_contiguous() and cos.is_contiguous() and _is_layer_view(k_cache, v_cache)
-            and load() is not None)
+    head_dim = k_cache.shape[3]  # cos: [T, D] or lookup's [T, 1, D], one contiguous row per token
+    return (qkv.is_contiguous() and cos.is_contiguous() and cos.numel() == qkv.shape[0] * head_dim
+            and _is_layer_view(k_cache, v_cache) and load() is not None)
 
 
 def rope_store(qkv: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, k_cache: torch.Tensor,
                v_cache: torch.Tensor, block_ids: torch.Tensor, offsets: torch.Tensor, num_heads: int) -> torch.Tensor:
-    """Rotate the queries and keys of a fused projection ``qkv`` [T, (Hq + 2 Hkv) * D]; store the keys and
-    values at slots (``block_ids``, ``offsets``, int64 [T]) of one layer's caches; returns the queries
-    [T, Hq, D]. Same values as ``model.rope.rotate`` then ``store_kv_at``; check ``can_rope_store`` first."""
+    """Rotate the queries and keys of a fused projection ``qkv`` [T, (Hq + 2 Hkv) * D] with ``cos`` /
+    ``signed_sin`` ([T, D] or [T, 1, D], contiguous); store the keys and values at slots (``block_ids``,
+    ``offsets``, int64 [T]) of one layer's caches; returns the queries [T, Hq, D]. Same values as
+    ``model.rope.rotate`` then ``store_kv_at``; check ``can_rope_store`` first."""
     num_tokens = qkv.shape[0]
     _, _, num_kv_heads, head_dim = k_cache.shape
     q = torch.empty(num_tokens, num_heads, head_dim, dtype=qkv.dtype)

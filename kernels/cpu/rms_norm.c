@@ -27,27 +27,28 @@ INLINE void norm_row(void *x, const void *residual, const void *weight, int64_t 
         float v = load(x, i, bf16);
         part[0] += v * v;
     }
-    for (int width = LANES / 2; width > 0; width /= 2)
-        for (int j = 0; j < width; j++) part[j] += part[j + width];
-    float inv = 1.0f / sqrtf(part[0] / (float)dim + eps);
+    float inv = 1.0f / sqrtf(sum_lanes(part) / (float)dim + eps);
     for (int64_t i = 0; i < dim; i++)
         store(out, i, load(weight, i, bf16) * round_to(load(x, i, bf16) * inv, bf16), bf16);
 }
 
+/* row r of x, residual and out */
+INLINE void norm_row_at(void *x, const void *residual, const void *weight, int64_t r, int64_t dim, float eps, void *out,
+                        int bf16) {
+    size_t offset = (size_t)r * dim * (bf16 ? 2 : 4);
+    norm_row((char *)x + offset, residual ? (const char *)residual + offset : NULL, weight, dim, eps,
+             (char *)out + offset, bf16);
+}
+
 INLINE int rms_norm(void *x, const void *residual, const void *weight, int64_t rows, int64_t dim, float eps,
                     void *out, int num_threads, int bf16) {
-    size_t elem = bf16 ? 2 : 4;
     if (rows * dim >= PARALLEL_MIN_ELEMENTS && num_threads > 1) {
 #pragma omp parallel for num_threads(num_threads)
-        for (int64_t r = 0; r < rows; r++) {
-            char *xr = (char *)x + r * dim * elem, *outr = (char *)out + r * dim * elem;
-            const char *res = residual ? (const char *)residual + r * dim * elem : NULL;
-            bf16 ? norm_row(xr, res, weight, dim, eps, outr, 1) : norm_row(xr, res, weight, dim, eps, outr, 0);
-        }
-    } else {
         for (int64_t r = 0; r < rows; r++)
-            norm_row((char *)x + r * dim * elem, residual ? (const char *)residual + r * dim * elem : NULL, weight,
-                     dim, eps, (char *)out + r * dim * elem, bf16);
+            bf16 ? norm_row_at(x, residual, weight, r, dim, eps, out, 1)
+                 : norm_row_at(x, residual, weight, r, dim, eps, out, 0);
+    } else {
+        for (int64_t r = 0; r < rows; r++) norm_row_at(x, residual, weight, r, dim, eps, out, bf16);
     }
     return 0;
 }
