@@ -11,6 +11,13 @@ from kvmesh.kv.eviction import ChainOrderLRU
 ROOT = root_hash(b"test")
 
 
+@pytest.fixture(autouse=True, params=["native", "dict"])
+def block_index(request, monkeypatch):
+    """Every test runs on both block indexes (kvmesh.kv.block_index): the same pool behaviour."""
+    monkeypatch.setenv("KVMESH_BLOCK_INDEX", request.param)
+    return request.param
+
+
 def free_queue(pool: BlockPool) -> list[int]:
     out, b = [], pool._next[pool.num_blocks]
     while b != pool.num_blocks:

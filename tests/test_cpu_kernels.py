@@ -150,13 +150,13 @@ def test_an_unwritable_cache_dir_falls_back_with_the_reason(monkeypatch, tmp_pat
     blocker = tmp_path / "file"
     blocker.write_text("not a folder")
     monkeypatch.setenv("KVMESH_CACHE_DIR", str(blocker))
-    native.load.cache_clear()
+    native.forget()
     try:
         with caplog.at_level("WARNING"):
             assert native.load() is None
         assert "cannot write" in caplog.text
     finally:
-        native.load.cache_clear()
+        native.forget()
 
 
 def test_without_a_compiler_the_torch_kernels_serve(tmp_path):
@@ -199,7 +199,7 @@ def test_the_portable_build_without_avx512_agrees(monkeypatch, tmp_path):
     """Machines without AVX-512 compile the plain C loops (here: -mno-avx512f): same answers."""
     monkeypatch.setenv("KVMESH_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(native, "FLAGS", native.FLAGS + ("-mno-avx512f",))
-    native.load.cache_clear()
+    native.forget()
     try:
         assert native.load() is not None
         for dtype in (torch.float32, torch.bfloat16):
@@ -214,4 +214,4 @@ def test_the_portable_build_without_avx512_agrees(monkeypatch, tmp_path):
             assert (native.rms_norm(x, w, 1e-5).float() - ref_norm.rms_norm(x, w, 1e-5).float()).abs().max() < 2e-2
         assert list(tmp_path.glob("native/*.so"))  # it really was a second build
     finally:
-        native.load.cache_clear()  # the next caller loads the default build again
+        native.forget()  # the next caller loads the default build again

@@ -1,19 +1,20 @@
 """The native CPU kernels: compiled on first use for this machine, loaded through ctypes.
 
 ``load()`` compiles the C files beside this one (``decode_attention.c``, ``rms_norm.c``,
-``rope_store.c``, ``blake2b_chain.c``; helpers in ``common.h``) into one library with the system C
-compiler (``$CC``, else ``cc``/``gcc``) for the CPU it runs on (``-march=native``) into
-``$KVMESH_CACHE_DIR/native/`` (the file name carries a hash of the sources, the flags, the compiler
-and the CPU's feature flags, so a changed source or another machine builds afresh; concurrent
-processes each write a temporary file and rename it into place). The library is built with OpenMP
-and links ``libgomp.so.1``, the runtime torch has already loaded, so its threads are torch's pool;
-every call passes ``torch.get_num_threads()``, so ``torch.set_num_threads`` (``--threads``) bounds
-both, whichever thread calls.
+``rope_store.c``, ``blake2b_chain.c``, ``block_index.c``; helpers in ``common.h``) into one
+library with the system C compiler (``$CC``, else ``cc``/``gcc``) for the CPU it runs on
+(``-march=native``) into ``$KVMESH_CACHE_DIR/native/`` (the file name carries a hash of the
+sources, the flags, the compiler and the CPU's feature flags, so a changed source or another
+machine builds afresh; concurrent processes each write a temporary file and rename it into place).
+The library is built with OpenMP and links ``libgomp.so.1``, the runtime torch has already loaded,
+so its threads are torch's pool; every call passes ``torch.get_num_threads()``, so
+``torch.set_num_threads`` (``--threads``) bounds both, whichever thread calls.
 
 Where no compiler or no build works, ``load()`` returns None once with the reason logged, and the
-callers keep the torch reference kernels (and hashlib for the block hash): the library is a
-speed-up, never a requirement. ``KVMESH_KERNELS=torch`` keeps the model on the torch kernels (see
-``kernels/ops.py``); the block hash uses the library whenever it is loaded (the same digests).
+callers keep the torch reference kernels (hashlib for the block hash, a dict for the block pool's
+index): the library is a speed-up, never a requirement. ``KVMESH_KERNELS=torch`` keeps the model
+on the torch kernels (see ``kernels/ops.py``); the block hash and the block index use the library
+whenever it is loaded (same results; ``load_holding_gil()`` opens it for the index's short calls).
 """
 from __future__ import annotations
 
@@ -50,6 +51,13 @@ _SIGNATURES = {
     "rope_store": [_P, _I64, _INT, _INT, _INT, _P, _P, _P, _P, _I64, _P, _P, _P, _INT],
 }
 _UNTYPED = {"blake2b_chain": [ctypes.c_char_p, ctypes.c_char_p, _I64, _I64, ctypes.c_char_p, _INT, ctypes.c_char_p]}
+_D = ctypes.c_char_p  # a digest (bytes)
+_BLOCK_INDEX_SIGNATURES = {  # the table's keys, vals, mask first (see block_index.c)
+    "block_index_find": [_P, _P, _I64, _D],
+    "block_index_chain": [_P, _I64, _I64, _P],  # parents, not the table
+    "block_index_add_run": [_P, _P, _I64, _D, _I64, _P, _I64],
+    "block_index_remove": [_P, _P, _I64, _D],
+}
 _SUFFIXES = {torch.bfloat16: "bf16", torch.float32: "f32"}
 
 
@@ -94,8 +102,8 @@ def _build(compiler: str, out: Path) -> str | None:
 
 
 @functools.cache
-def load() -> ctypes.CDLL | None:
-    """The compiled library, building it if needed; None (reason logged once) where it cannot be had."""
+def _library_path() -> Path | None:
+    """The compiled library for this machine, building it if needed; None (reason logged once) if none."""
     compiler = _compiler()
     if compiler is None:
         log.info("native CPU kernels off: no C compiler (set CC); using the torch kernels")
@@ -111,19 +119,48 @@ def load() -> ctypes.CDLL | None:
         if reason is not None:
             log.warning("native CPU kernels off (using the torch kernels): %s", reason)
             return None
+    return path
+
+
+def _open(loader: type[ctypes.CDLL], signatures: dict[str, list], suffixes: tuple[str, ...] = ("",),
+          restype: type = ctypes.c_int) -> ctypes.CDLL | None:
+    path = _library_path()
+    if path is None:
+        return None
     try:
-        lib = ctypes.CDLL(str(path))
+        lib = loader(str(path))
     except OSError as exc:
         log.warning("native CPU kernels off (using the torch kernels): %s", exc)
         return None
-    for name, argtypes in _SIGNATURES.items():
-        for suffix in _SUFFIXES.values():
-            fn = getattr(lib, f"{name}_{suffix}")
-            fn.argtypes, fn.restype = argtypes, ctypes.c_int
-    for name, argtypes in _UNTYPED.items():
-        fn = getattr(lib, name)
-        fn.argtypes, fn.restype = argtypes, ctypes.c_int
+    for name, argtypes in signatures.items():
+        for suffix in suffixes:
+            fn = getattr(lib, f"{name}_{suffix}" if suffix else name)
+            fn.argtypes, fn.restype = argtypes, restype
     return lib
+
+
+@functools.cache
+def load() -> ctypes.CDLL | None:
+    """The kernels (each call releases the GIL); None (reason logged once) where they cannot be had."""
+    lib = _open(ctypes.CDLL, _SIGNATURES, tuple(_SUFFIXES.values()))
+    if lib is not None:
+        for name, argtypes in _UNTYPED.items():
+            fn = getattr(lib, name)
+            fn.argtypes, fn.restype = argtypes, ctypes.c_int
+    return lib
+
+
+@functools.cache
+def load_holding_gil() -> ctypes.PyDLL | None:
+    """The block index functions (``block_index.c``), called holding the GIL: each call is short and atomic
+    for Python threads. None where the library cannot be had."""
+    return _open(ctypes.PyDLL, _BLOCK_INDEX_SIGNATURES, restype=_I64)
+
+
+def forget() -> None:
+    """Forget the loaded library and its path, so the next ``load`` looks again (tests that build variants)."""
+    for cached in (_library_path, load, load_holding_gil):
+        cached.cache_clear()
 
 
 def _as(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import gc
 import hashlib
 import pickle
+import random
 import tracemalloc
 
 from kvmesh.bench.report import machine, print_table, time_call, write_json
@@ -36,9 +37,17 @@ def _sha256_pickle_chain(token_ids: list[int]) -> list[bytes]:
     return out
 
 
-def _filled_pool(hashes: list[bytes], spare: int = 64) -> BlockPool:
+def _scattered_blocks(pool: BlockPool, num_blocks: int) -> list[int]:
+    """``num_blocks`` blocks whose ids are in no order: what allocation gives once a pool has churned."""
+    blocks = pool.allocate(pool.num_blocks)
+    random.Random(0).shuffle(blocks)
+    pool.free(blocks)  # the free queue now hands them out shuffled
+    return pool.allocate(num_blocks)
+
+
+def _filled_pool(hashes: list[bytes], spare: int = 64, scattered: bool = False) -> BlockPool:
     pool = BlockPool(len(hashes) + spare)
-    blocks = pool.allocate(len(hashes))
+    blocks = _scattered_blocks(pool, len(hashes)) if scattered else pool.allocate(len(hashes))
     pool.cache_blocks(blocks, hashes)
     pool.free(blocks)
     return pool
@@ -48,18 +57,21 @@ def bench_structures(repeat: int) -> dict:
     tokens = list(range(7, 7 + NUM_TOKENS))
     root = root_hash(b"bench")
     hashes = hash_blocks(root, tokens, BLOCK)
-    res: dict = {"num_tokens": NUM_TOKENS, "num_blocks": len(hashes)}
+    res: dict = {"num_tokens": NUM_TOKENS, "num_blocks": len(hashes),
+                 "index": type(BlockPool(1)._index).__name__}
     t_hash = time_call(lambda: hash_blocks(root, tokens, BLOCK), repeat)
     t_base = time_call(lambda: _sha256_pickle_chain(tokens), repeat)
     res["hash"] = {"kvmesh_ms": t_hash * 1e3, "tokens_per_s": NUM_TOKENS / t_hash,
                    "baseline_sha256_pickle_ms": t_base * 1e3, "speedup": t_base / t_hash}
 
-    pool = _filled_pool(hashes)
-    def cold_pool_match():  # the memo forgotten: what the first match of a prompt costs
+    def cold_match(pool: BlockPool):  # the memo forgotten: what the first match of a prompt costs
         pool._chains.clear()
         return pool.match(hashes)
 
-    res["match_cold_us"] = {"pool": time_call(cold_pool_match, repeat, 20) * 1e6}
+    scattered_pool = _filled_pool(hashes, scattered=True)
+    pool = _filled_pool(hashes)
+    res["match_cold_us"] = {"pool": time_call(lambda: cold_match(pool), repeat, 20) * 1e6,
+                            "pool_scattered": time_call(lambda: cold_match(scattered_pool), repeat, 20) * 1e6}
     res["match_us"] = {
         "pool": time_call(lambda: pool.match(hashes), repeat, 20) * 1e6,
         "pool_hash_and_match": time_call(lambda: pool.match(hash_blocks(root, tokens, BLOCK)), repeat) * 1e6,
@@ -69,20 +81,19 @@ def bench_structures(repeat: int) -> dict:
     res["match_us"]["pool_repeat_hash_and_match"] = time_call(lambda: pool.match(hasher.hash(root, tokens)),
                                                                repeat) * 1e6
 
-    def pool_insert():
-        p = BlockPool(len(hashes))
-        blocks = p.allocate(len(hashes))
-        return p, blocks
-
     state: dict = {}
 
-    def setup_pool():
-        state["pool"], state["blocks"] = pool_insert()
+    def setup_insert(scattered: bool):
+        p = state["pool"] = BlockPool(len(hashes))
+        state["blocks"] = _scattered_blocks(p, len(hashes)) if scattered else p.allocate(len(hashes))
 
-    def do_pool_insert():
+    def do_insert():
         state["pool"].cache_blocks(state["blocks"], hashes)
 
-    res["insert_us"] = {"pool": time_call(do_pool_insert, repeat, setup=setup_pool) * 1e6}
+    res["insert_us"] = {
+        "pool": time_call(do_insert, repeat, setup=lambda: setup_insert(False)) * 1e6,
+        "pool_scattered": time_call(do_insert, repeat, setup=lambda: setup_insert(True)) * 1e6,
+    }
 
     def setup_evict_pool():
         state["pool"] = _filled_pool(hashes)
@@ -172,6 +183,10 @@ def run(json_path: str | None, repeat: int = 7, with_engine: bool = True) -> dic
         target = TARGETS_US[key.removesuffix("_us")]
         rows.append([op, f"{s[key]['pool']:.1f} us", _verdict(s[key]["pool"], target)])
     rows.append(["evict 10 by allocating (full pool)", f"{s['evict10_us']['pool_by_allocate']:.1f} us", ""])
+    for op, key in (("match, first time, scattered blocks", "match_cold_us"),
+                    ("insert 2,048 scattered blocks", "insert_us")):
+        rows.append([op, f"{s[key]['pool_scattered']:.1f} us", "block ids in no order (a churned pool)"])
+    rows.append(["block index", s["index"], "KVMESH_BLOCK_INDEX=dict for the fallback"])
     m = s["memory"]
     rows.append(["memory / 1,000 prefixes", f"{m['pool_mb_per_1000_prefixes']:.2f} MB",
                  f"target < {TARGET_MB_PER_1000_PREFIXES} MB"])

@@ -1,8 +1,9 @@
 """BlockPool: the mechanism of a node's KV blocks.
 
 It allocates, counts references, keeps the LRU free queue and the hash -> block
-map (the local prefix cache), and nothing else: eviction order is an
-EvictionPolicy, admission and scheduling live in the engine.
+map (the local prefix cache: a ``BlockIndex``, native where it can be), and
+nothing else: eviction order is an EvictionPolicy, admission and scheduling
+live in the engine.
 
 Every block is in exactly one of three states::
 
@@ -11,25 +12,28 @@ Every block is in exactly one of three states::
     free    free, no hash                  in the free queue
 
 A freed block keeps its hash and stays matchable until allocation takes it
-from the head of the free queue. Per-block records are parallel lists of ints
-(not objects) to keep memory per block small. All public methods take a lock,
-so the transfer layer may pin from its own thread.
+from the head of the free queue. Per-block records are parallel lists and int32
+arrays (not objects) to keep memory per block small. All public methods take a
+lock, so the transfer layer may pin from its own thread.
 
 Matching is a binary search over the chain (cached blocks of a chain always form
-a prefix of it), then the block ids. Those come from a bounded memo of whole
-chains, keyed by their last block (filled by inserts that extend a known chain
-and by matches; a block's memo entry dies with its hash): matching a long,
-already-seen prompt costs a few dictionary lookups and one list copy.
+a prefix of it), then the block ids: a chain's blocks are exactly its last
+block's ancestors. They come from a bounded memo of whole chains, keyed by their
+last block (filled by inserts that extend a known chain and by matches; a
+block's memo entry dies with its hash), else from the index's walk up the
+parent links: matching a long prompt costs a few lookups and one list copy.
 """
 from __future__ import annotations
 
 import threading
+from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 from kvmesh.errors import OutOfBlocksError
 from kvmesh.kv.block_hash import BlockHash
+from kvmesh.kv.block_index import ADDED, make_block_index
 from kvmesh.kv.eviction import EvictionPolicy, TailFirstLRU
 from kvmesh.kv.prefix_cache import MatchStats, PrefixMatch
 
@@ -57,24 +61,29 @@ class BlockPool:
         self._ref = [0] * num_blocks
         self._pins = [0] * num_blocks
         self._hash: list[BlockHash | None] = [None] * num_blocks
-        self._parent = [NO_BLOCK] * num_blocks  # cached block holding the previous hash of the chain
-        self._num_children = [0] * num_blocks  # cached blocks whose parent this is
-        self._hash_to_block: dict[BlockHash, int] = {}
+        # int32 arrays: the index walks the parent links natively, and runs are written as array slices
+        self._parent = array("i", [NO_BLOCK]) * num_blocks  # cached block holding the previous hash of the chain
+        self._num_children = array("i", [0]) * num_blocks  # cached blocks whose parent this is
         # last block of a chain -> the chain's block ids from its root block (see the module docstring)
         self._chains: OrderedDict[int, list[int]] = OrderedDict()
         self._max_memo_chains = max_memo_chains
         self._num_lookups = self._num_hits = self._num_matched_blocks = 0  # match_prefix's counters
         self._last_evicted_ids: list[int] | None = None  # collects evict()'s victims for evict_blocks
-        # Free queue: a doubly linked list through _prev/_next, sentinel at index num_blocks.
-        sentinel = num_blocks
-        self._next = list(range(1, num_blocks + 1)) + [0]
-        self._prev = [sentinel] + list(range(num_blocks))
-        self._num_queued = num_blocks
         self.track_changes = track_changes
         self._evicted: list[BlockHash] = []
         self._newly_cached: list[BlockHash] = []
         self._epoch = [0] * num_blocks  # bumped each time a block is allocated (its bytes may change after)
-        self._ids = list(range(num_blocks))  # slices of these spot and write runs of consecutive block ids
+        # Every block id the pool hands out is one of these int objects (the queue links are built from
+        # them), so the equality test that spots a run of consecutive ids is an identity check per id.
+        self._ids = list(range(num_blocks))
+        self._id_array = array("i", self._ids)
+        self._ones = array("i", [1]) * num_blocks
+        # Free queue: a doubly linked list through _prev/_next, sentinel at index num_blocks.
+        sentinel = num_blocks
+        self._next = self._ids[1:] + [sentinel, 0]
+        self._prev = [sentinel] + self._ids
+        self._num_queued = num_blocks
+        self._index = make_block_index(self._ids, self._parent)  # hash -> block, chains (kvmesh.kv.block_index)
         # Called under the lock with (hash, parent hash or None) whenever a block loses its hash: the
         # lower KV tiers (kvmesh.kv.tiers) keep their chains whole with it. Must not call back into the pool.
         self.on_uncache: Callable[[BlockHash, BlockHash | None], None] | None = None
@@ -100,7 +109,7 @@ class BlockPool:
         return self._hash[block_id]
 
     def cached_block(self, block_hash: BlockHash) -> int | None:
-        return self._hash_to_block.get(block_hash)
+        return self._index.get(block_hash)
 
     def block_epoch(self, block_id: int) -> int:
         """How many times ``block_id`` was allocated: a cached block's bytes are immutable while this holds."""
@@ -131,7 +140,7 @@ class BlockPool:
             return self._match(block_hashes)
 
     def _match(self, block_hashes: Sequence[BlockHash]) -> list[int]:
-        get = self._hash_to_block.get
+        get = self._index.get
         n = len(block_hashes)
         if n == 0 or get(block_hashes[0]) is None:
             return []
@@ -151,9 +160,7 @@ class BlockPool:
         if chain is not None and len(chain) >= length:
             self._chains.move_to_end(last)
             return chain[len(chain) - length:]  # a chain's blocks are exactly its last block's ancestors
-        found = list(map(get, block_hashes[:length]))
-        if None in found:  # pragma: no cover - only if the no-orphan invariant were broken
-            return found[: found.index(None)]
+        found = self._index.chain(last, length)
         if self._parent[found[0]] == NO_BLOCK:  # a whole chain: remember it
             self._remember_chain(found.copy())
         return found
@@ -281,10 +288,10 @@ class BlockPool:
         Each block's parent is the holder of the previous hash (``parent_block_id`` for the first).
         """
         with self._lock:
-            if block_ids and len(block_ids) == len(block_hashes) and \
-                    self._hash_to_block.keys().isdisjoint(block_hashes):
+            holders = None
+            if block_ids and len(block_ids) == len(block_hashes):
                 holders = self._cache_new_run(block_ids, block_hashes, parent_block_id)
-            else:
+            if holders is None:
                 holders = []
                 parent, cache_one = parent_block_id, self._cache_one
                 for block, h in zip(block_ids, block_hashes):
@@ -403,23 +410,28 @@ class BlockPool:
 
     # ---- internals -----------------------------------------------------------------------------
     def _cache_new_run(self, block_ids: Sequence[int], block_hashes: Sequence[BlockHash], parent_block_id: int
-                       ) -> list[int]:
-        """``cache_blocks`` where no hash is cached yet: one pass, no per-block holder lookups."""
+                       ) -> list[int] | None:
+        """``cache_blocks`` where no hash is cached yet: the index takes the run in one call, the per-block
+        records are slice writes where the ids are consecutive. None (nothing done) if a hash is cached."""
         hashes, parents, num_children = self._hash, self._parent, self._num_children
         block_ids = list(block_ids)
         first, n = block_ids[0], len(block_ids)
-        if block_ids == self._ids[first : first + n]:  # consecutive ids (fresh allocations): slice writes
-            if any(hashes[first : first + n]):
-                raise ValueError(f"a block of {first}..{first + n - 1} already holds a hash")
+        consecutive = block_ids == self._ids[first : first + n]  # fresh allocations
+        if self._index.add_run(block_hashes, block_ids, consecutive) != ADDED:
+            return None
+        if (hashes[first : first + n].count(None) != n if consecutive
+                else any(map(hashes.__getitem__, block_ids))):
+            for h in block_hashes:
+                self._index.remove(h)
+            bad = next(b for b in block_ids if hashes[b] is not None)
+            raise ValueError(f"block {bad} already holds a hash")
+        if consecutive:
             hashes[first : first + n] = block_hashes
-            parents[first + 1 : first + n] = self._ids[first : first + n - 1]
+            parents[first + 1 : first + n] = self._id_array[first : first + n - 1]
             parents[first] = parent_block_id
             # A block without a hash is nobody's parent (only leaves lose their hashes), so each had 0 children.
-            num_children[first : first + n - 1] = [1] * (n - 1)
+            num_children[first : first + n - 1] = self._ones[: n - 1]
         else:
-            if any(map(hashes.__getitem__, block_ids)):
-                bad = next(b for b in block_ids if hashes[b] is not None)
-                raise ValueError(f"block {bad} already holds a hash")
             prev = parent_block_id
             for block, h in zip(block_ids, block_hashes):
                 hashes[block] = h
@@ -429,7 +441,6 @@ class BlockPool:
                 num_children[block] += 1
         if parent_block_id != NO_BLOCK:
             num_children[parent_block_id] += 1
-        self._hash_to_block.update(zip(block_hashes, block_ids))
         if self.track_changes:
             self._newly_cached.extend(block_hashes)
         return block_ids
@@ -443,13 +454,13 @@ class BlockPool:
             chains.popitem(last=False)
 
     def _cache_one(self, block_id: int, block_hash: BlockHash, parent_block_id: int) -> int:
-        holder = self._hash_to_block.get(block_hash)
+        holder = self._index.get(block_hash)
         if holder is not None:
             return holder
         if self._hash[block_id] is not None:
             raise ValueError(f"block {block_id} already holds a hash")
         self._hash[block_id] = block_hash
-        self._hash_to_block[block_hash] = block_id
+        self._index.add_run((block_hash,), (block_id,), True)
         self._parent[block_id] = parent_block_id
         if parent_block_id != NO_BLOCK:
             self._num_children[parent_block_id] += 1
@@ -487,7 +498,7 @@ class BlockPool:
         h = self._hash[block]
         if h is None:
             return
-        del self._hash_to_block[h]
+        self._index.remove(h)
         self._chains.pop(block, None)
         self._hash[block] = None
         parent = self._parent[block]
@@ -517,14 +528,14 @@ class BlockPool:
             used, cached, free = self.usage()
             assert used + cached + free == n, "used + cached + free != total"
             children = [0] * n
-            for h, b in self._hash_to_block.items():
+            for h, b in self._index.items():
                 assert self._hash[b] == h, f"hash map points at block {b} which holds another hash"
                 parent = self._parent[b]
                 if parent != NO_BLOCK:
                     assert self._hash[parent] is not None, f"block {b} is an orphaned tail (parent {parent} evicted)"
                     children[parent] += 1
-            assert sum(h is not None for h in self._hash) == len(self._hash_to_block), "stray block hash"
-            assert children == self._num_children, "child counts drifted"
+            assert sum(h is not None for h in self._hash) == len(self._index), "stray block hash"
+            assert children == self._num_children.tolist(), "child counts drifted"
             for last, chain in self._chains.items():
                 assert chain[-1] == last and self._hash[last] is not None, f"memo of chain ending at {last} is stale"
                 assert self._parent[chain[0]] == NO_BLOCK, "a memo chain does not start at a root block"
