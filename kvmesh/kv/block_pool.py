@@ -214,10 +214,12 @@ class BlockPool:
 
     # ---- references ------------------------------------------------------------------------
     def allocate(self, num_blocks: int) -> list[int]:
-        """Take ``num_blocks`` blocks (ref count 1) from the head of the free queue.
+        """Take ``num_blocks`` blocks (ref count 1) from the head of the free queue, in ascending id order.
 
         A cached block taken loses its hash (its digest goes to ``take_evicted``).
-        The caller owns the references and gives them back with ``free``.
+        The caller owns the references and gives them back with ``free``. Sorted, the blocks of a
+        request freed tail first come back as one run of consecutive ids: one transfer descriptor
+        (block-major buffer) and one slice write when they are cached.
         """
         with self._lock:
             if num_blocks > self._num_queued:
@@ -229,6 +231,7 @@ class BlockPool:
                 self._ref[block] = 1
                 self._epoch[block] += 1
                 out.append(block)
+            out.sort()
             return out
 
     def touch(self, block_ids: Sequence[int]) -> None:
