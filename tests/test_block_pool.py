@@ -255,3 +255,17 @@ def test_the_pool_keeps_the_prefix_cache_contract():
     assert pool.evict_blocks(2) == [blocks[2], blocks[1]]  # leaves first: the chain's tail, then its parent
     assert pool.match_prefix(hashes).block_ids == blocks[:1]
     pool.check_integrity()
+
+
+def test_allocation_is_sorted_so_a_request_freed_tail_first_comes_back_as_one_run():
+    pool = BlockPool(16)
+    first = pool.allocate(6)
+    rest = pool.allocate(10)
+    pool.free(first)  # the default policy queues a request's blocks tail first: 5, 4, ..., 0
+    assert free_queue(pool) == first[::-1]
+    again = pool.allocate(6)
+    assert again == first == list(range(6))  # one run again: a single transfer descriptor, slice writes
+    hashes = hash_blocks(ROOT, list(range(96)), 16)
+    assert pool.cache_blocks(again, hashes) == again and pool.match(hashes) == again
+    pool.free(again + rest)
+    pool.check_integrity()
