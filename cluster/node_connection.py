@@ -1,12 +1,14 @@
 """NodeConnection: many concurrent request streams to one node over one ZMQ DEALER.
 
-A receiver thread owns the socket; ``submit`` hands a request to it and returns a
-queue that receives that request's TokenEvents. If the node stops answering
+A receiver thread owns the socket; ``submit`` hands a request to it (a queue, and a
+byte down a pipe that wakes the thread at once) and returns a queue that receives
+that request's TokenEvents. If the node stops answering
 (no message for ``liveness_s`` and no reply to a ping), every open stream gets a
 ``NodeLost`` instead, so no caller waits forever and the router can migrate.
 """
 from __future__ import annotations
 
+import os
 import queue
 import threading
 import time
@@ -17,6 +19,9 @@ from kvmesh.auth import REFUSED, AuthError, ClusterAuth
 from kvmesh.errors import KvmeshError
 from kvmesh.node import messages as nm
 from kvmesh.wire import MessageError, decode, encode
+
+
+IDLE_POLL_MS = 20  # the socket thread's longest wait: the tick of the liveness checks, not of sending
 
 
 class NodeLost(KvmeshError, ConnectionError):
@@ -32,6 +37,9 @@ class NodeConnection:
         self.liveness_s = liveness_s
         self._ctx = zmq.Context.instance()
         self._outgoing: queue.Queue[bytes] = queue.Queue()
+        self._wake_r, self._wake_w = os.pipe()  # written after each put: the socket thread stops waiting
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
         self._streams: dict[str, queue.Queue] = {}
         self._stats_waiters: list[queue.Queue] = []
         self._lock = threading.Lock()
@@ -55,35 +63,55 @@ class NodeConnection:
                 events.put(NodeLost(f"decode node {self.node_id} is unreachable"))
                 return events
             self._streams[request.request_id] = events
-        self._outgoing.put(encode(request))
+        self._send(encode(request))
         return events
 
     def abort(self, request_id: str) -> None:
         """Tell the node to drop a request (its caller went away)."""
         with self._lock:
             self._streams.pop(request_id, None)
-        self._outgoing.put(encode(nm.AbortRequest(request_id)))
+        self._send(encode(nm.AbortRequest(request_id)))
 
     def stats(self, check: bool = False, timeout_s: float = 5.0) -> nm.StatsReply | None:
         """The node's counters (with ``check``, after its integrity checks); None if it does not answer."""
         waiter: queue.Queue = queue.Queue()
         with self._lock:
             self._stats_waiters.append(waiter)
-        self._outgoing.put(encode(nm.StatsRequest(check)))
+        self._send(encode(nm.StatsRequest(check)))
         try:
             return waiter.get(timeout=timeout_s)
         except queue.Empty:
             return None
 
+    def _send(self, payload: bytes) -> None:
+        """Queue ``payload`` for the socket thread and wake it (any thread)."""
+        self._outgoing.put(payload)
+        self._wake()
+
+    def _wake(self) -> None:
+        with self._lock:
+            if self._wake_w < 0:  # closed
+                return
+            try:
+                os.write(self._wake_w, b"\0")
+            except BlockingIOError:  # the pipe is full: the thread has wake-ups pending anyway
+                pass
+
     def _run(self) -> None:
         sock = self._ctx.socket(zmq.DEALER)
         sock.linger = 0
         sock.connect(f"tcp://{self.endpoint}")
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        poller.register(self._wake_r, zmq.POLLIN)
         last_heard, pinged = time.monotonic(), False
         while not self._stop.is_set():
             while not self._outgoing.empty():
                 sock.send(self._auth.seal(self._outgoing.get_nowait()))
-            if sock.poll(20):
+            events = dict(poller.poll(IDLE_POLL_MS))
+            if self._wake_r in events:
+                self._drain_wakeups()
+            if sock in events:
                 last_heard, pinged, self.alive = time.monotonic(), False, True
                 frame = sock.recv()
                 if frame == REFUSED:
@@ -102,6 +130,13 @@ class NodeConnection:
                     sock.send(self._auth.seal(encode(nm.StatsRequest())))
                     last_heard, pinged = time.monotonic(), True
         sock.close()
+
+    def _drain_wakeups(self) -> None:
+        try:
+            while os.read(self._wake_r, 4096):
+                pass
+        except BlockingIOError:
+            pass
 
     def _dispatch(self, msg) -> None:
         if isinstance(msg, nm.StatsReply):
@@ -125,5 +160,12 @@ class NodeConnection:
 
     def close(self) -> None:
         self._stop.set()
+        self._wake()
         self._thread.join(timeout=2)
         self._fail_all(NodeLost("router shutting down"))
+        if not self._thread.is_alive():
+            with self._lock:
+                if self._wake_w >= 0:
+                    os.close(self._wake_r)
+                    os.close(self._wake_w)
+                    self._wake_r = self._wake_w = -1
