@@ -17,6 +17,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 
 from kvmesh.auth import TOKEN_ENV, ClusterAuth, generate_token, token_from_env
@@ -89,6 +90,7 @@ class LocalCluster:
             if not node.info:
                 raise RuntimeError(f"node {node.node_id} died during start-up (exit {node.proc.wait()})")
         self.wait_registered(set(self.nodes))
+        self.wait_decode_nodes_see_prefill_nodes()
         return self
 
     def start_node(self, role: str, node_id: str, wait: bool = True, extra_args: tuple[str, ...] = ()) -> NodeProcess:
@@ -113,6 +115,18 @@ class LocalCluster:
 
     def wait_registered(self, node_ids: set[str]) -> None:
         wait_for_nodes(self.etcd_endpoint, self.cluster, node_ids, self.start_timeout_s)
+
+    def wait_decode_nodes_see_prefill_nodes(self) -> None:
+        """Until every decode node's own directory (fed by an etcd watch) lists every prefill node: a
+        request sent before that would be computed where it lands, whatever its plan."""
+        prefill_ids = {n for n, node in self.nodes.items() if node.role == "prefill"}
+        deadline = time.monotonic() + self.start_timeout_s
+        for node_id in (n for n, node in self.nodes.items() if node.role == "decode" and prefill_ids):
+            while not prefill_ids <= set(self.client(node_id).stats().get("prefill_node_ids", ())):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{node_id} did not see prefill nodes {sorted(prefill_ids)} "
+                                       f"within {self.start_timeout_s} s")
+                time.sleep(0.05)  # the condition is re-read; the directory updates from an etcd watch
 
     def client(self, node_id: str) -> NodeClient:
         if node_id not in self._clients:

@@ -433,4 +433,5 @@ class DecodeWorker(NodeRuntime):
                 "transfer_gib_per_s_measured": self.rates.bytes_per_s / 2**30,
                 "rtt_ms_measured": self.rates.rtt_s * 1e3, "num_rtt_samples": self.rates.num_rtt_samples,
                 "prefill_node_tokens_per_s": self._prefill_rates_snapshot(),
+                "prefill_node_ids": sorted(self.membership.nodes("prefill")),  # what this node can send work to
                 "num_transfer_samples": self.rates.num_samples}

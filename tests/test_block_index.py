@@ -1,99 +1,135 @@
-"""BlockIndex: the native open-addressing table and the dict fallback against a plain dict, op by op."""
+"""BlockIndex: the native table and records, and the dict fallback, against a plain model, op by op."""
 from __future__ import annotations
 
 import random
-from array import array
 
 import pytest
 
 from kvmesh.kernels.cpu import library
-from kvmesh.kv.block_index import ADDED, DictBlockIndex, NativeBlockIndex, make_block_index
-from kvmesh.kv.block_pool import NO_BLOCK
+from kvmesh.kv.block_index import ADDED, NO_BLOCK, DictBlockIndex, NativeBlockIndex, Removed, make_block_index
 
 KINDS = ["native", "dict"]
 
 
 def make(kind: str, num_blocks: int):
-    ids, parents = list(range(num_blocks)), array("i", [NO_BLOCK]) * num_blocks
     if kind == "native":
         lib = library.load_holding_gil()
         assert lib is not None, "this machine has a C compiler: the native library must build"
-        return NativeBlockIndex(ids, parents, lib), parents
-    return DictBlockIndex(parents), parents
+        return NativeBlockIndex(num_blocks, lib)
+    return DictBlockIndex(num_blocks)
+
+
+class Model:
+    """What the index must hold: hash -> block, each block's parent, child counts."""
+
+    def __init__(self, num_blocks: int):
+        self.blocks: dict[bytes, int] = {}
+        self.parents = [NO_BLOCK] * num_blocks
+        self.children = [0] * num_blocks
+
+    def hash_of(self, block: int) -> bytes | None:
+        return next((h for h, b in self.blocks.items() if b == block), None)
+
+    def check(self, index, num_blocks: int) -> None:
+        index.check_integrity()
+        assert len(index) == len(self.blocks)
+        assert dict(index.items()) == self.blocks
+        for h, b in self.blocks.items():
+            assert index.get(h) == b and index.hash_of(b) == h
+        for b in range(num_blocks):
+            held = self.hash_of(b) is not None
+            assert (index.slot_of_block[b] >= 0) == held
+            assert index.parents[b] == (self.parents[b] if held else NO_BLOCK)
+            assert index.num_children[b] == self.children[b]
 
 
 def colliding_digests(rng: random.Random, n: int, home: int, mask: int) -> list[bytes]:
     """Digests that all start probing at slot ``home`` (their first 8 bytes masked), to pile up a cluster."""
-    out = []
-    for _ in range(n):
-        low = (rng.getrandbits(64) & ~mask) | home
-        out.append(low.to_bytes(8, "little") + rng.randbytes(8))
-    return out
-
-
-def check_against(index, want: dict[bytes, int]) -> None:
-    assert len(index) == len(want)
-    assert dict(index.items()) == want
-    for h, b in want.items():
-        assert index.get(h) == b
+    return [((rng.getrandbits(64) & ~mask) | home).to_bytes(8, "little") + rng.randbytes(8) for _ in range(n)]
 
 
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("seed", range(3))
-def test_random_runs_and_removals_match_a_dict(kind, seed):
-    """Runs added all-or-none, removals anywhere (clusters that wrap around the table's end, so the
-    backward shift must move entries across it), lookups of present and absent hashes."""
+def test_random_runs_and_removals_match_a_model(kind, seed):
+    """Chained runs recorded all-or-none (consecutive and scattered ids; hashes clustered around the table's
+    end, so the backward shift moves entries across it), refusals that change nothing (a hash held, a block
+    holding one), leaves removed, lookups of present and absent hashes, held counts and chain walks."""
     rng = random.Random(seed)
     num_blocks = 64
-    index, _ = make(kind, num_blocks)
-    mask = 2 * num_blocks - 1  # the native table's size for 64 blocks: 128 slots
-    want: dict[bytes, int] = {}
-    free_ids = list(range(num_blocks))
-    for step in range(600):
+    index, model = make(kind, num_blocks), Model(num_blocks)
+    mask = 2 * num_blocks - 1  # the native table for 64 blocks has 128 slots
+    for step in range(500):
+        free_ids = [b for b in range(num_blocks) if model.hash_of(b) is None]
         if free_ids and rng.random() < 0.55:
             n = rng.randrange(1, min(8, len(free_ids)) + 1)
-            ids = sorted(rng.sample(free_ids, n)) if rng.random() < 0.5 else rng.sample(free_ids, n)
-            if rng.random() < 0.5:  # a cluster around the table's end
+            ids = rng.sample(free_ids, n)
+            if rng.random() < 0.5:
+                ids.sort()
+            if rng.random() < 0.5:
                 hashes = colliding_digests(rng, n, rng.choice([mask, mask - 1, 0]), mask)
             else:
                 hashes = [rng.randbytes(16) for _ in range(n)]
-            clash = rng.random() < 0.2 and want
-            if clash:  # one hash already held: nothing may change
-                hashes[rng.randrange(n)] = rng.choice(list(want))
+            parent = rng.choice([NO_BLOCK, *model.blocks.values()])
+            clash = rng.random()
+            if clash < 0.1 and model.blocks:  # a hash already held
+                hashes[rng.randrange(n)] = rng.choice(list(model.blocks))
+            elif clash < 0.2 and model.blocks:  # a block already holding a hash
+                ids[rng.randrange(n)] = rng.choice(list(model.blocks.values()))
             consecutive = ids == list(range(ids[0], ids[0] + n))
-            result = index.add_run(hashes, ids, consecutive)
-            if clash:
-                assert result == next(i for i, h in enumerate(hashes) if h in want)
+            result = index.add_run(hashes, ids, consecutive, parent)
+            held_block = next((i for i, b in enumerate(ids) if model.hash_of(b) is not None), None)
+            held_hash = next((i for i, h in enumerate(hashes) if h in model.blocks), None)
+            if held_block is not None:
+                assert result == -2 - held_block
+            elif held_hash is not None:
+                assert result == held_hash
             else:
                 assert result == ADDED
-                want.update(zip(hashes, ids))
-                free_ids = [b for b in free_ids if b not in ids]
-        elif want:
-            h = rng.choice(list(want))
-            index.remove(h)
-            free_ids.append(want.pop(h))
+                for h, b in zip(hashes, ids):
+                    model.blocks[h] = b
+                    model.parents[b] = parent
+                    if parent != NO_BLOCK:
+                        model.children[parent] += 1
+                    parent = b
+        elif model.blocks:
+            leaves = [b for b in model.blocks.values() if model.children[b] == 0]
+            b = rng.choice(leaves)
+            h, parent = model.hash_of(b), model.parents[b]
+            assert index.remove_block(b) == Removed(h, parent)
+            del model.blocks[h]
+            if parent != NO_BLOCK:
+                model.children[parent] -= 1
         assert index.get(rng.randbytes(16)) is None
-        if step % 25 == 0:
-            check_against(index, want)
-    check_against(index, want)
+        if model.blocks:  # a chain from some block up to its root, and the blocks still holding it
+            chain = [rng.choice(list(model.blocks.values()))]
+            while model.parents[chain[0]] != NO_BLOCK:
+                chain.insert(0, model.parents[chain[0]])
+            assert index.chain(chain[-1], len(chain)) == chain
+            hashes = [model.hash_of(b) for b in chain]
+            cut = rng.randrange(len(chain) + 1)
+            assert index.count_held(chain, hashes[:cut] + [rng.randbytes(16)] * (len(chain) - cut)) == cut
+        if step % 20 == 0:
+            model.check(index, num_blocks)
+    model.check(index, num_blocks)
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_a_hash_twice_in_one_run_adds_nothing(kind):
-    index, _ = make(kind, 16)
-    index.add_run([b"a" * 16], [0], True)
-    hashes = [b"b" * 16, b"c" * 16, b"b" * 16]
-    assert index.add_run(hashes, [1, 2, 3], True) == 2
-    check_against(index, {b"a" * 16: 0})
-    with pytest.raises(KeyError):
-        index.remove(b"b" * 16)
+def test_a_hash_or_a_block_twice_in_one_run_changes_nothing(kind):
+    index = make(kind, 16)
+    assert index.add_run([b"a" * 16], [0], True, NO_BLOCK) == ADDED
+    assert index.add_run([b"b" * 16, b"c" * 16, b"b" * 16], [1, 2, 3], True, 0) == 2
+    assert index.add_run([b"d" * 16, b"e" * 16, b"f" * 16], [4, 5, 4], False, 0) == -2 - 2
+    model = Model(16)
+    model.blocks[b"a" * 16] = 0
+    model.check(index, 16)
+    assert index.remove_block(7) is None
 
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_chain_walks_the_parent_links(kind):
-    index, parents = make(kind, 16)
-    for child, parent in ((3, NO_BLOCK), (4, 3), (5, 4), (9, 5), (2, 9)):
-        parents[child] = parent
+    index = make(kind, 16)
+    assert index.add_run([bytes([i]) * 16 for i in range(3)], [3, 4, 5], True, NO_BLOCK) == ADDED
+    assert index.add_run([bytes([i]) * 16 for i in range(3, 5)], [9, 2], False, 5) == ADDED
     assert index.chain(5, 3) == [3, 4, 5]  # consecutive ids: one slice
     assert index.chain(2, 5) == [3, 4, 5, 9, 2]
     assert index.chain(2, 2) == [9, 2]
@@ -103,16 +139,15 @@ def test_chain_walks_the_parent_links(kind):
 
 def test_make_block_index_picks_and_falls_back(monkeypatch):
     monkeypatch.delenv("KVMESH_BLOCK_INDEX", raising=False)
-    ids, parents = list(range(4)), array("i", [NO_BLOCK]) * 4
-    assert isinstance(make_block_index(ids, parents), NativeBlockIndex)
+    assert isinstance(make_block_index(4), NativeBlockIndex)
     monkeypatch.setenv("KVMESH_BLOCK_INDEX", "dict")
-    assert isinstance(make_block_index(ids, parents), DictBlockIndex)
+    assert isinstance(make_block_index(4), DictBlockIndex)
     monkeypatch.setenv("KVMESH_BLOCK_INDEX", "radix")
     with pytest.raises(ValueError, match="expected auto, native or dict"):
-        make_block_index(ids, parents)
+        make_block_index(4)
     monkeypatch.setattr(library, "load_holding_gil", lambda: None)  # no compiler, or the build failed
     monkeypatch.setenv("KVMESH_BLOCK_INDEX", "auto")
-    assert isinstance(make_block_index(ids, parents), DictBlockIndex)
+    assert isinstance(make_block_index(4), DictBlockIndex)
     monkeypatch.setenv("KVMESH_BLOCK_INDEX", "native")
     with pytest.raises(RuntimeError, match="not loaded"):
-        make_block_index(ids, parents)
+        make_block_index(4)

@@ -141,6 +141,7 @@ def test_concurrent_match_allocate_free_keep_integrity():
     (match + reference is one locked operation); integrity holds throughout.
     """
     import random
+    import sys
     import threading
 
     pool = BlockPool(64)
@@ -149,7 +150,7 @@ def test_concurrent_match_allocate_free_keep_integrity():
 
     def worker(seed: int) -> None:
         rng = random.Random(seed)
-        for _ in range(1000):
+        for i in range(1000):
             hashes = chains[rng.randrange(len(chains))]
             held = pool.match_and_touch(hashes)
             for b, h in zip(held, hashes):
@@ -166,14 +167,19 @@ def test_concurrent_match_allocate_free_keep_integrity():
             pins = pool.match_and_pin(hashes)
             pool.unpin(pins)
             pool.free(held + new)
+            if i % 10 == 0:  # while the other workers are mid-way
+                pool.check_integrity()
 
     threads = [threading.Thread(target=worker, args=(s,)) for s in range(4)]
-    for t in threads:
-        t.start()
-    while any(t.is_alive() for t in threads):
-        pool.check_integrity()
-    for t in threads:
-        t.join()
+    switch_interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-5)  # threads switch every few operations, not every 5 ms
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(switch_interval)
     pool.check_integrity()
     assert not errors, errors[:3]
     assert pool.usage().num_used == 0

@@ -1,23 +1,35 @@
-/* The block pool's digest -> block id table (kvmesh/kv/block_index.py): open addressing, linear probing.
+/* The block pool's per-block hash records and digest -> block table (kvmesh/kv/block_index.py).
  *
- *   keys  uint64[2 * num_slots]   slot s holds a 16-byte digest as keys[2s] (bytes 0-7), keys[2s+1] (8-15)
- *   vals  int32[num_slots]        slot s's block id, EMPTY (-1) for a free slot
+ *   keys            uint64[2 * num_slots]  slot s holds a 16-byte digest as keys[2s] (bytes 0-7), keys[2s+1]
+ *   vals            int32[num_slots]       slot s's block, EMPTY (-1) for a free slot
+ *   slot_of_block   int32[num_blocks]      where block b's digest sits, -1 while b holds none
+ *   parents         int32[num_blocks]      the block holding the previous digest of b's chain, -1 for a root
+ *   num_children    int32[num_blocks]      blocks whose parent b is
  *
- * num_slots is a power of two (mask = num_slots - 1) at least twice the pool's blocks: a block holds at
- * most one digest, so the table is never more than half full and never grows. A digest's home slot is
- * its first eight bytes masked (digests are BLAKE2b output: uniform already). Removal moves the entries
- * behind the freed slot back (backward-shift deletion), so there are no tombstones and probes stay short.
+ * The table is open addressing with linear probing. num_slots is a power of two (mask = num_slots - 1)
+ * at least twice the pool's blocks: a block holds at most one digest, so the table is never more than
+ * half full and never grows. A digest's home slot is its first eight bytes masked (digests are BLAKE2b
+ * output: uniform already). Removal moves the entries behind the freed slot back (backward-shift
+ * deletion), so there are no tombstones and probes stay short.
  *
- * block_index_chain walks the pool's parent links (int32[num_blocks]) back from a chain's last block:
- * what a match returns, without one lookup per block.
- *
- * The memory is the caller's (numpy and array buffers). The Python side loads these through
- * ctypes.PyDLL, so each call runs holding the GIL: one call is atomic for Python threads.
+ * Adding and removing digests here also keeps the parent links and child counts, so a run of new
+ * blocks is recorded in one call whatever its ids, and a match's blocks come from one walk up the
+ * links. All memory is the caller's (numpy arrays and array.array buffers). The Python side loads these
+ * through ctypes.PyDLL, so each call runs holding the GIL: one call is atomic for Python threads.
  */
 #include <stdint.h>
 #include <string.h>
 
 #define EMPTY (-1)
+
+typedef struct {
+    uint64_t *keys;
+    int32_t *vals;
+    int64_t mask;
+    int32_t *slot_of_block;
+    int32_t *parents;
+    int32_t *num_children;
+} block_index_t;
 
 typedef struct {
     uint64_t lo, hi;
@@ -31,70 +43,135 @@ static inline digest_t load_digest(const uint8_t *p) {
 }
 
 /* The slot holding `d`, else the empty slot where its probe ends (negative-encoded as -(slot + 1)). */
-static inline int64_t probe(const uint64_t *keys, const int32_t *vals, int64_t mask, digest_t d) {
-    int64_t s = (int64_t)(d.lo & (uint64_t)mask);
-    while (vals[s] != EMPTY) {
-        if (keys[2 * s] == d.lo && keys[2 * s + 1] == d.hi) return s;
-        s = (s + 1) & mask;
+static inline int64_t probe(const block_index_t *ix, digest_t d) {
+    int64_t s = (int64_t)(d.lo & (uint64_t)ix->mask);
+    while (ix->vals[s] != EMPTY) {
+        if (ix->keys[2 * s] == d.lo && ix->keys[2 * s + 1] == d.hi) return s;
+        s = (s + 1) & ix->mask;
     }
     return -(s + 1);
 }
 
+/* Empty slot `hole`, moving back the entries of its cluster that may fill it. */
+static void clear_slot(block_index_t *ix, int64_t hole) {
+    const int64_t mask = ix->mask;
+    for (int64_t s = (hole + 1) & mask; ix->vals[s] != EMPTY; s = (s + 1) & mask) {
+        int64_t home = (int64_t)(ix->keys[2 * s] & (uint64_t)mask);
+        /* the entry at s stays unless its home lies cyclically outside (hole, s] */
+        int stays = hole <= s ? (hole < home && home <= s) : (hole < home || home <= s);
+        if (stays) continue;
+        ix->keys[2 * hole] = ix->keys[2 * s];
+        ix->keys[2 * hole + 1] = ix->keys[2 * s + 1];
+        ix->vals[hole] = ix->vals[s];
+        ix->slot_of_block[ix->vals[hole]] = (int32_t)hole;
+        hole = s;
+    }
+    ix->vals[hole] = EMPTY;
+}
+
+/* Forget block b's digest and links (b holds one). */
+static void unlink_block(block_index_t *ix, int64_t b) {
+    clear_slot(ix, ix->slot_of_block[b]);
+    ix->slot_of_block[b] = EMPTY;
+    int32_t parent = ix->parents[b];
+    if (parent >= 0) ix->num_children[parent]--;
+    ix->parents[b] = EMPTY;
+}
+
 /* The block holding `digest`, or -1. */
-int64_t block_index_find(const uint64_t *keys, const int32_t *vals, int64_t mask, const uint8_t *digest) {
-    int64_t s = probe(keys, vals, mask, load_digest(digest));
-    return s >= 0 ? vals[s] : -1;
+int64_t block_index_find(const block_index_t *ix, const uint8_t *digest) {
+    int64_t s = probe(ix, load_digest(digest));
+    return s >= 0 ? ix->vals[s] : -1;
+}
+
+/* Block b's digest into out[16]; returns 1, or 0 (out untouched) when b holds none. */
+int64_t block_index_digest_of(const block_index_t *ix, int64_t b, uint8_t *out) {
+    int32_t s = ix->slot_of_block[b];
+    if (s < 0) return 0;
+    memcpy(out, &ix->keys[2 * s], 8);
+    memcpy(out + 8, &ix->keys[2 * s + 1], 8);
+    return 1;
+}
+
+/* Record n new digests in blocks ids[i] (or first_block + i when ids is NULL), chained: block i's parent
+ * is block i - 1, the first one's is `parent` (-1 for a root). All or none. Returns -1 once recorded;
+ * i >= 0 when digest i is already held (or repeated in the run); -2 - i when block i already holds a
+ * digest. A block holding no digest is nobody's parent, so each run block but the last gets one child. */
+int64_t block_index_add_run(block_index_t *ix, const uint8_t *digests, int64_t n, const int32_t *ids,
+                            int64_t first_block, int64_t parent) {
+    for (int64_t i = 0; i < n; i++) {
+        int64_t b = ids ? ids[i] : first_block + i;
+        if (ix->slot_of_block[b] >= 0) return -2 - i;
+    }
+    for (int64_t i = 0; i < n; i++) {
+        int64_t b = ids ? ids[i] : first_block + i;
+        digest_t d = load_digest(digests + 16 * i);
+        int64_t s = probe(ix, d);
+        if (s >= 0 || ix->slot_of_block[b] >= 0) { /* held already, or a block twice: take the run back */
+            for (int64_t j = i - 1; j >= 0; j--) unlink_block(ix, ids ? ids[j] : first_block + j);
+            return s >= 0 ? i : -2 - i;
+        }
+        s = -s - 1;
+        ix->keys[2 * s] = d.lo;
+        ix->keys[2 * s + 1] = d.hi;
+        ix->vals[s] = (int32_t)b;
+        ix->slot_of_block[b] = (int32_t)s;
+        int64_t p = i ? (ids ? ids[i - 1] : first_block + i - 1) : parent;
+        ix->parents[b] = (int32_t)p;
+        if (p >= 0) ix->num_children[p]++;
+    }
+    return -1;
+}
+
+/* Forget block b's digest and links; returns its parent (-1 for a root) with the digest in out[16],
+ * or -2 (out untouched) when b holds none. The caller checks b has no children. */
+int64_t block_index_remove_block(block_index_t *ix, int64_t b, uint8_t *out) {
+    int64_t parent = ix->parents[b];
+    if (!block_index_digest_of(ix, b, out)) return -2;
+    unlink_block(ix, b);
+    return parent;
+}
+
+/* How many leading blocks ids[i] still hold digest i (n digests of 16 bytes). */
+int64_t block_index_count_held(const block_index_t *ix, const int32_t *ids, const uint8_t *digests, int64_t n) {
+    for (int64_t i = 0; i < n; i++) {
+        int32_t s = ix->slot_of_block[ids[i]];
+        digest_t d = load_digest(digests + 16 * i);
+        if (s < 0 || ix->keys[2 * s] != d.lo || ix->keys[2 * s + 1] != d.hi) return i;
+    }
+    return n;
 }
 
 /* The blocks of the chain that ends at block `last`, `length` long: out[length - 1] = last and
- * out[i - 1] = parents[out[i]] (the pool's parent links, NO_BLOCK (-1) above a root). Returns 1 when
- * they are consecutive ascending ids, 0 when not, -1 when the chain is shorter than `length`. */
-int64_t block_index_chain(const int32_t *parents, int64_t last, int64_t length, int32_t *out) {
+ * out[i - 1] = parents[out[i]]. Returns 1 when they are consecutive ascending ids, 0 when not, -1 when
+ * the chain is shorter than `length`. */
+int64_t block_index_chain(const block_index_t *ix, int64_t last, int64_t length, int32_t *out) {
     int64_t block = last, consecutive = 1;
     for (int64_t i = length - 1; i >= 0; i--) {
         if (block < 0) return -1;
         out[i] = (int32_t)block;
         if (i + 1 < length && out[i + 1] != block + 1) consecutive = 0;
-        block = parents[block];
+        block = ix->parents[block];
     }
     return consecutive;
 }
 
-/* Remove `digest`; returns the block that held it, or -1 when it was not there. */
-int64_t block_index_remove(uint64_t *keys, int32_t *vals, int64_t mask, const uint8_t *digest) {
-    int64_t hole = probe(keys, vals, mask, load_digest(digest));
-    if (hole < 0) return -1;
-    int64_t removed = vals[hole];
-    for (int64_t s = (hole + 1) & mask; vals[s] != EMPTY; s = (s + 1) & mask) {
-        int64_t home = (int64_t)(keys[2 * s] & (uint64_t)mask);
-        /* the entry at s may fill the hole unless its home lies cyclically in (hole, s] */
-        int stays = hole <= s ? (hole < home && home <= s) : (hole < home || home <= s);
-        if (stays) continue;
-        keys[2 * hole] = keys[2 * s];
-        keys[2 * hole + 1] = keys[2 * s + 1];
-        vals[hole] = vals[s];
-        hole = s;
+/* 0 when every invariant of the table and the per-block records holds, else a negative code. */
+int64_t block_index_check(const block_index_t *ix, int64_t num_blocks) {
+    int64_t held = 0, entries = 0;
+    for (int64_t b = 0; b < num_blocks; b++) {
+        int32_t s = ix->slot_of_block[b];
+        if (s < 0) continue;
+        held++;
+        if (s > ix->mask || ix->vals[s] != b) return -1; /* a block points at a slot that is not its own */
     }
-    vals[hole] = EMPTY;
-    return removed;
-}
-
-/* Add n digests, all or none: digest i goes to block_ids[i] (or first_block + i when block_ids is NULL).
- * Returns -1 once all are added; else the position of the first digest already present (or repeated
- * within the run), and what this call added is taken back out. */
-int64_t block_index_add_run(uint64_t *keys, int32_t *vals, int64_t mask, const uint8_t *digests, int64_t n,
-                            const int32_t *block_ids, int64_t first_block) {
-    for (int64_t i = 0; i < n; i++) {
-        digest_t d = load_digest(digests + 16 * i);
-        int64_t s = probe(keys, vals, mask, d);
-        if (s >= 0) {
-            for (int64_t j = 0; j < i; j++) block_index_remove(keys, vals, mask, digests + 16 * j);
-            return i;
-        }
-        s = -s - 1;
-        keys[2 * s] = d.lo;
-        keys[2 * s + 1] = d.hi;
-        vals[s] = (int32_t)(block_ids ? block_ids[i] : first_block + i);
+    for (int64_t s = 0; s <= ix->mask; s++) {
+        if (ix->vals[s] == EMPTY) continue;
+        entries++;
+        int64_t b = ix->vals[s];
+        if (b < 0 || b >= num_blocks || ix->slot_of_block[b] != s) return -2; /* an entry no block owns */
+        digest_t d = {ix->keys[2 * s], ix->keys[2 * s + 1]};
+        if (probe(ix, d) != s) return -3; /* unreachable from its home slot */
     }
-    return -1;
+    return held == entries ? 0 : -4;
 }

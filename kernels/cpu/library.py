@@ -51,12 +51,15 @@ _SIGNATURES = {
     "rope_store": [_P, _I64, _INT, _INT, _INT, _P, _P, _P, _P, _I64, _P, _P, _P, _INT],
 }
 _UNTYPED = {"blake2b_chain": [ctypes.c_char_p, ctypes.c_char_p, _I64, _I64, ctypes.c_char_p, _INT, ctypes.c_char_p]}
-_D = ctypes.c_char_p  # a digest (bytes)
-_BLOCK_INDEX_SIGNATURES = {  # the table's keys, vals, mask first (see block_index.c)
-    "block_index_find": [_P, _P, _I64, _D],
-    "block_index_chain": [_P, _I64, _I64, _P],  # parents, not the table
-    "block_index_add_run": [_P, _P, _I64, _D, _I64, _P, _I64],
-    "block_index_remove": [_P, _P, _I64, _D],
+_B = ctypes.c_char_p  # bytes: digests, packed int32 block ids
+_BLOCK_INDEX_SIGNATURES = {  # each takes the address of a block_index_t first (see block_index.c)
+    "block_index_find": [_P, _B],
+    "block_index_digest_of": [_P, _I64, _P],
+    "block_index_add_run": [_P, _B, _I64, _B, _I64, _I64],
+    "block_index_remove_block": [_P, _I64, _P],
+    "block_index_count_held": [_P, _B, _B, _I64],
+    "block_index_chain": [_P, _I64, _I64, _P],
+    "block_index_check": [_P, _I64],
 }
 _SUFFIXES = {torch.bfloat16: "bf16", torch.float32: "f32"}
 

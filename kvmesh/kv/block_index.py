@@ -1,48 +1,70 @@
-"""BlockIndex: how the block pool finds blocks, by hash and by chain.
+"""BlockIndex: the block pool's hash records: which hash each block holds, the chains, and hash -> block.
 
-    get(hash)            -> the block holding the hash
-    chain(last, length)  -> the ``length`` blocks of the chain ending at block ``last``, root side first,
-                            read from the pool's parent links (``parents``, an int32 array it owns)
+Per block (int32 arrays the pool reads directly in its loops)::
 
-One small interface, two implementations that give the same answers:
+    slot_of_block[b]   >= 0 while b holds a hash, -1 when not
+    parents[b]         the block holding the previous hash of b's chain, -1 for a root (or no hash)
+    num_children[b]    blocks whose parent b is (a block with children is never evicted)
 
-- ``NativeBlockIndex``: a fixed-size open-addressing table in numpy memory, probed and walked by
-  ``kernels/cpu/block_index.c``. A run of new hashes (a prompt's blocks) goes in with one call
-  over the joined digests, and a matched chain's blocks come out of one walk: no Python object per
-  entry, which is what a dict costs (~90 us to insert 2,048 blocks against ~13 here).
-- ``DictBlockIndex``: a dict and a Python walk; where the native library is not loaded, or
-  ``KVMESH_BLOCK_INDEX=dict``.
+and ``get(hash)`` -> the block holding it, ``chain(last, length)`` -> the blocks of a chain from its
+last block up. Two implementations give the same answers:
 
-``make_block_index`` picks. The index holds no lock: the pool calls it under its own. It checks
-nothing the pool already knows (a hash is in at most one block, a block holds at most one hash).
+- ``NativeBlockIndex``: an open-addressing table in numpy memory; records are changed and read by
+  ``kernels/cpu/block_index.c`` (see it for the layout). A run of new hashes, whatever its block ids,
+  is recorded with one call over the joined digests (and the ids packed, unless they are a run): no
+  Python object or loop per block, ~25-38 us for 2,048 blocks where a dict and per-block writes in
+  Python cost ~230 us.
+- ``DictBlockIndex``: a dict and a list of hashes per block, in Python; where the native library is
+  not loaded, or ``KVMESH_BLOCK_INDEX=dict``.
+
+``make_block_index`` picks. The index holds no lock: the pool calls it under its own.
 """
 from __future__ import annotations
 
-import array
 import ctypes
 import os
+import struct
+from array import array
 from collections.abc import Iterator, Sequence
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import numpy as np
 
 from kvmesh.kernels.cpu import library as native
 from kvmesh.kv.block_hash import BlockHash
 
-ADDED = -1  # add_run's answer when every hash went in
+ADDED = -1  # add_run: every hash recorded; i >= 0: hash i already held; <= -2: block (-2 - result) holds one
+NO_BLOCK = -1
+
+
+class Removed(NamedTuple):
+    block_hash: BlockHash
+    parent: int  # NO_BLOCK for a root
 
 
 class BlockIndex(Protocol):
+    slot_of_block: array
+    parents: array
+    num_children: array
+
     def get(self, block_hash: BlockHash) -> int | None:
         """The block holding ``block_hash``, or None."""
 
-    def add_run(self, block_hashes: Sequence[BlockHash], block_ids: Sequence[int], consecutive: bool) -> int:
-        """Map ``block_hashes[i]`` to ``block_ids[i]``, all or none; ``consecutive``: the ids are
-        ``block_ids[0], block_ids[0] + 1, ...`` (fresh allocations). Returns ``ADDED``, else the position
-        of the first hash already held (or repeated in the run), and nothing is added."""
+    def hash_of(self, block_id: int) -> BlockHash | None:
+        """The hash ``block_id`` holds, or None."""
 
-    def remove(self, block_hash: BlockHash) -> None:
-        """Forget ``block_hash`` (which is held)."""
+    def add_run(self, block_hashes: Sequence[BlockHash], block_ids: Sequence[int], consecutive: bool,
+                parent: int) -> int:
+        """Record ``block_hashes[i]`` in ``block_ids[i]``, chained (the first block's parent is ``parent``),
+        all or none; ``consecutive``: the ids are ``block_ids[0], block_ids[0] + 1, ...``. Returns
+        ``ADDED``; else the position of the first hash already held (or repeated), or ``-2 - i`` when
+        block ``i`` of the run already holds a hash, and nothing changed."""
+
+    def remove_block(self, block_id: int) -> Removed | None:
+        """Forget ``block_id``'s hash and links (it must have no children); None if it held none."""
+
+    def count_held(self, block_ids: Sequence[int], block_hashes: Sequence[BlockHash]) -> int:
+        """How many leading ``block_ids`` still hold ``block_hashes``."""
 
     def chain(self, last_block: int, length: int) -> list[int]:
         """The ``length`` blocks ending at ``last_block`` along the parent links, the root side first
@@ -51,49 +73,93 @@ class BlockIndex(Protocol):
     def items(self) -> Iterator[tuple[BlockHash, int]]:
         """Every (hash, block) pair, in no order (for ``check_integrity``)."""
 
+    def check_integrity(self) -> None:
+        """Raise AssertionError unless the table and the per-block records agree."""
+
     def __len__(self) -> int: ...
 
 
-def make_block_index(block_ids: list[int], parents: array.array) -> BlockIndex:
-    """An index for a pool whose blocks are ``block_ids`` (``list(range(num_blocks))``) and whose parent
-    links are ``parents`` (``array('i')``, never resized); both stay the pool's, read here. The native
-    table where the library loads and ``KVMESH_BLOCK_INDEX`` is not ``dict``."""
+def make_block_index(num_blocks: int) -> BlockIndex:
+    """The native index where the library loads and ``KVMESH_BLOCK_INDEX`` is not ``dict``, else the dict."""
     choice = os.environ.get("KVMESH_BLOCK_INDEX", "auto")
     if choice not in ("auto", "native", "dict"):
         raise ValueError(f"KVMESH_BLOCK_INDEX={choice!r}: expected auto, native or dict")
     if choice != "dict":
         lib = native.load_holding_gil()
         if lib is not None:
-            return NativeBlockIndex(block_ids, parents, lib)
+            return NativeBlockIndex(num_blocks, lib)
         if choice == "native":
             raise RuntimeError("KVMESH_BLOCK_INDEX=native, but the native library is not loaded (see the log)")
-    return DictBlockIndex(parents)
+    return DictBlockIndex(num_blocks)
+
+
+def _int32s(num: int, value: int) -> array:
+    return array("i", [value]) * num
+
+
+def _packed_ids(block_ids: Sequence[int]) -> bytes:
+    """Block ids as native int32s (struct is twice as fast as array.array for a list of ints)."""
+    return struct.pack(f"{len(block_ids)}i", *block_ids)
 
 
 class DictBlockIndex:
-    def __init__(self, parents: array.array):
+    def __init__(self, num_blocks: int):
+        self.slot_of_block, self.parents, self.num_children = (_int32s(num_blocks, v) for v in (-1, NO_BLOCK, 0))
+        self._hashes: list[BlockHash | None] = [None] * num_blocks
         self._blocks: dict[BlockHash, int] = {}
-        self._parents = parents
         self.get = self._blocks.get
 
-    def add_run(self, block_hashes: Sequence[BlockHash], block_ids: Sequence[int], consecutive: bool) -> int:
-        blocks = self._blocks
+    def hash_of(self, block_id: int) -> BlockHash | None:
+        return self._hashes[block_id]
+
+    def add_run(self, block_hashes: Sequence[BlockHash], block_ids: Sequence[int], consecutive: bool,
+                parent: int) -> int:
+        blocks, slots = self._blocks, self.slot_of_block
+        for i, b in enumerate(block_ids):
+            if slots[b] >= 0:
+                return -2 - i
         if not blocks.keys().isdisjoint(block_hashes):
             return next(i for i, h in enumerate(block_hashes) if h in blocks)
-        before = len(blocks)
-        blocks.update(zip(block_hashes, block_ids))
-        if len(blocks) != before + len(block_hashes):  # a hash twice in the run: take the run back out
-            for h in block_hashes:
-                blocks.pop(h, None)
-            seen: set[BlockHash] = set()
-            return next(i for i, h in enumerate(block_hashes) if h in seen or seen.add(h))
+        seen: set[int] = set()
+        for i, (h, b) in enumerate(zip(block_hashes, block_ids)):
+            if h in blocks or b in seen:  # repeated in the run: take it back
+                result = i if h in blocks else -2 - i
+                for b_added in reversed(block_ids[:i]):
+                    self.remove_block(b_added)
+                return result
+            seen.add(b)
+            blocks[h] = b
+            self._hashes[b] = h
+            slots[b] = 0
+            self.parents[b] = parent
+            if parent != NO_BLOCK:
+                self.num_children[parent] += 1
+            parent = b
         return ADDED
 
-    def remove(self, block_hash: BlockHash) -> None:
-        del self._blocks[block_hash]
+    def remove_block(self, block_id: int) -> Removed | None:
+        h = self._hashes[block_id]
+        if h is None:
+            return None
+        del self._blocks[h]
+        self._hashes[block_id] = None
+        self.slot_of_block[block_id] = -1
+        parent = self.parents[block_id]
+        if parent != NO_BLOCK:
+            self.num_children[parent] -= 1
+        self.parents[block_id] = NO_BLOCK
+        return Removed(h, parent)
+
+    def count_held(self, block_ids: Sequence[int], block_hashes: Sequence[BlockHash]) -> int:
+        num = 0
+        for b, h in zip(block_ids, block_hashes):
+            if self._hashes[b] != h:
+                break
+            num += 1
+        return num
 
     def chain(self, last_block: int, length: int) -> list[int]:
-        out, parents, block = [0] * length, self._parents, last_block
+        out, parents, block = [0] * length, self.parents, last_block
         for i in range(length - 1, -1, -1):
             if block < 0:
                 raise ValueError(f"the chain ending at block {last_block} is shorter than {length}")
@@ -104,63 +170,98 @@ class DictBlockIndex:
     def items(self) -> Iterator[tuple[BlockHash, int]]:
         return iter(self._blocks.items())
 
+    def check_integrity(self) -> None:
+        for h, b in self._blocks.items():
+            assert self._hashes[b] == h and self.slot_of_block[b] >= 0, f"block {b} does not hold its hash"
+        assert sum(h is not None for h in self._hashes) == len(self._blocks), "stray block hash"
+
     def __len__(self) -> int:
         return len(self._blocks)
 
 
-class NativeBlockIndex:
-    """See ``kernels/cpu/block_index.c`` for the table's layout; at most half full by construction."""
+class _Records(ctypes.Structure):
+    """``block_index_t`` of block_index.c: where the table and the per-block arrays live."""
 
-    def __init__(self, block_ids: list[int], parents: array.array, lib: ctypes.PyDLL):
-        num_slots = 1 << max(4, (2 * len(block_ids) - 1).bit_length())
+    _fields_ = [("keys", ctypes.c_void_p), ("vals", ctypes.c_void_p), ("mask", ctypes.c_int64),
+                ("slot_of_block", ctypes.c_void_p), ("parents", ctypes.c_void_p), ("num_children", ctypes.c_void_p)]
+
+
+class NativeBlockIndex:
+    """See ``kernels/cpu/block_index.c``; the table is at most half full by construction."""
+
+    def __init__(self, num_blocks: int, lib: ctypes.PyDLL):
+        num_slots = 1 << max(4, (2 * num_blocks - 1).bit_length())
+        self.slot_of_block, self.parents, self.num_children = (_int32s(num_blocks, v) for v in (-1, NO_BLOCK, 0))
         self._keys = np.zeros(2 * num_slots, dtype=np.uint64)
         self._keys.fill(0)  # fault the pages in now (zeros alone maps them lazily), not mid-insert
         self._vals = np.full(num_slots, -1, dtype=np.int32)
-        self._table = (self._keys.ctypes.data, self._vals.ctypes.data, num_slots - 1)
-        self._parents_ptr = parents.buffer_info()[0]
-        self._out = np.empty(len(block_ids), dtype=np.int32)  # chain's answer, before it becomes a list
+        self._records = _Records(self._keys.ctypes.data, self._vals.ctypes.data, num_slots - 1,
+                                 *(a.buffer_info()[0] for a in (self.slot_of_block, self.parents, self.num_children)))
+        self._ix = ctypes.addressof(self._records)
+        self._num_blocks = num_blocks
+        self._out = np.empty(num_blocks, dtype=np.int32)  # chain's answer, before it becomes a list
         self._out_ptr = self._out.ctypes.data
-        self._block_ids = block_ids
-        self._block_id_objects = np.array(block_ids, dtype=object)  # the same int objects, for a bulk take
+        self._digest = ctypes.create_string_buffer(16)
+        self._block_ids = list(range(num_blocks))
+        self._block_id_objects = np.array(self._block_ids, dtype=object)  # the same int objects, for a bulk take
         self._num_entries = 0
-        self._find, self._chain = lib.block_index_find, lib.block_index_chain
-        self._add_run, self._remove = lib.block_index_add_run, lib.block_index_remove
+        self._find, self._digest_of, self._chain = lib.block_index_find, lib.block_index_digest_of, \
+            lib.block_index_chain
+        self._add_run, self._remove_block = lib.block_index_add_run, lib.block_index_remove_block
+        self._count_held, self._check = lib.block_index_count_held, lib.block_index_check
 
     def get(self, block_hash: BlockHash) -> int | None:
-        block = self._find(*self._table, block_hash)
+        block = self._find(self._ix, block_hash)
         return None if block < 0 else block
 
-    def add_run(self, block_hashes: Sequence[BlockHash], block_ids: Sequence[int], consecutive: bool) -> int:
+    def hash_of(self, block_id: int) -> BlockHash | None:
+        return self._digest.raw if self._digest_of(self._ix, block_id, self._digest) else None
+
+    def add_run(self, block_hashes: Sequence[BlockHash], block_ids: Sequence[int], consecutive: bool,
+                parent: int) -> int:
         if not block_hashes:
             return ADDED
         digests = b"".join(block_hashes)
-        if len(digests) != 16 * len(block_hashes):
-            raise ValueError("block hashes must be 16 bytes each")
+        if len(digests) != 16 * len(block_hashes) or len(block_ids) != len(block_hashes):
+            raise ValueError("one 16-byte hash per block expected")
         if consecutive:
-            result = self._add_run(*self._table, digests, len(block_hashes), None, block_ids[0])
+            result = self._add_run(self._ix, digests, len(block_hashes), None, block_ids[0], parent)
         else:
-            ids = array.array("i", block_ids)
-            result = self._add_run(*self._table, digests, len(block_hashes), ids.buffer_info()[0], 0)
+            result = self._add_run(self._ix, digests, len(block_hashes), _packed_ids(block_ids), 0, parent)
         if result == ADDED:
             self._num_entries += len(block_hashes)
         return result
 
-    def remove(self, block_hash: BlockHash) -> None:
-        if self._remove(*self._table, block_hash) < 0:
-            raise KeyError(block_hash)
+    def remove_block(self, block_id: int) -> Removed | None:
+        parent = self._remove_block(self._ix, block_id, self._digest)
+        if parent == -2:
+            return None
         self._num_entries -= 1
+        return Removed(self._digest.raw, parent)
+
+    def count_held(self, block_ids: Sequence[int], block_hashes: Sequence[BlockHash]) -> int:
+        n = min(len(block_ids), len(block_hashes))
+        if n == 0:
+            return 0
+        return self._count_held(self._ix, _packed_ids(block_ids[:n]), b"".join(block_hashes[:n]), n)
 
     def chain(self, last_block: int, length: int) -> list[int]:
-        consecutive = self._chain(self._parents_ptr, last_block, length, self._out_ptr)
+        consecutive = self._chain(self._ix, last_block, length, self._out_ptr)
         if consecutive < 0:
             raise ValueError(f"the chain ending at block {last_block} is shorter than {length}")
-        if consecutive:  # one run of fresh allocations: a slice of the shared id list
+        if consecutive:  # one run of consecutive ids: a slice of the id list
             return self._block_ids[last_block - length + 1 : last_block + 1]
         return self._block_id_objects.take(self._out[:length]).tolist()
 
     def items(self) -> Iterator[tuple[BlockHash, int]]:
-        for slot in np.flatnonzero(self._vals >= 0):
-            yield self._keys[2 * slot : 2 * slot + 2].tobytes(), int(self._vals[slot])
+        slots = np.flatnonzero(self._vals >= 0)
+        digests = self._keys.reshape(-1, 2)[slots].tobytes()
+        return zip(np.frombuffer(digests, dtype="V16").tolist(), self._vals[slots].tolist())
+
+    def check_integrity(self) -> None:
+        code = self._check(self._ix, self._num_blocks)
+        assert code == 0, f"native block index inconsistent (block_index_check: {code})"
+        assert int((self._vals >= 0).sum()) == self._num_entries, "entry count drifted"
 
     def __len__(self) -> int:
         return self._num_entries

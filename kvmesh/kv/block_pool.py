@@ -1,9 +1,9 @@
 """BlockPool: the mechanism of a node's KV blocks.
 
-It allocates, counts references, keeps the LRU free queue and the hash -> block
-map (the local prefix cache: a ``BlockIndex``, native where it can be), and
-nothing else: eviction order is an EvictionPolicy, admission and scheduling
-live in the engine.
+It allocates, counts references, keeps the LRU free queue and the hash records
+(the local prefix cache: a ``BlockIndex`` holds which hash each block has, the
+chain links and hash -> block, natively where it can), and nothing else:
+eviction order is an EvictionPolicy, admission and scheduling live in the engine.
 
 Every block is in exactly one of three states::
 
@@ -12,9 +12,9 @@ Every block is in exactly one of three states::
     free    free, no hash                  in the free queue
 
 A freed block keeps its hash and stays matchable until allocation takes it
-from the head of the free queue. Per-block records are parallel lists and int32
-arrays (not objects) to keep memory per block small. All public methods take a
-lock, so the transfer layer may pin from its own thread.
+from the head of the free queue. Per-block records are parallel lists and the
+index's int32 arrays (not objects) to keep memory per block small. All public
+methods take a lock, so the transfer layer may pin from its own thread.
 
 Matching is a binary search over the chain (cached blocks of a chain always form
 a prefix of it), then the block ids: a chain's blocks are exactly its last
@@ -26,18 +26,17 @@ parent links: matching a long prompt costs a few lookups and one list copy.
 from __future__ import annotations
 
 import threading
-from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 from kvmesh.errors import OutOfBlocksError
 from kvmesh.kv.block_hash import BlockHash
-from kvmesh.kv.block_index import ADDED, make_block_index
+from kvmesh.kv.block_index import ADDED, NO_BLOCK, make_block_index
 from kvmesh.kv.eviction import EvictionPolicy, TailFirstLRU
 from kvmesh.kv.prefix_cache import MatchStats, PrefixMatch
 
-NO_BLOCK = -1
+__all__ = ["NO_BLOCK", "BlockPool", "PoolUsage"]
 
 
 class PoolUsage(NamedTuple):
@@ -60,10 +59,12 @@ class BlockPool:
         self._generation = 0  # bumped with every notification, so a waiter never misses one
         self._ref = [0] * num_blocks
         self._pins = [0] * num_blocks
-        self._hash: list[BlockHash | None] = [None] * num_blocks
-        # int32 arrays: the index walks the parent links natively, and runs are written as array slices
-        self._parent = array("i", [NO_BLOCK]) * num_blocks  # cached block holding the previous hash of the chain
-        self._num_children = array("i", [0]) * num_blocks  # cached blocks whose parent this is
+        # Which hash each block holds, the chains and hash -> block: the index's (kvmesh.kv.block_index),
+        # with its per-block int32 arrays read here directly.
+        self._index = make_block_index(num_blocks)
+        self._slot = self._index.slot_of_block  # >= 0 while the block holds a hash
+        self._parent = self._index.parents  # cached block holding the previous hash of the chain
+        self._num_children = self._index.num_children  # cached blocks whose parent this is
         # last block of a chain -> the chain's block ids from its root block (see the module docstring)
         self._chains: OrderedDict[int, list[int]] = OrderedDict()
         self._max_memo_chains = max_memo_chains
@@ -76,14 +77,11 @@ class BlockPool:
         # Every block id the pool hands out is one of these int objects (the queue links are built from
         # them), so the equality test that spots a run of consecutive ids is an identity check per id.
         self._ids = list(range(num_blocks))
-        self._id_array = array("i", self._ids)
-        self._ones = array("i", [1]) * num_blocks
         # Free queue: a doubly linked list through _prev/_next, sentinel at index num_blocks.
         sentinel = num_blocks
         self._next = self._ids[1:] + [sentinel, 0]
         self._prev = [sentinel] + self._ids
         self._num_queued = num_blocks
-        self._index = make_block_index(self._ids, self._parent)  # hash -> block, chains (kvmesh.kv.block_index)
         # Called under the lock with (hash, parent hash or None) whenever a block loses its hash: the
         # lower KV tiers (kvmesh.kv.tiers) keep their chains whole with it. Must not call back into the pool.
         self.on_uncache: Callable[[BlockHash, BlockHash | None], None] | None = None
@@ -106,10 +104,12 @@ class BlockPool:
         return self._ref[block_id]
 
     def block_hash(self, block_id: int) -> BlockHash | None:
-        return self._hash[block_id]
+        with self._lock:
+            return self._index.hash_of(block_id)
 
     def cached_block(self, block_hash: BlockHash) -> int | None:
-        return self._index.get(block_hash)
+        with self._lock:
+            return self._index.get(block_hash)
 
     def block_epoch(self, block_id: int) -> int:
         """How many times ``block_id`` was allocated: a cached block's bytes are immutable while this holds."""
@@ -123,10 +123,10 @@ class BlockPool:
             block = self._next[sentinel]
             while block != sentinel and scanned < max_blocks:
                 scanned += 1
-                h = self._hash[block]
-                if h is not None:
-                    parent = self._parent[block]
-                    out.append((block, h, self._hash[parent] if parent != NO_BLOCK else None, self._epoch[block]))
+                if self._slot[block] >= 0:
+                    parent, hash_of = self._parent[block], self._index.hash_of
+                    out.append((block, hash_of(block), hash_of(parent) if parent != NO_BLOCK else None,
+                                self._epoch[block]))
                 block = self._next[block]
             return out
 
@@ -209,7 +209,8 @@ class BlockPool:
         return sum(1 for b in block_ids if ref[b] == 0 and pins[b] == 0)
 
     def usage(self) -> PoolUsage:
-        num_cached = sum(1 for b, h in enumerate(self._hash) if h is not None and self._is_queued(b))
+        slots = self._slot
+        num_cached = sum(1 for b in range(self.num_blocks) if slots[b] >= 0 and self._is_queued(b))
         return PoolUsage(self.num_blocks - self._num_queued, num_cached, self._num_queued - num_cached)
 
     # ---- references ------------------------------------------------------------------------
@@ -354,11 +355,7 @@ class BlockPool:
         whatever was reallocated in between is not adopted.
         """
         with self._lock:
-            num = 0
-            for b, h in zip(block_ids, block_hashes):
-                if self._hash[b] != h:
-                    break
-                num += 1
+            num = self._index.count_held(block_ids, block_hashes)
             self.touch(block_ids[:num])
             return num
 
@@ -390,7 +387,7 @@ class BlockPool:
                 progress = False
                 block = self._next[sentinel]
                 while evicted < num_blocks and block != sentinel:
-                    if self._hash[block] is not None and self._num_children[block] == 0:
+                    if self._slot[block] >= 0 and self._num_children[block] == 0:
                         self._uncache(block)
                         evicted += 1
                         if self._last_evicted_ids is not None:
@@ -414,36 +411,17 @@ class BlockPool:
     # ---- internals -----------------------------------------------------------------------------
     def _cache_new_run(self, block_ids: Sequence[int], block_hashes: Sequence[BlockHash], parent_block_id: int
                        ) -> list[int] | None:
-        """``cache_blocks`` where no hash is cached yet: the index takes the run in one call, the per-block
-        records are slice writes where the ids are consecutive. None (nothing done) if a hash is cached."""
-        hashes, parents, num_children = self._hash, self._parent, self._num_children
+        """``cache_blocks`` where no hash is cached yet: the index records the run in one call.
+        None (nothing done) if a hash is cached already."""
         block_ids = list(block_ids)
         first, n = block_ids[0], len(block_ids)
-        consecutive = block_ids == self._ids[first : first + n]  # fresh allocations
-        if self._index.add_run(block_hashes, block_ids, consecutive) != ADDED:
+        # a run (sorted fresh allocations): no id array to build; the span test first, gaps fail it at once
+        consecutive = block_ids[-1] - first == n - 1 and block_ids == self._ids[first : first + n]
+        result = self._index.add_run(block_hashes, block_ids, consecutive, parent_block_id)
+        if result >= 0:
             return None
-        if (hashes[first : first + n].count(None) != n if consecutive
-                else any(map(hashes.__getitem__, block_ids))):
-            for h in block_hashes:
-                self._index.remove(h)
-            bad = next(b for b in block_ids if hashes[b] is not None)
-            raise ValueError(f"block {bad} already holds a hash")
-        if consecutive:
-            hashes[first : first + n] = block_hashes
-            parents[first + 1 : first + n] = self._id_array[first : first + n - 1]
-            parents[first] = parent_block_id
-            # A block without a hash is nobody's parent (only leaves lose their hashes), so each had 0 children.
-            num_children[first : first + n - 1] = self._ones[: n - 1]
-        else:
-            prev = parent_block_id
-            for block, h in zip(block_ids, block_hashes):
-                hashes[block] = h
-                parents[block] = prev
-                prev = block
-            for block in block_ids[:-1]:
-                num_children[block] += 1
-        if parent_block_id != NO_BLOCK:
-            num_children[parent_block_id] += 1
+        if result != ADDED:
+            raise ValueError(f"block {block_ids[-2 - result]} already holds a hash")
         if self.track_changes:
             self._newly_cached.extend(block_hashes)
         return block_ids
@@ -460,13 +438,8 @@ class BlockPool:
         holder = self._index.get(block_hash)
         if holder is not None:
             return holder
-        if self._hash[block_id] is not None:
+        if self._index.add_run((block_hash,), (block_id,), True, parent_block_id) != ADDED:
             raise ValueError(f"block {block_id} already holds a hash")
-        self._hash[block_id] = block_hash
-        self._index.add_run((block_hash,), (block_id,), True)
-        self._parent[block_id] = parent_block_id
-        if parent_block_id != NO_BLOCK:
-            self._num_children[parent_block_id] += 1
         if self.track_changes:
             self._newly_cached.append(block_hash)
         return block_id
@@ -498,18 +471,12 @@ class BlockPool:
         return block
 
     def _uncache(self, block: int) -> None:
-        h = self._hash[block]
-        if h is None:
+        if self._slot[block] < 0:
             return
-        self._index.remove(h)
+        h, parent = self._index.remove_block(block)
         self._chains.pop(block, None)
-        self._hash[block] = None
-        parent = self._parent[block]
-        if parent != NO_BLOCK:
-            self._num_children[parent] -= 1
         if self.on_uncache is not None:
-            self.on_uncache(h, self._hash[parent] if parent != NO_BLOCK else None)
-        self._parent[block] = NO_BLOCK
+            self.on_uncache(h, self._index.hash_of(parent) if parent != NO_BLOCK else None)
         if self.track_changes:
             self._evicted.append(h)
 
@@ -530,16 +497,18 @@ class BlockPool:
                 assert (b in queued) == self._is_queued(b), f"block {b}: queue membership != ref/pin state"
             used, cached, free = self.usage()
             assert used + cached + free == n, "used + cached + free != total"
+            self._index.check_integrity()
+            hash_of = self._index.hash_of
             children = [0] * n
             for h, b in self._index.items():
-                assert self._hash[b] == h, f"hash map points at block {b} which holds another hash"
+                assert hash_of(b) == h, f"hash map points at block {b} which holds another hash"
                 parent = self._parent[b]
                 if parent != NO_BLOCK:
-                    assert self._hash[parent] is not None, f"block {b} is an orphaned tail (parent {parent} evicted)"
+                    assert self._slot[parent] >= 0, f"block {b} is an orphaned tail (parent {parent} evicted)"
                     children[parent] += 1
-            assert sum(h is not None for h in self._hash) == len(self._index), "stray block hash"
+            assert sum(s >= 0 for s in self._slot) == len(self._index), "stray block hash"
             assert children == self._num_children.tolist(), "child counts drifted"
             for last, chain in self._chains.items():
-                assert chain[-1] == last and self._hash[last] is not None, f"memo of chain ending at {last} is stale"
+                assert chain[-1] == last and self._slot[last] >= 0, f"memo of chain ending at {last} is stale"
                 assert self._parent[chain[0]] == NO_BLOCK, "a memo chain does not start at a root block"
                 assert all(self._parent[b] == a for a, b in zip(chain, chain[1:])), "a memo chain is not a chain"
