@@ -106,6 +106,8 @@ class DictBlockIndex:
     def __init__(self, num_blocks: int):
         self.slot_of_block, self.parents, self.num_children = (_int32s(num_blocks, v) for v in (-1, NO_BLOCK, 0))
         self._hashes: list[BlockHash | None] = [None] * num_blocks
+        self._ids, self._zeros, self._ones = array("i", range(num_blocks)), _int32s(num_blocks, 0), \
+            _int32s(num_blocks, 1)  # sources of the slice writes of consecutive runs
         self._blocks: dict[BlockHash, int] = {}
         self.get = self._blocks.get
 
@@ -114,27 +116,42 @@ class DictBlockIndex:
 
     def add_run(self, block_hashes: Sequence[BlockHash], block_ids: Sequence[int], consecutive: bool,
                 parent: int) -> int:
-        blocks, slots = self._blocks, self.slot_of_block
-        for i, b in enumerate(block_ids):
-            if slots[b] >= 0:
-                return -2 - i
+        blocks, slots, n = self._blocks, self.slot_of_block, len(block_hashes)
+        first = block_ids[0] if n else 0
+        if (slots[first : first + n].count(-1) != n if consecutive else any(slots[b] >= 0 for b in block_ids)):
+            return -2 - next(i for i, b in enumerate(block_ids) if slots[b] >= 0)
         if not blocks.keys().isdisjoint(block_hashes):
             return next(i for i, h in enumerate(block_hashes) if h in blocks)
-        seen: set[int] = set()
-        for i, (h, b) in enumerate(zip(block_hashes, block_ids)):
-            if h in blocks or b in seen:  # repeated in the run: take it back
-                result = i if h in blocks else -2 - i
-                for b_added in reversed(block_ids[:i]):
-                    self.remove_block(b_added)
-                return result
-            seen.add(b)
-            blocks[h] = b
-            self._hashes[b] = h
+        before = len(blocks)
+        blocks.update(zip(block_hashes, block_ids))
+        if len(blocks) != before + n or (not consecutive and len(set(block_ids)) != n):  # a repeat in the run
+            for h in block_hashes:
+                blocks.pop(h, None)
+            seen_hashes: set[BlockHash] = set()
+            seen_blocks: set[int] = set()
+            for i, (h, b) in enumerate(zip(block_hashes, block_ids)):
+                if h in seen_hashes or b in seen_blocks:
+                    return i if h in seen_hashes else -2 - i
+                seen_hashes.add(h)
+                seen_blocks.add(b)
+            raise AssertionError("a repeat was counted but not found")  # pragma: no cover
+        hashes, parents, num_children = self._hashes, self.parents, self.num_children
+        if parent != NO_BLOCK:
+            num_children[parent] += 1
+        if consecutive and n:  # slice writes; a block holding no hash was nobody's parent
+            hashes[first : first + n] = block_hashes
+            slots[first : first + n] = self._zeros[:n]
+            parents[first + 1 : first + n] = self._ids[first : first + n - 1]
+            parents[first] = parent
+            num_children[first : first + n - 1] = self._ones[: n - 1]
+            return ADDED
+        for b, h in zip(block_ids, block_hashes):
+            hashes[b] = h
             slots[b] = 0
-            self.parents[b] = parent
-            if parent != NO_BLOCK:
-                self.num_children[parent] += 1
+            parents[b] = parent
             parent = b
+        for b in block_ids[:-1]:  # a block holding no hash was nobody's parent
+            num_children[b] = 1
         return ADDED
 
     def remove_block(self, block_id: int) -> Removed | None:
