@@ -126,6 +126,18 @@ def test_a_hash_or_a_block_twice_in_one_run_changes_nothing(kind):
 
 
 @pytest.mark.parametrize("kind", KINDS)
+def test_ids_outside_the_pool_are_refused_and_change_nothing(kind):
+    index = make(kind, 8)
+    for ids, consecutive, parent in (([3, 8], False, NO_BLOCK), ([7, 8], True, NO_BLOCK), ([2], True, 8)):
+        with pytest.raises(IndexError):
+            index.add_run([b"a" * 16, b"b" * 16][: len(ids)], ids, consecutive, parent)
+    for call in (index.hash_of, index.remove_block):
+        with pytest.raises(IndexError):
+            call(8)
+    Model(8).check(index, 8)
+
+
+@pytest.mark.parametrize("kind", KINDS)
 def test_chain_walks_the_parent_links(kind):
     index = make(kind, 16)
     assert index.add_run([bytes([i]) * 16 for i in range(3)], [3, 4, 5], True, NO_BLOCK) == ADDED

@@ -229,6 +229,17 @@ def test_match_memo_and_run_inserts_agree_with_a_naive_match(seed):
         pool.check_integrity()
 
 
+def test_caching_the_same_blocks_again_returns_them():
+    pool = BlockPool(8)
+    hashes = hash_blocks(ROOT, list(range(64)), 16)
+    blocks = pool.allocate(4)
+    assert pool.cache_blocks(blocks, hashes) == blocks
+    assert pool.cache_blocks(blocks, hashes) == blocks  # every block already holds its own hash
+    assert pool.cache_blocks(blocks[2:], hashes[2:], blocks[1]) == blocks[2:]
+    pool.free(blocks)
+    pool.check_integrity()
+
+
 def test_inserting_over_a_hashed_block_is_refused_on_both_paths():
     pool = BlockPool(8)
     hashes = hash_blocks(ROOT, list(range(64)), 16)

@@ -29,7 +29,10 @@ typedef struct {
     int32_t *slot_of_block;
     int32_t *parents;
     int32_t *num_children;
+    int64_t num_blocks; /* ids outside [0, num_blocks) are refused, never dereferenced */
 } block_index_t;
+
+static inline int is_block(const block_index_t *ix, int64_t b) { return b >= 0 && b < ix->num_blocks; }
 
 typedef struct {
     uint64_t lo, hi;
@@ -84,8 +87,9 @@ int64_t block_index_find(const block_index_t *ix, const uint8_t *digest) {
     return s >= 0 ? ix->vals[s] : -1;
 }
 
-/* Block b's digest into out[16]; returns 1, or 0 (out untouched) when b holds none. */
+/* Block b's digest into out[16]; returns 1, 0 (out untouched) when b holds none, -1 when b is no block. */
 int64_t block_index_digest_of(const block_index_t *ix, int64_t b, uint8_t *out) {
+    if (!is_block(ix, b)) return -1;
     int32_t s = ix->slot_of_block[b];
     if (s < 0) return 0;
     memcpy(out, &ix->keys[2 * s], 8);
@@ -96,13 +100,15 @@ int64_t block_index_digest_of(const block_index_t *ix, int64_t b, uint8_t *out) 
 /* Record n new digests in blocks ids[i] (or first_block + i when ids is NULL), chained: block i's parent
  * is block i - 1, the first one's is `parent` (-1 for a root). All or none. Returns -1 once recorded;
  * i >= 0 when digest i is already held (or repeated in the run); -2 - i when block i already holds a
- * digest. A block holding no digest is nobody's parent, so each run block but the last gets one child. */
+ * digest or is no block. A block holding no digest is nobody's parent, so each run block but the last
+ * gets one child. */
 int64_t block_index_add_run(block_index_t *ix, const uint8_t *digests, int64_t n, const int32_t *ids,
                             int64_t first_block, int64_t parent) {
     for (int64_t i = 0; i < n; i++) {
         int64_t b = ids ? ids[i] : first_block + i;
-        if (ix->slot_of_block[b] >= 0) return -2 - i;
+        if (!is_block(ix, b) || ix->slot_of_block[b] >= 0) return -2 - i;
     }
+    if (parent >= 0 && !is_block(ix, parent)) return -2 - n;
     for (int64_t i = 0; i < n; i++) {
         int64_t b = ids ? ids[i] : first_block + i;
         digest_t d = load_digest(digests + 16 * i);
@@ -124,10 +130,11 @@ int64_t block_index_add_run(block_index_t *ix, const uint8_t *digests, int64_t n
 }
 
 /* Forget block b's digest and links; returns its parent (-1 for a root) with the digest in out[16],
- * or -2 (out untouched) when b holds none. The caller checks b has no children. */
+ * -2 (out untouched) when b holds none, -3 when b is no block. The caller checks b has no children. */
 int64_t block_index_remove_block(block_index_t *ix, int64_t b, uint8_t *out) {
+    int64_t held = block_index_digest_of(ix, b, out);
+    if (held <= 0) return held == 0 ? -2 : -3;
     int64_t parent = ix->parents[b];
-    if (!block_index_digest_of(ix, b, out)) return -2;
     unlink_block(ix, b);
     return parent;
 }
@@ -135,6 +142,7 @@ int64_t block_index_remove_block(block_index_t *ix, int64_t b, uint8_t *out) {
 /* How many leading blocks ids[i] still hold digest i (n digests of 16 bytes). */
 int64_t block_index_count_held(const block_index_t *ix, const int32_t *ids, const uint8_t *digests, int64_t n) {
     for (int64_t i = 0; i < n; i++) {
+        if (!is_block(ix, ids[i])) return i;
         int32_t s = ix->slot_of_block[ids[i]];
         digest_t d = load_digest(digests + 16 * i);
         if (s < 0 || ix->keys[2 * s] != d.lo || ix->keys[2 * s + 1] != d.hi) return i;
@@ -147,6 +155,7 @@ int64_t block_index_count_held(const block_index_t *ix, const int32_t *ids, cons
  * the chain is shorter than `length`. */
 int64_t block_index_chain(const block_index_t *ix, int64_t last, int64_t length, int32_t *out) {
     int64_t block = last, consecutive = 1;
+    if (!is_block(ix, last)) return -1;
     for (int64_t i = length - 1; i >= 0; i--) {
         if (block < 0) return -1;
         out[i] = (int32_t)block;
@@ -157,7 +166,8 @@ int64_t block_index_chain(const block_index_t *ix, int64_t last, int64_t length,
 }
 
 /* 0 when every invariant of the table and the per-block records holds, else a negative code. */
-int64_t block_index_check(const block_index_t *ix, int64_t num_blocks) {
+int64_t block_index_check(const block_index_t *ix) {
+    const int64_t num_blocks = ix->num_blocks;
     int64_t held = 0, entries = 0;
     for (int64_t b = 0; b < num_blocks; b++) {
         int32_t s = ix->slot_of_block[b];

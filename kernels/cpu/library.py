@@ -59,7 +59,7 @@ _BLOCK_INDEX_SIGNATURES = {  # each takes the address of a block_index_t first (
     "block_index_remove_block": [_P, _I64, _P],
     "block_index_count_held": [_P, _B, _B, _I64],
     "block_index_chain": [_P, _I64, _I64, _P],
-    "block_index_check": [_P, _I64],
+    "block_index_check": [_P],
 }
 _SUFFIXES = {torch.bfloat16: "bf16", torch.float32: "f32"}
 

@@ -116,29 +116,19 @@ class DictBlockIndex:
 
     def add_run(self, block_hashes: Sequence[BlockHash], block_ids: Sequence[int], consecutive: bool,
                 parent: int) -> int:
-        blocks, slots, n = self._blocks, self.slot_of_block, len(block_hashes)
-        first = block_ids[0] if n else 0
-        if (slots[first : first + n].count(-1) != n if consecutive else any(slots[b] >= 0 for b in block_ids)):
-            return -2 - next(i for i, b in enumerate(block_ids) if slots[b] >= 0)
-        if not blocks.keys().isdisjoint(block_hashes):
-            return next(i for i, h in enumerate(block_hashes) if h in blocks)
-        before = len(blocks)
-        blocks.update(zip(block_hashes, block_ids))
-        if len(blocks) != before + n or (not consecutive and len(set(block_ids)) != n):  # a repeat in the run
-            for h in block_hashes:
-                blocks.pop(h, None)
-            seen_hashes: set[BlockHash] = set()
-            seen_blocks: set[int] = set()
-            for i, (h, b) in enumerate(zip(block_hashes, block_ids)):
-                if h in seen_hashes or b in seen_blocks:
-                    return i if h in seen_hashes else -2 - i
-                seen_hashes.add(h)
-                seen_blocks.add(b)
-            raise AssertionError("a repeat was counted but not found")  # pragma: no cover
-        hashes, parents, num_children = self._hashes, self.parents, self.num_children
+        n = len(block_hashes)
+        if n == 0:
+            return ADDED
+        if len(block_ids) != n:
+            raise ValueError("one 16-byte hash per block expected")
+        refused = self._refusal(block_hashes, block_ids, consecutive, parent)
+        if refused is not None:
+            return refused
+        slots, hashes, parents, num_children = self.slot_of_block, self._hashes, self.parents, self.num_children
         if parent != NO_BLOCK:
             num_children[parent] += 1
-        if consecutive and n:  # slice writes; a block holding no hash was nobody's parent
+        if consecutive:  # slice writes; a block holding no hash was nobody's parent
+            first = block_ids[0]
             hashes[first : first + n] = block_hashes
             slots[first : first + n] = self._zeros[:n]
             parents[first + 1 : first + n] = self._ids[first : first + n - 1]
@@ -150,9 +140,36 @@ class DictBlockIndex:
             slots[b] = 0
             parents[b] = parent
             parent = b
-        for b in block_ids[:-1]:  # a block holding no hash was nobody's parent
+        for b in block_ids[:-1]:
             num_children[b] = 1
         return ADDED
+
+    def _refusal(self, block_hashes: Sequence[BlockHash], block_ids: Sequence[int], consecutive: bool,
+                 parent: int) -> int | None:
+        """``add_run``'s answer when it refuses the run (nothing recorded then); None after the hashes went
+        into the dict (the caller writes the per-block records)."""
+        blocks, slots, n = self._blocks, self.slot_of_block, len(block_hashes)
+        first, last = (block_ids[0], block_ids[-1]) if consecutive else (min(block_ids), max(block_ids))
+        if first < 0 or last >= len(slots) or parent >= len(slots):
+            raise IndexError(f"a block of {list(block_ids)} (parent {parent}) is not one of this pool's {len(slots)}")
+        if slots[first : first + n].count(-1) != n if consecutive else any(slots[b] >= 0 for b in block_ids):
+            return -2 - next(i for i, b in enumerate(block_ids) if slots[b] >= 0)
+        if not blocks.keys().isdisjoint(block_hashes):
+            return next(i for i, h in enumerate(block_hashes) if h in blocks)
+        before = len(blocks)
+        blocks.update(zip(block_hashes, block_ids))  # then count: cheaper than a set of the hashes first
+        if len(blocks) == before + n and (consecutive or len(set(block_ids)) == n):
+            return None
+        for h in block_hashes:  # something twice in the run: take the hashes back out, say where
+            blocks.pop(h, None)
+        seen_hashes: set[BlockHash] = set()
+        seen_blocks: set[int] = set()
+        for i, (h, b) in enumerate(zip(block_hashes, block_ids)):
+            if h in seen_hashes or b in seen_blocks:
+                return i if h in seen_hashes else -2 - i
+            seen_hashes.add(h)
+            seen_blocks.add(b)
+        raise AssertionError("a repeat was counted but not found")  # pragma: no cover
 
     def remove_block(self, block_id: int) -> Removed | None:
         h = self._hashes[block_id]
@@ -200,7 +217,8 @@ class _Records(ctypes.Structure):
     """``block_index_t`` of block_index.c: where the table and the per-block arrays live."""
 
     _fields_ = [("keys", ctypes.c_void_p), ("vals", ctypes.c_void_p), ("mask", ctypes.c_int64),
-                ("slot_of_block", ctypes.c_void_p), ("parents", ctypes.c_void_p), ("num_children", ctypes.c_void_p)]
+                ("slot_of_block", ctypes.c_void_p), ("parents", ctypes.c_void_p), ("num_children", ctypes.c_void_p),
+                ("num_blocks", ctypes.c_int64)]
 
 
 class NativeBlockIndex:
@@ -213,7 +231,8 @@ class NativeBlockIndex:
         self._keys.fill(0)  # fault the pages in now (zeros alone maps them lazily), not mid-insert
         self._vals = np.full(num_slots, -1, dtype=np.int32)
         self._records = _Records(self._keys.ctypes.data, self._vals.ctypes.data, num_slots - 1,
-                                 *(a.buffer_info()[0] for a in (self.slot_of_block, self.parents, self.num_children)))
+                                 *(a.buffer_info()[0] for a in (self.slot_of_block, self.parents, self.num_children)),
+                                 num_blocks)
         self._ix = ctypes.addressof(self._records)
         self._num_blocks = num_blocks
         self._out = np.empty(num_blocks, dtype=np.int32)  # chain's answer, before it becomes a list
@@ -232,7 +251,10 @@ class NativeBlockIndex:
         return None if block < 0 else block
 
     def hash_of(self, block_id: int) -> BlockHash | None:
-        return self._digest.raw if self._digest_of(self._ix, block_id, self._digest) else None
+        held = self._digest_of(self._ix, block_id, self._digest)
+        if held < 0:
+            raise IndexError(f"block {block_id} is not one of this pool's {self._num_blocks}")
+        return self._digest.raw if held else None
 
     def add_run(self, block_hashes: Sequence[BlockHash], block_ids: Sequence[int], consecutive: bool,
                 parent: int) -> int:
@@ -247,10 +269,15 @@ class NativeBlockIndex:
             result = self._add_run(self._ix, digests, len(block_hashes), _packed_ids(block_ids), 0, parent)
         if result == ADDED:
             self._num_entries += len(block_hashes)
+        elif result <= -2 and not all(0 <= b < self._num_blocks for b in (*block_ids, max(parent, 0))):
+            raise IndexError(f"a block of {list(block_ids)} (parent {parent}) is not one of this pool's "
+                             f"{self._num_blocks}")
         return result
 
     def remove_block(self, block_id: int) -> Removed | None:
         parent = self._remove_block(self._ix, block_id, self._digest)
+        if parent == -3:
+            raise IndexError(f"block {block_id} is not one of this pool's {self._num_blocks}")
         if parent == -2:
             return None
         self._num_entries -= 1
@@ -276,7 +303,7 @@ class NativeBlockIndex:
         return zip(np.frombuffer(digests, dtype="V16").tolist(), self._vals[slots].tolist())
 
     def check_integrity(self) -> None:
-        code = self._check(self._ix, self._num_blocks)
+        code = self._check(self._ix)
         assert code == 0, f"native block index inconsistent (block_index_check: {code})"
         assert int((self._vals >= 0).sum()) == self._num_entries, "entry count drifted"
 

@@ -411,17 +411,14 @@ class BlockPool:
     # ---- internals -----------------------------------------------------------------------------
     def _cache_new_run(self, block_ids: Sequence[int], block_hashes: Sequence[BlockHash], parent_block_id: int
                        ) -> list[int] | None:
-        """``cache_blocks`` where no hash is cached yet: the index records the run in one call.
-        None (nothing done) if a hash is cached already."""
+        """``cache_blocks`` where no hash is cached yet and no block holds one: the index records the run
+        in one call. None (nothing done) otherwise."""
         block_ids = list(block_ids)
         first, n = block_ids[0], len(block_ids)
         # a run (sorted fresh allocations): no id array to build; the span test first, gaps fail it at once
         consecutive = block_ids[-1] - first == n - 1 and block_ids == self._ids[first : first + n]
-        result = self._index.add_run(block_hashes, block_ids, consecutive, parent_block_id)
-        if result >= 0:
-            return None
-        if result != ADDED:
-            raise ValueError(f"block {block_ids[-2 - result]} already holds a hash")
+        if self._index.add_run(block_hashes, block_ids, consecutive, parent_block_id) != ADDED:
+            return None  # a hash is cached, or a block holds one: block by block decides (holder or error)
         if self.track_changes:
             self._newly_cached.extend(block_hashes)
         return block_ids
