@@ -12,7 +12,7 @@ last block up. Two implementations give the same answers:
 - ``NativeBlockIndex``: an open-addressing table in numpy memory; records are changed and read by
   ``kernels/cpu/block_index.c`` (see it for the layout). A run of new hashes, whatever its block ids,
   is recorded with one call over the joined digests (and the ids packed, unless they are a run): no
-  Python object or loop per block, ~25-38 us for 2,048 blocks where a dict and per-block writes in
+  Python object or loop per block, ~25-40 us for 2,048 blocks where a dict and per-block writes in
   Python cost ~230 us.
 - ``DictBlockIndex``: a dict and a list of hashes per block, in Python; where the native library is
   not loaded, or ``KVMESH_BLOCK_INDEX=dict``.
