@@ -19,6 +19,7 @@ import tracemalloc
 
 from kvmesh.bench.report import machine, print_table, time_call, write_json
 from kvmesh.kv.block_hash import hash_blocks, root_hash
+from kvmesh.kv.block_index import make_block_index
 from kvmesh.kv.block_pool import BlockPool
 from kvmesh.kv.prefix_hasher import PrefixHasher
 
@@ -59,7 +60,7 @@ def bench_structures(repeat: int) -> dict:
     root = root_hash(b"bench")
     hashes = hash_blocks(root, tokens, BLOCK)
     res: dict = {"num_tokens": NUM_TOKENS, "num_blocks": len(hashes),
-                 "index": type(BlockPool(1)._index).__name__}
+                 "index": type(make_block_index(1)).__name__}
     t_hash = time_call(lambda: hash_blocks(root, tokens, BLOCK), repeat)
     t_base = time_call(lambda: _sha256_pickle_chain(tokens), repeat)
     res["hash"] = {"kvmesh_ms": t_hash * 1e3, "tokens_per_s": NUM_TOKENS / t_hash,
