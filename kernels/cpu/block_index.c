@@ -20,7 +20,9 @@
 #include <stdint.h>
 #include <string.h>
 
-#define EMPTY (-1)
+#define EMPTY (-1)    /* a free slot in vals */
+#define NO_SLOT (-1)  /* slot_of_block of a block holding no digest */
+#define NO_BLOCK (-1) /* parents of a root, or of a block holding no digest */
 
 typedef struct {
     uint64_t *keys;
@@ -75,10 +77,10 @@ static void clear_slot(block_index_t *ix, int64_t hole) {
 /* Forget block b's digest and links (b holds one). */
 static void unlink_block(block_index_t *ix, int64_t b) {
     clear_slot(ix, ix->slot_of_block[b]);
-    ix->slot_of_block[b] = EMPTY;
+    ix->slot_of_block[b] = NO_SLOT;
     int32_t parent = ix->parents[b];
-    if (parent >= 0) ix->num_children[parent]--;
-    ix->parents[b] = EMPTY;
+    if (parent != NO_BLOCK) ix->num_children[parent]--;
+    ix->parents[b] = NO_BLOCK;
 }
 
 /* The block holding `digest`, or -1. */
