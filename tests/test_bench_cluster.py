@@ -14,14 +14,16 @@ KEYS = {"ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "throughput_tok_s", "hit_ra
 
 
 def test_shared_prefix_quick_compares_all_modes(tmp_path):
+    """Two runs per mode (modes taking turns): metrics over the 60 requests pooled, each run's p50 kept."""
     path = tmp_path / "bench.json"
-    assert main(["bench", "cluster", "--workload", "shared-prefix", "--quick", "--json", str(path),
+    assert main(["bench", "cluster", "--workload", "shared-prefix", "--quick", "--repeat", "2", "--json", str(path),
                  "--plots", str(tmp_path / "plots")]) == 0
     res = json.loads(path.read_text())
     modes = res["modes"]
-    assert set(modes) == {"kvmesh", "local-rr", "no-cache", "colocated"}
+    assert set(modes) == {"kvmesh", "local-rr", "no-cache", "colocated"} and res["repeat"] == 2
     for m in modes.values():
-        assert KEYS <= set(m) and m["requests"] == 30
+        assert KEYS <= set(m) and m["requests"] == 60 and len(m["ttft_ms_all"]) == 60
+        assert m["runs"] == 2 and len(m["ttft_p50_ms_per_run"]) == 2 and min(m["ttft_p50_ms_per_run"]) > 0
     assert modes["no-cache"]["tokens_reused"] == 0 and modes["no-cache"]["hit_rate_global"] == 0
     assert modes["kvmesh"]["tokens_computed"] < 0.5 * modes["no-cache"]["tokens_computed"]
     assert modes["kvmesh"]["hit_rate_global"] >= modes["local-rr"]["hit_rate_global"]

@@ -21,7 +21,7 @@ import tempfile
 from tqdm import tqdm
 
 from kvmesh.bench import workloads as wl
-from kvmesh.bench.cluster_bench import Mode, run_mode
+from kvmesh.bench.cluster_bench import Mode, run_mode, summarize_runs
 from kvmesh.bench.report import machine, print_table, write_json
 
 BLOCK_SIZE = 16
@@ -83,8 +83,9 @@ def run(args) -> dict:
         chosen = modes(args, size, disk_path)
         for name in names:
             bar.set_postfix_str(name)
-            res["modes"][name] = run_mode(chosen[name], args.model, args.decode, "multi-turn-rounds", conversations,
-                                          args.concurrency, args.slo_ttft_ms, args.slo_tpot_ms, None, bar)
+            run = run_mode(chosen[name], args.model, args.decode, "multi-turn-rounds", conversations,
+                           args.concurrency, None, bar)
+            res["modes"][name] = summarize_runs([run], args.slo_ttft_ms, args.slo_tpot_ms)
     base = res["modes"].get("tier0")
     if base:
         for m in res["modes"].values():
