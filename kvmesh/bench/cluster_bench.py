@@ -5,8 +5,9 @@
     no-cache   prefill + decode nodes, no prefix caching, round-robin
     colocated  decode nodes only, each prefills its own requests (local caches), round-robin
 
-Each mode gets a fresh local cluster and the same requests. Per request: TTFT, TPOT, ITL,
-end-to-end latency, where its prompt's KV came from, how long it waited for remote KV.
+Each mode gets a fresh local cluster and the same requests (``--repeat N``: N runs each, the
+modes taking turns, metrics over the pooled requests and each run's TTFT p50 kept). Per request:
+TTFT, TPOT, ITL, end-to-end latency, where its prompt's KV came from, how long it waited for remote KV.
 Per mode: percentiles, throughput, goodput under TTFT/TPOT SLOs, local and global hit
 rates, tokens computed (all nodes) and reused, bytes transferred, the transfer's share of TTFT,
 and what the decode nodes' cost model chose (requests computed locally vs fetched).
@@ -256,6 +257,8 @@ def run(args) -> dict:
     from kvmesh.bench.report import machine, write_json
     from kvmesh.model.loader import load_model
 
+    if args.repeat < 1:
+        raise SystemExit(f"kvmesh bench cluster: --repeat {args.repeat}: at least 1")
     loaded = load_model(args.model, progress=False)
     vocab = min(loaded.config.vocab_size, 256) if args.model.startswith("tiny") else loaded.config.vocab_size
     tokenize = loaded.tokenizer.encode
@@ -263,8 +266,6 @@ def run(args) -> dict:
     requests = build_workload(args, vocab, tokenize)
     if args.rate and args.workload not in ("multi-turn", "mooncake"):
         wl.poisson_arrivals(requests, args.rate, args.seed)
-    if args.repeat < 1:
-        raise SystemExit(f"kvmesh bench cluster: --repeat {args.repeat}: at least 1")
     local_tokens = args.local_prefill_tokens
     chosen = modes(args.prefill, local_tokens)
     names = [m for m in args.modes.split(",") if m] if args.modes else list(chosen)
