@@ -38,4 +38,5 @@ def test_bench_metadata_against_a_private_etcd(tmp_path):
     assert set(res["lookup_us"]) == {"128", "2048"}
     assert res["lookup_us"]["2048"]["mirror"] > 0 and res["lookup_us"]["2048"]["direct"] > 0
     assert res["publish_to_visible_ms"]["p50"] > 0
-    assert res["etcd_memory"]["keys"] == 4096 and res["etcd_memory"]["db_bytes_per_key"] > 0
+    memory = res["etcd_memory"]  # the keys went in; the db file may not grow for 4,096 of them (bbolt grows in steps)
+    assert memory["keys"] == memory["keys_visible"] == 4096 and memory["db_bytes_per_key"] >= 0
