@@ -43,6 +43,7 @@ class Removed(NamedTuple):
 
 
 class BlockIndex(Protocol):
+    block_ids: list[int]  # list(range(num_blocks)): the pool hands out these int objects, chain slices them
     slot_of_block: array
     parents: array
     num_children: array
@@ -104,6 +105,7 @@ def _packed_ids(block_ids: Sequence[int]) -> bytes:
 
 class DictBlockIndex:
     def __init__(self, num_blocks: int):
+        self.block_ids = list(range(num_blocks))
         self.slot_of_block, self.parents, self.num_children = (_int32s(num_blocks, v) for v in (-1, NO_BLOCK, 0))
         self._hashes: list[BlockHash | None] = [None] * num_blocks
         self._ids, self._zeros, self._ones = array("i", range(num_blocks)), _int32s(num_blocks, 0), \
@@ -238,8 +240,8 @@ class NativeBlockIndex:
         self._out = np.empty(num_blocks, dtype=np.int32)  # chain's answer, before it becomes a list
         self._out_ptr = self._out.ctypes.data
         self._digest = ctypes.create_string_buffer(16)
-        self._block_ids = list(range(num_blocks))
-        self._block_id_objects = np.array(self._block_ids, dtype=object)  # the same int objects, for a bulk take
+        self.block_ids = list(range(num_blocks))
+        self._block_id_objects = np.array(self.block_ids, dtype=object)  # the same int objects, for a bulk take
         self._num_entries = 0
         self._find, self._digest_of, self._chain = lib.block_index_find, lib.block_index_digest_of, \
             lib.block_index_chain
@@ -294,7 +296,7 @@ class NativeBlockIndex:
         if consecutive < 0:
             raise ValueError(f"the chain ending at block {last_block} is shorter than {length}")
         if consecutive:  # one run of consecutive ids: a slice of the id list
-            return self._block_ids[last_block - length + 1 : last_block + 1]
+            return self.block_ids[last_block - length + 1 : last_block + 1]
         return self._block_id_objects.take(self._out[:length]).tolist()
 
     def items(self) -> Iterator[tuple[BlockHash, int]]:

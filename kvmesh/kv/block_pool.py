@@ -76,7 +76,7 @@ class BlockPool:
         self._epoch = [0] * num_blocks  # bumped each time a block is allocated (its bytes may change after)
         # Every block id the pool hands out is one of these int objects (the queue links are built from
         # them), so the equality test that spots a run of consecutive ids is an identity check per id.
-        self._ids = list(range(num_blocks))
+        self._ids = self._index.block_ids  # list(range(num_blocks)), shared with the index's chain slices
         # Free queue: a doubly linked list through _prev/_next, sentinel at index num_blocks.
         sentinel = num_blocks
         self._next = self._ids[1:] + [sentinel, 0]
