@@ -125,31 +125,33 @@ def _library_path() -> Path | None:
     return path
 
 
-def _open(loader: type[ctypes.CDLL], signatures: dict[str, list], suffixes: tuple[str, ...] = ("",),
-          restype: type = ctypes.c_int) -> ctypes.CDLL | None:
+def _open(loader: type[ctypes.CDLL]) -> ctypes.CDLL | None:
     path = _library_path()
     if path is None:
         return None
     try:
-        lib = loader(str(path))
+        return loader(str(path))
     except OSError as exc:
         log.warning("native CPU kernels off (using the torch kernels): %s", exc)
         return None
+
+
+def _declare(lib: ctypes.CDLL, signatures: dict[str, list], suffixes: tuple[str, ...] = ("",),
+             restype: type = ctypes.c_int) -> None:
+    """Give each function ``name`` (or ``name_suffix``) its argument and result types."""
     for name, argtypes in signatures.items():
         for suffix in suffixes:
             fn = getattr(lib, f"{name}_{suffix}" if suffix else name)
             fn.argtypes, fn.restype = argtypes, restype
-    return lib
 
 
 @functools.cache
 def load() -> ctypes.CDLL | None:
     """The kernels (each call releases the GIL); None (reason logged once) where they cannot be had."""
-    lib = _open(ctypes.CDLL, _SIGNATURES, tuple(_SUFFIXES.values()))
+    lib = _open(ctypes.CDLL)
     if lib is not None:
-        for name, argtypes in _UNTYPED.items():
-            fn = getattr(lib, name)
-            fn.argtypes, fn.restype = argtypes, ctypes.c_int
+        _declare(lib, _SIGNATURES, tuple(_SUFFIXES.values()))
+        _declare(lib, _UNTYPED)
     return lib
 
 
@@ -157,7 +159,10 @@ def load() -> ctypes.CDLL | None:
 def load_holding_gil() -> ctypes.PyDLL | None:
     """The block index functions (``block_index.c``), called holding the GIL: each call is short and atomic
     for Python threads. None where the library cannot be had."""
-    return _open(ctypes.PyDLL, _BLOCK_INDEX_SIGNATURES, restype=_I64)
+    lib = _open(ctypes.PyDLL)
+    if lib is not None:
+        _declare(lib, _BLOCK_INDEX_SIGNATURES, restype=_I64)
+    return lib
 
 
 def forget() -> None:
