@@ -322,7 +322,8 @@ class Router:
             queued = dict(self._queued_tokens)
         candidates = [Candidate(n, held.get(n, 0) * self.cfg.block_size,
                                 self._connections[n].num_open if n in self._connections else 0, len(prompt_ids),
-                                queued.get(n, 0), float(r.kv_layout.get("prefill_tokens_per_s", 0) or 0))
+                                queued.get(n, 0), float(r.kv_layout.get("prefill_tokens_per_s", 0) or 0),
+                                float(r.kv_layout.get("decode_step_s", 0) or 0))
                       for n, r in sorted(decode_nodes.items())]
         chosen_id = self.policy.choose(candidates, session_id)
         chosen = next(c for c in candidates if c.node_id == chosen_id)

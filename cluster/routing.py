@@ -2,10 +2,17 @@
 
 A policy sees, for each live decode node, how long a prefix of the prompt the
 global index says it holds, how loaded it is, the prompt tokens already queued
-there and the node's measured prefill rate, and picks one. ``cache-aware``
-predicts the time to first token on each node (queued tokens plus this prompt's
-uncached tokens, at the node's rate) and takes the soonest, so a cached prefix
-wins exactly while computing it elsewhere would take longer than waiting for it;
+there and the node's measured compute (a decode step, a marginal prefill rate
+per token), and picks one. ``cache-aware`` predicts the time to
+first token on each node and takes the soonest:
+
+    load x step cost  +  (queued tokens + this prompt's uncached tokens) / rate
+
+(every request in flight there delays a new one by about one decode step: measured,
+a hit's first token comes ~0.6 ms later per request in flight on the tiny preset,
+~15 ms on SmolLM2 at one thread, each about the node's probed decode step), so a
+cached prefix wins exactly while computing it elsewhere would take longer than
+waiting for it;
 it keeps a multi-turn session on its node unless that node is clearly more
 loaded. ``round-robin`` and ``random`` are the baselines.
 """
@@ -23,12 +30,14 @@ class Candidate(NamedTuple):
     load: int  # requests in flight through this router to the node
     prompt_tokens: int = 0  # this prompt's length
     queued_tokens: int = 0  # uncached prompt tokens routed to the node whose first token has not come back
-    prefill_tokens_per_s: float = 0.0  # the node's measured prefill rate (its registry record); 0: unknown
+    prefill_tokens_per_s: float = 0.0  # the node's measured marginal prefill rate (its registry record); 0: unknown
+    step_s: float = 0.0  # the node's measured decode step of one sequence (its registry record); 0: unknown
 
     def predicted_ttft_s(self) -> float:
-        """Seconds until this prompt's first token here: the queue, then its uncached tokens (rate known)."""
+        """Seconds until this prompt's first token here, beyond one step: a step per request in flight, the
+        queued tokens, then its uncached tokens (rate known)."""
         uncached = max(0, self.prompt_tokens - self.cached_tokens)
-        return (self.queued_tokens + uncached) / self.prefill_tokens_per_s
+        return self.load * self.step_s + (self.queued_tokens + uncached) / self.prefill_tokens_per_s
 
 
 class RoutingPolicy(Protocol):

@@ -12,8 +12,9 @@ seconds with measured rates:
 Holders and the prefill node work at the same time; whatever is not fetched is computed
 here. ``plan_fetch`` picks the cheapest plan, so the cluster never chooses to be slower
 than computing locally (by its estimates, all measured: ``TransferRateEstimator`` for the
-links, ``RateMeter`` for this node's prefill rate and each prefill node's effective rate as
-this node sees it, queueing included). A prompt whose local estimate is below one round
+links, this node's marginal prefill rate (``CostFit``: a step's fixed cost is paid whether
+or not more tokens join it), each prefill node's effective rate as this node sees it
+(``RateMeter``, queueing included)). A prompt whose local estimate is below one round
 trip never looks further (``worth_a_lookup``): no remote plan can beat it.
 """
 from __future__ import annotations
@@ -68,7 +69,8 @@ class TransferRateEstimator:
 
     Starts from a prior (``--transfer-gib-per-s``; round trip 5 ms); every transfer that
     moved at least ``min_bytes`` updates the bandwidth (the first one replaces the prior),
-    timed by the writer inside its transfer engine, so a prefill node's compute is not counted.
+    timed by the writer inside its transfer engine, so a prefill node's compute is not counted;
+    every fetch from holders alone updates the round trip with what it cost beyond those bytes.
     """
 
     def __init__(self, prior_bytes_per_s: float, prior_rtt_s: float = 0.005, weight: float = 0.3,
@@ -81,8 +83,9 @@ class TransferRateEstimator:
         self.num_rtt_samples = 0
 
     def record_round_trip(self, seconds: float) -> None:
-        """A request/answer exchange with a peer that did no work in between (its write time taken out)."""
-        if seconds > 0:
+        """What one fetch cost beyond moving its bytes, end to end: from the decision to the KV being usable
+        (exchanges, thread hops, the wait for an engine step boundary), less bytes / ``bytes_per_s``."""
+        if seconds >= 0:
             self.rtt_s += self.weight * (seconds - self.rtt_s)
             self.num_rtt_samples += 1
 

@@ -72,6 +72,7 @@ class _FetchResult:
     num_host: int = 0
     num_disk: int = 0
     promote_s: float = 0.0
+    asked_prefill: bool = False  # a prefill node was asked for blocks [from_holders, end)
 
 
 PROMPT_TOKEN_SOURCES = ("tokens_reused_local", "tokens_reused_host", "tokens_reused_disk", "tokens_reused_remote",
@@ -158,7 +159,12 @@ class DecodeWorker(NodeRuntime):
         best_s = float("inf")
         with self._lock:
             for node_id, record in prefill_nodes.items():
+                # Never faster than the node measured itself computing: a quicker conversation found the
+                # prompt cached there (an index not yet updated), which says nothing about the next one.
                 rate = self._prefill_rate(node_id, record).per_s
+                published = float(record.kv_layout.get("prefill_tokens_per_s", 0) or 0)
+                if published > 0:
+                    rate = min(rate, published)
                 if rate <= 0:
                     continue
                 queue_s = self._prefill_tokens_in_flight[node_id] / rate
@@ -250,6 +256,7 @@ class DecodeWorker(NodeRuntime):
             split = plan.holders_end
             computing, prefill = None, _FetchResult(split, split, split)
             if plan.use_prefill:
+                result.asked_prefill = True
                 computing = self._prefill_workers.submit(self._fetch_from_prefill, seq, prefill, end, hits,
                                                          preferred)
             if plan.promote_end > num_local:  # our own lower tiers (while the prefill node computes)
@@ -277,12 +284,9 @@ class DecodeWorker(NodeRuntime):
             length = min(length, end)
             if length <= got or self._aborting(seq):
                 continue
-            started = time.perf_counter()
             outcome = self.agent.requester.push(node_id, seq.block_ids[got:length], seq.block_hashes[got:length],
                                                 request_id=f"{seq.request_id}/hold", timeout_s=HOLDER_TIMEOUT_S)
             self.rates.record_transfer(outcome.num_written * self.agent.block_bytes, outcome.write_s)
-            if outcome.error is None:  # what the exchange cost beyond the writes: the round trip
-                self.rates.record_round_trip(time.perf_counter() - started - outcome.write_s)
             result.tainted += outcome.tainted_block_ids
             if outcome.error is not None:
                 log.warning("%s: holder %s: %s", self.cfg.node_id, node_id, outcome.error)
@@ -348,6 +352,12 @@ class DecodeWorker(NodeRuntime):
         request = self._requests[seq.request_id]
         request.fetching = False
         request.kv_wait_s = time.perf_counter() - request.fetch_started
+        num_moved = result.from_holders - result.promoted
+        if num_moved > 0 and not result.asked_prefill and not result.tainted and result.promoted == result.num_local:
+            # A fetch from holders alone, end to end (thread hops and the wait for a step boundary included):
+            # what it cost beyond moving the bytes is the round trip the next decision should price.
+            moved_s = num_moved * self.agent.block_bytes / self.rates.bytes_per_s
+            self.rates.record_round_trip(max(0.0, request.kv_wait_s - moved_s))
         request.tokens_from_peers = (result.from_holders - result.promoted) * bs
         request.tokens_from_host, request.tokens_from_disk = result.num_host * bs, result.num_disk * bs
         request.promote_s = result.promote_s

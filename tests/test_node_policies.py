@@ -98,6 +98,16 @@ def test_cache_aware_policy_predicts_time_to_first_token_when_rates_are_known():
     assert pick(512, 400, b_queued=400) == "a"  # the same queue on both: the cache decides
     assert pick(512, 0, a_rate=1_000.0) == "b"  # a slow node: 88 ms there vs 60 ms here
     assert pick(0, 0) == "b"  # nothing cached anywhere: the shorter queue, then the lighter load
+
+    # Requests in flight: each delays a new one by about one decode step (SmolLM2 at one thread: ~15 ms,
+    # 1,600 prompt tokens/s). A 64-token hit on a node with 4 in flight: 60 ms + 147 ms; an idle node: 188 ms.
+    def busy(a_load: int, step_s: float) -> str:
+        return policy.choose([Candidate("a", 64, a_load, 300, 0, 1_600.0, step_s),
+                              Candidate("b", 0, 0, 300, 0, 1_600.0, step_s)])
+
+    assert busy(4, 0.015) == "b"
+    assert busy(1, 0.015) == "a"  # one in flight: 162 ms there, still sooner
+    assert busy(4, 0.0) == "a"  # the decode step unknown (an older node record): the queue and cache alone
     # A node whose rate is unknown: the token score (cached tokens against load) decides.
     assert policy.choose([Candidate("a", 512, 1, 600, 5_000, 0.0), Candidate("b", 0, 0, 600, 0, 1e4)]) == "a"
 
@@ -133,6 +143,42 @@ def test_cache_aware_policy_scores_cache_against_load_and_keeps_sessions():
     assert picks == {"x", "y"}
     with pytest.raises(ValueError, match="cache-aware"):
         make_policy("smartest")
+
+
+def test_cost_fit_separates_the_fixed_cost_of_a_step_from_its_rate():
+    import random
+
+    from kvmesh.node.rate_meter import CostFit
+
+    rng = random.Random(0)
+    truth = lambda n: 0.0005 + n / 100_000  # noqa: E731  the tiny preset's prefill on one thread, roughly
+    # A probe at start-up 30% pessimistic, then steps of varied sizes (noise +-5%): the fit finds the truth.
+    fit = CostFit([(64, truth(64) * 1.3), (512, truth(512) * 1.3)])
+    assert fit.per_s < 80_000
+    for _ in range(200):
+        n = rng.choice((33, 34, 40, 800, 96))
+        fit.record(n, truth(n) * rng.uniform(0.95, 1.05))
+    assert abs(fit.per_s - 100_000) / 100_000 < 0.1 and abs(fit.fixed_s - 0.0005) < 0.0002
+    assert abs(fit.seconds(768) - truth(768)) / truth(768) < 0.05
+    # The average rate of the short steps that dominate (tokens / step time) is what a RateMeter would say:
+    # 40 tokens in 0.9 ms = 44k tokens/s, less than half the marginal rate.
+    average = 40 / truth(40)
+    assert average < fit.per_s / 2
+
+    # Steps all of one size say nothing about the slope: the probe's slope stays, the fixed part moves.
+    fit = CostFit([(64, truth(64)), (512, truth(512))])
+    for _ in range(300):
+        fit.record(40, truth(40) * 1.5)  # the machine got busier
+    assert abs(fit.per_s - 100_000) / 100_000 < 0.25
+    assert abs(fit.seconds(40) - truth(40) * 1.5) / (truth(40) * 1.5) < 0.1
+
+    # Longer steps taking less time (noise bigger than the size effect): no negative rate, no negative fixed.
+    fit = CostFit([(64, 0.002), (512, 0.001)])
+    assert fit.per_s > 0 and fit.fixed_s == 0.0
+    with pytest.raises(ValueError):
+        CostFit([(64, 0.001), (64, 0.002)])  # one amount: no line through it
+    with pytest.raises(ValueError):
+        CostFit([(64, 0.001)])
 
 
 def test_transfer_rate_estimator_learns_the_link_and_flips_the_decision():

@@ -349,9 +349,9 @@ def add_arguments(p) -> None:
     p.add_argument("--modes", default="", help="comma-separated subset of kvmesh,local-rr,no-cache,colocated")
     p.add_argument("--routing", default="", help="override every mode's routing policy")
     p.add_argument("--quick", action="store_true", help="a small run that finishes in a few minutes")
-    p.add_argument("--repeat", type=int, default=1,
+    p.add_argument("--repeat", type=int, default=None,
                    help="run every mode this many times, modes taking turns; metrics over all requests pooled, "
-                        "each run's TTFT p50 reported too")
+                        "each run's TTFT p50 reported too (default 1; 3 with --quick)")
     p.add_argument("--prefill", type=int, default=1)
     p.add_argument("--decode", type=int, default=2)
     p.add_argument("--groups", type=int, default=8)
@@ -376,7 +376,14 @@ def add_arguments(p) -> None:
                         "the cost model decides, as in production)")
 
 
+QUICK_REPEAT = 3
+
+
 def apply_quick(args) -> None:
+    if args.repeat is None:
+        # A quick run's 30 requests take ~0.2 s on the tiny preset: one run's p50 moves by more than the
+        # modes differ. Three runs pooled (each on fresh clusters, so each has its cold misses) steady it.
+        args.repeat = QUICK_REPEAT if args.quick else 1
     if args.quick:
         # 5 groups: an odd count, so round-robin does not keep each group on one node by accident.
         args.groups, args.per_group, args.system_len, args.output_len = 5, 6, 768, 8

@@ -20,6 +20,7 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from kvmesh.auth import ClusterAuth
 from kvmesh.engine.engine import EngineConfig, LLMEngine
@@ -37,7 +38,7 @@ from kvmesh.node import messages as nm
 from kvmesh.node.engine_loop import EngineLoop
 from kvmesh.netaddr import advertise_address
 from kvmesh.node.membership import ClusterMembership
-from kvmesh.node.rate_meter import RateMeter
+from kvmesh.node.rate_meter import CostFit
 from kvmesh.router_endpoint import RouterEndpoint
 from kvmesh.transfer.block_source import TieredSource
 from kvmesh.transfer.engine import create_transfer_engine
@@ -47,6 +48,13 @@ from kvmesh.wire import MessageError, decode, encode
 
 log = logging.getLogger("kvmesh.node")
 DEFAULT_CLUSTER = "kvmesh"  # every command's default --cluster
+PROBE_SHORT_TOKENS, PROBE_LONG_TOKENS = 64, 512  # the start-up probe's two prefill sizes
+PROBE_DECODE_STEPS = 3
+
+
+class ComputeProbe(NamedTuple):
+    prefill_points: list[tuple[float, float]]  # (prompt tokens, seconds of the prefill step)
+    decode_step_s: float  # one decode step of one sequence: about what each request in flight adds to a step
 
 
 @dataclass(frozen=True)
@@ -105,8 +113,10 @@ class NodeRuntime:
                                       max_num_batched_tokens=cfg.max_num_batched_tokens)))
         self.pool = self.engine.pool
         # Seeded by a start-up measurement, then kept current by every step that computes prompt tokens.
-        self.prefill_meter = RateMeter(self._measure_prefill_rate(), min_amount=32)
-        self.engine.on_prefill_step = self.prefill_meter.record
+        probe = self._probe()
+        self.prefill_cost = CostFit(probe.prefill_points)
+        self.decode_step_s = probe.decode_step_s
+        self.engine.on_prefill_step = self.prefill_cost.record
         self.engine.on_token = self.on_token
         self.membership = ClusterMembership(cfg.etcd, cfg.cluster, cfg.node_id,
                                             index_namespace(self.engine.namespace), cfg.lease_ttl_s,
@@ -155,6 +165,7 @@ class NodeRuntime:
                            "fingerprint": self.loaded.fingerprint, "root_hash": self.engine.kv.root_hash.hex(),
                            "index_namespace": index_namespace(self.engine.namespace),
                            "prefill_tokens_per_s": self.prefill_tokens_per_s,
+                           "decode_step_s": self.decode_step_s,
                            **({"disk_read_bytes_per_s": self.tiers.read_rates[2].per_s}
                               if self.tiers is not None and self.tiers.disk is not None else {})},
                           layout.num_blocks, {"free_blocks": self.pool.num_free_blocks})
@@ -170,25 +181,36 @@ class NodeRuntime:
 
     @property
     def prefill_tokens_per_s(self) -> float:
-        """This node's prefill rate as measured (start-up probe, then a moving average of real steps)."""
-        return self.prefill_meter.per_s
+        """This node's marginal prefill rate: what each more prompt token costs (start-up probe, then fitted to
+        real steps). The fixed cost of a step is apart (``prefill_cost.fixed_s``): a request pays it anyway."""
+        return self.prefill_cost.per_s
 
-    def _measure_prefill_rate(self) -> float:
-        """Tokens per second of one 64-token prefill (after a warm-up), for the decode-side cost model."""
+    def _probe(self) -> ComputeProbe:
+        """Start-up measurement of this node's compute, after a warm-up: a short and a long prefill (the best
+        of two each; the two points that seed ``prefill_cost``) and one decode step of one sequence."""
         from kvmesh.engine.sampling_params import SamplingParams
 
-        params = SamplingParams(max_tokens=1, temperature=0.0)
-        rates = []
-        for offset in range(3):
-            seq = self.engine.add_request([(7 * i + offset) % 250 for i in range(64)], params)
+        short = max(1, min(PROBE_SHORT_TOKENS, self.engine.max_model_len // 4))
+        sizes = (short, max(short + 1, min(PROBE_LONG_TOKENS, self.engine.max_model_len // 2)))
+        best = dict.fromkeys(sizes, float("inf"))
+        decode_step_s = float("inf")
+        runs = [(short, 1), (short, PROBE_DECODE_STEPS + 1), *zip(sizes * 2, (1,) * 4)]
+        for offset, (num_tokens, max_tokens) in enumerate(runs):  # the first run warms up
+            seq = self.engine.add_request([(7 * i + offset) % 250 for i in range(num_tokens)],
+                                          SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
             start = time.perf_counter()
-            while not seq.is_finished:
+            while not seq.output_token_ids:  # the prefill (several steps if the token budget chunks it)
                 self.engine.step()
-            rates.append(64 / (time.perf_counter() - start))
+            if offset > 1:
+                best[num_tokens] = min(best[num_tokens], time.perf_counter() - start)
+            while not seq.is_finished:
+                start = time.perf_counter()
+                self.engine.step()
+                decode_step_s = min(decode_step_s, time.perf_counter() - start)
         self.pool.evict(self.pool.num_blocks)  # the probe's blocks are not worth publishing
         self.pool.take_cached(), self.pool.take_evicted()
         self.engine.kv.stats = PrefixCacheStats()  # counters start with the first real request
-        return max(rates)
+        return ComputeProbe(list(best.items()), decode_step_s)
 
     # ---- engine-thread hooks ---------------------------------------------------------------------------
     def _publish(self) -> None:
