@@ -42,6 +42,9 @@ def add_node_arguments(p: argparse.ArgumentParser) -> None:
                    help="decode nodes compute uncached suffixes up to this many tokens (-1: cost model)")
     p.add_argument("--transfer-gib-per-s", type=float, default=1.0,
                    help="the cost model's bandwidth before it has measured real transfers")
+    p.add_argument("--transfer-rtt-ms", type=float, default=10.0,
+                   help="the cost model's fetch overhead beyond the bytes (round trip, thread hops, the wait for "
+                        "an engine step) before it has measured real fetches")
     p.add_argument("--no-prefix-cache", action="store_true", help="compute every prompt in full (baseline)")
     p.add_argument("--speculative", default="off", choices=["off", "ngram", "self-draft"],
                    help="decode nodes: speculative decoding with prompt-lookup guesses or a self-draft (the "
@@ -82,6 +85,7 @@ def run_node(role: str, args: argparse.Namespace) -> int:
                      max_num_batched_tokens=args.max_num_batched_tokens,
                      host=args.host, advertise_host=args.advertise_host, transfer_backend=args.transfer_backend,
                      lease_ttl_s=args.lease_ttl, transfer_gib_per_s=args.transfer_gib_per_s,
+                     transfer_rtt_s=args.transfer_rtt_ms / 1e3,
                      prefill_timeout_s=args.prefill_timeout, local_prefill_tokens=args.local_prefill_tokens,
                      enable_prefix_caching=not args.no_prefix_cache, use_global_pool=not args.no_global_pool,
                      speculative=args.speculative, num_speculative_tokens=args.num_speculative_tokens,

@@ -67,13 +67,13 @@ def plan_fetch(num_local: int, held_end: int, end: int, block_size: int, bytes_p
 class TransferRateEstimator:
     """Bandwidth and round trip to peers, learned from real transfers (exponentially weighted).
 
-    Starts from a prior (``--transfer-gib-per-s``; round trip 5 ms); every transfer that
+    Starts from a prior (``--transfer-gib-per-s``, ``--transfer-rtt-ms``); every transfer that
     moved at least ``min_bytes`` updates the bandwidth (the first one replaces the prior),
     timed by the writer inside its transfer engine, so a prefill node's compute is not counted;
     every fetch from holders alone updates the round trip with what it cost beyond those bytes.
     """
 
-    def __init__(self, prior_bytes_per_s: float, prior_rtt_s: float = 0.005, weight: float = 0.3,
+    def __init__(self, prior_bytes_per_s: float, prior_rtt_s: float = 0.010, weight: float = 0.3,
                  min_bytes: int = 256 * 1024):
         self.bytes_per_s = prior_bytes_per_s
         self.rtt_s = prior_rtt_s

@@ -100,7 +100,7 @@ class DecodeWorker(NodeRuntime):
         # Where every finished request's prompt tokens came from, each token counted once (engine thread only).
         # Keys fixed up front, so the stats thread can read it while the engine thread adds.
         self.prompt_token_sources: Counter[str] = Counter(dict.fromkeys(PROMPT_TOKEN_SOURCES, 0))
-        self.rates = TransferRateEstimator(self.cfg.transfer_gib_per_s * 2**30)
+        self.rates = TransferRateEstimator(self.cfg.transfer_gib_per_s * 2**30, self.cfg.transfer_rtt_s)
 
     # ---- admission (engine thread) ------------------------------------------------------------------
     def handle(self, identity: bytes, msg) -> None:

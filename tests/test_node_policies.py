@@ -165,6 +165,11 @@ def test_cost_fit_separates_the_fixed_cost_of_a_step_from_its_rate():
     average = 40 / truth(40)
     assert average < fit.per_s / 2
 
+    # One cold first step (a new shape: twice as slow) hardly moves a fresh fit: 768 tokens priced within 10%.
+    fit = CostFit([(64, truth(64)), (512, truth(512))])
+    fit.record(800, truth(800) * 2)
+    assert abs(fit.seconds(768) - truth(768)) / truth(768) < 0.1
+
     # Steps all of one size say nothing about the slope: the probe's slope stays, the fixed part moves.
     fit = CostFit([(64, truth(64)), (512, truth(512))])
     for _ in range(300):

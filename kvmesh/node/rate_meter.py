@@ -40,20 +40,26 @@ class RateMeter:
 class CostFit:
     """``seconds(n) = fixed_s + n / per_s``, fitted to observations (exponentially weighted least squares).
 
-    ``prior``: (amount, seconds) points measured once (a start-up probe at two sizes); they
-    keep ``prior_weight`` observations' worth of weight for good, so a run of same-sized
+    ``prior``: (amount, seconds) points measured once (a start-up probe at two sizes), worth
+    ``prior_weight`` observations at first (a few odd first steps do not overturn the probe)
+    and, as observations come, never less than ``prior_floor``: a run of same-sized
     observations (which says nothing about the slope) moves the fixed part and leaves the
     slope to the probe, while observations of varied sizes take over. Recent observations
-    count most: each new one multiplies the weight of the earlier ones by ``decay``.
+    count most: each new one multiplies the weight of the earlier ones by ``decay``. An
+    observation is clipped to within ``clip`` times the prediction first: the first step of
+    a new shape (allocations, kernel set-up) can take twice as long as the next ones, and
+    one such step must not make every long prompt look twice as dear.
     Not thread-safe: one thread records (the engine's), readers may see a slightly old fit.
     """
 
-    def __init__(self, prior: list[tuple[float, float]], decay: float = 0.97, prior_weight: float = 4.0):
+    def __init__(self, prior: list[tuple[float, float]], decay: float = 0.97, prior_weight: float = 16.0,
+                 prior_floor: float = 2.0, clip: float = 1.25):
         if len(prior) < 2 or len({a for a, _ in prior}) < 2 or any(a <= 0 or s <= 0 for a, s in prior):
             raise ValueError(f"CostFit needs positive (amount, seconds) points at two amounts or more, got {prior}")
         self.decay = decay
-        w = prior_weight / len(prior)
-        self._prior = self._sums(prior, w)
+        self.clip = clip
+        self._prior = self._sums(prior, 1.0 / len(prior))  # at weight 1 in all, scaled by _prior_weight
+        self._prior_weight, self._prior_floor = prior_weight, prior_floor
         self._live = (0.0, 0.0, 0.0, 0.0, 0.0)
         self.num_samples = 0
         self.fixed_s, self.per_s = self._fit()
@@ -67,13 +73,16 @@ class CostFit:
         """One observation: ``amount`` units of work took ``seconds``."""
         if amount <= 0 or seconds <= 0:
             return
+        predicted = self.seconds(amount)
+        seconds = min(max(seconds, predicted / self.clip), predicted * self.clip)
         w0, wa, ws, waa, was = (self.decay * x for x in self._live)
         self._live = (w0 + 1, wa + amount, ws + seconds, waa + amount * amount, was + amount * seconds)
+        self._prior_weight = max(self._prior_floor, self._prior_weight * self.decay)
         self.num_samples += 1
         self.fixed_s, self.per_s = self._fit()
 
     def _fit(self) -> tuple[float, float]:
-        w0, wa, ws, waa, was = (p + q for p, q in zip(self._prior, self._live))
+        w0, wa, ws, waa, was = (self._prior_weight * p + q for p, q in zip(self._prior, self._live))
         spread = w0 * waa - wa * wa  # w0^2 x the weighted variance of the amounts: > 0 thanks to the prior
         slope = (w0 * was - wa * ws) / spread
         fixed = (ws - slope * wa) / w0

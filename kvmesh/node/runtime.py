@@ -77,7 +77,8 @@ class NodeConfig:
     lease_ttl_s: int = 10
     prefill_timeout_s: float = 10.0
     local_prefill_tokens: int = -1  # decode: uncached suffixes up to this are computed locally; -1: cost model
-    transfer_gib_per_s: float = 1.0  # assumed by the cost model
+    transfer_gib_per_s: float = 1.0  # assumed by the cost model until it measures transfers
+    transfer_rtt_s: float = 0.010  # ... and its fetch overhead beyond the bytes, until it measures fetches
     enable_prefix_caching: bool = True  # off: every prompt is computed in full (a benchmark baseline)
     use_global_pool: bool = True  # off: no lookups in the global index (local caches only, vLLM-style PD)
     host_kv_bytes: int = 0  # tier 1: host memory below the KV buffer (docs/tiers.md); 0: none
