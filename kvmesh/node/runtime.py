@@ -191,8 +191,10 @@ class NodeRuntime:
         of two each; the two points that seed ``prefill_cost``) and one decode step of one sequence."""
         from kvmesh.engine.sampling_params import SamplingParams
 
-        short = max(1, min(PROBE_SHORT_TOKENS, self.engine.max_model_len // 4))
-        sizes = (short, max(short + 1, min(PROBE_LONG_TOKENS, self.engine.max_model_len // 2)))
+        # Within the context and half the KV buffer (a node may be given a small one).
+        room = min(self.engine.max_model_len, self.pool.num_blocks * self.cfg.block_size) // 2
+        short = max(1, min(PROBE_SHORT_TOKENS, room // 2))
+        sizes = (short, max(short + 1, min(PROBE_LONG_TOKENS, room)))
         best = dict.fromkeys(sizes, float("inf"))
         decode_step_s = float("inf")
         runs = [(short, 1), (short, PROBE_DECODE_STEPS + 1), *zip(sizes * 2, (1,) * 4)]
