@@ -1,7 +1,8 @@
 """The one dispatch point: every kernel call of the model goes through here.
 
-CUDA tensors take the Triton kernels; on the CPU, decode attention, RMSNorm (with its
-fused residual add) and RoPE + K/V store take the native kernels (``kernels/cpu``,
+CUDA tensors take the Triton kernels; on the CPU, decode attention, prefill attention
+(fp32; bf16 for a few new tokens), RMSNorm (with its fused residual add) and RoPE + K/V
+store take the native kernels (``kernels/cpu``,
 compiled on first use) where they load and take the arguments, everything else the
 torch reference. ``KVMESH_KERNELS=torch`` forces the reference anywhere;
 ``KVMESH_KERNELS=triton`` forces Triton (on the CPU that needs ``TRITON_INTERPRET=1``,
@@ -14,6 +15,7 @@ import os
 
 import torch
 
+from kvmesh.device import cpu_features
 from kvmesh.kernels.attention_metadata import AttentionMetadata
 from kvmesh.kernels.cpu import library as native
 from kvmesh.kernels.reference import attention as ref_attention
@@ -77,6 +79,19 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     return out
 
 
+NATIVE_BF16_PREFILL_MAX_TOKENS = 32
+
+
+def can_prefill_natively(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, max_query_len: int) -> bool:
+    """fp32: the native kernel, always (1.7-2.7x torch's SDPA on 2 EPYC cores, 32 to 2,048 new tokens). bf16: only
+    a few new tokens over a context (up to 32: 1.2-2x the chunked GEMMs, which are faster for long prompts since
+    they multiply in bf16), and not where the CPU has AMX (torch's flash kernel serves bf16 there)."""
+    if query.dtype == torch.bfloat16 and (max_query_len > NATIVE_BF16_PREFILL_MAX_TOKENS or
+                                          "amx_tile" in cpu_features()):
+        return False
+    return query.dtype in (torch.float32, torch.bfloat16) and native.can_attend(query, k_cache, v_cache)
+
+
 def prefill_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
                       query_lens_cpu: list[int], seq_lens_cpu: list[int], max_query_len: int,
                       scale: float) -> torch.Tensor:
@@ -84,6 +99,8 @@ def prefill_attention(query, k_cache, v_cache, block_tables, seq_lens, query_sta
         from kvmesh.kernels.triton import attention
         return attention.prefill_attention(query, k_cache, v_cache, block_tables, seq_lens,
                                            query_start_loc, max_query_len, scale)
+    if use_native(query) and can_prefill_natively(query, k_cache, v_cache, max_query_len):
+        return native.prefill_attention(query, k_cache, v_cache, block_tables, query_lens_cpu, seq_lens_cpu, scale)
     return ref_attention.prefill_attention(query, k_cache, v_cache, block_tables,
                                            query_lens_cpu, seq_lens_cpu, scale)
 
@@ -94,7 +111,7 @@ def decode_attention(query, k_cache, v_cache, block_tables, seq_lens, max_seq_le
     if use_triton(query):
         from kvmesh.kernels.triton import attention
         return attention.decode_attention(query, k_cache, v_cache, block_tables, seq_lens, scale, max_seq_len)
-    if use_native(query) and native.can_decode(query, k_cache, v_cache):
+    if use_native(query) and native.can_attend(query, k_cache, v_cache):
         return native.decode_attention(query, k_cache, v_cache, block_tables, seq_lens, scale)
     index = None if per_step is None else per_step.get("decode_index")
     if index is None:

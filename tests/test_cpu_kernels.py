@@ -53,7 +53,7 @@ def test_native_decode_attention_matches_the_reference_and_the_oracle(shape, dty
     case = make_case(21, [1] * len(s_lens), s_lens, hq, hkv, d, bs, dtype)
     seq_lens = torch.tensor(s_lens, dtype=torch.int32)
     scale = d**-0.5
-    assert native.can_decode(case.query, case.k_cache, case.v_cache)
+    assert native.can_attend(case.query, case.k_cache, case.v_cache)
     ours = native.decode_attention(case.query, case.k_cache, case.v_cache, case.block_tables, seq_lens, scale)
     ref = ref_attn.decode_attention(case.query, case.k_cache, case.v_cache, case.block_tables, seq_lens,
                                     max(s_lens), scale)
@@ -68,15 +68,72 @@ def test_native_decode_attention_matches_the_reference_and_the_oracle(shape, dty
         assert ours_err <= 1.1 * (ref.double() - oracle).abs().max().item() + 1e-3
 
 
+PREFILL_CASES = [
+    # query_lens, seq_lens, Hq, Hkv, D, block_size
+    ([5], [5], 2, 2, 16, 16),  # a fresh prompt shorter than a block
+    ([17, 1, 40], [17, 30, 77], 4, 2, 32, 16),  # ragged: fresh, one token over a context, a chunk over one
+    ([32], [2048], 9, 3, 64, 16),  # SmolLM2's heads: a 32-token suffix over a 2k cached prefix
+    ([70, 33], [75, 300], 8, 2, 96, 8),  # several token tiles, head_dim past a multiple of 64, small blocks
+    ([20], [52], 3, 1, 64, 12),  # blocks of 12: key tiles end at block ends, not every 16
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case_args", PREFILL_CASES)
+def test_native_prefill_attention_matches_the_reference_and_the_oracle(case_args, dtype):
+    q_lens, s_lens, hq, hkv, d, bs = case_args
+    case = make_case(17, q_lens, s_lens, hq, hkv, d, bs, dtype)
+    scale = d**-0.5
+    assert native.can_attend(case.query, case.k_cache, case.v_cache)
+    ours = native.prefill_attention(case.query, case.k_cache, case.v_cache, case.block_tables, q_lens, s_lens, scale)
+    oracle = dense_oracle(case, scale)
+    assert ours.dtype == dtype and ours.shape == case.query.shape
+    if dtype == torch.float32:  # the reference is torch's SDPA: only the order of the sums differs
+        ref = ref_attn.prefill_attention(case.query, case.k_cache, case.v_cache, case.block_tables, q_lens, s_lens,
+                                         scale)
+        assert (ours.double() - oracle).abs().max().item() < 1e-5
+        assert (ours - ref).abs().max().item() < 1e-5
+    else:  # the chunked reference's roundings: at most a bf16 rounding apart, as close to the oracle
+        start, ref = 0, torch.empty_like(case.query)
+        for i, (q_len, s_len) in enumerate(zip(q_lens, s_lens)):
+            k = ref_attn.gather_kv(case.k_cache, case.block_tables[i], s_len)
+            v = ref_attn.gather_kv(case.v_cache, case.block_tables[i], s_len)
+            ref[start:start + q_len] = ref_attn.chunked_causal_attention(case.query[start:start + q_len], k, v,
+                                                                         s_len - q_len, scale)
+            start += q_len
+        assert (ours.float() - ref.float()).abs().max().item() <= 2**-7 * ref.float().abs().max().item()
+        assert (ours.double() - oracle).abs().max().item() <= 1.1 * (ref.double() - oracle).abs().max().item() + 1e-3
+
+
+def test_prefill_dispatch_takes_the_native_kernel_where_it_is_faster(monkeypatch):
+    """fp32 always; bf16 for up to 32 new tokens, and never on AMX CPUs (torch's flash kernel is faster there)."""
+    calls = []
+    real = native.prefill_attention
+    monkeypatch.setattr(native, "prefill_attention", lambda *a: calls.append(a[0].dtype) or real(*a))
+    for dtype, q_len, features, expected in [(torch.float32, 70, {"avx512f"}, [torch.float32]),
+                                             (torch.bfloat16, 32, {"avx512f"}, [torch.bfloat16]),
+                                             (torch.bfloat16, 33, {"avx512f"}, []),
+                                             (torch.bfloat16, 8, {"avx512f", "amx_tile"}, [])]:
+        monkeypatch.setattr(ops, "cpu_features", lambda features=features: features)
+        case = make_case(4, [q_len], [100], 4, 2, 32, 16, dtype)
+        calls.clear()
+        out = ops.prefill_attention(case.query, case.k_cache, case.v_cache, case.block_tables, None, None,
+                                    [q_len], [100], q_len, 0.2)
+        assert calls == expected
+        assert (out.double() - dense_oracle(case, 0.2)).abs().max().item() < (1e-5 if dtype == torch.float32 else 0.05)
+
+
 def test_native_decode_attention_refuses_what_it_cannot_take():
     case = make_case(3, [1], [20], 4, 2, 24, 16, torch.float32)  # head_dim 24: not a multiple of 16
-    assert not native.can_decode(case.query, case.k_cache, case.v_cache)
+    assert not native.can_attend(case.query, case.k_cache, case.v_cache)
     case = make_case(3, [1], [20], 4, 2, 32, 16, torch.float16)  # no fp16 kernel
-    assert not native.can_decode(case.query, case.k_cache, case.v_cache)
+    assert not native.can_attend(case.query, case.k_cache, case.v_cache)
     seq_lens = torch.tensor([20], dtype=torch.int32)
     odd = make_case(3, [1], [20], 4, 2, 24, 16, torch.float32)
     with pytest.raises(native.NativeKernelError, match="returned -2"):
         native.decode_attention(odd.query, odd.k_cache, odd.v_cache, odd.block_tables, seq_lens, 0.2)
+    with pytest.raises(native.NativeKernelError, match="returned -2"):
+        native.prefill_attention(odd.query, odd.k_cache, odd.v_cache, odd.block_tables, [1], [20], 0.2)
     # the dispatch falls back to the reference for it
     out = ops.decode_attention(odd.query, odd.k_cache, odd.v_cache, odd.block_tables, seq_lens, 20, 0.2)
     assert (out.double() - dense_oracle(odd, 0.2)).abs().max().item() < 1e-5
@@ -133,8 +190,9 @@ def test_native_rope_store_equals_rotate_then_store(dtype, num_tokens):
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_engine_streams_equal_with_and_without_the_native_kernels(dtype, monkeypatch):
-    """The whole decode path (rope+store, norms with fused adds, paged decode attention) through the engine:
-    greedy tokens equal to the torch kernels', for ragged batches that grow past several blocks."""
+    """The whole decode path (rope+store, norms with fused adds, paged decode and prefill attention, the prompts
+    sharing a cached prefix) through the engine: greedy tokens equal to the torch kernels', for ragged batches
+    that grow past several blocks."""
     prompts = [list(range(3, 3 + n)) for n in (5, 17, 40, 64)]
     params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
     runs = {}
@@ -180,6 +238,7 @@ def test_results_do_not_depend_on_the_thread_count():
     """Threads only share out whole (sequence, KV head) items and rows: one thread gives the same bits."""
     case = make_case(5, [1] * 3, [40, 300, 77], 8, 2, 64, 16, torch.bfloat16)
     seq_lens = torch.tensor([40, 300, 77], dtype=torch.int32)
+    prefill = make_case(6, [70], [300], 8, 2, 64, 16, torch.bfloat16)  # 3 token tiles x 2 KV heads
     x = torch.randn(400, 576).to(torch.bfloat16)
     weight = torch.rand(576).to(torch.bfloat16)
     runs = []
@@ -188,11 +247,13 @@ def test_results_do_not_depend_on_the_thread_count():
         for threads in (1, 2, 4):
             torch.set_num_threads(threads)
             runs.append((native.decode_attention(case.query, case.k_cache, case.v_cache, case.block_tables,
-                                                 seq_lens, 0.125), native.rms_norm(x, weight, 1e-5)))
+                                                 seq_lens, 0.125), native.rms_norm(x, weight, 1e-5),
+                         native.prefill_attention(prefill.query, prefill.k_cache, prefill.v_cache,
+                                                  prefill.block_tables, [70], [300], 0.125)))
     finally:
         torch.set_num_threads(saved)
-    for attn, norm in runs[1:]:
-        assert torch.equal(attn, runs[0][0]) and torch.equal(norm, runs[0][1])
+    for attn, norm, prefill_attn in runs[1:]:
+        assert torch.equal(attn, runs[0][0]) and torch.equal(norm, runs[0][1]) and torch.equal(prefill_attn, runs[0][2])
 
 
 def test_the_portable_build_without_avx512_agrees(monkeypatch, tmp_path):
@@ -210,6 +271,11 @@ def test_the_portable_build_without_avx512_agrees(monkeypatch, tmp_path):
             ref = ref_attn.decode_attention(case.query, case.k_cache, case.v_cache, case.block_tables, seq_lens,
                                             max(s_lens), 0.2)
             assert (ours.float() - ref.float()).abs().max().item() <= 2**-7 * ref.float().abs().max().item() + 1e-6
+            case = make_case(22, [40, 3], [40, 90], 8, 2, 32, 16, dtype)
+            ours = native.prefill_attention(case.query, case.k_cache, case.v_cache, case.block_tables, [40, 3],
+                                            [40, 90], 0.2)
+            oracle = dense_oracle(case, 0.2)
+            assert (ours.double() - oracle).abs().max().item() < (1e-5 if dtype == torch.float32 else 0.05)
             x, w = torch.randn(5, 64).to(dtype), torch.rand(64).to(dtype)
             assert (native.rms_norm(x, w, 1e-5).float() - ref_norm.rms_norm(x, w, 1e-5).float()).abs().max() < 2e-2
         assert list(tmp_path.glob("native/*.so"))  # it really was a second build

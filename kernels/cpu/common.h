@@ -1,5 +1,5 @@
 /* What the native CPU kernels share: bf16 <-> float32, loads and stores by element type, the
- * rounding to the model dtype, pairwise lane sums and a vectorisable e^x.
+ * rounding to the model dtype, pairwise lane sums, a vectorisable e^x and the rounded softmax of score rows.
  *
  * Kernels are written once for both element types: the always-inline functions take `bf16` as a
  * compile-time constant at each exported entry point, so the compiler emits one specialised copy each.
@@ -72,6 +72,26 @@ INLINE float exp_clamped(float x) {
     float scale;
     memcpy(&scale, &bits, sizeof scale);
     return y * scale;
+}
+
+/* each row of scores [rows, n] becomes round(softmax(row)) */
+INLINE void softmax_rows(float *restrict scores, int rows, int n, int bf16) {
+    int full = n - n % LANES;
+    for (int g = 0; g < rows; g++) {
+        float *s = scores + (int64_t)g * n, part[LANES], max = -INFINITY;
+        for (int j = 0; j < LANES; j++) part[j] = -INFINITY;
+        for (int t = 0; t < full; t += LANES)
+            for (int j = 0; j < LANES; j++) part[j] = s[t + j] > part[j] ? s[t + j] : part[j];
+        for (int t = full; t < n; t++) max = s[t] > max ? s[t] : max;
+        for (int j = 0; j < LANES; j++) max = part[j] > max ? part[j] : max;
+        for (int t = 0; t < n; t++) s[t] = exp_clamped(s[t] - max);
+        for (int j = 0; j < LANES; j++) part[j] = 0.0f;
+        for (int t = 0; t < full; t += LANES)
+            for (int j = 0; j < LANES; j++) part[j] += s[t + j];
+        for (int t = full; t < n; t++) part[0] += s[t];
+        float inv = 1.0f / sum_lanes(part);
+        for (int t = 0; t < n; t++) s[t] = round_to(s[t] * inv, bf16);
+    }
 }
 
 #endif

@@ -103,26 +103,6 @@ INLINE void axpy_group(const float *restrict p, int64_t n, const void *restrict 
     }
 }
 
-/* each row of scores [rows, n] becomes round(softmax(row)) */
-INLINE void softmax_rows(float *restrict scores, int rows, int n, int bf16) {
-    int full = n - n % LANES;
-    for (int g = 0; g < rows; g++) {
-        float *s = scores + (int64_t)g * n, part[LANES], max = -INFINITY;
-        for (int j = 0; j < LANES; j++) part[j] = -INFINITY;
-        for (int t = 0; t < full; t += LANES)
-            for (int j = 0; j < LANES; j++) part[j] = s[t + j] > part[j] ? s[t + j] : part[j];
-        for (int t = full; t < n; t++) max = s[t] > max ? s[t] : max;
-        for (int j = 0; j < LANES; j++) max = part[j] > max ? part[j] : max;
-        for (int t = 0; t < n; t++) s[t] = exp_clamped(s[t] - max);
-        for (int j = 0; j < LANES; j++) part[j] = 0.0f;
-        for (int t = 0; t < full; t += LANES)
-            for (int j = 0; j < LANES; j++) part[j] += s[t + j];
-        for (int t = full; t < n; t++) part[0] += s[t];
-        float inv = 1.0f / sum_lanes(part);
-        for (int t = 0; t < n; t++) s[t] = round_to(s[t] * inv, bf16);
-    }
-}
-
 /* Brings a block's K and V rows [first, first + bytes) towards the cache while the previous one is used. */
 INLINE void prefetch_block(const char *k, const char *v, size_t bytes) {
     for (size_t off = 0; off < bytes; off += 64) {

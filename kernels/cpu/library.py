@@ -1,6 +1,6 @@
 """The native CPU kernels: compiled on first use for this machine, loaded through ctypes.
 
-``load()`` compiles the C files beside this one (``decode_attention.c``, ``rms_norm.c``,
+``load()`` compiles the C files beside this one (``decode_attention.c``, ``prefill_attention.c``, ``rms_norm.c``,
 ``rope_store.c``, ``blake2b_chain.c``, ``block_index.c``; helpers in ``common.h``) into one
 library with the system C compiler (``$CC``, else ``cc``/``gcc``) for the CPU it runs on
 (``-march=native``) into ``$KVMESH_CACHE_DIR/native/`` (the file name carries a hash of the
@@ -47,6 +47,7 @@ _P, _I64, _INT, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_flo
 _SIGNATURES = {
     # each takes torch's intra-op thread count last (OpenMP's own default is per calling thread)
     "decode_attention": [_P, _P, _P, _I64, _P, _I64, _P, _INT, _INT, _INT, _INT, _INT, _F, _P, _INT],
+    "prefill_attention": [_P, _P, _P, _I64, _P, _INT, _INT, _INT, _INT, _INT, _INT, _F, _P, _INT],
     "rms_norm": [_P, _P, _P, _I64, _I64, _F, _P, _INT],
     "rope_store": [_P, _I64, _INT, _INT, _INT, _P, _P, _P, _P, _I64, _P, _P, _P, _INT],
 }
@@ -183,8 +184,9 @@ def _is_layer_view(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
             and tuple(k_cache.stride()[1:]) == (num_kv_heads * head_dim, head_dim, 1))
 
 
-def can_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
-    """Whether ``decode_attention`` takes these tensors (side-effect free apart from building once)."""
+def can_attend(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """Whether ``decode_attention`` and ``prefill_attention`` take these tensors (side-effect free apart from
+    building once)."""
     if query.device.type != "cpu" or query.dtype not in _SUFFIXES or k_cache.dtype != query.dtype:
         return False
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
@@ -196,7 +198,7 @@ def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
                      seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
     """One new token per sequence: query [B, Hq, D] -> [B, Hq, D], reading K/V from the paged caches.
 
-    Same contract and roundings as ``reference.attention.decode_attention``; check ``can_decode`` first.
+    Same contract and roundings as ``reference.attention.decode_attention``; check ``can_attend`` first.
     ``block_tables`` [B, max_blocks] and ``seq_lens`` [B] are converted to contiguous int32 if needed.
     """
     lib = load()
@@ -211,6 +213,31 @@ def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     if status != 0:
         raise NativeKernelError(f"decode_attention returned {status} for query {tuple(query.shape)}, "
                                 f"cache {tuple(k_cache.shape)}")
+    return out
+
+
+def prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                      query_lens: list[int], seq_lens: list[int], scale: float) -> torch.Tensor:
+    """Causal attention of each sequence's new tokens over its whole paged context: query [T, Hq, D] (the
+    sequences' new tokens back to back) -> [T, Hq, D], K/V read in place from the paged caches.
+
+    The roundings of ``reference.attention.chunked_causal_attention``; check ``can_attend`` first.
+    """
+    lib = load()
+    fn = getattr(lib, f"prefill_attention_{_SUFFIXES[query.dtype]}")
+    _, num_heads, head_dim = query.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    tables = _as(block_tables, torch.int32)
+    out = torch.empty_like(query)
+    start, row_bytes = 0, num_heads * head_dim * query.element_size()
+    for i, (q_len, s_len) in enumerate(zip(query_lens, seq_lens)):
+        status = fn(query.data_ptr() + start * row_bytes, k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0),
+                    tables[i].data_ptr(), s_len - q_len, q_len, num_heads, num_kv_heads, head_dim, block_size, scale,
+                    out.data_ptr() + start * row_bytes, torch.get_num_threads())
+        if status != 0:
+            raise NativeKernelError(f"prefill_attention returned {status} for {q_len} tokens over {s_len}, "
+                                    f"query {tuple(query.shape)}, cache {tuple(k_cache.shape)}")
+        start += q_len
     return out
 
 
