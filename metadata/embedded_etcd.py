@@ -3,8 +3,11 @@
 Started on free ports of ``host`` (loopback by default; ``0.0.0.0`` for every
 interface, advertised as ``advertise``) with a data dir of its own, waited on
 until healthy, and stopped on ``stop()`` / context exit / interpreter exit.
-``restart()`` keeps the ports and data (tests use it to take etcd down and bring
-it back). ``command_prefix`` runs it elsewhere (``ip netns exec NS``: another host).
+``restart()`` keeps the client port and data (tests use it to take etcd down and bring
+it back). A port picked here can be taken by another process before etcd binds it
+(any outgoing connection may be handed it as its source port): a start that fails on
+"address already in use" picks new ports, where they are ours to pick, and tries again.
+``command_prefix`` runs it elsewhere (``ip netns exec NS``: another host).
 etcd runs under ``metadata/etcd_keeper.py``, which stops it and removes its data dir
 if this process dies without cleaning up (even by SIGKILL).
 """
@@ -43,10 +46,32 @@ def etcd_binary() -> Path:
     return path
 
 
+_START_ATTEMPTS = 4
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+class _PortTaken(Exception):
+    def __init__(self, port: int):
+        super().__init__(port)
+        self.port = port
+
+
+def _port_in_use(log_path: Path, offset: int, ports: tuple[int, ...]) -> int | None:
+    """Which of ``ports`` etcd's log (from ``offset``) says was already in use, if any."""
+    with open(log_path, "rb") as f:
+        f.seek(offset)
+        text = f.read().decode(errors="replace")
+    if "address already in use" not in text:
+        return None
+    for port in ports:
+        if f":{port}: bind: address already in use" in text:
+            return port
+    return ports[-1]
 
 
 class EmbeddedEtcd:
@@ -58,6 +83,7 @@ class EmbeddedEtcd:
         self.host = "0.0.0.0" if is_wildcard(host) else host
         self.advertise = advertise or (route_source("192.0.2.1") if is_wildcard(host) else host)
         self.client_port, self.peer_port = port or _free_port(), _free_port()
+        self._can_repick_client = not port  # until clients have seen the port
         self.command_prefix = command_prefix or []
         self._proc: subprocess.Popen | None = None
         self._log = None
@@ -68,10 +94,28 @@ class EmbeddedEtcd:
         return f"{self.advertise}:{self.client_port}"
 
     def start(self, timeout_s: float = 20.0) -> EmbeddedEtcd:
+        """Start etcd and wait until it is healthy; retries on a port another process took first."""
+        for attempt in range(_START_ATTEMPTS):
+            try:
+                self._start_once(timeout_s)
+                self._can_repick_client = False
+                return self
+            except _PortTaken as e:
+                if attempt == _START_ATTEMPTS - 1 or (e.port == self.client_port and not self._can_repick_client):
+                    raise EtcdStartError(f"etcd could not listen on port {e.port}: address already in use; "
+                                         f"see {self.data_dir / 'etcd.log'}") from None
+                if self._can_repick_client:
+                    self.client_port = _free_port()
+                self.peer_port = _free_port()
+        raise AssertionError("unreachable")
+
+    def _start_once(self, timeout_s: float) -> None:
         client = f"http://{self.host}:{self.client_port}"
         advertised = f"http://{self.advertise}:{self.client_port}"
         peer = f"http://127.0.0.1:{self.peer_port}"  # a single-member cluster: peers never connect
-        self._log = open(self.data_dir / "etcd.log", "ab")
+        log_path = self.data_dir / "etcd.log"
+        self._log = open(log_path, "ab")
+        log_start = self._log.tell()
         keeper = [sys.executable, "-m", "kvmesh.metadata.etcd_keeper",
                   *(["--remove", str(self.data_dir)] if self._own_dir else []), "--"]
         self._proc = subprocess.Popen(
@@ -81,20 +125,24 @@ class EmbeddedEtcd:
              "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
              "--initial-cluster", f"{self.name}={peer}", "--log-level", "warn"],
             stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
-        client = advertised
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self._proc.poll() is not None:
-                raise EtcdStartError(f"etcd exited with {self._proc.returncode}; see {self.data_dir / 'etcd.log'}")
+                code = self._proc.returncode
+                self.stop()
+                taken = _port_in_use(log_path, log_start, (self.client_port, self.peer_port))
+                if taken is not None:
+                    raise _PortTaken(taken)
+                raise EtcdStartError(f"etcd exited with {code}; see {log_path}")
             try:
-                with _NO_PROXY.open(f"{client}/health", timeout=1) as r:
+                with _NO_PROXY.open(f"{advertised}/health", timeout=1) as r:
                     if b'"health":"true"' in r.read():
-                        return self
+                        return
             except OSError:
                 pass
             time.sleep(0.05)
         self.stop()
-        raise EtcdStartError(f"etcd not healthy within {timeout_s} s; see {self.data_dir / 'etcd.log'}")
+        raise EtcdStartError(f"etcd not healthy within {timeout_s} s; see {log_path}")
 
     @property
     def pid(self) -> int | None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import logging
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -11,11 +12,12 @@ import time
 import pytest
 
 from kvmesh.metadata.block_index import BlockIndex, BlockPublisher
-from kvmesh.metadata.embedded_etcd import EmbeddedEtcd, etcd_binary
+from kvmesh.metadata.embedded_etcd import EmbeddedEtcd, EtcdStartError, etcd_binary
 from kvmesh.metadata.etcd_store import EtcdStore, split_batches
 from kvmesh.metadata.keys import InvalidNameError, KeyLayout
 from kvmesh.metadata.memory_store import MemoryStore
 from kvmesh.metadata.records import NodeRecord
+from kvmesh.metadata.store import KeyValue
 from kvmesh.metadata.registry import NodeDirectory, NodeRegistry
 from tests.metadata_node import chain
 
@@ -151,6 +153,43 @@ def test_two_processes_see_each_other_and_a_killed_node_vanishes(etcd):
         registry.deregister()
         index.close()
         directory.close()
+
+
+def _listening_socket(port: int = 0) -> socket.socket:
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.bind(("127.0.0.1", port))
+    s.listen()
+    return s
+
+
+def test_a_port_taken_before_etcd_binds_it_is_picked_again():
+    """Between picking a free port and etcd binding it, another process may take it (CI saw it)."""
+    server = EmbeddedEtcd()
+    taken_client, taken_peer = server.client_port, server.peer_port
+    with _listening_socket(taken_client), _listening_socket(taken_peer):
+        with server:
+            assert {server.client_port, server.peer_port}.isdisjoint({taken_client, taken_peer})
+            store = EtcdStore(server.endpoint)
+            store.put_many([KeyValue("/kvmesh-test/k", b"v")])
+            client_port = server.client_port
+            server.stop()  # a restart keeps the client port clients know
+            server.start()
+            assert server.client_port == client_port
+            assert store.get_many(["/kvmesh-test/k"]) == [b"v"]
+            store.close()
+
+
+def test_a_given_port_in_use_is_a_clear_error():
+    with _listening_socket() as taken:
+        port = taken.getsockname()[1]
+        server = EmbeddedEtcd(port=port)
+        try:
+            with pytest.raises(EtcdStartError, match=f"port {port}: address already in use"):
+                server.start()
+            assert not server.running and server.client_port == port
+        finally:
+            server.cleanup()
 
 
 def test_etcd_outage_degrades_then_catches_up():
