@@ -36,6 +36,9 @@ def add_node_arguments(p: argparse.ArgumentParser) -> None:
                    help="the address other hosts reach this node at (default: --host, or for 0.0.0.0 the "
                         "address of the interface that routes to etcd)")
     p.add_argument("--transfer-backend", default="auto", choices=["auto", "mooncake", "zmq"])
+    p.add_argument("--shared-memory-transfers", action=argparse.BooleanOptionalAction, default=True,
+                   help="keep the KV buffer (on the CPU) in shared memory so that peers on this host push into it "
+                        "with one copy, and push that way to such peers; off: every push goes through the engine")
     p.add_argument("--lease-ttl", type=int, default=10)
     p.add_argument("--prefill-timeout", type=float, default=10.0)
     p.add_argument("--local-prefill-tokens", type=int, default=-1,
@@ -84,6 +87,7 @@ def run_node(role: str, args: argparse.Namespace) -> int:
                      num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
                      max_num_batched_tokens=args.max_num_batched_tokens,
                      host=args.host, advertise_host=args.advertise_host, transfer_backend=args.transfer_backend,
+                     shared_memory_transfers=args.shared_memory_transfers,
                      lease_ttl_s=args.lease_ttl, transfer_gib_per_s=args.transfer_gib_per_s,
                      transfer_rtt_s=args.transfer_rtt_ms / 1e3,
                      prefill_timeout_s=args.prefill_timeout, local_prefill_tokens=args.local_prefill_tokens,

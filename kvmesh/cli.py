@@ -75,7 +75,9 @@ def _add_bench(sub) -> None:
     m.set_defaults(func=_run_bench_model)
     t = which.add_parser("transfer", help="KV pushes between two processes vs memcpy and TCP ceilings")
     t.add_argument("--json", default=None)
-    t.add_argument("--backends", default="", help="comma-separated (default: mooncake if it loads, and zmq)")
+    t.add_argument("--backends", default="",
+                   help="comma-separated: mooncake, zmq, shared-memory (default: mooncake if it loads, zmq and "
+                        "shared-memory)")
     t.add_argument("--repeat", type=int, default=3)
     t.set_defaults(func=_run_bench_transfer)
     md = which.add_parser("metadata", help="global block index on etcd: publish, lookup, visibility, memory")
@@ -89,6 +91,10 @@ def _add_bench(sub) -> None:
     ru.add_argument("--prompt-tokens", type=int, default=2048)
     ru.add_argument("--suffix-tokens", type=int, default=32)
     ru.add_argument("--rounds", type=int, default=3)
+    ru.add_argument("--paths", default="shared-memory,engine",
+                    help="transfer paths to measure, each on its own cluster: shared-memory (same-host copies), "
+                         "engine (every push through the transfer engine, as between hosts); the first is the "
+                         "headline ratio")
     ru.set_defaults(func=_run_bench_reuse)
     sp = which.add_parser("spec", help="decode tokens/s with and without speculative decoding (copy, chat)")
     sp.add_argument("--json", default=None)
@@ -179,7 +185,11 @@ def _run_bench_spec(args: argparse.Namespace) -> int:
 def _run_bench_reuse(args: argparse.Namespace) -> int:
     from kvmesh.bench import reuse
 
-    reuse.run(args.json, args.model, args.prompt_tokens, args.suffix_tokens, args.rounds)
+    try:
+        reuse.run(args.json, args.model, args.prompt_tokens, args.suffix_tokens, args.rounds,
+                  paths=tuple(p.strip() for p in args.paths.split(",") if p.strip()))
+    except ValueError as e:
+        raise SystemExit(f"kvmesh bench reuse: {e}") from None
     return 0
 
 

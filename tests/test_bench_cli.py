@@ -21,13 +21,28 @@ def test_bench_prefix_cache_writes_json_and_table(tmp_path, capsys):
 
 def test_bench_transfer_reports_ceilings_and_the_sweep(tmp_path):
     path = tmp_path / "tr.json"
-    assert main(["bench", "transfer", "--json", str(path), "--backends", "zmq", "--repeat", "1"]) == 0
+    assert main(["bench", "transfer", "--json", str(path), "--backends", "zmq,shared-memory", "--repeat", "1"]) == 0
     res = json.loads(path.read_text())
     assert res["memcpy_gib_per_s"] > 0 and res["socket_gib_per_s"] > 0
     layouts = {(r["layout"], r["size_bytes"]) for r in res["results"]}
     assert len(layouts) == 10 and {r["layout"] for r in res["results"]} == {"contiguous", "scattered"}
+    transports = {"zmq": "zmq-tcp", "shared-memory": "shared-memory"}
+    assert len(res["results"]) == 20
     for r in res["results"]:
-        assert r["backend"] == "zmq" and r["transport"] == "zmq-tcp" and r["gib_per_s"] > 0
+        assert r["transport"] == transports[r["backend"]] and r["gib_per_s"] > 0
+
+
+def test_bench_reuse_measures_both_transfer_paths(tmp_path):
+    """Tiny preset: the cost model may compute the prefix rather than fetch it; what is checked is the run."""
+    path = tmp_path / "reuse.json"
+    assert main(["bench", "reuse", "--model", "tiny-llama", "--prompt-tokens", "256", "--rounds", "1",
+                 "--json", str(path)]) == 0
+    res = json.loads(path.read_text())
+    assert list(res["paths"]) == ["shared-memory", "engine"] and res["path"] == "shared-memory"
+    for r in res["paths"].values():
+        assert r["ttft_full_s"] > 0 and r["ttft_reuse_s"] > 0 and len(r["rounds"]) == 1
+    assert res["paths"]["engine"]["bytes_sent_shared_memory"] == 0
+    assert res["ratio"] == res["paths"]["shared-memory"]["ratio"]
 
 
 def test_bench_metadata_against_a_private_etcd(tmp_path):

@@ -36,10 +36,14 @@ def cluster(request):
     """2 prefill + 2 decode nodes moving KV over each transfer backend (every test runs on both).
 
     prefill-1 and decode-1 register a host mirror of their KV buffer (what nodes on a GPU without
-    GPUDirect do), so pushes run direct -> direct, direct <-> staged and staged -> staged."""
+    GPUDirect do), so pushes run direct -> direct, direct <-> staged and staged -> staged. With zmq, nodes
+    keep their (direct) KV buffers in shared memory, so pushes into decode-0 and prefill-0 are same-host copies;
+    with Mooncake every push goes through the engine (--no-shared-memory-transfers)."""
     # Tests here assert that prefill nodes did the work: a generous timeout keeps a CPU-starved prefill node
     # from being given up on (the fault tests below keep REMOTE_ONLY's short one).
     args = REMOTE_ONLY + ["--transfer-backend", request.param, "--prefill-timeout", "30"]
+    if request.param == "mooncake":
+        args.append("--no-shared-memory-transfers")
     staged = ["--kv-transfer-memory", "host-staging"]
     with LocalCluster(num_prefill=2, num_decode=2, node_args=args, cluster=f"t2x2{request.param}",
                       per_node_args={"prefill-1": staged, "decode-1": staged}) as c:
@@ -97,6 +101,8 @@ def test_cross_node_prefix_reuse_by_counters(cluster, reference):
     assert out2.stats["tokens_reused_remote"] >= 96
     assert after["tokens_computed"] - before["tokens_computed"] <= len(second) - 96
     assert after["bytes_received"] > before["bytes_received"] and after["tokens_pulled"] >= 96
+    shared_bytes = sum(cluster.client(n).stats()["bytes_sent_shared_memory"] for n in cluster.nodes)
+    assert (shared_bytes > 0) == (cluster.node_args.count("--no-shared-memory-transfers") == 0), shared_bytes
     # A conversation's next turn on the same decode node asks only for the new blocks.
     turn2 = first + out1.token_ids + prompt(103, 30)
     out3 = cluster.client("decode-0").generate(turn2, GREEDY, prefill_node="prefill-0")

@@ -136,6 +136,7 @@ def _three_hosts(hosts, endpoint: str, placement: dict, args: list[str]) -> None
         prefill_stats = cluster.client("prefill-0").stats(check=True)
         decode_stats = cluster.client("decode-0").stats(check=True)
         assert prefill_stats["bytes_sent"] > 0 and decode_stats["bytes_received"] == prefill_stats["bytes_sent"]
+        assert prefill_stats["bytes_sent_shared_memory"] == 0  # other hosts' memory is never shared
         router, url = start_router(hosts, cluster)
         try:
             shared = prompt(7, 96)

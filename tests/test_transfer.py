@@ -26,8 +26,10 @@ from kvmesh.transfer.kv_agent import TransferAgent
 from kvmesh.transfer.peer_process import BLOCK_SHAPE, chain_hashes, seeded_buffer
 from kvmesh.transfer.peers import PeerRecord, StaticPeers
 from kvmesh.transfer.rdma_devices import choose_transport
+from kvmesh.transfer.shared_memory import SharedKVAllocator
 
 BACKENDS = ["zmq"] + (["mooncake"] if mooncake_available() else [])
+SHARED = "shared-memory"  # a requester whose KV buffer a holder on this host writes by one copy (engine: zmq)
 TOKEN = "transfer-test-token"
 AUTH = ClusterAuth(TOKEN)
 
@@ -72,9 +74,15 @@ class Holder:
 
 def make_agent(name: str, backend: str, num_blocks: int = 48, kv: torch.Tensor | None = None,
                kv_memory: str = "auto") -> TransferAgent:
+    """``backend`` SHARED: the zmq engine, and the KV buffer in shared memory published to same-host writers."""
+    shared = SharedKVAllocator() if backend == SHARED else None
+    if shared is not None:
+        backend, kv = "zmq", shared.allocate((num_blocks, *BLOCK_SHAPE), torch.float32)
     kv = torch.zeros((num_blocks, *BLOCK_SHAPE)) if kv is None else kv
-    return TransferAgent(name, BlockPool(kv.shape[0]), kv, create_transfer_engine(backend, auth=AUTH), StaticPeers(),
-                         AUTH, verify_kv=True, kv_memory=kv_memory).start()
+    agent = TransferAgent(name, BlockPool(kv.shape[0]), kv, create_transfer_engine(backend, auth=AUTH), StaticPeers(),
+                          AUTH, verify_kv=True, kv_memory=kv_memory, shared_region=shared and shared.region).start()
+    agent.test_allocator = shared
+    return agent
 
 
 @pytest.fixture
@@ -85,6 +93,8 @@ def requester(request):
     agent.close()
     agent.pool.check_integrity()
     agent.grants.check_integrity()
+    if agent.test_allocator is not None:
+        agent.test_allocator.close()
 
 
 def kv_of(agent: TransferAgent) -> torch.Tensor:
@@ -102,7 +112,7 @@ def test_coalescing_exact_runs():
         coalesce([1], [1, 2])
 
 
-@pytest.mark.parametrize("requester", BACKENDS, indirect=True)
+@pytest.mark.parametrize("requester", [*BACKENDS, SHARED], indirect=True)
 def test_every_byte_arrives_scattered_ids(requester):
     holder = Holder(requester.engine.name, seed=11, requester=requester)
     try:
@@ -117,7 +127,9 @@ def test_every_byte_arrives_scattered_ids(requester):
             assert torch.equal(kv[block], holder.expected_block(i)), f"block {i}"
         untouched = sorted(set(range(48)) - set(dst))
         assert torch.equal(kv[untouched], before[untouched])
-        assert holder.check() == {"ok": True, "num_pinned": 0, "num_malformed": 0, "num_cached": 20}
+        shared_bytes = 20 * requester.block_bytes if requester.shared_region is not None else 0
+        assert holder.check() == {"ok": True, "num_pinned": 0, "num_malformed": 0, "num_cached": 20,
+                                  "bytes_sent_shared_memory": shared_bytes}
         requester.pool.free(list(range(48)))
     finally:
         holder.close()
@@ -150,7 +162,7 @@ def test_host_staged_kv_memory_moves_every_byte_through_the_mirrors(backend):
     agent.grants.check_integrity()
 
 
-@pytest.mark.parametrize("requester", BACKENDS, indirect=True)
+@pytest.mark.parametrize("requester", [*BACKENDS, SHARED], indirect=True)
 def test_pull_prefix_caches_what_the_peer_holds(requester):
     holder = Holder(requester.engine.name, seed=12, requester=requester, chain=6)
     try:
@@ -214,7 +226,7 @@ def test_killed_holder_gives_a_typed_error_and_frees_blocks(requester):
     requester.pool.check_integrity()
 
 
-@pytest.mark.parametrize("requester", BACKENDS, indirect=True)
+@pytest.mark.parametrize("requester", [*BACKENDS, SHARED], indirect=True)
 def test_requester_abort_unpins_on_the_holder_and_releases_the_grant(requester):
     holder = Holder(requester.engine.name, seed=15, requester=requester, chain=8, delay_ms=300)
     try:
@@ -231,11 +243,12 @@ def test_requester_abort_unpins_on_the_holder_and_releases_the_grant(requester):
         holder.close()
 
 
-@pytest.mark.parametrize("requester", BACKENDS, indirect=True)
+@pytest.mark.parametrize("requester", [*BACKENDS, SHARED], indirect=True)
 def test_stalled_then_resumed_holder_cannot_touch_reused_blocks(requester):
     """SIGSTOP a holder mid-push past the requester's timeout; the blocks it was granted are refilled with
-    other data; SIGCONT: the other data stays intact (zmq refuses late writes, Mooncake's tainted blocks
-    were quarantined and never handed out) and the quarantine lifts once the holder says it stopped."""
+    other data; SIGCONT: the other data stays intact (zmq refuses late writes; Mooncake's and shared memory's
+    tainted blocks were quarantined and never handed out) and the quarantine lifts once the holder says it
+    stopped."""
     holder = Holder(requester.engine.name, seed=18, requester=requester, chain=24, delay_ms=250)
     try:
         ids = requester.pool.allocate(24)
@@ -251,7 +264,7 @@ def test_stalled_then_resumed_holder_cannot_touch_reused_blocks(requester):
         stopper.join()
         assert isinstance(outcome.error, TransferTimeout)
         tainted = set(outcome.tainted_block_ids)
-        if requester.engine.name == "zmq":
+        if requester.grants.writes_refusable:
             assert not tainted  # the receiver refuses writes outside a live grant
         requester.pool.free(ids)
         reused = requester.pool.allocate(requester.pool.num_free_blocks)  # every block anyone may hand out
@@ -453,3 +466,44 @@ def test_stale_index_entry_is_advisory(requester):
         publisher.close()
         index.close()
         holder.close()
+
+
+def test_shared_memory_writer_checks_the_region_before_writing():
+    """A same-host writer opens only the memfd a record names (tag, size, owner) and writes only inside it."""
+    from kvmesh.transfer.shared_memory import SharedMemoryWriter, SharedRegion
+
+    num_blocks, block_bytes = 4, 256
+    allocator = SharedKVAllocator()
+    kv = allocator.allocate((num_blocks, block_bytes // 4), torch.float32)
+    region = allocator.region
+    record = PeerRecord("owner", "127.0.0.1:1", "127.0.0.1:2", kv.data_ptr(), num_blocks, block_bytes, region.encode())
+    writer = SharedMemoryWriter("writer")
+    src = torch.arange(block_bytes // 4, dtype=torch.float32)
+    try:
+        assert writer.can_write(record)
+        writer.write(record, [Descriptor(src.data_ptr(), kv.data_ptr() + 2 * block_bytes, block_bytes)],
+                     request_id="w")
+        assert torch.equal(kv[2], src) and kv[[0, 1, 3]].abs().sum() == 0 and writer.bytes_written == block_bytes
+        with pytest.raises(TransferError, match="outside the peer's 1024-byte buffer.*request w2, peer owner"):
+            writer.write(record, [Descriptor(src.data_ptr(), kv.data_ptr() + 3 * block_bytes + 4, block_bytes)],
+                         request_id="w2")
+        assert kv[3].abs().sum() == 0
+
+        def variant(**changes) -> PeerRecord:
+            fields = {**dataclasses.asdict(region), **changes}
+            return dataclasses.replace(record, node_id=f"v{len(changes)}{sorted(changes)}",
+                                       shared_memory=SharedRegion(**fields).encode())
+
+        refused = [variant(host="another-host"), variant(tag="0123456789abcdef"), variant(num_bytes=512),
+                   variant(fd=0), dataclasses.replace(record, node_id="small", num_blocks=2),
+                   dataclasses.replace(record, node_id="none", shared_memory=""),
+                   dataclasses.replace(record, node_id="junk", shared_memory="a/b/c")]
+        for bad in refused:
+            assert not writer.can_write(bad), bad
+            with pytest.raises(TransferError, match="no shared memory"):
+                writer.write(bad, [Descriptor(src.data_ptr(), kv.data_ptr(), block_bytes)])
+        assert kv[0].abs().sum() == 0
+    finally:
+        writer.close()
+        allocator.close()
+    assert not SharedMemoryWriter("late").can_write(record)  # the owner closed it: nothing to open

@@ -13,7 +13,9 @@ starts when the message arrives and is capped at MAX_WAIT_MS. The final
 PushResult is the writer's promise that it will not write again: it goes out only
 when no write of the push is running (a Mooncake batch that outlived its timeout
 holds it back until the batch really ends). Source blocks (``block_source``: the
-pool, then lower KV tiers) are held while written and always released.
+pool, then lower KV tiers) are held while written and always released. A requester
+on this host that publishes its buffer in shared memory is written with one copy
+(``shared``, ``transfer/shared_memory.py``) instead of through the engine.
 """
 from __future__ import annotations
 
@@ -33,6 +35,7 @@ from kvmesh.transfer.coalesce import address_descriptors
 from kvmesh.transfer.engine import TransferEngine
 from kvmesh.transfer.errors import TransferRefused, TransferTimeout
 from kvmesh.transfer.peers import PeerDirectory, PeerRecord
+from kvmesh.transfer.shared_memory import SharedMemoryWriter
 
 log = logging.getLogger("kvmesh.transfer")
 
@@ -92,6 +95,7 @@ class KVHolder:
         # crc32 of the blocks at these source addresses, sent with every PushResult (None: send no checksums).
         self.checksum: Callable[[list[int]], list[int]] | None = None
         self.compute: ComputeHook | None = None
+        self.shared: SharedMemoryWriter | None = None  # same-host writes (None: always the engine)
         self._reply = reply
         self._pushes: dict[str, _Push] = {}
         self._lock = threading.Lock()
@@ -232,12 +236,16 @@ class KVHolder:
                 return
             start, end = push.num_written, push.num_written + num
             dst_addrs = [push.requester.base_addr + b * self.block_bytes for b in push.dst_block_ids[start:end]]
+            shared = self.shared is not None and self.shared.can_write(push.requester)
             descriptors = address_descriptors(acquired.src_addrs, dst_addrs, self.block_bytes,
-                                              self.engine.max_descriptor_bytes)
+                                              0 if shared else self.engine.max_descriptor_bytes)
             started = time.perf_counter()
             try:
-                self.engine.write(push.requester.transfer_endpoint, descriptors, request_id=push.request_id,
-                                  grant_id=push.grant_id, timeout_s=remaining)
+                if shared:
+                    self.shared.write(push.requester, descriptors, request_id=push.request_id)
+                else:
+                    self.engine.write(push.requester.transfer_endpoint, descriptors, request_id=push.request_id,
+                                      grant_id=push.grant_id, timeout_s=remaining)
                 push.write_s += time.perf_counter() - started
             except TransferTimeout as e:
                 if e.pending is not None:  # still running natively: stay busy and hold the sources until it ends
@@ -245,7 +253,9 @@ class KVHolder:
                     held, release = release, None
                     e.pending.add_done_callback(lambda _f: self._write_ended(push, held))
                 raise
-            if self.checksum is not None:  # of the bytes just sent, still held: the receiver compares
+            # Of the bytes just sent, still held: the receiver compares. A shared-memory copy never leaves the
+            # machine and is not checksummed (unless earlier chunks of this push went over the network).
+            if self.checksum is not None and (not shared or push.checksums):
                 if not push.checksums:
                     push.checksums = [0] * len(push.written)
                 push.checksums[start:end] = self.checksum(acquired.src_addrs)

@@ -4,6 +4,7 @@
     KVRequester (DEALERs, one IO thread) ──> peers         asks peers to write into our grants
     GrantTable                                            who may write which of our blocks
     TransferEngine                                        moves the bytes (Mooncake or zmq)
+    SharedMemoryWriter                                    ... or one copy, to a peer on this host
 
 The holder and the requester change the pool only through BlockPool's own
 atomic operations (``match_and_pin``, ``cache_and_dedupe``). Construction
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
 import zlib
 
 import torch
@@ -29,6 +31,7 @@ from kvmesh.transfer.holder import KVHolder
 from kvmesh.transfer.kv_memory import choose_kv_memory
 from kvmesh.transfer.peers import PeerDirectory, PeerRecord
 from kvmesh.transfer.requester import KVRequester, PushOutcome
+from kvmesh.transfer.shared_memory import SharedMemoryWriter, SharedRegion
 
 log = logging.getLogger("kvmesh.transfer")
 
@@ -37,9 +40,11 @@ class TransferAgent:
     def __init__(self, node_id: str, pool: BlockPool, kv_buffer: torch.Tensor, engine: TransferEngine,
                  directory: PeerDirectory, auth: ClusterAuth | None = None, host: str = "127.0.0.1",
                  num_workers: int = 4, advertise: str | None = None, verify_kv: bool = False,
-                 kv_memory: str = "auto"):
+                 kv_memory: str = "auto", shared_region: SharedRegion | None = None, shared_writes: bool = True):
         """``verify_kv``: send a crc32 of every pushed block and check the ones received (registered memory
-        the CPU can read). ``kv_memory``: direct, host-staging or auto (``transfer/kv_memory.py``)."""
+        the CPU can read). ``kv_memory``: direct, host-staging or auto (``transfer/kv_memory.py``).
+        ``shared_region``: where ``kv_buffer`` lives in shared memory (``SharedKVAllocator``): published so
+        that peers on this host write into it directly. ``shared_writes``: write to such peers that way."""
         self.node_id = node_id
         self.pool = pool
         self.engine = engine
@@ -51,7 +56,12 @@ class TransferAgent:
         self.base_addr = engine.register(self.memory.registered)
         log.info("%s: transfer engine %s at %s, transport %s (%s); KV memory %s (%s)", node_id, engine.name,
                  engine.endpoint, engine.transport, engine.transport_reason, self.memory.mode, self.memory.reason)
-        refusable = hasattr(engine, "set_write_guard")
+        registered_bytes = self.memory.registered.numel() * self.memory.registered.element_size()
+        exposed = shared_region is not None and not self.memory.staged and \
+            shared_region.num_bytes == registered_bytes and shared_region.pid == os.getpid()
+        self.shared_region = shared_region if exposed else None
+        # A peer writing through shared memory cannot be refused per write: grants fence it as for RDMA.
+        refusable = hasattr(engine, "set_write_guard") and self.shared_region is None
         self.grants = GrantTable(pool, self.base_addr, self.block_bytes, writes_refusable=refusable)
         if refusable:
             engine.set_write_guard(self.grants.guard_write)
@@ -61,6 +71,8 @@ class TransferAgent:
         self.holder = KVHolder(node_id, pool, engine, self.base_addr, self.block_bytes, directory,
                                lambda identity, msg: self._endpoint.send(identity, m.encode(msg)), num_workers,
                                stage_out=self.memory.stage_out)
+        self.shared_writer = SharedMemoryWriter(node_id) if shared_writes else None
+        self.holder.shared = self.shared_writer
         self.requester = KVRequester(node_id, self.grants, directory, self.auth)
         self.requester.stage_in = self.memory.stage_in
         if verify_kv and self.memory.host_visible:
@@ -90,16 +102,27 @@ class TransferAgent:
     def record(self) -> PeerRecord:
         """What peers need to write into us (published in etcd by nodes)."""
         return PeerRecord(self.node_id, self.side_channel, self.engine.endpoint, self.base_addr, self.num_blocks,
-                          self.block_bytes)
+                          self.block_bytes, self.shared_region.encode() if self.shared_region else "")
 
     @property
     def num_unauthenticated(self) -> int:
         """Frames refused for a missing or wrong cluster token (side channel and transfer engine)."""
         return self._endpoint.num_refused + getattr(self.engine, "num_unauthenticated", 0)
 
+    def peer_gone(self, node_id: str) -> None:
+        """A peer left the cluster: end our conversations with it and let go of its shared memory."""
+        self.requester.peer_gone(node_id)
+        if self.shared_writer is not None:
+            self.shared_writer.forget(node_id)
+
     @property
     def bytes_sent(self) -> int:
         return self.holder.bytes_sent
+
+    @property
+    def bytes_sent_shared_memory(self) -> int:
+        """Of ``bytes_sent``, those copied into same-host peers' shared memory."""
+        return self.shared_writer.bytes_written if self.shared_writer is not None else 0
 
     @property
     def bytes_received(self) -> int:
@@ -143,6 +166,8 @@ class TransferAgent:
         self._endpoint.close()
         self.requester.close()
         self.engine.close()
+        if self.shared_writer is not None:
+            self.shared_writer.close()
 
 
 __all__ = ["PushOutcome", "TransferAgent", "TransferError"]

@@ -75,8 +75,8 @@ def main() -> None:
         if cmd == "check":
             pool.check_integrity()
             print(json.dumps({"ok": True, "num_pinned": pool.num_pinned(),
-                              "num_malformed": agent.num_malformed, "num_cached": len(pool.match(hashes))}),
-                  flush=True)
+                              "num_malformed": agent.num_malformed, "num_cached": len(pool.match(hashes)),
+                              "bytes_sent_shared_memory": agent.bytes_sent_shared_memory}), flush=True)
         elif cmd == "quit":
             break
     agent.close()

@@ -19,6 +19,7 @@ class PeerRecord:
     base_addr: int  # its registered KV buffer
     num_blocks: int
     block_bytes: int
+    shared_memory: str = ""  # where a writer on its host can open its KV buffer ("": nowhere; shared_memory.py)
 
 
 class PeerDirectory(Protocol):

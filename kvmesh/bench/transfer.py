@@ -3,7 +3,9 @@
 In one run: memcpy bandwidth (numpy, 64 MiB), a plain TCP socket stream over
 loopback between two processes (the ceiling any TCP transport can reach), then
 for each backend a sweep of push sizes from 1 block to 64 MiB with contiguous
-block ids (one descriptor) and scattered ones (one descriptor per block). Each
+block ids (one descriptor) and scattered ones (one descriptor per block). Backend
+``shared-memory``: the requester's KV buffer is a memfd that the holder (same host)
+writes by one copy (``transfer/shared_memory.py``; its side channel is zmq's). Each
 figure is the end-to-end push as a requester sees it: side-channel request,
 holder match + pin, the batched write, the final answer.
 """
@@ -30,6 +32,9 @@ from kvmesh.transfer.engine import create_transfer_engine, mooncake_available
 from kvmesh.transfer.kv_agent import TransferAgent
 from kvmesh.transfer.peers import PeerRecord, StaticPeers
 from kvmesh.transfer.peer_process import chain_hashes
+from kvmesh.transfer.shared_memory import SharedKVAllocator
+
+SHARED_MEMORY = "shared-memory"
 
 _TOKEN = generate_token()  # shared with the holder processes this benchmark starts
 
@@ -106,14 +111,18 @@ def bench_backend(backend: str, repeat: int, bar: tqdm) -> list[dict]:
     num_blocks = max(SIZES_BLOCKS)
     hashes = chain_hashes(num_blocks)
     results = []
-    kv = torch.zeros((num_blocks, BLOCK_ELEMS))
+    shared = SharedKVAllocator() if backend == SHARED_MEMORY else None
+    engine_backend = "zmq" if shared is not None else backend
+    kv = shared.allocate((num_blocks, BLOCK_ELEMS), torch.float32) if shared else torch.zeros((num_blocks, BLOCK_ELEMS))
     pool = BlockPool(num_blocks)
     auth = ClusterAuth(_TOKEN)
-    agent = TransferAgent("bench-requester", pool, kv, create_transfer_engine(backend, auth=auth), StaticPeers(),
-                          auth).start()
+    agent = TransferAgent("bench-requester", pool, kv, create_transfer_engine(engine_backend, auth=auth),
+                          StaticPeers(), auth, shared_region=shared and shared.region).start()
+    transport = SHARED_MEMORY if shared is not None else agent.engine.transport
+    piece_bytes = 0 if shared is not None else agent.engine.max_descriptor_bytes
     try:
         for layout in ("contiguous", "scattered"):
-            proc, peer = _holder(backend, num_blocks, layout == "contiguous", agent)
+            proc, peer = _holder(engine_backend, num_blocks, layout == "contiguous", agent)
             try:
                 _push(agent, peer, [0], hashes[:1], timeout_s=60)  # warm-up: connections, handshakes
                 for n in SIZES_BLOCKS:
@@ -127,10 +136,10 @@ def bench_backend(backend: str, repeat: int, bar: tqdm) -> list[dict]:
                         times.append(time.perf_counter() - start)
                         assert num_written == n, "the holder must hold every block of the chain"
                     seconds = statistics.median(times[1:])
-                    results.append({"backend": backend, "transport": agent.engine.transport, "layout": layout,
+                    results.append({"backend": backend, "transport": transport, "layout": layout,
                                     "size_bytes": n * BLOCK_BYTES, "num_blocks": n,
-                                    "descriptors": len(to_descriptors(
-                                        coalesce(dst, dst), 0, 0, BLOCK_BYTES, agent.engine.max_descriptor_bytes)),
+                                    "descriptors": len(to_descriptors(coalesce(dst, dst), 0, 0, BLOCK_BYTES,
+                                                                      piece_bytes)),
                                     "seconds": seconds, "gib_per_s": n * BLOCK_BYTES / seconds / GIB})
                     bar.update(1)
             finally:
@@ -139,11 +148,13 @@ def bench_backend(backend: str, repeat: int, bar: tqdm) -> list[dict]:
                 proc.wait(timeout=30)
     finally:
         agent.close()
+        if shared is not None:
+            shared.close()
     return results
 
 
 def run(json_path: str | None, backends: list[str] | None = None, repeat: int = 3) -> dict:
-    backends = backends or (["mooncake", "zmq"] if mooncake_available() else ["zmq"])
+    backends = backends or ((["mooncake"] if mooncake_available() else []) + ["zmq", SHARED_MEMORY])
     res = {"machine": machine(), "block_bytes": BLOCK_BYTES, "memcpy_gib_per_s": memcpy_gib_per_s(),
            "socket_gib_per_s": socket_gib_per_s(), "results": []}
     with tqdm(total=len(backends) * 2 * len(SIZES_BLOCKS), desc="transfer sweep", leave=False) as bar:

@@ -52,7 +52,10 @@ class EngineConfig:
 
 
 class LLMEngine:
-    def __init__(self, loaded: LoadedModel, config: EngineConfig):
+    def __init__(self, loaded: LoadedModel, config: EngineConfig,
+                 kv_allocator: Callable[[tuple[int, ...], torch.dtype], torch.Tensor] | None = None):
+        """``kv_allocator(shape, dtype)``: a zeroed host buffer for the KV cache (nodes: in shared memory,
+        ``transfer/shared_memory.py``); used only when the model is on the CPU. Default: ``torch.zeros``."""
         self.loaded = loaded
         self.config = config
         self.tokenizer = loaded.tokenizer
@@ -69,7 +72,10 @@ class LLMEngine:
                                                  cache_salt=config.cache_salt)
         self.kv = KVCacheManager(self.pool, config.block_size, self.namespace.root(), config.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv)
-        self.runner = ModelRunner(loaded.model, self.layout.allocate(loaded.device), config.block_size)
+        on_host = torch.device(loaded.device).type == "cpu"
+        kv_buffer = kv_allocator(self.layout.shape, self.layout.dtype) if kv_allocator is not None and on_host \
+            else self.layout.allocate(loaded.device)
+        self.runner = ModelRunner(loaded.model, kv_buffer, config.block_size)
         self.pins = PinnedPrefixes(self.pool)
         self.speculator = None
         if config.speculative is not None:

@@ -28,7 +28,8 @@ def peer_record(record: NodeRecord) -> PeerRecord | None:
     layout = record.kv_layout
     try:
         return PeerRecord(record.node_id, record.side_channel, record.transfer_endpoint, int(layout["base_addr"]),
-                          int(layout["num_blocks"]), int(layout["bytes_per_block"]))
+                          int(layout["num_blocks"]), int(layout["bytes_per_block"]),
+                          str(layout.get("shared_memory", "")))
     except (KeyError, TypeError, ValueError):
         return None
 

@@ -44,6 +44,7 @@ from kvmesh.transfer.block_source import TieredSource
 from kvmesh.transfer.engine import create_transfer_engine
 from kvmesh.transfer.kv_agent import TransferAgent
 from kvmesh.transfer.peers import FunctionPeers
+from kvmesh.transfer.shared_memory import SharedKVAllocator
 from kvmesh.wire import MessageError, decode, encode
 
 log = logging.getLogger("kvmesh.node")
@@ -74,6 +75,7 @@ class NodeConfig:
     host: str = "127.0.0.1"  # where every listener binds (0.0.0.0: all interfaces)
     advertise_host: str = ""  # what peers are told; "": the bind address, or the route to etcd
     transfer_backend: str = "auto"
+    shared_memory_transfers: bool = True  # same-host pushes by one copy into a peer's memfd KV buffer
     lease_ttl_s: int = 10
     prefill_timeout_s: float = 10.0
     local_prefill_tokens: int = -1  # decode: uncached suffixes up to this are computed locally; -1: cost model
@@ -105,13 +107,15 @@ class NodeRuntime:
                         "this node can submit work and make it write KV", cfg.node_id)
         self.device = resolve_device(cfg.device)
         self.loaded = load_model(cfg.model, dtype=cfg.dtype, device=self.device, progress=False)
+        self.shared_kv = SharedKVAllocator() if cfg.shared_memory_transfers else None
         self.engine = LLMEngine(self.loaded, EngineConfig(
             block_size=cfg.block_size, num_kv_blocks=cfg.num_kv_blocks, track_pool_changes=True,
             enable_prefix_caching=cfg.enable_prefix_caching,
             speculative=None if cfg.speculative == "off" or cfg.role != "decode" else SpeculativeConfig(
                 method=cfg.speculative, num_speculative_tokens=cfg.num_speculative_tokens),
             scheduler=SchedulerConfig(max_num_seqs=cfg.max_num_seqs,
-                                      max_num_batched_tokens=cfg.max_num_batched_tokens)))
+                                      max_num_batched_tokens=cfg.max_num_batched_tokens)),
+            kv_allocator=self.shared_kv.allocate if self.shared_kv is not None else None)
         self.pool = self.engine.pool
         # Seeded by a start-up measurement, then kept current by every step that computes prompt tokens.
         probe = self._probe()
@@ -127,7 +131,9 @@ class NodeRuntime:
                                                           advertise=self.advertise_host),
                                    FunctionPeers(self.membership.peer), self.auth, host=cfg.host,
                                    advertise=self.advertise_host, verify_kv=cfg.verify_kv,
-                                   kv_memory=cfg.kv_transfer_memory)
+                                   kv_memory=cfg.kv_transfer_memory,
+                                   shared_region=self.shared_kv.region if self.shared_kv is not None else None,
+                                   shared_writes=cfg.shared_memory_transfers)
         self.tiers: TieredCache | None = None
         tier_cfg = TierConfig(cfg.host_kv_bytes, cfg.disk_kv_bytes, cfg.disk_kv_path, cfg.verify_kv)
         if tier_cfg.enabled:
@@ -163,6 +169,7 @@ class NodeRuntime:
                            "base_addr": self.agent.base_addr, "transport": self.agent.engine.transport,
                            "model": self.cfg.model, "dtype": str(self.loaded.dtype).removeprefix("torch."),
                            "device": device_name(self.device), "kv_memory": self.agent.memory.mode,
+                           "shared_memory": self.agent.record.shared_memory,
                            "fingerprint": self.loaded.fingerprint, "root_hash": self.engine.kv.root_hash.hex(),
                            "index_namespace": index_namespace(self.engine.namespace),
                            "prefill_tokens_per_s": self.prefill_tokens_per_s,
@@ -178,7 +185,7 @@ class NodeRuntime:
         return self.membership.lookup_holders(block_hashes)
 
     def _peer_left(self, node_id: str) -> None:
-        self.agent.requester.peer_gone(node_id)
+        self.agent.peer_gone(node_id)
 
     @property
     def prefill_tokens_per_s(self) -> float:
@@ -279,7 +286,8 @@ class NodeRuntime:
                 error = f"integrity: {e}"
         usage = self.pool.usage()
         stats = {**self.engine.kv.stats.as_dict(), "bytes_received": self.agent.bytes_received,
-                 "bytes_sent": self.agent.bytes_sent, "num_used_blocks": usage.num_used,
+                 "bytes_sent": self.agent.bytes_sent, "bytes_sent_shared_memory": self.agent.bytes_sent_shared_memory,
+                 "num_used_blocks": usage.num_used,
                  "num_cached_blocks": usage.num_cached, "num_pinned": self.pool.num_pinned(),
                  "num_running": len(self.engine.scheduler.running), "prefill_tokens_per_s": self.prefill_tokens_per_s,
                  "num_unauthenticated": self.endpoint.num_refused + self.agent.num_unauthenticated,
@@ -335,6 +343,8 @@ class NodeRuntime:
         self.membership.close()
         self.endpoint.close()
         self.agent.close()
+        if self.shared_kv is not None:
+            self.shared_kv.close()
         if self.tiers is not None:
             self.tiers.close()
         self.workers.shutdown(wait=False, cancel_futures=True)
