@@ -37,20 +37,23 @@ def worth_a_lookup(num_tokens: int, local_tokens_per_s: float, rtt_s: float) -> 
 
 def plan_fetch(num_local: int, held_end: int, end: int, block_size: int, bytes_per_token: int, *,
                local_tokens_per_s: float, remote_tokens_per_s: float, bytes_per_s: float, rtt_s: float,
-               have_prefill_node: bool, prefill_queue_s: float = 0.0) -> FetchPlan:
+               have_prefill_node: bool, prefill_queue_s: float = 0.0,
+               prefill_bytes_per_s: float | None = None) -> FetchPlan:
     """The cheapest way to get blocks ``[num_local, end)``; peers hold ``[num_local, held_end)``.
 
-    ``prefill_queue_s``: how long the chosen prefill node needs for the work already sent to it.
+    ``bytes_per_s``: from the holder; ``prefill_bytes_per_s``: from the chosen prefill node (default: the
+    same). ``prefill_queue_s``: how long that prefill node needs for the work already sent to it.
     """
-    if local_tokens_per_s <= 0 or bytes_per_s <= 0:
+    prefill_bytes_per_s = prefill_bytes_per_s or bytes_per_s
+    if local_tokens_per_s <= 0 or bytes_per_s <= 0 or prefill_bytes_per_s <= 0:
         raise ValueError("rates must be positive")
     held_end = max(num_local, min(held_end, end))
 
     def compute_here(blocks: int) -> float:
         return blocks * block_size / local_tokens_per_s
 
-    def move(blocks: int) -> float:
-        return blocks * block_size * bytes_per_token / bytes_per_s
+    def move(blocks: int, rate: float = bytes_per_s) -> float:
+        return blocks * block_size * bytes_per_token / rate
 
     local = compute_here(end - num_local)
     plans = [FetchPlan(num_local, False, local, local)]
@@ -59,43 +62,63 @@ def plan_fetch(num_local: int, held_end: int, end: int, block_size: int, bytes_p
                                local))
     if have_prefill_node and remote_tokens_per_s > 0 and held_end < end:
         rest = end - held_end
-        remote = rtt_s + prefill_queue_s + max(rest * block_size / remote_tokens_per_s, move(rest))
+        remote = rtt_s + prefill_queue_s + max(rest * block_size / remote_tokens_per_s, move(rest, prefill_bytes_per_s))
         plans.append(FetchPlan(held_end, True, max(rtt_s + move(held_end - num_local), remote), local))
     return min(plans, key=lambda p: p.seconds)
 
 
-class TransferRateEstimator:
-    """Bandwidth and round trip to peers, learned from real transfers (exponentially weighted).
+NETWORK = "network"  # link classes: pushes through the transfer engine ...
+SHARED_MEMORY = "shared-memory"  # ... or by one copy into our memfd KV buffer (a writer on this host)
 
-    Starts from a prior (``--transfer-gib-per-s``, ``--transfer-rtt-ms``); every transfer that
-    moved at least ``min_bytes`` updates the bandwidth (the first one replaces the prior),
-    timed by the writer inside its transfer engine, so a prefill node's compute is not counted;
-    every fetch from holders alone updates the round trip with what it cost beyond those bytes.
+
+class TransferRateEstimator:
+    """Bandwidth to each peer and the fetch round trip, learned from real transfers (exponentially weighted).
+
+    Starts from a prior (``--transfer-gib-per-s``, ``--transfer-rtt-ms``). Every transfer that moved at
+    least ``min_bytes`` updates its peer's bandwidth and its link class's (the first sample of each
+    replaces what stood before), timed by the writer inside its transfer engine, so a prefill node's
+    compute is not counted. A peer not measured yet is priced at its link class's rate, else the prior:
+    a same-host peer writing through shared memory (~6 GiB/s here) says nothing about a network link
+    (~1.3 GiB/s over loopback TCP, less between hosts), and the reverse. Every fetch from holders alone
+    updates the round trip with what it cost beyond those bytes.
     """
 
     def __init__(self, prior_bytes_per_s: float, prior_rtt_s: float = 0.010, weight: float = 0.3,
                  min_bytes: int = 256 * 1024):
-        self.bytes_per_s = prior_bytes_per_s
+        self.prior_bytes_per_s = prior_bytes_per_s
         self.rtt_s = prior_rtt_s
         self.weight = weight
         self.min_bytes = min_bytes
         self.num_samples = 0
         self.num_rtt_samples = 0
+        self._by_peer: dict[str, float] = {}
+        self._by_link: dict[str, float] = {}
+
+    def bytes_per_s_to(self, peer: str = "", link: str = NETWORK) -> float:
+        """What a transfer from ``peer`` (over ``link``) is expected to move per second."""
+        return self._by_peer.get(peer) or self._by_link.get(link) or self.prior_bytes_per_s
+
+    @property
+    def bytes_per_s(self) -> float:
+        """The network links' rate (the prior until one was measured)."""
+        return self._by_link.get(NETWORK, self.prior_bytes_per_s)
+
+    def by_link(self) -> dict[str, float]:
+        return dict(self._by_link)
 
     def record_round_trip(self, seconds: float) -> None:
         """What one fetch cost beyond moving its bytes, end to end: from the decision to the KV being usable
-        (exchanges, thread hops, the wait for an engine step boundary), less bytes / ``bytes_per_s``."""
+        (exchanges, thread hops, the wait for an engine step boundary), less bytes / its bandwidth."""
         if seconds >= 0:
             self.rtt_s += self.weight * (seconds - self.rtt_s)
             self.num_rtt_samples += 1
 
-    def record_transfer(self, num_bytes: int, seconds: float) -> None:
+    def record_transfer(self, num_bytes: int, seconds: float, peer: str = "", link: str = NETWORK) -> None:
         if num_bytes < self.min_bytes or seconds <= 0:
             return
         rate = num_bytes / seconds
-        if self.num_samples == 0:
-            self.bytes_per_s = rate
-        else:
-            self.bytes_per_s += self.weight * (rate - self.bytes_per_s)
+        for table, key in ((self._by_link, link), (self._by_peer, peer)):
+            if key:
+                old = table.get(key)
+                table[key] = rate if old is None else old + self.weight * (rate - old)
         self.num_samples += 1
-

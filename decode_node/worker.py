@@ -27,7 +27,8 @@ from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from kvmesh.decode_node.cost_model import FetchPlan, TransferRateEstimator, plan_fetch, worth_a_lookup
+from kvmesh.decode_node.cost_model import (NETWORK, SHARED_MEMORY, FetchPlan, TransferRateEstimator, plan_fetch,
+                                           worth_a_lookup)
 from kvmesh.engine.request_state import RequestStatus
 from kvmesh.engine.sequence import Sequence
 from kvmesh.errors import KvmeshError, OutOfBlocksError
@@ -36,6 +37,7 @@ from kvmesh.node import messages as nm
 from kvmesh.node.rate_meter import RateMeter
 from kvmesh.node.runtime import NodeRuntime
 from kvmesh.transfer.errors import TransferRefused
+from kvmesh.transfer.shared_memory import SharedRegion
 from kvmesh.wire import encode
 
 log = logging.getLogger("kvmesh.decode")
@@ -73,6 +75,7 @@ class _FetchResult:
     num_disk: int = 0
     promote_s: float = 0.0
     asked_prefill: bool = False  # a prefill node was asked for blocks [from_holders, end)
+    holder: str = ""  # the peer that sent blocks [promoted, from_holders)
 
 
 PROMPT_TOKEN_SOURCES = ("tokens_reused_local", "tokens_reused_host", "tokens_reused_disk", "tokens_reused_remote",
@@ -128,9 +131,9 @@ class DecodeWorker(NodeRuntime):
             fetch = (end - promote_end) * bs > self.cfg.local_prefill_tokens
             return FetchPlan(held_end if fetch else promote_end, fetch and bool(prefill_nodes), 0.0, 0.0,
                              promote_end)
-        remote_rate, queue_s = self._best_prefill_node(prefill_nodes, (end - held_end) * bs)
-        bytes_per_s = self.rates.bytes_per_s
+        prefill_node, remote_rate, queue_s = self._best_prefill_node(prefill_nodes, (end - held_end) * bs)
         holder = max(hits, key=hits.get) if hits else None
+        bytes_per_s = self._bytes_per_s(holder) if holder is not None else self.rates.bytes_per_s
         if holder is not None and held_end > promote_end:  # a holder streams disk-tier blocks off its disk first
             if self.membership.index.slowest_tier(seq.block_hashes[promote_end:held_end], holder) == 2:
                 disk_rate = self.membership.layout_value(holder, "disk_read_bytes_per_s")
@@ -139,7 +142,8 @@ class DecodeWorker(NodeRuntime):
         plan = plan_fetch(promote_end, held_end, end, bs, self.engine.layout.bytes_per_token,
                           local_tokens_per_s=self.prefill_tokens_per_s, remote_tokens_per_s=remote_rate,
                           bytes_per_s=bytes_per_s, rtt_s=self.rates.rtt_s,
-                          have_prefill_node=bool(prefill_nodes), prefill_queue_s=queue_s)
+                          have_prefill_node=bool(prefill_nodes), prefill_queue_s=queue_s,
+                          prefill_bytes_per_s=self._bytes_per_s(prefill_node) if prefill_node else None)
         return plan._replace(seconds=plan.seconds + promote_s, promote_end=promote_end)
 
     def _prefill_rates_snapshot(self) -> dict[str, float]:
@@ -153,9 +157,23 @@ class DecodeWorker(NodeRuntime):
                                                             min_amount=32)
         return meter
 
-    def _best_prefill_node(self, prefill_nodes: dict, num_tokens: int) -> tuple[float, float]:
-        """(rate, queueing seconds) of the prefill node that would finish ``num_tokens`` soonest."""
-        best = (0.0, 0.0)
+    def _link(self, node_id: str) -> str:
+        """How ``node_id``'s pushes reach us: by one copy into our shared-memory KV buffer (a writer on this host)
+        or through the transfer engine."""
+        peer = self.membership.peer(node_id)
+        ours = self.agent.shared_region
+        theirs = SharedRegion.decode(peer.shared_memory) if peer is not None else None
+        return SHARED_MEMORY if ours is not None and theirs is not None and theirs.host == ours.host else NETWORK
+
+    def _bytes_per_s(self, node_id: str) -> float:
+        return self.rates.bytes_per_s_to(node_id, self._link(node_id))
+
+    def _record_transfer(self, node_id: str, num_blocks: int, write_s: float) -> None:
+        self.rates.record_transfer(num_blocks * self.agent.block_bytes, write_s, node_id, self._link(node_id))
+
+    def _best_prefill_node(self, prefill_nodes: dict, num_tokens: int) -> tuple[str, float, float]:
+        """(node id, rate, queueing seconds) of the prefill node that would finish ``num_tokens`` soonest."""
+        best = ("", 0.0, 0.0)
         best_s = float("inf")
         with self._lock:
             for node_id, record in prefill_nodes.items():
@@ -169,7 +187,7 @@ class DecodeWorker(NodeRuntime):
                     continue
                 queue_s = self._prefill_tokens_in_flight[node_id] / rate
                 if queue_s + num_tokens / rate < best_s:
-                    best, best_s = (rate, queue_s), queue_s + num_tokens / rate
+                    best, best_s = (node_id, rate, queue_s), queue_s + num_tokens / rate
         return best
 
     def _admit(self, identity: bytes, msg: nm.GenerateRequest) -> None:
@@ -286,12 +304,13 @@ class DecodeWorker(NodeRuntime):
                 continue
             outcome = self.agent.requester.push(node_id, seq.block_ids[got:length], seq.block_hashes[got:length],
                                                 request_id=f"{seq.request_id}/hold", timeout_s=HOLDER_TIMEOUT_S)
-            self.rates.record_transfer(outcome.num_written * self.agent.block_bytes, outcome.write_s)
+            self._record_transfer(node_id, outcome.num_written, outcome.write_s)
             result.tainted += outcome.tainted_block_ids
             if outcome.error is not None:
                 log.warning("%s: holder %s: %s", self.cfg.node_id, node_id, outcome.error)
             if outcome.num_written or outcome.tainted_block_ids:
                 result.from_holders = got + outcome.num_written
+                result.holder = node_id
                 return
 
     def _prefill_candidates(self, hits: dict[str, int], preferred: str) -> list[str]:
@@ -329,7 +348,7 @@ class DecodeWorker(NodeRuntime):
             if outcome.error is None and node_id in self._prefill_rates:
                 with self._lock:  # the whole conversation: its queueing and the transfer included
                     self._prefill_rates[node_id].record(num_tokens, time.perf_counter() - started)
-            self.rates.record_transfer(outcome.num_written * self.agent.block_bytes, outcome.write_s)
+            self._record_transfer(node_id, outcome.num_written, outcome.write_s)
             result.tainted += outcome.tainted_block_ids
             result.got = got + outcome.num_written
             if outcome.error is None:
@@ -356,7 +375,7 @@ class DecodeWorker(NodeRuntime):
         if num_moved > 0 and not result.asked_prefill and not result.tainted and result.promoted == result.num_local:
             # A fetch from holders alone, end to end (thread hops and the wait for a step boundary included):
             # what it cost beyond moving the bytes is the round trip the next decision should price.
-            moved_s = num_moved * self.agent.block_bytes / self.rates.bytes_per_s
+            moved_s = num_moved * self.agent.block_bytes / self._bytes_per_s(result.holder)
             self.rates.record_round_trip(max(0.0, request.kv_wait_s - moved_s))
         request.tokens_from_peers = (result.from_holders - result.promoted) * bs
         request.tokens_from_host, request.tokens_from_disk = result.num_host * bs, result.num_disk * bs
@@ -441,6 +460,7 @@ class DecodeWorker(NodeRuntime):
                 "num_tainted_swapped": self.num_tainted_swapped,
                 **{f"prompt_{key}": value for key, value in self.prompt_token_sources.items()},
                 "transfer_gib_per_s_measured": self.rates.bytes_per_s / 2**30,
+                "transfer_gib_per_s_by_link": {k: v / 2**30 for k, v in self.rates.by_link().items()},
                 "rtt_ms_measured": self.rates.rtt_s * 1e3, "num_rtt_samples": self.rates.num_rtt_samples,
                 "prefill_node_tokens_per_s": self._prefill_rates_snapshot(),
                 "prefill_node_ids": sorted(self.membership.nodes("prefill")),  # what this node can send work to

@@ -206,3 +206,38 @@ def test_transfer_rate_estimator_learns_the_link_and_flips_the_decision():
         est.record_transfer(12_500_000, 1.0)
     assert abs(est.bytes_per_s - 12_500_000) / 12_500_000 < 0.01
     assert plan().holders_end == 0  # learned: computing here beats moving the bytes
+
+
+def test_transfer_rates_are_learned_per_peer_and_link():
+    """Same-host shared-memory pushes are ~5x a loopback network link: one average of both would make the
+    decode node fetch over the slow link when computing here is faster."""
+    from kvmesh.decode_node.cost_model import NETWORK, SHARED_MEMORY, TransferRateEstimator
+
+    est = TransferRateEstimator(prior_bytes_per_s=2**30)
+    for _ in range(5):
+        est.record_transfer(60_000_000, 0.01, "decode-0", SHARED_MEMORY)  # 6 GB/s
+    for _ in range(5):
+        est.record_transfer(12_500_000, 1.0, "remote-1", NETWORK)  # 12.5 MB/s
+    assert est.bytes_per_s_to("decode-0", SHARED_MEMORY) == pytest.approx(6e9)
+    assert est.bytes_per_s_to("remote-1", NETWORK) == pytest.approx(12.5e6)
+    assert est.bytes_per_s_to("prefill-0", SHARED_MEMORY) == pytest.approx(6e9)  # unmeasured: its link's rate
+    assert est.bytes_per_s_to("remote-2", NETWORK) == pytest.approx(12.5e6)
+    assert est.bytes_per_s == pytest.approx(12.5e6) and set(est.by_link()) == {NETWORK, SHARED_MEMORY}
+    est.record_transfer(25_000_000, 1.0, "remote-2", NETWORK)  # a faster network peer keeps its own rate
+    assert est.bytes_per_s_to("remote-2", NETWORK) == pytest.approx(25e6)
+    assert est.bytes_per_s_to("remote-1", NETWORK) == pytest.approx(12.5e6)
+
+    def holders_end(peer: str, link: str) -> int:  # a peer holds the whole 512-token prefix
+        return plan_fetch(0, 32, 32, 16, 46_080, bytes_per_s=est.bytes_per_s_to(peer, link), rtt_s=est.rtt_s,
+                          local_tokens_per_s=400.0, remote_tokens_per_s=400.0, have_prefill_node=True).holders_end
+
+    assert holders_end("decode-0", SHARED_MEMORY) == 32 and holders_end("remote-1", NETWORK) == 0
+    assert TransferRateEstimator(2**30).bytes_per_s_to("anyone", SHARED_MEMORY) == 2**30  # nothing measured: prior
+
+
+def test_prefill_node_link_prices_its_part():
+    """The prefill node's part moves at its own link's rate, not the holder's."""
+    common = dict(local_tokens_per_s=2000.0, remote_tokens_per_s=1e6, rtt_s=0.001, have_prefill_node=True)
+    fast = plan_fetch(0, 0, 64, 16, 46_080, bytes_per_s=6e9, **common)
+    slow = plan_fetch(0, 0, 64, 16, 46_080, bytes_per_s=6e9, prefill_bytes_per_s=12.5e6, **common)
+    assert fast.use_prefill and not slow.use_prefill
