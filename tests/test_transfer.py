@@ -507,3 +507,20 @@ def test_shared_memory_writer_checks_the_region_before_writing():
         writer.close()
         allocator.close()
     assert not SharedMemoryWriter("late").can_write(record)  # the owner closed it: nothing to open
+
+
+def test_checksums_of_long_pushes_split_among_threads_agree_with_zlib():
+    """Pushes past 8 MiB are checksummed (holder) and verified (requester) on several threads."""
+    import zlib
+
+    kv = torch.randn((48, 64 * 1024), generator=torch.Generator().manual_seed(3))  # 48 blocks of 256 KiB
+    agent = make_agent("crc", "zmq", kv=kv)
+    try:
+        blocks = [7, *range(10, 40), 3, 44]
+        expected = [zlib.crc32(kv[b].numpy().tobytes()) for b in blocks]
+        assert agent.holder.checksum([agent.base_addr + b * agent.block_bytes for b in blocks]) == expected
+        assert agent.requester.verify(blocks, expected) == len(blocks)
+        kv[blocks[20]].view(-1)[1000] += 1.0  # damaged: the blocks before it are kept, none after
+        assert agent.requester.verify(blocks, expected) == 20
+    finally:
+        agent.close()

@@ -23,7 +23,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -100,6 +100,7 @@ class KVHolder:
         self._pushes: dict[str, _Push] = {}
         self._lock = threading.Lock()
         self._workers = ThreadPoolExecutor(num_workers, thread_name_prefix=f"kvmesh-push-{node_id}")
+        self._checksums = ThreadPoolExecutor(num_workers, thread_name_prefix=f"kvmesh-push-crc-{node_id}")
         self._stop = threading.Event()
         self._watcher = threading.Thread(target=self._watch, name=f"kvmesh-holder-{node_id}", daemon=True)
         self.bytes_sent = 0
@@ -227,6 +228,7 @@ class KVHolder:
     def _write_next(self, push: _Push) -> None:
         release = None
         keep_busy = False
+        checksums: Future | None = None
         try:
             acquired = self.source.acquire(push.block_hashes, push.num_written, len(push.written) - push.num_written)
             release = acquired.release
@@ -239,6 +241,11 @@ class KVHolder:
             shared = self.shared is not None and self.shared.can_write(push.requester)
             descriptors = address_descriptors(acquired.src_addrs, dst_addrs, self.block_bytes,
                                               0 if shared else self.engine.max_descriptor_bytes)
+            # Of the bytes about to be sent, held until the write ends: the receiver compares. Computed while
+            # the write runs. A shared-memory copy never leaves the machine and is not checksummed (unless
+            # earlier chunks of this push went over the network).
+            checksums = self._checksums.submit(self.checksum, acquired.src_addrs) \
+                if self.checksum is not None and (not shared or push.checksums) else None
             started = time.perf_counter()
             try:
                 if shared:
@@ -253,12 +260,10 @@ class KVHolder:
                     held, release = release, None
                     e.pending.add_done_callback(lambda _f: self._write_ended(push, held))
                 raise
-            # Of the bytes just sent, still held: the receiver compares. A shared-memory copy never leaves the
-            # machine and is not checksummed (unless earlier chunks of this push went over the network).
-            if self.checksum is not None and (not shared or push.checksums):
+            if checksums is not None:
                 if not push.checksums:
                     push.checksums = [0] * len(push.written)
-                push.checksums[start:end] = self.checksum(acquired.src_addrs)
+                push.checksums[start:end] = checksums.result()
             push.written[start:end] = [True] * num
             push.num_written = end
             self.bytes_sent += num * self.block_bytes
@@ -270,6 +275,8 @@ class KVHolder:
             push.code, push.error = m.ErrorCode.WRITE_FAILED.value, f"{type(e).__name__}: {e}"
             log.warning("%s: push %s failed: %s", self.node_id, push.request_id, push.error)
         finally:
+            if checksums is not None:
+                wait([checksums])  # it reads the sources: done before they are released
             try:
                 if release is not None:
                     release()
@@ -289,6 +296,7 @@ class KVHolder:
         if self._watcher.is_alive():
             self._watcher.join(timeout=2)
         self._workers.shutdown(wait=True, cancel_futures=True)
+        self._checksums.shutdown(wait=True)
         with self._lock:
             pushes = list(self._pushes.values())
         for push in pushes:  # tell requesters we stopped (they release their grants)

@@ -16,6 +16,7 @@ import ctypes
 import logging
 import os
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -34,6 +35,8 @@ from kvmesh.transfer.requester import KVRequester, PushOutcome
 from kvmesh.transfer.shared_memory import SharedMemoryWriter, SharedRegion
 
 log = logging.getLogger("kvmesh.transfer")
+
+_PARALLEL_CHECKSUM_BYTES = 8 * 2**20  # shorter lists are checksummed on the calling thread
 
 
 class TransferAgent:
@@ -75,19 +78,31 @@ class TransferAgent:
         self.holder.shared = self.shared_writer
         self.requester = KVRequester(node_id, self.grants, directory, self.auth)
         self.requester.stage_in = self.memory.stage_in
+        num_crc_threads = min(4, os.cpu_count() or 1)
+        self._checksummers = ThreadPoolExecutor(num_crc_threads, thread_name_prefix=f"kvmesh-crc-{node_id}") \
+            if verify_kv and num_crc_threads > 1 else None
         if verify_kv and self.memory.host_visible:
             self.holder.checksum = self._checksum_addresses
             self.requester.verify = self._verify_blocks
         self.num_malformed = 0
 
     def _checksum_addresses(self, addrs: list[int]) -> list[int]:
-        return [zlib.crc32((ctypes.c_ubyte * self.block_bytes).from_address(a)) for a in addrs]
+        """crc32 of the block at each address; long lists split among threads (zlib releases the GIL)."""
+        def crc(part: list[int]) -> list[int]:
+            return [zlib.crc32((ctypes.c_ubyte * self.block_bytes).from_address(a)) for a in part]
+
+        if len(addrs) * self.block_bytes < _PARALLEL_CHECKSUM_BYTES or self._checksummers is None:
+            return crc(addrs)
+        n = self._checksummers._max_workers
+        parts = [addrs[i * len(addrs) // n:(i + 1) * len(addrs) // n] for i in range(n)]
+        return [c for part in self._checksummers.map(crc, parts) for c in part]
 
     def _verify_blocks(self, block_ids: list[int], checksums: list[int]) -> int:
         """How many leading blocks of ours hold bytes whose crc32 is the writer's."""
+        found = self._checksum_addresses([self.base_addr + b * self.block_bytes for b in block_ids])
         good = 0
-        for block, expected in zip(block_ids, checksums):
-            if self._checksum_addresses([self.base_addr + block * self.block_bytes])[0] != expected:
+        for got, expected in zip(found, checksums):
+            if got != expected:
                 break
             good += 1
         return good
@@ -168,6 +183,8 @@ class TransferAgent:
         self.engine.close()
         if self.shared_writer is not None:
             self.shared_writer.close()
+        if self._checksummers is not None:
+            self._checksummers.shutdown(wait=True)
 
 
 __all__ = ["PushOutcome", "TransferAgent", "TransferError"]
