@@ -38,13 +38,15 @@ def worth_a_lookup(num_tokens: int, local_tokens_per_s: float, rtt_s: float) -> 
 def plan_fetch(num_local: int, held_end: int, end: int, block_size: int, bytes_per_token: int, *,
                local_tokens_per_s: float, remote_tokens_per_s: float, bytes_per_s: float, rtt_s: float,
                have_prefill_node: bool, prefill_queue_s: float = 0.0,
-               prefill_bytes_per_s: float | None = None) -> FetchPlan:
+               prefill_bytes_per_s: float | None = None, prefill_rtt_s: float | None = None) -> FetchPlan:
     """The cheapest way to get blocks ``[num_local, end)``; peers hold ``[num_local, held_end)``.
 
-    ``bytes_per_s``: from the holder; ``prefill_bytes_per_s``: from the chosen prefill node (default: the
-    same). ``prefill_queue_s``: how long that prefill node needs for the work already sent to it.
+    ``bytes_per_s``, ``rtt_s``: the holder's link; ``prefill_bytes_per_s``, ``prefill_rtt_s``: the chosen
+    prefill node's (default: the same). ``prefill_queue_s``: how long that prefill node needs for the work
+    already sent to it.
     """
     prefill_bytes_per_s = prefill_bytes_per_s or bytes_per_s
+    prefill_rtt_s = rtt_s if prefill_rtt_s is None else prefill_rtt_s
     if local_tokens_per_s <= 0 or bytes_per_s <= 0 or prefill_bytes_per_s <= 0:
         raise ValueError("rates must be positive")
     held_end = max(num_local, min(held_end, end))
@@ -62,8 +64,10 @@ def plan_fetch(num_local: int, held_end: int, end: int, block_size: int, bytes_p
                                local))
     if have_prefill_node and remote_tokens_per_s > 0 and held_end < end:
         rest = end - held_end
-        remote = rtt_s + prefill_queue_s + max(rest * block_size / remote_tokens_per_s, move(rest, prefill_bytes_per_s))
-        plans.append(FetchPlan(held_end, True, max(rtt_s + move(held_end - num_local), remote), local))
+        remote = prefill_rtt_s + prefill_queue_s + max(rest * block_size / remote_tokens_per_s,
+                                                       move(rest, prefill_bytes_per_s))
+        from_holders = rtt_s + move(held_end - num_local) if held_end > num_local else 0.0
+        plans.append(FetchPlan(held_end, True, max(from_holders, remote), local))
     return min(plans, key=lambda p: p.seconds)
 
 
@@ -72,27 +76,30 @@ SHARED_MEMORY = "shared-memory"  # ... or by one copy into our memfd KV buffer (
 
 
 class TransferRateEstimator:
-    """Bandwidth to each peer and the fetch round trip, learned from real transfers (exponentially weighted).
+    """Bandwidth to each peer and the fetch round trip per link, learned from real transfers (exponentially
+    weighted).
 
-    Starts from a prior (``--transfer-gib-per-s``, ``--transfer-rtt-ms``). Every transfer that moved at
-    least ``min_bytes`` updates its peer's bandwidth and its link class's (the first sample of each
-    replaces what stood before), timed by the writer inside its transfer engine, so a prefill node's
-    compute is not counted. A peer not measured yet is priced at its link class's rate, else the prior:
-    a same-host peer writing through shared memory (~6 GiB/s here) says nothing about a network link
-    (~1.3 GiB/s over loopback TCP, less between hosts), and the reverse. Every fetch from holders alone
-    updates the round trip with what it cost beyond those bytes.
+    Starts from a prior (``--transfer-gib-per-s``, ``--transfer-rtt-ms``; a link's round trip may be seeded
+    by a start-up measurement, ``seed_round_trip``). Every transfer that moved at least ``min_bytes``
+    updates its peer's bandwidth and its link class's (the first sample of each replaces what stood
+    before), timed by the writer inside its transfer engine, so a prefill node's compute is not counted.
+    A peer not measured yet is priced at its link class's rate, else the prior: a same-host peer writing
+    through shared memory (~6 GiB/s here) says nothing about a network link (~1.3-3.8 GiB/s over
+    loopback TCP, less between hosts), and the reverse. Every fetch from holders alone updates its
+    link's round trip with what it cost beyond those bytes.
     """
 
     def __init__(self, prior_bytes_per_s: float, prior_rtt_s: float = 0.010, weight: float = 0.3,
                  min_bytes: int = 256 * 1024):
         self.prior_bytes_per_s = prior_bytes_per_s
-        self.rtt_s = prior_rtt_s
+        self.prior_rtt_s = prior_rtt_s
         self.weight = weight
         self.min_bytes = min_bytes
         self.num_samples = 0
         self.num_rtt_samples = 0
         self._by_peer: dict[str, float] = {}
         self._by_link: dict[str, float] = {}
+        self._rtt_by_link: dict[str, float] = {}
 
     def bytes_per_s_to(self, peer: str = "", link: str = NETWORK) -> float:
         """What a transfer from ``peer`` (over ``link``) is expected to move per second."""
@@ -106,11 +113,34 @@ class TransferRateEstimator:
     def by_link(self) -> dict[str, float]:
         return dict(self._by_link)
 
-    def record_round_trip(self, seconds: float) -> None:
+    def rtt_s_for(self, link: str = NETWORK) -> float:
+        """A fetch's cost beyond its bytes over ``link``."""
+        return self._rtt_by_link.get(link, self.prior_rtt_s)
+
+    @property
+    def rtt_s(self) -> float:
+        """The network links' round trip."""
+        return self.rtt_s_for(NETWORK)
+
+    @property
+    def min_rtt_s(self) -> float:
+        """The cheapest round trip of any link (below it, no fetch can beat computing)."""
+        return min([self.rtt_s_for(NETWORK), *self._rtt_by_link.values()])
+
+    def rtt_by_link(self) -> dict[str, float]:
+        return dict(self._rtt_by_link)
+
+    def seed_round_trip(self, seconds: float, link: str) -> None:
+        """A start-up measurement of ``link``'s round trip: replaces the prior until fetches are measured."""
+        if seconds >= 0:
+            self._rtt_by_link[link] = seconds
+
+    def record_round_trip(self, seconds: float, link: str = NETWORK) -> None:
         """What one fetch cost beyond moving its bytes, end to end: from the decision to the KV being usable
         (exchanges, thread hops, the wait for an engine step boundary), less bytes / its bandwidth."""
         if seconds >= 0:
-            self.rtt_s += self.weight * (seconds - self.rtt_s)
+            old = self.rtt_s_for(link)
+            self._rtt_by_link[link] = old + self.weight * (seconds - old)
             self.num_rtt_samples += 1
 
     def record_transfer(self, num_bytes: int, seconds: float, peer: str = "", link: str = NETWORK) -> None:

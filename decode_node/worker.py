@@ -33,6 +33,7 @@ from kvmesh.engine.request_state import RequestStatus
 from kvmesh.engine.sequence import Sequence
 from kvmesh.errors import KvmeshError, OutOfBlocksError
 from kvmesh.kv.block_pool import NO_BLOCK
+from kvmesh.kv.cache_stats import PrefixCacheStats
 from kvmesh.node import messages as nm
 from kvmesh.node.rate_meter import RateMeter
 from kvmesh.node.runtime import NodeRuntime
@@ -43,6 +44,8 @@ from kvmesh.wire import encode
 log = logging.getLogger("kvmesh.decode")
 
 HOLDER_TIMEOUT_S = 5.0  # a holder pushes blocks it already has: this is generous
+PROBE_FETCH_BLOCKS = 4  # the start-up fetch from ourselves that seeds the shared-memory link's round trip
+PROBE_FETCH_TRIES = 3
 
 
 @dataclass(slots=True)
@@ -105,6 +108,43 @@ class DecodeWorker(NodeRuntime):
         self.prompt_token_sources: Counter[str] = Counter(dict.fromkeys(PROMPT_TOKEN_SOURCES, 0))
         self.rates = TransferRateEstimator(self.cfg.transfer_gib_per_s * 2**30, self.cfg.transfer_rtt_s)
 
+    def before_serving(self) -> None:
+        """Seed the shared-memory link's round trip (docs/design.md §2) by fetching a few blocks from ourselves
+        through the whole holder path (side channel, holder, the shared-memory write, the final answer), the
+        best of a few tries, plus half a decode step (a fetch's KV waits for the step in progress to end).
+        Network links keep ``--transfer-rtt-ms``: talking to ourselves says nothing about another host."""
+        if self.agent.shared_region is None or self.agent.shared_writer is None or not self.cfg.enable_prefix_caching:
+            return
+        from kvmesh.engine.sampling_params import SamplingParams
+
+        bs = self.cfg.block_size
+        num_blocks = max(1, min(PROBE_FETCH_BLOCKS, self.pool.num_blocks // 4))
+        seq = self.engine.add_request([(11 * i + 3) % 250 for i in range(num_blocks * bs + 1)],
+                                      SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+        while not seq.is_finished:
+            self.engine.step()
+        best = float("inf")
+        for attempt in range(PROBE_FETCH_TRIES):
+            block_ids = self.pool.allocate(num_blocks)
+            started = time.perf_counter()
+            outcome = self.agent.requester.push(self.cfg.node_id, block_ids, seq.block_hashes[:num_blocks],
+                                                request_id=f"{self.cfg.node_id}/rtt-probe-{attempt}", timeout_s=5.0)
+            took = time.perf_counter() - started
+            self.pool.free(block_ids)
+            if outcome.error is not None or outcome.num_written != num_blocks or outcome.tainted_block_ids:
+                log.warning("%s: round-trip probe failed (%s): the shared-memory link keeps --transfer-rtt-ms",
+                            self.cfg.node_id, outcome.error)
+                best = float("inf")
+                break
+            best = min(best, took)
+        self.pool.evict(self.pool.num_blocks)  # as after the compute probe: nothing of this is published
+        self.pool.take_cached(), self.pool.take_evicted()
+        self.engine.kv.stats = PrefixCacheStats()
+        if best < float("inf"):
+            self.rates.seed_round_trip(best + self.decode_step_s / 2, SHARED_MEMORY)
+            log.info("%s: shared-memory fetch round trip %.2f ms (probe %.2f ms + half a decode step)",
+                     self.cfg.node_id, self.rates.rtt_s_for(SHARED_MEMORY) * 1e3, best * 1e3)
+
     # ---- admission (engine thread) ------------------------------------------------------------------
     def handle(self, identity: bytes, msg) -> None:
         if isinstance(msg, nm.GenerateRequest):
@@ -134,6 +174,7 @@ class DecodeWorker(NodeRuntime):
         prefill_node, remote_rate, queue_s = self._best_prefill_node(prefill_nodes, (end - held_end) * bs)
         holder = max(hits, key=hits.get) if hits else None
         bytes_per_s = self._bytes_per_s(holder) if holder is not None else self.rates.bytes_per_s
+        rtt_s = self.rates.rtt_s_for(self._link(holder)) if holder is not None else self.rates.rtt_s
         if holder is not None and held_end > promote_end:  # a holder streams disk-tier blocks off its disk first
             if self.membership.index.slowest_tier(seq.block_hashes[promote_end:held_end], holder) == 2:
                 disk_rate = self.membership.layout_value(holder, "disk_read_bytes_per_s")
@@ -141,9 +182,10 @@ class DecodeWorker(NodeRuntime):
                     bytes_per_s = min(bytes_per_s, disk_rate)
         plan = plan_fetch(promote_end, held_end, end, bs, self.engine.layout.bytes_per_token,
                           local_tokens_per_s=self.prefill_tokens_per_s, remote_tokens_per_s=remote_rate,
-                          bytes_per_s=bytes_per_s, rtt_s=self.rates.rtt_s,
+                          bytes_per_s=bytes_per_s, rtt_s=rtt_s,
                           have_prefill_node=bool(prefill_nodes), prefill_queue_s=queue_s,
-                          prefill_bytes_per_s=self._bytes_per_s(prefill_node) if prefill_node else None)
+                          prefill_bytes_per_s=self._bytes_per_s(prefill_node) if prefill_node else None,
+                          prefill_rtt_s=self.rates.rtt_s_for(self._link(prefill_node)) if prefill_node else None)
         return plan._replace(seconds=plan.seconds + promote_s, promote_end=promote_end)
 
     def _prefill_rates_snapshot(self) -> dict[str, float]:
@@ -209,7 +251,7 @@ class DecodeWorker(NodeRuntime):
         if self.cfg.local_prefill_tokens >= 0:
             forced_local = uncached <= self.cfg.local_prefill_tokens
         else:  # cheaper here than any round trip: not even a lookup
-            forced_local = not worth_a_lookup(uncached, self.prefill_tokens_per_s, self.rates.rtt_s)
+            forced_local = not worth_a_lookup(uncached, self.prefill_tokens_per_s, self.rates.min_rtt_s)
         plan, hits = None, {}
         lower = self.tiers.lower_run(seq.block_hashes[:fetchable_end], len(local)) \
             if self.tiers is not None and fetchable_end > len(local) else []
@@ -376,7 +418,7 @@ class DecodeWorker(NodeRuntime):
             # A fetch from holders alone, end to end (thread hops and the wait for a step boundary included):
             # what it cost beyond moving the bytes is the round trip the next decision should price.
             moved_s = num_moved * self.agent.block_bytes / self._bytes_per_s(result.holder)
-            self.rates.record_round_trip(max(0.0, request.kv_wait_s - moved_s))
+            self.rates.record_round_trip(max(0.0, request.kv_wait_s - moved_s), self._link(result.holder))
         request.tokens_from_peers = (result.from_holders - result.promoted) * bs
         request.tokens_from_host, request.tokens_from_disk = result.num_host * bs, result.num_disk * bs
         request.promote_s = result.promote_s
@@ -462,6 +504,7 @@ class DecodeWorker(NodeRuntime):
                 "transfer_gib_per_s_measured": self.rates.bytes_per_s / 2**30,
                 "transfer_gib_per_s_by_link": {k: v / 2**30 for k, v in self.rates.by_link().items()},
                 "rtt_ms_measured": self.rates.rtt_s * 1e3, "num_rtt_samples": self.rates.num_rtt_samples,
+                "rtt_ms_by_link": {k: v * 1e3 for k, v in self.rates.rtt_by_link().items()},
                 "prefill_node_tokens_per_s": self._prefill_rates_snapshot(),
                 "prefill_node_ids": sorted(self.membership.nodes("prefill")),  # what this node can send work to
                 "num_transfer_samples": self.rates.num_samples}

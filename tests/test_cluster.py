@@ -87,6 +87,18 @@ def test_host_staged_nodes_compute_what_the_single_node_engine_does(cluster, ref
     check_all(cluster)
 
 
+def test_the_shared_memory_round_trip_is_measured_at_start(cluster):
+    """decode-0 (KV in shared memory) seeds that link's round trip with a fetch from itself at start-up;
+    decode-1 (host-staged: no shared region) has no such link; with Mooncake here shared memory is off."""
+    shared = "--no-shared-memory-transfers" not in cluster.node_args
+    d0, d1 = (cluster.client(n).stats() for n in ("decode-0", "decode-1"))
+    assert ("shared-memory" in d0["rtt_ms_by_link"]) == shared
+    if shared:
+        assert d0["rtt_ms_by_link"]["shared-memory"] > 0
+    assert "shared-memory" not in d1["rtt_ms_by_link"]
+    check_all(cluster)
+
+
 def test_cross_node_prefix_reuse_by_counters(cluster, reference):
     prefix = prompt(100, 96)  # 6 blocks
     first, second = prefix + prompt(101, 20), prefix + prompt(102, 25)

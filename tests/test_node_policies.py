@@ -241,3 +241,29 @@ def test_prefill_node_link_prices_its_part():
     fast = plan_fetch(0, 0, 64, 16, 46_080, bytes_per_s=6e9, **common)
     slow = plan_fetch(0, 0, 64, 16, 46_080, bytes_per_s=6e9, prefill_bytes_per_s=12.5e6, **common)
     assert fast.use_prefill and not slow.use_prefill
+
+
+def test_round_trips_are_per_link_and_seeded():
+    """A fetch through shared memory pays a few ms of messaging; one over a network link more: each link keeps
+    its own round trip, seeded by the start-up probe where there is one."""
+    from kvmesh.decode_node.cost_model import NETWORK, SHARED_MEMORY, TransferRateEstimator
+
+    est = TransferRateEstimator(prior_bytes_per_s=2**30, prior_rtt_s=0.010)
+    assert est.rtt_s_for(SHARED_MEMORY) == est.rtt_s == est.min_rtt_s == 0.010
+    est.seed_round_trip(0.002, SHARED_MEMORY)
+    assert est.rtt_s_for(SHARED_MEMORY) == 0.002 and est.rtt_s == 0.010 and est.min_rtt_s == 0.002
+    for _ in range(20):
+        est.record_round_trip(0.030, NETWORK)
+    assert est.rtt_s == pytest.approx(0.030, rel=0.01) and est.rtt_s_for(SHARED_MEMORY) == 0.002
+    est.record_round_trip(0.004, SHARED_MEMORY)
+    assert 0.002 < est.rtt_s_for(SHARED_MEMORY) < 0.004 and est.rtt_by_link().keys() == {NETWORK, SHARED_MEMORY}
+
+    # 768 tokens at 100k tokens/s: 7.7 ms here. A same-host holder (2 ms + 0.1 ms of bytes) wins; a holder
+    # behind a 30 ms round trip does not; a prefill node's part is priced with its own link's round trip.
+    common = dict(local_tokens_per_s=100_000.0, remote_tokens_per_s=1e7, bytes_per_s=6e9, have_prefill_node=False)
+    assert plan_fetch(0, 48, 48, 16, 1024, rtt_s=est.rtt_s_for(SHARED_MEMORY), **common).holders_end == 48
+    assert plan_fetch(0, 48, 48, 16, 1024, rtt_s=est.rtt_s, **common).holders_end == 0
+    common["have_prefill_node"] = True
+    near = plan_fetch(0, 0, 48, 16, 1024, rtt_s=est.rtt_s, prefill_rtt_s=0.002, **common)
+    far = plan_fetch(0, 0, 48, 16, 1024, rtt_s=0.002, prefill_rtt_s=est.rtt_s, **common)
+    assert near.use_prefill and not far.use_prefill

@@ -129,7 +129,7 @@ class NodeRuntime:
         self.agent = TransferAgent(cfg.node_id, self.pool, self.engine.runner.kv_buffer,
                                    create_transfer_engine(cfg.transfer_backend, host=cfg.host, auth=self.auth,
                                                           advertise=self.advertise_host),
-                                   FunctionPeers(self.membership.peer), self.auth, host=cfg.host,
+                                   FunctionPeers(self._peer), self.auth, host=cfg.host,
                                    advertise=self.advertise_host, verify_kv=cfg.verify_kv,
                                    kv_memory=cfg.kv_transfer_memory,
                                    shared_region=self.shared_kv.region if self.shared_kv is not None else None,
@@ -150,14 +150,20 @@ class NodeRuntime:
         self.call_soon = self.loop.call_soon
 
     def start(self) -> NodeRuntime:
-        """Start the engine thread, the transfer agent, the request endpoint; sync with etcd; register."""
+        """Start the transfer agent, then (after ``before_serving``) the engine thread, the tiers, the request
+        endpoint; sync with etcd; register."""
+        self.agent.start()
+        self.before_serving()
         self.loop.start()
         if self.tiers is not None:
             self.tiers.start()
-        self.agent.start()
         self.endpoint.start()
         self.membership.start(self.record())
         return self
+
+    def before_serving(self) -> None:
+        """Roles' start-up measurements that need the transfer agent; runs on the starting thread, before the
+        engine loop (so the engine may be stepped here) and before the node is registered."""
 
     # ---- identity ------------------------------------------------------------------------------
     def record(self) -> NodeRecord:
@@ -183,6 +189,10 @@ class NodeRuntime:
         if not (self.cfg.use_global_pool and self.cfg.enable_prefix_caching):
             return {}
         return self.membership.lookup_holders(block_hashes)
+
+    def _peer(self, node_id: str):
+        """A peer's transfer record from the directory; our own is known without it."""
+        return self.agent.record if node_id == self.cfg.node_id else self.membership.peer(node_id)
 
     def _peer_left(self, node_id: str) -> None:
         self.agent.peer_gone(node_id)
