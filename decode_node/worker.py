@@ -140,6 +140,7 @@ class DecodeWorker(NodeRuntime):
         self.pool.evict(self.pool.num_blocks)  # as after the compute probe: nothing of this is published
         self.pool.take_cached(), self.pool.take_evicted()
         self.engine.kv.stats = PrefixCacheStats()
+        self.agent.reset_counters()
         if best < float("inf"):
             self.rates.seed_round_trip(best + self.decode_step_s / 2, SHARED_MEMORY)
             log.info("%s: shared-memory fetch round trip %.2f ms (probe %.2f ms + half a decode step)",

@@ -124,6 +124,13 @@ class TransferAgent:
         """Frames refused for a missing or wrong cluster token (side channel and transfer engine)."""
         return self._endpoint.num_refused + getattr(self.engine, "num_unauthenticated", 0)
 
+    def reset_counters(self) -> None:
+        """Bytes sent and received start from zero (after start-up probes, before the first real transfer)."""
+        self.holder.bytes_sent = 0
+        self.requester.bytes_received = 0
+        if self.shared_writer is not None:
+            self.shared_writer.num_writes = self.shared_writer.bytes_written = 0
+
     def peer_gone(self, node_id: str) -> None:
         """A peer left the cluster: end our conversations with it and let go of its shared memory."""
         self.requester.peer_gone(node_id)

@@ -177,6 +177,16 @@ def _summarize(records: list[Record], seconds: float, node_delta: dict, slo_ttft
            "bytes_transferred": node_delta["bytes_received"],
            "bytes_demoted": node_delta["tier_bytes_demoted"], "bytes_promoted": node_delta["tier_bytes_promoted"],
            "transfer_share_of_ttft": statistics.mean(share) if share else 0.0}
+    # Requests whose KV (some of it) came from another node: what waiting for it cost them.
+    def num_fetched(r: Record) -> int:
+        return r.cache.get("tokens_reused_remote", 0) + r.cache.get("tokens_from_prefill_node", 0)
+
+    fetched = [r for r in records if num_fetched(r)]
+    out["fetched_requests"] = {
+        "requests": len(fetched),
+        "ttft_p50_ms": _percentile([r.ttft_s * 1e3 for r in fetched], 0.5),
+        "kv_wait_p50_ms": _percentile([r.cache.get("kv_wait_ms", 0.0) for r in fetched], 0.5),
+        "tokens_fetched_mean": statistics.mean(num_fetched(r) for r in fetched) if fetched else 0.0}
     for name, values in (("ttft", ttft), ("tpot", tpot), ("itl", itl), ("e2e", e2e)):
         for q in (50, 90, 99):
             out[f"{name}_p{q}_ms"] = _percentile(values, q / 100)
