@@ -13,8 +13,9 @@ Holders and the prefill node work at the same time; whatever is not fetched is c
 here. ``plan_fetch`` picks the cheapest plan, so the cluster never chooses to be slower
 than computing locally (by its estimates, all measured: ``TransferRateEstimator`` for the
 links, this node's marginal prefill rate (``CostFit``: a step's fixed cost is paid whether
-or not more tokens join it), each prefill node's effective rate as this node sees it
-(``RateMeter``, queueing included)). A prompt whose local estimate is below one round
+or not more tokens join it), each prefill node's conversations as this node sees them (a
+``CostFit`` too: a fixed part for the messaging, that node's step and the writes, plus the
+tokens at its rate)). A prompt whose local estimate is below one round
 trip never looks further (``worth_a_lookup``): no remote plan can beat it.
 """
 from __future__ import annotations

@@ -26,6 +26,7 @@ import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from kvmesh.decode_node.cost_model import (NETWORK, SHARED_MEMORY, FetchPlan, TransferRateEstimator, plan_fetch,
                                            worth_a_lookup)
@@ -35,7 +36,7 @@ from kvmesh.errors import KvmeshError, OutOfBlocksError
 from kvmesh.kv.block_pool import NO_BLOCK
 from kvmesh.kv.cache_stats import PrefixCacheStats
 from kvmesh.node import messages as nm
-from kvmesh.node.rate_meter import RateMeter
+from kvmesh.node.rate_meter import CostFit
 from kvmesh.node.runtime import NodeRuntime
 from kvmesh.transfer.errors import TransferRefused
 from kvmesh.transfer.shared_memory import SharedRegion
@@ -81,6 +82,13 @@ class _FetchResult:
     holder: str = ""  # the peer that sent blocks [promoted, from_holders)
 
 
+class _PrefillChoice(NamedTuple):
+    node_id: str  # "" when no prefill node can be priced
+    tokens_per_s: float
+    queue_s: float  # its work already sent by this node, at that rate
+    fixed_s: float  # a conversation's cost beyond its tokens
+
+
 PROMPT_TOKEN_SOURCES = ("tokens_reused_local", "tokens_reused_host", "tokens_reused_disk", "tokens_reused_remote",
                         "tokens_from_prefill_node", "tokens_computed")
 
@@ -93,7 +101,7 @@ class DecodeWorker(NodeRuntime):
         self._prefills_in_flight: Counter[str] = Counter()  # ComputeAndPush conversations per prefill node
         self._prefill_tokens_in_flight: Counter[str] = Counter()  # ... and the prompt tokens they ask for
         # Each prefill node's rate as this node sees it (whole conversations, its queueing included).
-        self._prefill_rates: dict[str, RateMeter] = {}
+        self._prefill_costs: dict[str, CostFit] = {}
         # Prefill conversations run beside the fetch that waits for them (never in its pool: no deadlock).
         self._prefill_workers = ThreadPoolExecutor(16, thread_name_prefix=f"kvmesh-{cfg.node_id}-prefill")
         self._lock = threading.Lock()
@@ -172,7 +180,7 @@ class DecodeWorker(NodeRuntime):
             fetch = (end - promote_end) * bs > self.cfg.local_prefill_tokens
             return FetchPlan(held_end if fetch else promote_end, fetch and bool(prefill_nodes), 0.0, 0.0,
                              promote_end)
-        prefill_node, remote_rate, queue_s = self._best_prefill_node(prefill_nodes, (end - held_end) * bs)
+        prefill = self._best_prefill_node(prefill_nodes, (end - held_end) * bs)
         holder = max(hits, key=hits.get) if hits else None
         bytes_per_s = self._bytes_per_s(holder) if holder is not None else self.rates.bytes_per_s
         rtt_s = self.rates.rtt_s_for(self._link(holder)) if holder is not None else self.rates.rtt_s
@@ -182,23 +190,28 @@ class DecodeWorker(NodeRuntime):
                 if disk_rate > 0:
                     bytes_per_s = min(bytes_per_s, disk_rate)
         plan = plan_fetch(promote_end, held_end, end, bs, self.engine.layout.bytes_per_token,
-                          local_tokens_per_s=self.prefill_tokens_per_s, remote_tokens_per_s=remote_rate,
+                          local_tokens_per_s=self.prefill_tokens_per_s, remote_tokens_per_s=prefill.tokens_per_s,
                           bytes_per_s=bytes_per_s, rtt_s=rtt_s,
-                          have_prefill_node=bool(prefill_nodes), prefill_queue_s=queue_s,
-                          prefill_bytes_per_s=self._bytes_per_s(prefill_node) if prefill_node else None,
-                          prefill_rtt_s=self.rates.rtt_s_for(self._link(prefill_node)) if prefill_node else None)
+                          have_prefill_node=bool(prefill_nodes), prefill_queue_s=prefill.queue_s,
+                          prefill_bytes_per_s=self._bytes_per_s(prefill.node_id) if prefill.node_id else None,
+                          prefill_rtt_s=prefill.fixed_s)
         return plan._replace(seconds=plan.seconds + promote_s, promote_end=promote_end)
 
-    def _prefill_rates_snapshot(self) -> dict[str, float]:
+    def _prefill_costs_snapshot(self) -> tuple[dict[str, float], dict[str, float]]:
         with self._lock:
-            return {n: m.per_s for n, m in self._prefill_rates.items()}
+            return ({n: f.per_s for n, f in self._prefill_costs.items()},
+                    {n: f.fixed_s * 1e3 for n, f in self._prefill_costs.items()})
 
-    def _prefill_rate(self, node_id: str, record) -> RateMeter:
-        meter = self._prefill_rates.get(node_id)
-        if meter is None:  # seeded with the rate the node published (its own start-up measurement)
-            meter = self._prefill_rates[node_id] = RateMeter(float(record.kv_layout.get("prefill_tokens_per_s", 0)),
-                                                            min_amount=32)
-        return meter
+    def _prefill_cost(self, node_id: str, published_per_s: float) -> CostFit:
+        """What a ComputeAndPush conversation with ``node_id`` costs as this node sees it, end to end: a fixed
+        part (messaging, the node's own step and queue, the writes, the final answer) plus its tokens at a
+        rate. Seeded with the rate the node published (its start-up probe) and ``--transfer-rtt-ms`` as the
+        fixed part, refitted to every conversation that succeeded (caller holds ``_lock``)."""
+        fit = self._prefill_costs.get(node_id)
+        if fit is None:
+            fixed = self.rates.prior_rtt_s
+            fit = self._prefill_costs[node_id] = CostFit([(n, fixed + n / published_per_s) for n in (64, 512)])
+        return fit
 
     def _link(self, node_id: str) -> str:
         """How ``node_id``'s pushes reach us: by one copy into our shared-memory KV buffer (a writer on this host)
@@ -214,23 +227,26 @@ class DecodeWorker(NodeRuntime):
     def _record_transfer(self, node_id: str, num_blocks: int, write_s: float) -> None:
         self.rates.record_transfer(num_blocks * self.agent.block_bytes, write_s, node_id, self._link(node_id))
 
-    def _best_prefill_node(self, prefill_nodes: dict, num_tokens: int) -> tuple[str, float, float]:
-        """(node id, rate, queueing seconds) of the prefill node that would finish ``num_tokens`` soonest."""
-        best = ("", 0.0, 0.0)
+    def _best_prefill_node(self, prefill_nodes: dict, num_tokens: int) -> _PrefillChoice:
+        """The prefill node that would finish ``num_tokens`` soonest, with what its conversation costs."""
+        best = _PrefillChoice("", 0.0, 0.0, 0.0)
         best_s = float("inf")
         with self._lock:
             for node_id, record in prefill_nodes.items():
+                try:
+                    published = float(record.kv_layout.get("prefill_tokens_per_s", 0) or 0)
+                except (TypeError, ValueError):
+                    continue
+                if not published > 0:
+                    continue
+                fit = self._prefill_cost(node_id, published)
                 # Never faster than the node measured itself computing: a quicker conversation found the
                 # prompt cached there (an index not yet updated), which says nothing about the next one.
-                rate = self._prefill_rate(node_id, record).per_s
-                published = float(record.kv_layout.get("prefill_tokens_per_s", 0) or 0)
-                if published > 0:
-                    rate = min(rate, published)
-                if rate <= 0:
-                    continue
+                rate = min(fit.per_s, published)
                 queue_s = self._prefill_tokens_in_flight[node_id] / rate
-                if queue_s + num_tokens / rate < best_s:
-                    best, best_s = (node_id, rate, queue_s), queue_s + num_tokens / rate
+                finish_s = queue_s + fit.fixed_s + num_tokens / rate
+                if finish_s < best_s:
+                    best, best_s = _PrefillChoice(node_id, rate, queue_s, fit.fixed_s), finish_s
         return best
 
     def _admit(self, identity: bytes, msg: nm.GenerateRequest) -> None:
@@ -388,9 +404,9 @@ class DecodeWorker(NodeRuntime):
                 with self._lock:
                     self._prefills_in_flight[node_id] -= 1
                     self._prefill_tokens_in_flight[node_id] -= num_tokens
-            if outcome.error is None and node_id in self._prefill_rates:
+            if outcome.error is None and node_id in self._prefill_costs:
                 with self._lock:  # the whole conversation: its queueing and the transfer included
-                    self._prefill_rates[node_id].record(num_tokens, time.perf_counter() - started)
+                    self._prefill_costs[node_id].record(num_tokens, time.perf_counter() - started)
             self._record_transfer(node_id, outcome.num_written, outcome.write_s)
             result.tainted += outcome.tainted_block_ids
             result.got = got + outcome.num_written
@@ -498,6 +514,7 @@ class DecodeWorker(NodeRuntime):
         self._prefill_workers.shutdown(wait=False, cancel_futures=True)
 
     def role_stats(self) -> dict:
+        prefill_rates, prefill_fixed_ms = self._prefill_costs_snapshot()
         return {"num_remote": self.num_remote, "num_local": self.num_local, "num_fallbacks": self.num_fallbacks,
                 "num_prefill_refusals": self.num_refusals, "num_aborted": self.num_aborted,
                 "num_tainted_swapped": self.num_tainted_swapped,
@@ -506,6 +523,6 @@ class DecodeWorker(NodeRuntime):
                 "transfer_gib_per_s_by_link": {k: v / 2**30 for k, v in self.rates.by_link().items()},
                 "rtt_ms_measured": self.rates.rtt_s * 1e3, "num_rtt_samples": self.rates.num_rtt_samples,
                 "rtt_ms_by_link": {k: v * 1e3 for k, v in self.rates.rtt_by_link().items()},
-                "prefill_node_tokens_per_s": self._prefill_rates_snapshot(),
+                "prefill_node_tokens_per_s": prefill_rates, "prefill_node_fixed_ms": prefill_fixed_ms,
                 "prefill_node_ids": sorted(self.membership.nodes("prefill")),  # what this node can send work to
                 "num_transfer_samples": self.rates.num_samples}
