@@ -4,13 +4,16 @@ Three sources beyond the node's own lower tiers (whose blocks the decode node pr
 reading them back is faster than computing them, at their measured read rate), priced in
 seconds with measured rates:
 
-    local     compute them here                       tokens / local prefill rate
-    holders   peers that already cache a prefix       round trip + bytes / bandwidth
-    prefill   a prefill node computes and streams     round trip + max(tokens / its rate, bytes / bandwidth)
-              the part no holder has                  (its chunks are sent while it computes)
+    local     compute them here                       the queue here + tokens / local prefill rate
+    holders   peers that already cache a prefix       round trip + bytes / bandwidth (while the queue
+                                                      here drains), then the rest here
+    prefill   a prefill node computes and streams     its fixed cost + its queue + max(tokens / its rate,
+              the part no holder has                  bytes / bandwidth) (chunks are sent as computed)
 
 Holders and the prefill node work at the same time; whatever is not fetched is computed
-here. ``plan_fetch`` picks the cheapest plan, so the cluster never chooses to be slower
+here once the prefix has arrived. The queue here is the prompt tokens already waiting on
+this node, so a busy decode node sends work out that an idle one computes itself.
+``plan_fetch`` picks the cheapest plan, so the cluster never chooses to be slower
 than computing locally (by its estimates, all measured: ``TransferRateEstimator`` for the
 links, this node's marginal prefill rate (``CostFit``: a step's fixed cost is paid whether
 or not more tokens join it), each prefill node's conversations as this node sees them (a
@@ -31,20 +34,31 @@ class FetchPlan(NamedTuple):
     promote_end: int = -1  # blocks [num_local, promote_end) come back from this node's lower tiers (-1: none)
 
 
-def worth_a_lookup(num_tokens: int, local_tokens_per_s: float, rtt_s: float) -> bool:
-    """False when computing ``num_tokens`` here takes less than one round trip (so no fetch can win)."""
-    return num_tokens / max(local_tokens_per_s, 1e-9) > rtt_s
+def worth_a_lookup(num_tokens: int, local_tokens_per_s: float, rtt_s: float, local_queue_s: float = 0.0) -> bool:
+    """False when computing ``num_tokens`` here (after the queue here) takes less than one round trip, so no
+    fetch can win."""
+    return local_queue_s + num_tokens / max(local_tokens_per_s, 1e-9) > rtt_s
 
 
 def plan_fetch(num_local: int, held_end: int, end: int, block_size: int, bytes_per_token: int, *,
                local_tokens_per_s: float, remote_tokens_per_s: float, bytes_per_s: float, rtt_s: float,
                have_prefill_node: bool, prefill_queue_s: float = 0.0,
-               prefill_bytes_per_s: float | None = None, prefill_rtt_s: float | None = None) -> FetchPlan:
+               prefill_bytes_per_s: float | None = None, prefill_rtt_s: float | None = None,
+               local_queue_s: float = 0.0, prefill_holds_prefix: bool = False) -> FetchPlan:
     """The cheapest way to get blocks ``[num_local, end)``; peers hold ``[num_local, held_end)``.
 
     ``bytes_per_s``, ``rtt_s``: the holder's link; ``prefill_bytes_per_s``, ``prefill_rtt_s``: the chosen
     prefill node's (default: the same). ``prefill_queue_s``: how long that prefill node needs for the work
-    already sent to it.
+    already sent to it; ``prefill_holds_prefix``: it caches ``[num_local, held_end)`` itself (else it pulls
+    that from the holders first, as this node would); ``local_queue_s``: how long this node needs for the
+    prompt tokens already queued here, which a fetch waits out meanwhile:
+
+        local      queue here ─────────> compute [num_local, end)
+        holders    fetch [num_local, held_end) ─┐
+                   queue here ──────────────────┴─> compute [held_end, end)   (it attends to the prefix)
+        prefill    fetch from holders ──────────┐
+                   the prefill node: the prefix, then [held_end, end) ─┤
+                   queue here ──────────────────┴─> done
     """
     prefill_bytes_per_s = prefill_bytes_per_s or bytes_per_s
     prefill_rtt_s = rtt_s if prefill_rtt_s is None else prefill_rtt_s
@@ -58,17 +72,18 @@ def plan_fetch(num_local: int, held_end: int, end: int, block_size: int, bytes_p
     def move(blocks: int, rate: float = bytes_per_s) -> float:
         return blocks * block_size * bytes_per_token / rate
 
-    local = compute_here(end - num_local)
+    local = local_queue_s + compute_here(end - num_local)
     plans = [FetchPlan(num_local, False, local, local)]
-    if held_end > num_local:  # holders send their part while this node computes the rest
-        plans.append(FetchPlan(held_end, False, max(rtt_s + move(held_end - num_local), compute_here(end - held_end)),
+    from_holders = rtt_s + move(held_end - num_local) if held_end > num_local else 0.0
+    if held_end > num_local:
+        plans.append(FetchPlan(held_end, False, max(from_holders, local_queue_s) + compute_here(end - held_end),
                                local))
     if have_prefill_node and remote_tokens_per_s > 0 and held_end < end:
         rest = end - held_end
-        remote = prefill_rtt_s + prefill_queue_s + max(rest * block_size / remote_tokens_per_s,
-                                                       move(rest, prefill_bytes_per_s))
-        from_holders = rtt_s + move(held_end - num_local) if held_end > num_local else 0.0
-        plans.append(FetchPlan(held_end, True, max(from_holders, remote), local))
+        its_prefix = 0.0 if prefill_holds_prefix else from_holders
+        remote = prefill_rtt_s + prefill_queue_s + its_prefix + max(rest * block_size / remote_tokens_per_s,
+                                                                    move(rest, prefill_bytes_per_s))
+        plans.append(FetchPlan(held_end, True, max(from_holders, remote, local_queue_s), local))
     return min(plans, key=lambda p: p.seconds)
 
 

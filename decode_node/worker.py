@@ -194,8 +194,16 @@ class DecodeWorker(NodeRuntime):
                           bytes_per_s=bytes_per_s, rtt_s=rtt_s,
                           have_prefill_node=bool(prefill_nodes), prefill_queue_s=prefill.queue_s,
                           prefill_bytes_per_s=self._bytes_per_s(prefill.node_id) if prefill.node_id else None,
-                          prefill_rtt_s=prefill.fixed_s)
+                          prefill_rtt_s=prefill.fixed_s,
+                          local_queue_s=self._queued_prompt_tokens() / self.prefill_tokens_per_s,
+                          prefill_holds_prefix=hits.get(prefill.node_id, 0) >= held_end)
         return plan._replace(seconds=plan.seconds + promote_s, promote_end=promote_end)
+
+    def _queued_prompt_tokens(self) -> int:
+        """Prompt tokens admitted here and not yet computed (engine thread): what a new prompt waits behind."""
+        scheduler = self.engine.scheduler
+        return sum(max(0, seq.num_prompt_tokens - seq.num_computed_tokens)
+                   for seq in (*scheduler.waiting, *scheduler.running))
 
     def _prefill_costs_snapshot(self) -> tuple[dict[str, float], dict[str, float]]:
         with self._lock:
@@ -268,7 +276,8 @@ class DecodeWorker(NodeRuntime):
         if self.cfg.local_prefill_tokens >= 0:
             forced_local = uncached <= self.cfg.local_prefill_tokens
         else:  # cheaper here than any round trip: not even a lookup
-            forced_local = not worth_a_lookup(uncached, self.prefill_tokens_per_s, self.rates.min_rtt_s)
+            forced_local = not worth_a_lookup(uncached, self.prefill_tokens_per_s, self.rates.min_rtt_s,
+                                              self._queued_prompt_tokens() / self.prefill_tokens_per_s)
         plan, hits = None, {}
         lower = self.tiers.lower_run(seq.block_hashes[:fetchable_end], len(local)) \
             if self.tiers is not None and fetchable_end > len(local) else []
@@ -335,7 +344,7 @@ class DecodeWorker(NodeRuntime):
             if plan.use_prefill:
                 result.asked_prefill = True
                 computing = self._prefill_workers.submit(self._fetch_from_prefill, seq, prefill, end, hits,
-                                                         preferred)
+                                                         preferred, plan.local_seconds)
             if plan.promote_end > num_local:  # our own lower tiers (while the prefill node computes)
                 restored = self.tiers.restore(seq.block_hashes[num_local:plan.promote_end],
                                               seq.block_ids[num_local:plan.promote_end])
@@ -385,11 +394,16 @@ class DecodeWorker(NodeRuntime):
         return sorted(nodes, key=lambda n: (n != preferred, -hits.get(n, 0), load.get(n, 0), rotation[n]))
 
     def _fetch_from_prefill(self, seq: Sequence, result: _FetchResult, end: int, hits: dict[str, int],
-                            preferred: str) -> None:
-        """One ComputeAndPush conversation at a time, on to the next prefill node after a refusal or failure."""
+                            preferred: str, local_s: float = 0.0) -> None:
+        """One ComputeAndPush conversation at a time, on to the next prefill node after a refusal or failure.
+
+        ``local_s``: the plan's estimate of computing everything here (0: forced, no limit): a prefill node
+        that cannot deliver sooner, its backlog from every decode node included, refuses (BUSY)."""
+        asked = time.perf_counter()
         for node_id in self._prefill_candidates(hits, preferred)[:3]:
             if self._aborting(seq):
                 return
+            wanted_within_s = max(1e-3, local_s - (time.perf_counter() - asked)) if local_s > 0 else 0.0
             got = result.got
             num_tokens = (end - got) * self.cfg.block_size
             with self._lock:
@@ -399,7 +413,8 @@ class DecodeWorker(NodeRuntime):
             try:
                 outcome = self.agent.requester.compute_and_push(
                     node_id, seq.block_ids[got:end], list(seq.prompt_token_ids), got,
-                    request_id=f"{seq.request_id}/prefill", timeout_s=self.cfg.prefill_timeout_s)
+                    request_id=f"{seq.request_id}/prefill", timeout_s=self.cfg.prefill_timeout_s,
+                    wanted_within_s=wanted_within_s)
             finally:
                 with self._lock:
                     self._prefills_in_flight[node_id] -= 1

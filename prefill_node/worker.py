@@ -45,6 +45,7 @@ class PrefillWorker(NodeRuntime):
         self._lock = threading.Lock()
         self.num_prefills = 0
         self.num_refused = 0
+        self.num_refused_busy = 0  # of those: it could not beat the requester computing the prompt itself
         self.tokens_pulled = 0
         self.tokens_promoted = 0
         self.agent.holder.compute = self
@@ -65,10 +66,31 @@ class PrefillWorker(NodeRuntime):
             raise TransferRefused(f"the prompt has {len(hashes)} full blocks; blocks {msg.first_block}.."
                                   f"{msg.first_block + len(msg.dst_block_ids)} were asked for",
                                   code=m.ErrorCode.INVALID_PROMPT.value, request_id=msg.request_id)
+        uncached = len(prompt) - len(self.pool.match(hashes)) * bs if msg.wanted_within_ms else 0
         with self._lock:
+            if msg.wanted_within_ms:
+                finish_s = self._finish_estimate_s(uncached)
+                if finish_s * 1e3 > msg.wanted_within_ms:
+                    self.num_refused += 1
+                    self.num_refused_busy += 1
+                    raise TransferRefused(f"busy: this prompt would be ready in {finish_s * 1e3:.0f} ms here, the "
+                                          f"requester computes it in {msg.wanted_within_ms} ms",
+                                          code=m.ErrorCode.BUSY.value, request_id=msg.request_id)
             self._prefills[msg.request_id] = _Prefill(list(prompt), hashes)
         self.workers.submit(self._prepare, msg.request_id)
         return wanted
+
+    def _finish_estimate_s(self, num_new_tokens: int) -> float:
+        """When a prompt of ``num_new_tokens`` uncached tokens accepted now would be computed: after every
+        accepted conversation's tokens still to compute (caller holds ``_lock``), at this node's fitted cost."""
+        backlog = 0
+        for prefill in self._prefills.values():
+            seq = prefill.seq
+            if seq is None:  # still being prepared (pulling a prefix): its whole prompt, at most
+                backlog += len(prefill.prompt_token_ids)
+            elif not seq.is_finished:
+                backlog += max(0, seq.num_prompt_tokens - seq.num_computed_tokens)
+        return self.prefill_cost.fixed_s + (backlog + max(0, num_new_tokens)) / self.prefill_tokens_per_s
 
     def release(self, request_id: str) -> None:
         with self._lock:
@@ -135,4 +157,5 @@ class PrefillWorker(NodeRuntime):
     def role_stats(self) -> dict:
         return {"num_prefills": self.num_prefills, "tokens_pulled": self.tokens_pulled,
                 "tokens_promoted": self.tokens_promoted,
-                "num_prefills_refused": self.num_refused, "num_open_prefills": len(self._prefills)}
+                "num_prefills_refused": self.num_refused, "num_prefills_refused_busy": self.num_refused_busy,
+                "num_open_prefills": len(self._prefills)}

@@ -267,3 +267,30 @@ def test_round_trips_are_per_link_and_seeded():
     near = plan_fetch(0, 0, 48, 16, 1024, rtt_s=est.rtt_s, prefill_rtt_s=0.002, **common)
     far = plan_fetch(0, 0, 48, 16, 1024, rtt_s=0.002, prefill_rtt_s=est.rtt_s, **common)
     assert near.use_prefill and not far.use_prefill
+
+
+def test_a_busy_node_sends_out_what_an_idle_one_computes():
+    """The prompt tokens already queued on the decode node delay a prompt computed there; a fetch runs while
+    that queue drains, so under load fetching (or a prefill node) wins where an idle node computes."""
+    from kvmesh.decode_node.cost_model import worth_a_lookup
+
+    tiny = dict(local_tokens_per_s=100_000.0, remote_tokens_per_s=100_000.0, bytes_per_s=6e9, rtt_s=0.010,
+                have_prefill_node=False)
+    assert plan_fetch(0, 48, 50, 16, 1024, **tiny).holders_end == 0  # idle: 8 ms here beats a 10 ms fetch
+    busy = plan_fetch(0, 48, 50, 16, 1024, local_queue_s=0.020, **tiny)
+    assert busy.holders_end == 48 and busy.seconds < busy.local_seconds  # 20 ms queued: fetch meanwhile
+    assert busy.seconds == pytest.approx(0.020 + 32 / 100_000)  # the rest here once both are done
+
+    smol = dict(local_tokens_per_s=640.0, remote_tokens_per_s=640.0, bytes_per_s=1.5e9, rtt_s=0.010,
+                have_prefill_node=True, prefill_rtt_s=0.020)
+    assert not plan_fetch(0, 0, 34, 16, 46_080, **smol).use_prefill  # an idle node computes its 544 tokens
+    assert plan_fetch(0, 0, 34, 16, 46_080, local_queue_s=0.5, **smol).use_prefill  # 800 tokens queued here
+    # A prefix held by a peer: a prefill node that must pull it first is dearer than one that caches it.
+    pulls = plan_fetch(0, 30, 34, 16, 46_080, local_queue_s=1.0, bytes_per_s=1.5e7,
+                       **{k: v for k, v in smol.items() if k != "bytes_per_s"})
+    holds = plan_fetch(0, 30, 34, 16, 46_080, local_queue_s=1.0, bytes_per_s=1.5e7, prefill_holds_prefix=True,
+                       **{k: v for k, v in smol.items() if k != "bytes_per_s"})
+    assert holds.use_prefill and holds.seconds < pulls.seconds
+
+    assert not worth_a_lookup(768, 100_000.0, 0.010)  # 7.7 ms here: no fetch can win
+    assert worth_a_lookup(768, 100_000.0, 0.010, local_queue_s=0.005)

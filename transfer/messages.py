@@ -98,7 +98,10 @@ class ComputeAndPush:
 
     The prefill node hashes the prompt itself; block ``first_block + i`` of the
     prompt's chain goes to ``dst_block_ids[i]``. Answered at once with Accepted or
-    Refused, then like a PushRequest.
+    Refused, then like a PushRequest. ``wanted_within_ms``: the requester would
+    have the blocks by computing them itself in about this long, so a prefill node
+    that cannot deliver them sooner (its own backlog included) refuses with BUSY
+    (0: no limit).
     """
 
     TYPE: ClassVar[str] = "compute_and_push"
@@ -109,6 +112,7 @@ class ComputeAndPush:
     first_block: int
     dst_block_ids: list[int]
     deadline_ms: int
+    wanted_within_ms: int = 0
 
     def validate(self) -> None:
         _check_grant(self.TYPE, self.grant_id, self.dst_block_ids, self.deadline_ms)
@@ -116,6 +120,8 @@ class ComputeAndPush:
             raise MessageError("compute_and_push: empty prompt or negative token id")
         if self.first_block < 0:
             raise MessageError("compute_and_push: negative first_block")
+        if not isinstance(self.wanted_within_ms, int) or self.wanted_within_ms < 0:
+            raise MessageError("compute_and_push: wanted_within_ms must be an int >= 0")
 
 
 @dataclass(frozen=True)

@@ -106,15 +106,18 @@ class KVRequester:
                                                            list(block_hashes), deadline_ms, wait_ms))
 
     def compute_and_push(self, peer_id: str, block_ids: list[int], prompt_token_ids: list[int], first_block: int,
-                         *, request_id: str, timeout_s: float) -> PushOutcome:
+                         *, request_id: str, timeout_s: float, wanted_within_s: float = 0.0) -> PushOutcome:
         """Ask prefill node ``peer_id`` to compute the prompt and write blocks ``first_block..`` into ``block_ids``.
 
-        A refusal comes back as a TransferRefused error with nothing written or tainted.
+        ``wanted_within_s``: we would have them sooner by computing them ourselves; the prefill node refuses
+        (BUSY) when it cannot beat that (0: no limit). A refusal comes back as a TransferRefused error with
+        nothing written or tainted.
         """
         deadline_ms = max(1, min(int(timeout_s * 1000), m.MAX_WAIT_MS))
+        wanted_ms = max(1, int(wanted_within_s * 1000)) if wanted_within_s > 0 else 0
         return self._converse(peer_id, block_ids, request_id, timeout_s, deadline_ms / 1000,
                               lambda cid, g: m.ComputeAndPush(cid, self.node_id, g.grant_id, list(prompt_token_ids),
-                                                              first_block, list(block_ids), deadline_ms),
+                                                              first_block, list(block_ids), deadline_ms, wanted_ms),
                               compute=True)
 
     def abort(self, request_id: str, reason: str = "aborted by the requester") -> int:
