@@ -38,13 +38,13 @@ class Holder:
     """kvmesh.transfer.peer_process as a subprocess that trusts ``requester``."""
 
     def __init__(self, backend: str, seed: int, requester: TransferAgent | None, chain: int = 20, delay_ms: int = 0,
-                 num_blocks: int = 64, token: str = TOKEN, kv_memory: str = "auto"):
+                 num_blocks: int = 64, token: str = TOKEN, kv_memory: str = "auto", shared_memory: bool = False):
         self.seed, self.num_blocks = seed, num_blocks
         trusted = ["--requester", json.dumps(dataclasses.asdict(requester.record))] if requester else []
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "kvmesh.transfer.peer_process", "--backend", backend, "--seed", str(seed),
              "--chain", str(chain), "--delay-ms", str(delay_ms), "--num-blocks", str(num_blocks),
-             "--kv-memory", kv_memory, *trusted],
+             "--kv-memory", kv_memory, *trusted, *(["--shared-memory"] if shared_memory else [])],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
             env={**os.environ, TOKEN_ENV: token})
         self.info = json.loads(self.proc.stdout.readline())
@@ -524,3 +524,52 @@ def test_checksums_of_long_pushes_split_among_threads_agree_with_zlib():
         assert agent.requester.verify(blocks, expected) == 20
     finally:
         agent.close()
+
+
+@pytest.mark.parametrize("ending", ["resumed", "killed"])
+def test_a_stopped_same_host_writer_outliving_its_lease_cannot_touch_reused_blocks(ending):
+    """A holder on this host is SIGSTOPped mid-push and its lease ends (peer_gone): it is not dead, and once
+    resumed would finish the write it had begun. Its unconfirmed blocks stay quarantined while its process
+    exists (the pool never hands them out), and are released by its final answer (resumed) or by its exit
+    (killed). Without the liveness check the lease's end released them at once (chaos caught 6 corrupted)."""
+    requester = make_agent("requester", SHARED)
+    holder = Holder("zmq", seed=31, requester=requester, chain=24, delay_ms=250, shared_memory=True)
+    try:
+        ids = requester.pool.allocate(24)
+
+        def stop_then_lose_lease():  # mid-push: some blocks confirmed, more to come; then the lease ends
+            wait_until(lambda: any(g.num_confirmed for g in list(requester.grants._grants.values())))
+            holder.proc.send_signal(signal.SIGSTOP)
+            requester.peer_gone(holder.node_id)
+
+        stopper = threading.Thread(target=stop_then_lose_lease)
+        stopper.start()
+        outcome = requester.requester.push(holder.node_id, ids, chain_hashes(24), request_id="lease", timeout_s=30,
+                                           wait_ms=30_000)
+        stopper.join()
+        assert "left the cluster" in str(outcome.error) and outcome.tainted_block_ids
+        tainted = set(outcome.tainted_block_ids)
+        assert requester.grants.num_quarantined_blocks == len(tainted)
+        requester.pool.free(ids)
+        reused = requester.pool.allocate(requester.pool.num_free_blocks)
+        assert not tainted & set(reused)
+        kv = kv_of(requester)
+        for b in reused:
+            kv[b].fill_(float(b))
+        assert requester.grants.num_quarantined_blocks == len(tainted)  # the IO thread's sweeps keep it
+        if ending == "resumed":
+            holder.proc.send_signal(signal.SIGCONT)
+        else:
+            holder.proc.send_signal(signal.SIGKILL)
+            holder.proc.wait()
+        wait_until(lambda: requester.grants.num_quarantined_blocks == 0)
+        for b in reused:
+            assert torch.all(kv[b] == float(b)), f"block {b} was overwritten after its grant was revoked"
+        requester.pool.free(reused)
+        assert requester.pool.usage().num_used == 0
+        requester.pool.check_integrity()
+        requester.grants.check_integrity()
+    finally:
+        holder.close()
+        requester.close()
+        requester.test_allocator.close()

@@ -7,11 +7,16 @@ gives up (timeout, abort, refusal) it ``revoke``s the grant *before* it touches
 the blocks again:
 
     backend refuses writes outside a grant (zmq)   revoked at once; nothing is tainted
-    one-sided writes (Mooncake)                    the unconfirmed blocks are quarantined:
+    one-sided writes (Mooncake, shared memory)     the unconfirmed blocks are quarantined:
                                                    the table holds its own reference on
                                                    them until the writer acknowledges it
                                                    stopped (``acknowledge``) or its lease
                                                    ends (``writer_gone``)
+
+A writer on this host has a liveness check (``writer_alive``: its process, through a
+pidfd). Its lease ending then proves nothing (a stopped process loses its lease and,
+resumed, finishes the write it had begun): its grants are revoked, not dropped, and
+stay quarantined until its final result or until its process has exited (``sweep``).
 
     grant states:  OPEN ──close──> (gone)        writer's final result while open
                    OPEN ──revoke──> QUARANTINED ──acknowledge / writer_gone──> (gone)
@@ -48,6 +53,7 @@ class Grant:
     num_confirmed: int = 0  # leading blocks the writer reported written
     state: GrantState = GrantState.OPEN
     quarantined: tuple[int, ...] = ()
+    writer_alive: Callable[[], bool] | None = None  # a same-host writer's process still exists
 
 
 class GrantTable:
@@ -63,9 +69,14 @@ class GrantTable:
         self.num_quarantined_total = 0
 
     # ---- the requester's side ---------------------------------------------------------------------
-    def issue(self, request_id: str, writer_id: str, block_ids: Sequence[int], ttl_s: float) -> Grant:
-        """A new open grant for ``writer_id`` on ``block_ids`` (the caller keeps owning the blocks)."""
-        grant = Grant(uuid.uuid4().hex, request_id, writer_id, list(block_ids), time.monotonic() + ttl_s)
+    def issue(self, request_id: str, writer_id: str, block_ids: Sequence[int], ttl_s: float,
+              writer_alive: Callable[[], bool] | None = None) -> Grant:
+        """A new open grant for ``writer_id`` on ``block_ids`` (the caller keeps owning the blocks).
+
+        ``writer_alive``: whether the writer's process still exists (writers on this host; None: unknown,
+        its lease ending is taken as its end)."""
+        grant = Grant(uuid.uuid4().hex, request_id, writer_id, list(block_ids), time.monotonic() + ttl_s,
+                      writer_alive=writer_alive)
         with self._lock:
             self._grants[grant.grant_id] = grant
         return grant
@@ -114,14 +125,30 @@ class GrantTable:
         self.pool.free(grant.quarantined)
 
     def writer_gone(self, writer_id: str) -> int:
-        """The writer's lease ended (it is dead or cut off): release its quarantines; returns how many blocks."""
+        """The writer's lease ended (it is dead or cut off): release its quarantines; returns how many blocks.
+
+        Grants of a writer whose process is known to be alive stay: their conversations revoke them."""
         with self._lock:
-            gone = [g for g in self._grants.values() if g.writer_id == writer_id]
+            gone = [g for g in self._grants.values() if g.writer_id == writer_id and not _alive(g)]
             for g in gone:
                 del self._grants[g.grant_id]
         released = [b for g in gone if g.state is GrantState.QUARANTINED for b in g.quarantined]
         self.pool.free(released)
         return len(released)
+
+    def sweep(self) -> list[str]:
+        """Release quarantines whose writer's process has exited since; returns their grant ids."""
+        with self._lock:
+            gone = [g for g in self._grants.values()
+                    if g.state is GrantState.QUARANTINED and g.writer_alive is not None and not _alive(g)]
+            for g in gone:
+                del self._grants[g.grant_id]
+        self.pool.free([b for g in gone for b in g.quarantined])
+        return [g.grant_id for g in gone]
+
+    def has(self, grant_id: str) -> bool:
+        with self._lock:
+            return grant_id in self._grants
 
     # ---- the backend's side (refusable writes) -------------------------------------------------------
     def guard_write(self, grant_id: str, ranges: Sequence[tuple[int, int]], do_write: Callable[[], None]) -> None:
@@ -161,3 +188,7 @@ class GrantTable:
                 assert 0 <= g.num_confirmed <= len(g.block_ids), f"grant {g.grant_id}: confirmed out of range"
                 for b in g.quarantined:
                     assert self.pool.ref_count(b) >= 1, f"quarantined block {b} has no reference"
+
+
+def _alive(grant: Grant) -> bool:
+    return grant.writer_alive is not None and grant.writer_alive()

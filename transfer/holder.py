@@ -249,7 +249,8 @@ class KVHolder:
             started = time.perf_counter()
             try:
                 if shared:
-                    self.shared.write(push.requester, descriptors, request_id=push.request_id)
+                    self.shared.write(push.requester, descriptors, request_id=push.request_id,
+                                      deadline=push.expires_at)
                 else:
                     self.engine.write(push.requester.transfer_endpoint, descriptors, request_id=push.request_id,
                                       grant_id=push.grant_id, timeout_s=remaining)

@@ -32,7 +32,7 @@ from kvmesh.transfer.holder import KVHolder
 from kvmesh.transfer.kv_memory import choose_kv_memory
 from kvmesh.transfer.peers import PeerDirectory, PeerRecord
 from kvmesh.transfer.requester import KVRequester, PushOutcome
-from kvmesh.transfer.shared_memory import SharedMemoryWriter, SharedRegion
+from kvmesh.transfer.shared_memory import PeerProcesses, SharedMemoryWriter, SharedRegion
 
 log = logging.getLogger("kvmesh.transfer")
 
@@ -77,6 +77,8 @@ class TransferAgent:
         self.shared_writer = SharedMemoryWriter(node_id) if shared_writes else None
         self.holder.shared = self.shared_writer
         self.requester = KVRequester(node_id, self.grants, directory, self.auth)
+        self.peer_processes = PeerProcesses()  # same-host writers: quarantines outlive a stopped one's lease
+        self.requester.writer_liveness = self.peer_processes.liveness
         self.requester.stage_in = self.memory.stage_in
         num_crc_threads = min(4, os.cpu_count() or 1)
         self._checksummers = ThreadPoolExecutor(num_crc_threads, thread_name_prefix=f"kvmesh-crc-{node_id}") \
@@ -192,6 +194,7 @@ class TransferAgent:
             self.shared_writer.close()
         if self._checksummers is not None:
             self._checksummers.shutdown(wait=True)
+        self.peer_processes.close()
 
 
 __all__ = ["PushOutcome", "TransferAgent", "TransferError"]

@@ -23,6 +23,7 @@ from kvmesh.kv.block_pool import BlockPool
 from kvmesh.transfer.engine import create_transfer_engine
 from kvmesh.transfer.kv_agent import TransferAgent
 from kvmesh.transfer.peers import PeerRecord, StaticPeers
+from kvmesh.transfer.shared_memory import SharedKVAllocator
 
 BLOCK_SHAPE = (2, 2, 16, 2, 8)  # layers, K/V, block_size, kv heads, head dim
 
@@ -47,14 +48,19 @@ def main() -> None:
     p.add_argument("--contiguous", action="store_true", help="the chain in blocks 0..chain-1, not shuffled")
     p.add_argument("--kv-memory", default="auto", help="direct, host-staging or auto (transfer/kv_memory.py)")
     p.add_argument("--requester", action="append", default=[], help="PeerRecord JSON of a node allowed to ask")
+    p.add_argument("--shared-memory", action="store_true", help="its own KV buffer in a memfd, published")
     args = p.parse_args()
     peers = StaticPeers([PeerRecord(**json.loads(r)) for r in args.requester])
     shape = (args.block_elems,) if args.block_elems else BLOCK_SHAPE
     kv = seeded_buffer(args.num_blocks, args.seed, shape)
+    shared = SharedKVAllocator() if args.shared_memory else None
+    if shared is not None:
+        kv = shared.allocate(tuple(kv.shape), kv.dtype).copy_(kv)
     pool = BlockPool(args.num_blocks)
     auth = ClusterAuth(token_from_env())
     agent = TransferAgent(f"holder-{args.seed}", pool, kv, create_transfer_engine(args.backend, auth=auth), peers,
-                          auth, verify_kv=True, kv_memory=args.kv_memory).start()
+                          auth, verify_kv=True, kv_memory=args.kv_memory,
+                          shared_region=shared.region if shared else None).start()
     # Scattered source ids: the chain lives in a shuffled set of blocks.
     everything = pool.allocate(args.num_blocks)
     order = torch.randperm(args.num_blocks, generator=torch.Generator().manual_seed(args.seed + 1)).tolist()

@@ -39,7 +39,7 @@ from kvmesh.kv.block_hash import BlockHash
 from kvmesh.transfer import messages as m
 from kvmesh.transfer.errors import TransferAborted, TransferError, TransferRefused, TransferTimeout
 from kvmesh.transfer.grants import Grant, GrantTable
-from kvmesh.transfer.peers import PeerDirectory
+from kvmesh.transfer.peers import PeerDirectory, PeerRecord
 
 log = logging.getLogger("kvmesh.transfer")
 
@@ -90,6 +90,9 @@ class KVRequester:
         self.stage_in: Callable[[list[int]], None] | None = None
         self.num_checksum_failures = 0
         self.block_bytes = grants.block_bytes
+        # A peer's record -> whether its process still exists, for writers on this host (None: cannot tell).
+        self.writer_liveness: Callable[[PeerRecord], Callable[[], bool] | None] | None = None
+        self._next_sweep = 0.0
 
     def start(self) -> KVRequester:
         self._thread.start()
@@ -129,15 +132,18 @@ class KVRequester:
         return len(convs)
 
     def peer_gone(self, peer_id: str) -> None:
-        """The directory says ``peer_id``'s lease ended: fail its conversations, release its quarantines."""
+        """The directory says ``peer_id``'s lease ended: fail its conversations, release its quarantines.
+
+        A writer on this host whose process still exists (stopped, cut off from etcd) may resume and finish a
+        write: its conversations revoke their grants and keep waiting for its final answer."""
+        released = self.grants.writer_gone(peer_id)
         with self._lock:
             convs = [c for c in self._conversations.values() if c.peer_id == peer_id]
             for c in convs:
-                if c.abandoned:
+                if c.abandoned and not self.grants.has(c.grant.grant_id):
                     del self._conversations[c.request_id]
         for conv in convs:
             conv.events.put(_PeerGone())
-        released = self.grants.writer_gone(peer_id)
         if released:
             log.warning("%s: released %d quarantined blocks of departed node %s", self.node_id, released, peer_id)
 
@@ -148,7 +154,8 @@ class KVRequester:
         if peer is None:
             return PushOutcome(0, [], TransferError("not a registered node", request_id=request_id, peer=peer_id))
         cid = f"{request_id}/{next(self._ids)}"
-        grant = self.grants.issue(cid, peer_id, block_ids, grant_s + 1.0)
+        alive = self.writer_liveness(peer) if self.writer_liveness is not None else None
+        grant = self.grants.issue(cid, peer_id, block_ids, grant_s + 1.0, writer_alive=alive)
         conv = _Conversation(cid, peer_id, peer.side_channel, grant)
         with self._lock:
             self._conversations[cid] = conv
@@ -168,11 +175,16 @@ class KVRequester:
                 error = TransferTimeout(f"{what} within {limit - (deadline - timeout_s):.1f} s", request_id=cid,
                                         peer=peer_id)
                 break
-            if isinstance(msg, _PeerGone):  # its lease ended: declared dead, it writes no more
-                self._drop(cid)
-                self.grants.close(grant.grant_id)
-                return PushOutcome(_leading(written), [], TransferError("the writer left the cluster",
-                                                                        request_id=cid, peer=peer_id))
+            if isinstance(msg, _PeerGone):  # its lease ended: dead, or (on this host) maybe only stopped
+                tainted = self.grants.revoke(grant.grant_id)  # a dead writer's grant is gone already: []
+                if tainted:
+                    with self._lock:
+                        conv.abandoned = cid in self._conversations  # its final may still come
+                else:
+                    self._drop(cid)
+                num = min(_leading(written), grant.num_confirmed) if tainted else _leading(written)
+                return PushOutcome(num, tainted, TransferError("the writer left the cluster", request_id=cid,
+                                                               peer=peer_id))
             if isinstance(msg, m.Accepted):
                 accept_by = None
             elif isinstance(msg, m.Refused):
@@ -232,6 +244,7 @@ class KVRequester:
         dealers: dict[str, zmq.Socket] = {}
         by_socket: dict[zmq.Socket, str] = {}
         while not self._stop.is_set():
+            self._sweep()
             for sock in dict(poller.poll(100)):
                 if sock is self._outbox:
                     while self._outbox.poll(0):
@@ -250,6 +263,19 @@ class KVRequester:
                         self._dispatch(by_socket[sock], sock.recv())
         for dealer in dealers.values():
             dealer.close()
+
+    def _sweep(self) -> None:
+        """Twice a second: quarantines whose writer's process has exited are released (IO thread)."""
+        now = time.monotonic()
+        if now < self._next_sweep:
+            return
+        self._next_sweep = now + 0.5
+        released = set(self.grants.sweep())
+        if released:
+            with self._lock:
+                for cid in [c.request_id for c in self._conversations.values() if c.grant.grant_id in released]:
+                    del self._conversations[cid]
+            log.warning("%s: released %d quarantines of writers that exited", self.node_id, len(released))
 
     def _dispatch(self, address: str, frame: bytes) -> None:
         try:

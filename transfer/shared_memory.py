@@ -24,8 +24,10 @@ import logging
 import mmap
 import os
 import secrets
+import select
 import threading
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -130,8 +132,12 @@ class SharedMemoryWriter:
         """Whether ``peer`` published a region on this host that we could open (side-effect: opens it once)."""
         return self._usable_fd(peer) >= 0
 
-    def write(self, peer: PeerRecord, descriptors: Sequence[Descriptor], *, request_id: str = "") -> None:
-        """Copy each descriptor's local range into the peer's buffer; raises TransferError (nothing half-told)."""
+    def write(self, peer: PeerRecord, descriptors: Sequence[Descriptor], *, request_id: str = "",
+              deadline: float | None = None) -> None:
+        """Copy each descriptor's local range into the peer's buffer; raises TransferError (nothing half-told).
+
+        ``deadline`` (``time.monotonic()``): no copy starts after it (a writer stopped between its own checks
+        and here must not write into a grant its requester has given up on)."""
         fd = self._usable_fd(peer)
         if fd < 0:
             raise TransferError("no shared memory with this peer", request_id=request_id, peer=peer.node_id)
@@ -144,6 +150,9 @@ class SharedMemoryWriter:
         written = 0
         try:
             for d in descriptors:
+                if deadline is not None and time.monotonic() > deadline:
+                    raise TransferError("the push's deadline passed before its write", request_id=request_id,
+                                        peer=peer.node_id)
                 src = memoryview((ctypes.c_char * d.length).from_address(d.src_addr)).cast("B")
                 done = 0
                 while done < d.length:  # pwrite may write less than asked
@@ -207,3 +216,52 @@ class SharedMemoryWriter:
         for _, fd in opened.values():
             if fd >= 0:
                 os.close(fd)
+
+
+class PeerProcesses:
+    """Whether same-host peers' processes still exist (the requester's side, for quarantines).
+
+    A peer on this host that published a region is watched through a pidfd, which refers to
+    that one process whatever pids are reused later; the pid is taken to be the peer's only
+    if its memfd is still the one the record names. A writer that was only stopped loses its
+    lease, yet finishes the write it had begun once resumed: its quarantines must outlive the
+    lease (``transfer/grants.py``). Peers elsewhere, or without a region: no answer (None).
+    """
+
+    def __init__(self):
+        self.host = host_identity()
+        self._lock = threading.Lock()
+        self._pidfds: dict[str, int] = {}  # region text -> pidfd
+
+    def liveness(self, peer: PeerRecord) -> Callable[[], bool] | None:
+        region = SharedRegion.decode(peer.shared_memory)
+        if region is None or not self.host or region.host != self.host or not hasattr(os, "pidfd_open"):
+            return None
+        key = region.encode()
+        with self._lock:
+            pidfd = self._pidfds.get(key)
+            if pidfd is None:
+                try:
+                    pidfd = os.pidfd_open(region.pid)
+                    name = os.readlink(f"/proc/{region.pid}/fd/{region.fd}")
+                except OSError:  # exited already: its lease is the whole story
+                    if pidfd is not None:
+                        os.close(pidfd)
+                    return None
+                if not name.startswith(f"/memfd:{_NAME_PREFIX}{region.tag}"):
+                    os.close(pidfd)
+                    return None
+                self._pidfds[key] = pidfd
+        return lambda: _running(pidfd)
+
+    def close(self) -> None:
+        with self._lock:
+            pidfds, self._pidfds = self._pidfds, {}
+        for pidfd in pidfds.values():
+            os.close(pidfd)
+
+
+def _running(pidfd: int) -> bool:
+    """A pidfd turns readable when its process exits."""
+    readable, _, _ = select.select([pidfd], [], [], 0)
+    return not readable

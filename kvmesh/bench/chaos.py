@@ -86,7 +86,8 @@ class _Run:
                     rid = f"c{i}-{uuid.uuid4().hex[:6]}"
                     node = f"decode-{i % 2}"
                     conns[node].submit(nm.GenerateRequest(rid, self.prompts[i], to_wire(GREEDY)), events)
-                    sent[rid] = {"index": i, "node": node, "tokens": [], "final": None, "aborted": False}
+                    sent[rid] = {"index": i, "node": node, "tokens": [], "final": None, "aborted": False,
+                                 "t": time.monotonic() - self.t0}
                     if self.abort_every and i % self.abort_every == self.abort_every - 1:
                         time.sleep(0.01)  # let it reach the transfer, then pull the plug
                         conns[node].abort(rid)
@@ -227,7 +228,8 @@ class _Run:
                 "leaked_blocks": leaked, "forged_sent": self.forged["sent"],
                 "forged_accepted": self.forged["accepted"], "flood": self.flood,
                 "errors": sorted({r["final"].error[:80] for r in finished if r["final"].error}),
-                "nodes": stats, "events": self.events}
+                "nodes": stats, "events": self.events,
+                "corrupted_detail": [(r["index"], r["node"], round(r["t"], 2), r["final"].stats) for r in corrupted]}
 
     def settle(self, timeout_s: float = 30.0) -> tuple[dict, int]:
         """Wait until no node holds a referenced block (quarantines lifted); integrity checked on each."""
