@@ -210,14 +210,16 @@ class DecodeWorker(NodeRuntime):
             return ({n: f.per_s for n, f in self._prefill_costs.items()},
                     {n: f.fixed_s * 1e3 for n, f in self._prefill_costs.items()})
 
-    def _prefill_cost(self, node_id: str, published_per_s: float) -> CostFit:
+    def _prefill_cost(self, node_id: str, published_per_s: float, step_s: float) -> CostFit:
         """What a ComputeAndPush conversation with ``node_id`` costs as this node sees it, end to end: a fixed
         part (messaging, the node's own step and queue, the writes, the final answer) plus its tokens at a
-        rate. Seeded with the rate the node published (its start-up probe) and ``--transfer-rtt-ms`` as the
-        fixed part, refitted to every conversation that succeeded (caller holds ``_lock``)."""
+        rate. Seeded with the rate the node published (its start-up probe) and, as the fixed part,
+        ``--transfer-rtt-ms`` plus one engine step there (its published decode step: a conversation costs that
+        node at least one step of its own, in series with the step here that computes the last token);
+        refitted to every conversation that succeeded (caller holds ``_lock``)."""
         fit = self._prefill_costs.get(node_id)
         if fit is None:
-            fixed = self.rates.prior_rtt_s
+            fixed = self.rates.prior_rtt_s + step_s
             fit = self._prefill_costs[node_id] = CostFit([(n, fixed + n / published_per_s) for n in (64, 512)])
         return fit
 
@@ -247,7 +249,11 @@ class DecodeWorker(NodeRuntime):
                     continue
                 if not published > 0:
                     continue
-                fit = self._prefill_cost(node_id, published)
+                try:
+                    step_s = max(0.0, float(record.kv_layout.get("decode_step_s", 0) or 0))
+                except (TypeError, ValueError):
+                    step_s = 0.0
+                fit = self._prefill_cost(node_id, published, step_s)
                 # Never faster than the node measured itself computing: a quicker conversation found the
                 # prompt cached there (an index not yet updated), which says nothing about the next one.
                 rate = min(fit.per_s, published)
