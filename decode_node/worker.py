@@ -39,7 +39,7 @@ from kvmesh.node import messages as nm
 from kvmesh.node.rate_meter import CostFit
 from kvmesh.node.runtime import NodeRuntime
 from kvmesh.transfer.errors import TransferRefused
-from kvmesh.transfer.shared_memory import SharedRegion
+from kvmesh.transfer.shared_memory import same_host_region
 from kvmesh.wire import encode
 
 log = logging.getLogger("kvmesh.decode")
@@ -163,11 +163,13 @@ class DecodeWorker(NodeRuntime):
         else:
             super().handle(identity, msg)
 
-    def _plan(self, seq: Sequence, num_local: int, end: int, hits: dict[str, int], lower: list[int]) -> FetchPlan:
+    def _plan(self, seq: Sequence, num_local: int, end: int, hits: dict[str, int], lower: list[int],
+              local_queue_s: float) -> FetchPlan:
         """Where blocks [num_local, end) come from (docs/design.md §2): the cost model, or the forced limit.
 
         ``lower``: tiers of the blocks from ``num_local`` on that this node holds below its KV buffer;
-        they are promoted when reading them back beats computing them (docs/tiers.md).
+        they are promoted when reading them back beats computing them (docs/tiers.md). ``local_queue_s``:
+        how long the prompt tokens already queued here take.
         """
         bs = self.cfg.block_size
         promote_end, promote_s = num_local, 0.0
@@ -195,7 +197,7 @@ class DecodeWorker(NodeRuntime):
                           have_prefill_node=bool(prefill_nodes), prefill_queue_s=prefill.queue_s,
                           prefill_bytes_per_s=self._bytes_per_s(prefill.node_id) if prefill.node_id else None,
                           prefill_rtt_s=prefill.fixed_s,
-                          local_queue_s=self._queued_prompt_tokens() / self.prefill_tokens_per_s,
+                          local_queue_s=local_queue_s,
                           prefill_holds_prefix=hits.get(prefill.node_id, 0) >= held_end)
         return plan._replace(seconds=plan.seconds + promote_s, promote_end=promote_end)
 
@@ -226,10 +228,10 @@ class DecodeWorker(NodeRuntime):
     def _link(self, node_id: str) -> str:
         """How ``node_id``'s pushes reach us: by one copy into our shared-memory KV buffer (a writer on this host)
         or through the transfer engine."""
-        peer = self.membership.peer(node_id)
         ours = self.agent.shared_region
-        theirs = SharedRegion.decode(peer.shared_memory) if peer is not None else None
-        return SHARED_MEMORY if ours is not None and theirs is not None and theirs.host == ours.host else NETWORK
+        if ours is None or same_host_region(self.membership.peer(node_id), ours.host) is None:
+            return NETWORK
+        return SHARED_MEMORY
 
     def _bytes_per_s(self, node_id: str) -> float:
         return self.rates.bytes_per_s_to(node_id, self._link(node_id))
@@ -279,11 +281,11 @@ class DecodeWorker(NodeRuntime):
         bs = self.cfg.block_size
         fetchable_end = (seq.num_prompt_tokens - 1) // bs  # the last token is always computed here
         uncached = seq.num_prompt_tokens - len(local) * bs
+        local_queue_s = self._queued_prompt_tokens() / self.prefill_tokens_per_s
         if self.cfg.local_prefill_tokens >= 0:
             forced_local = uncached <= self.cfg.local_prefill_tokens
         else:  # cheaper here than any round trip: not even a lookup
-            forced_local = not worth_a_lookup(uncached, self.prefill_tokens_per_s, self.rates.min_rtt_s,
-                                              self._queued_prompt_tokens() / self.prefill_tokens_per_s)
+            forced_local = not worth_a_lookup(uncached, self.prefill_tokens_per_s, self.rates.min_rtt_s, local_queue_s)
         plan, hits = None, {}
         lower = self.tiers.lower_run(seq.block_hashes[:fetchable_end], len(local)) \
             if self.tiers is not None and fetchable_end > len(local) else []
@@ -292,7 +294,7 @@ class DecodeWorker(NodeRuntime):
             # is cheapest computed here joins the scheduler at once, without a detour through a fetch thread.
             if not forced_local:
                 hits = self.lookup_holders(seq.block_hashes[:fetchable_end])
-            plan = self._plan(seq, len(local), fetchable_end, hits, lower)
+            plan = self._plan(seq, len(local), fetchable_end, hits, lower, local_queue_s)
         if plan is not None and plan.promote_end > len(local) and plan.holders_end <= plan.promote_end and \
                 not plan.use_prefill:  # only our own lower tiers: promote here, no detour through a fetch thread
             self._promote_now(request, len(local), plan.promote_end)

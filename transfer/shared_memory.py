@@ -80,6 +80,21 @@ class SharedRegion:
         return region
 
 
+def same_host_region(peer: PeerRecord | None, host: str) -> SharedRegion | None:
+    """The region ``peer`` published, if it lives on ``host`` (this one: ``host_identity()``); else None."""
+    region = SharedRegion.decode(peer.shared_memory) if peer is not None else None
+    return region if region is not None and host and region.host == host else None
+
+
+def _path(region: SharedRegion) -> str:
+    return f"/proc/{region.pid}/fd/{region.fd}"
+
+
+def _names_region(name: str, region: SharedRegion) -> bool:
+    """Whether the link target of ``_path(region)`` is that region's memfd (else the pid or fd is reused)."""
+    return name.startswith(f"/memfd:{_NAME_PREFIX}{region.tag}")
+
+
 class SharedKVAllocator:
     """Allocates a node's KV buffer in a memfd (zeroed, like ``KVLayout.allocate``); ``region`` describes it.
 
@@ -167,8 +182,8 @@ class SharedMemoryWriter:
 
     def _usable_fd(self, peer: PeerRecord) -> int:
         """Our fd of the peer's region (opened and checked once per region), -1 when there is none to use."""
-        region = SharedRegion.decode(peer.shared_memory)
-        if region is None or not self.host or region.host != self.host:
+        region = same_host_region(peer, self.host)
+        if region is None:
             return -1
         text = region.encode()
         with self._lock:
@@ -182,7 +197,7 @@ class SharedMemoryWriter:
             return fd
 
     def _open_region(self, peer: PeerRecord, region: SharedRegion) -> int:
-        path = f"/proc/{region.pid}/fd/{region.fd}"
+        path = _path(region)
         try:
             name = os.readlink(path)
             fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
@@ -191,7 +206,7 @@ class SharedMemoryWriter:
             return -1
         st = os.fstat(fd)
         problem = ""
-        if not name.startswith(f"/memfd:{_NAME_PREFIX}{region.tag}"):  # the pid and fd are someone else's now
+        if not _names_region(name, region):
             problem = f"{path} is {name!r}, not the region the record names"
         elif st.st_size != region.num_bytes or region.num_bytes != peer.num_blocks * peer.block_bytes:
             problem = f"size {st.st_size} does not match the record ({peer.num_blocks} x {peer.block_bytes} bytes)"
@@ -234,8 +249,8 @@ class PeerProcesses:
         self._pidfds: dict[str, int] = {}  # region text -> pidfd
 
     def liveness(self, peer: PeerRecord) -> Callable[[], bool] | None:
-        region = SharedRegion.decode(peer.shared_memory)
-        if region is None or not self.host or region.host != self.host or not hasattr(os, "pidfd_open"):
+        region = same_host_region(peer, self.host)
+        if region is None or not hasattr(os, "pidfd_open"):
             return None
         key = region.encode()
         with self._lock:
@@ -243,12 +258,12 @@ class PeerProcesses:
             if pidfd is None:
                 try:
                     pidfd = os.pidfd_open(region.pid)
-                    name = os.readlink(f"/proc/{region.pid}/fd/{region.fd}")
+                    name = os.readlink(_path(region))
                 except OSError:  # exited already: its lease is the whole story
                     if pidfd is not None:
                         os.close(pidfd)
                     return None
-                if not name.startswith(f"/memfd:{_NAME_PREFIX}{region.tag}"):
+                if not _names_region(name, region):
                     os.close(pidfd)
                     return None
                 self._pidfds[key] = pidfd
