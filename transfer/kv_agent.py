@@ -80,9 +80,9 @@ class TransferAgent:
         self.peer_processes = PeerProcesses()  # same-host writers: quarantines outlive a stopped one's lease
         self.requester.writer_liveness = self.peer_processes.liveness
         self.requester.stage_in = self.memory.stage_in
-        num_crc_threads = min(4, os.cpu_count() or 1)
-        self._checksummers = ThreadPoolExecutor(num_crc_threads, thread_name_prefix=f"kvmesh-crc-{node_id}") \
-            if verify_kv and num_crc_threads > 1 else None
+        self._num_crc_threads = min(4, os.cpu_count() or 1)
+        self._checksummers = ThreadPoolExecutor(self._num_crc_threads, thread_name_prefix=f"kvmesh-crc-{node_id}") \
+            if verify_kv and self._num_crc_threads > 1 else None
         if verify_kv and self.memory.host_visible:
             self.holder.checksum = self._checksum_addresses
             self.requester.verify = self._verify_blocks
@@ -95,7 +95,7 @@ class TransferAgent:
 
         if len(addrs) * self.block_bytes < _PARALLEL_CHECKSUM_BYTES or self._checksummers is None:
             return crc(addrs)
-        n = self._checksummers._max_workers
+        n = self._num_crc_threads
         parts = [addrs[i * len(addrs) // n:(i + 1) * len(addrs) // n] for i in range(n)]
         return [c for part in self._checksummers.map(crc, parts) for c in part]
 
