@@ -40,7 +40,13 @@ def add_node_arguments(p: argparse.ArgumentParser) -> None:
                    help="keep the KV buffer (on the CPU) in shared memory so that peers on this host push into it "
                         "with one copy, and push that way to such peers; off: every push goes through the engine")
     p.add_argument("--lease-ttl", type=int, default=10)
-    p.add_argument("--prefill-timeout", type=float, default=10.0)
+    p.add_argument("--prefill-timeout", type=float, default=10.0,
+                   help="decode nodes give up on a prefill node's blocks after this many seconds (then compute)")
+    p.add_argument("--holder-timeout", type=float, default=5.0,
+                   help="decode nodes give up on a holder's push of cached blocks after this many seconds")
+    p.add_argument("--landing-slots", type=int, default=-1,
+                   help="one-sided backends (Mooncake): blocks of host memory where pushes land before a checked "
+                        "copy into the KV buffer (-1: a quarter of the KV blocks, at most 1 GiB)")
     p.add_argument("--local-prefill-tokens", type=int, default=-1,
                    help="decode nodes compute uncached suffixes up to this many tokens (-1: cost model)")
     p.add_argument("--transfer-gib-per-s", type=float, default=1.0,
@@ -90,7 +96,8 @@ def run_node(role: str, args: argparse.Namespace) -> int:
                      shared_memory_transfers=args.shared_memory_transfers,
                      lease_ttl_s=args.lease_ttl, transfer_gib_per_s=args.transfer_gib_per_s,
                      transfer_rtt_s=args.transfer_rtt_ms / 1e3,
-                     prefill_timeout_s=args.prefill_timeout, local_prefill_tokens=args.local_prefill_tokens,
+                     prefill_timeout_s=args.prefill_timeout, holder_timeout_s=args.holder_timeout,
+                     num_landing_slots=args.landing_slots, local_prefill_tokens=args.local_prefill_tokens,
                      enable_prefix_caching=not args.no_prefix_cache, use_global_pool=not args.no_global_pool,
                      speculative=args.speculative, num_speculative_tokens=args.num_speculative_tokens,
                      host_kv_bytes=_gib_to_bytes("--host-kv-gib", args.host_kv_gib),

@@ -44,7 +44,6 @@ from kvmesh.wire import encode
 
 log = logging.getLogger("kvmesh.decode")
 
-HOLDER_TIMEOUT_S = 5.0  # a holder pushes blocks it already has: this is generous
 PROBE_FETCH_BLOCKS = 4  # the start-up fetch from ourselves that seeds the shared-memory link's round trip
 PROBE_FETCH_TRIES = 3
 
@@ -379,7 +378,7 @@ class DecodeWorker(NodeRuntime):
             if length <= got or self._aborting(seq):
                 continue
             outcome = self.agent.requester.push(node_id, seq.block_ids[got:length], seq.block_hashes[got:length],
-                                                request_id=f"{seq.request_id}/hold", timeout_s=HOLDER_TIMEOUT_S)
+                                                request_id=f"{seq.request_id}/hold", timeout_s=self.cfg.holder_timeout_s)
             self._record_transfer(node_id, outcome.num_written, outcome.write_s)
             result.tainted += outcome.tainted_block_ids
             if outcome.error is not None:
@@ -464,13 +463,13 @@ class DecodeWorker(NodeRuntime):
         request.promote_s = result.promote_s
         request.tokens_from_prefill = (result.got - result.from_holders) * bs
         if result.tainted:  # a stalled writer may still write these: never let this request (or anyone) use them
+            self.num_tainted_swapped += len(result.tainted)
             try:
                 self.engine.kv.replace_blocks(seq, result.tainted)
-                self.num_tainted_swapped += len(result.tainted)
-            except OutOfBlocksError as e:
-                self.engine.scheduler.finish(seq, RequestStatus.FAILED)
-                self.on_failed(seq, f"out of KV blocks while a stalled transfer is fenced: {e}")
-                return
+            except OutOfBlocksError:  # the pool is short while they are fenced: wait for blocks, do not fail
+                tainted = set(result.tainted)
+                self.engine.kv.release_from(seq, next((i for i, b in enumerate(seq.block_ids) if b in tainted),
+                                                         len(seq.block_ids)))
         self.engine.scheduler.remote_kv_ready(seq.request_id, result.got * bs)
         if request.abort_after_fetch:
             self._abort(seq.request_id)

@@ -122,12 +122,20 @@ def _add_bench(sub) -> None:
     ch.add_argument("--json", default=None)
     ch.add_argument("--requests", type=int, default=240, help="requests per backend")
     ch.add_argument("--backend", action="append", choices=["mooncake", "zmq"], help="default: both (when available)")
+    ch.add_argument("--hosts", action="store_true",
+                    help="nodes on simulated hosts (network namespaces; root) with slow and flapping links")
     ch.set_defaults(func=_run_bench_chaos)
     from kvmesh.bench.cluster_bench import add_arguments as add_cluster_arguments
 
     cl = which.add_parser("cluster", help="the serving modes compared on one workload (TTFT, TPOT, hit rates, ...)")
     add_cluster_arguments(cl)
     cl.set_defaults(func=_run_bench_cluster)
+    from kvmesh.bench.late_writes import add_arguments as add_late_writes_arguments
+
+    lw = which.add_parser("late-writes", help="pushes given up on slow links between simulated hosts: later "
+                                             "answers against the single-node engine (root, ip netns)")
+    add_late_writes_arguments(lw)
+    lw.set_defaults(func=_run_bench_late_writes)
     from kvmesh.bench.tiers import add_arguments as add_tiers_arguments
 
     ti = which.add_parser("tiers", help="multi-turn sessions overflowing the KV buffers: tier 0 alone vs host and "
@@ -146,10 +154,16 @@ def _run_bench_kernels(args: argparse.Namespace) -> int:
 def _run_bench_chaos(args: argparse.Namespace) -> int:
     from kvmesh.bench import chaos
 
-    out = chaos.run(args.json, args.backend, args.requests)
+    out = chaos.run(args.json, args.backend, args.requests, hosts=args.hosts)
     bad = [b for b, r in out["backends"].items()
            if r["lost"] or r["corrupted"] or r["leaked_blocks"] or r["forged_accepted"]]
     return 1 if bad else 0
+
+
+def _run_bench_late_writes(args: argparse.Namespace) -> int:
+    from kvmesh.bench import late_writes
+
+    return late_writes.main(args)
 
 
 def _run_bench_tiers(args: argparse.Namespace) -> int:

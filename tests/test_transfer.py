@@ -153,7 +153,10 @@ def test_host_staged_kv_memory_moves_every_byte_through_the_mirrors(backend):
             assert torch.equal(agent.kv_buffer[block], holder.expected_block(i)), f"block {i}"
         untouched = sorted(set(range(48)) - set(dst))
         assert torch.equal(agent.kv_buffer[untouched], before[untouched])
-        assert agent.memory.num_blocks_staged_in == 20 and agent.requester.num_checksum_failures == 0
+        # One-sided writes land in slots and are copied out checked; zmq's land in the mirror, staged in.
+        landed = agent.landing.num_landed if agent.landing is not None else agent.memory.num_blocks_staged_in
+        assert landed == 20 and agent.requester.num_checksum_failures == 0
+        assert (agent.landing is not None) == (backend == "mooncake")
         agent.pool.free(list(range(48)))
     finally:
         holder.close()
@@ -180,24 +183,42 @@ def test_pull_prefix_caches_what_the_peer_holds(requester):
 
 @pytest.mark.parametrize("requester", BACKENDS, indirect=True)
 def test_a_block_damaged_in_flight_is_not_kept(requester):
+    """A bit flipped between the writer's memory and ours: blocks 0..4 are kept, 5 on are recomputed. One-sided
+    writes: the flip is in the landing slot of block 5 (it never checks out, however often it is copied)."""
     holder = Holder(requester.engine.name, seed=13, requester=requester, chain=8)
+    landing = requester.landing
     verify = requester.requester.verify
+    land = landing.land if landing is not None else None
     damaged = []
 
-    def flip_then_verify(block_ids, checksums):  # a bit flipped between the writer's memory and ours
+    def flip_then_verify(block_ids, checksums):
         kv_of(requester)[block_ids[5]].view(-1)[3] += 1.0
         damaged.append(block_ids[5])
         return verify(block_ids, checksums)
 
-    requester.requester.verify = flip_then_verify
+    def flip_then_land(slots, block_ids, checksums):
+        if len(slots) > 5 and not damaged:
+            landing.tensor[slots[5]].view(-1)[3] += 1.0
+            damaged.append(block_ids[5])
+        return land(slots, block_ids, checksums)
+
+    if landing is not None:
+        landing.land = flip_then_land
+    else:
+        requester.requester.verify = flip_then_verify
     try:
         ids = requester.pull_prefix(holder.node_id, chain_hashes(8), timeout_s=30, request_id="v")
         assert len(ids) == 5 and damaged and damaged[0] not in ids  # blocks 0..4 kept; 5 on are recomputed
         assert requester.pool.match(chain_hashes(8)) == ids
+        for i, block in enumerate(ids):
+            assert torch.equal(kv_of(requester)[block], holder.expected_block(i))
         assert requester.requester.num_checksum_failures == 1
         requester.pool.free(ids)
+        requester.grants.check_integrity()
     finally:
         requester.requester.verify = verify
+        if landing is not None:
+            del landing.land
         holder.close()
 
 

@@ -16,6 +16,13 @@ holds it back until the batch really ends). Source blocks (``block_source``: the
 pool, then lower KV tiers) are held while written and always released. A requester
 on this host that publishes its buffer in shared memory is written with one copy
 (``shared``, ``transfer/shared_memory.py``) instead of through the engine.
+
+Where the destination is (``landing`` on the request): landing slots of the requester are
+written through the engine, each chunk with the crc32 of every block it sends (the requester
+copies a slot into its KV buffer only when it checks out). KV blocks themselves are written
+only where the requester can fence the write: through shared memory, or through an engine
+that refuses stray writes (zmq); a one-sided engine with no shared memory refuses them
+(NEEDS_LANDING).
 """
 from __future__ import annotations
 
@@ -33,7 +40,7 @@ from kvmesh.transfer import messages as m
 from kvmesh.transfer.block_source import BlockSource, PoolSource
 from kvmesh.transfer.coalesce import address_descriptors
 from kvmesh.transfer.engine import TransferEngine
-from kvmesh.transfer.errors import TransferRefused, TransferTimeout
+from kvmesh.transfer.errors import TransferError, TransferRefused, TransferTimeout
 from kvmesh.transfer.peers import PeerDirectory, PeerRecord
 from kvmesh.transfer.shared_memory import SharedMemoryWriter
 
@@ -76,6 +83,7 @@ class _Push:
     compute: bool = False
     write_s: float = 0.0  # time spent in the transfer engine
     checksums: list[int] = field(default_factory=list)  # per block, when the holder checksums what it sends
+    landing: bool = False  # dst ids are the requester's landing slots
 
 
 class KVHolder:
@@ -92,8 +100,11 @@ class KVHolder:
         self.directory = directory
         self.stage_out = stage_out
         self.source: BlockSource = PoolSource(pool, base_addr, block_bytes, stage_out)  # lower tiers swap it
-        # crc32 of the blocks at these source addresses, sent with every PushResult (None: send no checksums).
+        # crc32 of the blocks at these source addresses (None: cannot checksum). Sent with every PushResult into
+        # landing slots, and with the others too when ``checksum_all``.
         self.checksum: Callable[[list[int]], list[int]] | None = None
+        self.checksum_all = False
+        self.engine_refusable = hasattr(engine, "set_write_guard")  # receivers of this backend refuse stray writes
         self.compute: ComputeHook | None = None
         self.shared: SharedMemoryWriter | None = None  # same-host writes (None: always the engine)
         self._reply = reply
@@ -130,7 +141,7 @@ class KVHolder:
             return
         push = _Push(msg.request_id, identity, requester, msg.grant_id, list(msg.dst_block_ids),
                      now + msg.deadline_ms / 1000, now + wait_ms / 1000, written=[False] * len(msg.dst_block_ids),
-                     ready=not is_compute, compute=is_compute)
+                     ready=not is_compute, compute=is_compute, landing=msg.landing)
         if not is_compute:
             push.block_hashes = list(msg.block_hashes)
         with self._lock:
@@ -149,15 +160,25 @@ class KVHolder:
         requester = self.directory.get(msg.requester_id)
         if requester is None:
             return m.ErrorCode.UNKNOWN_REQUESTER, f"{msg.requester_id!r} is not a registered node", None
-        if max(msg.dst_block_ids) >= requester.num_blocks:
+        if msg.landing and max(msg.dst_block_ids) >= requester.num_landing_slots:
+            return (m.ErrorCode.OUT_OF_BOUNDS, f"slot id past {requester.node_id}'s {requester.num_landing_slots} "
+                    "landing slots", None)
+        if not msg.landing and max(msg.dst_block_ids) >= requester.num_blocks:
             return m.ErrorCode.OUT_OF_BOUNDS, f"block id past {requester.node_id}'s {requester.num_blocks}", None
         if requester.block_bytes != self.block_bytes:
             return m.ErrorCode.LAYOUT_MISMATCH, f"block bytes {requester.block_bytes} != {self.block_bytes}", None
+        if msg.landing and self.checksum is None:
+            return m.ErrorCode.NEEDS_LANDING, "this holder cannot checksum what it sends into landing slots", None
+        if not msg.landing and not self.engine_refusable and not self._can_share(requester):
+            return m.ErrorCode.NEEDS_LANDING, "one-sided writes into KV blocks are refused: use landing slots", None
         if len(self._pushes) >= MAX_PENDING_PUSHES:
             return m.ErrorCode.BUSY, f"{MAX_PENDING_PUSHES} transfers already in progress", None
         if self._stop.is_set():
             return m.ErrorCode.SHUTTING_DOWN, "shutting down", None
         return m.ErrorCode.NONE, "", requester
+
+    def _can_share(self, requester: PeerRecord) -> bool:
+        return self.shared is not None and self.shared.can_write(requester)
 
     def _refuse(self, identity: bytes, request_id: str, code: m.ErrorCode, reason: str) -> None:
         self.num_refused[code.value] = self.num_refused.get(code.value, 0) + 1
@@ -237,15 +258,20 @@ class KVHolder:
             if not num or push.abort_reason or remaining <= 0:
                 return
             start, end = push.num_written, push.num_written + num
-            dst_addrs = [push.requester.base_addr + b * self.block_bytes for b in push.dst_block_ids[start:end]]
-            shared = self.shared is not None and self.shared.can_write(push.requester)
+            base = push.requester.landing_addr if push.landing else push.requester.base_addr
+            dst_addrs = [base + b * self.block_bytes for b in push.dst_block_ids[start:end]]
+            shared = not push.landing and self._can_share(push.requester)
+            if not push.landing and not shared and not self.engine_refusable:
+                raise TransferError("the requester's shared memory cannot be written any more",
+                                    request_id=push.request_id, peer=push.requester.node_id)
             descriptors = address_descriptors(acquired.src_addrs, dst_addrs, self.block_bytes,
                                               0 if shared else self.engine.max_descriptor_bytes)
             # Of the bytes about to be sent, held until the write ends: the receiver compares. Computed while
-            # the write runs. A shared-memory copy never leaves the machine and is not checksummed (unless
-            # earlier chunks of this push went over the network).
+            # the write runs. Always for landing slots; a shared-memory copy never leaves the machine and is not
+            # checksummed (unless earlier chunks of this push went over the network).
+            wanted = push.landing or (self.checksum_all and (not shared or bool(push.checksums)))
             checksums = self._checksums.submit(self.checksum, acquired.src_addrs) \
-                if self.checksum is not None and (not shared or push.checksums) else None
+                if self.checksum is not None and wanted else None
             started = time.perf_counter()
             try:
                 if shared:

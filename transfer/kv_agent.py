@@ -2,7 +2,8 @@
 
     side channel (authenticated ROUTER) ──> KVHolder      writes our blocks into peers' grants
     KVRequester (DEALERs, one IO thread) ──> peers         asks peers to write into our grants
-    GrantTable                                            who may write which of our blocks
+    GrantTable                                            who may write which of our blocks (and slots)
+    LandingZone                                           where one-sided network writes land (checked copy)
     TransferEngine                                        moves the bytes (Mooncake or zmq)
     SharedMemoryWriter                                    ... or one copy, to a peer on this host
 
@@ -30,6 +31,7 @@ from kvmesh.transfer.errors import TransferError
 from kvmesh.transfer.grants import GrantTable
 from kvmesh.transfer.holder import KVHolder
 from kvmesh.transfer.kv_memory import choose_kv_memory
+from kvmesh.transfer.landing import LandingZone, default_num_slots
 from kvmesh.transfer.peers import PeerDirectory, PeerRecord
 from kvmesh.transfer.requester import KVRequester, PushOutcome
 from kvmesh.transfer.shared_memory import PeerProcesses, SharedMemoryWriter, SharedRegion
@@ -43,11 +45,14 @@ class TransferAgent:
     def __init__(self, node_id: str, pool: BlockPool, kv_buffer: torch.Tensor, engine: TransferEngine,
                  directory: PeerDirectory, auth: ClusterAuth | None = None, host: str = "127.0.0.1",
                  num_workers: int = 4, advertise: str | None = None, verify_kv: bool = False,
-                 kv_memory: str = "auto", shared_region: SharedRegion | None = None, shared_writes: bool = True):
+                 kv_memory: str = "auto", shared_region: SharedRegion | None = None, shared_writes: bool = True,
+                 num_landing_slots: int = -1):
         """``verify_kv``: send a crc32 of every pushed block and check the ones received (registered memory
-        the CPU can read). ``kv_memory``: direct, host-staging or auto (``transfer/kv_memory.py``).
-        ``shared_region``: where ``kv_buffer`` lives in shared memory (``SharedKVAllocator``): published so
-        that peers on this host write into it directly. ``shared_writes``: write to such peers that way."""
+        the CPU can read); blocks through landing slots are checked always. ``kv_memory``: direct, host-staging
+        or auto (``transfer/kv_memory.py``). ``shared_region``: where ``kv_buffer`` lives in shared memory
+        (``SharedKVAllocator``): published so that peers on this host write into it directly. ``shared_writes``:
+        write to such peers that way. ``num_landing_slots``: the landing zone of a one-sided engine (-1: sized
+        from the buffer, ``transfer/landing.py``; ignored for an engine whose receiver refuses stray writes)."""
         self.node_id = node_id
         self.pool = pool
         self.engine = engine
@@ -63,9 +68,20 @@ class TransferAgent:
         exposed = shared_region is not None and not self.memory.staged and \
             shared_region.num_bytes == registered_bytes and shared_region.pid == os.getpid()
         self.shared_region = shared_region if exposed else None
-        # A peer writing through shared memory cannot be refused per write: grants fence it as for RDMA.
-        refusable = hasattr(engine, "set_write_guard") and self.shared_region is None
-        self.grants = GrantTable(pool, self.base_addr, self.block_bytes, writes_refusable=refusable)
+        # The engine's receiver refuses writes outside open grants (zmq), or one-sided writes land in slots.
+        refusable = hasattr(engine, "set_write_guard")
+        self._num_crc_threads = min(4, os.cpu_count() or 1)
+        self._checksummers = ThreadPoolExecutor(self._num_crc_threads, thread_name_prefix=f"kvmesh-crc-{node_id}") \
+            if self._num_crc_threads > 1 else None
+        self.landing: LandingZone | None = None
+        if not refusable:
+            slots = default_num_slots(self.num_blocks, self.block_bytes) if num_landing_slots < 0 else num_landing_slots
+            self.landing = LandingZone(kv_buffer, slots, self._checksum_addresses)
+            self.landing_addr = engine.register(self.landing.tensor)
+            if self.landing_addr != self.landing.base_addr:
+                raise TransferError("the transfer engine registered the landing zone at another address")
+        self.grants = GrantTable(pool, self.base_addr, self.block_bytes, writes_refusable=refusable,
+                                 landing=self.landing)
         if refusable:
             engine.set_write_guard(self.grants.guard_write)
         self._endpoint = RouterEndpoint(host, self._on_message, f"side-channel-{node_id}", self.auth,
@@ -80,18 +96,27 @@ class TransferAgent:
         self.peer_processes = PeerProcesses()  # same-host writers: quarantines outlive a stopped one's lease
         self.requester.writer_liveness = self.peer_processes.liveness
         self.requester.stage_in = self.memory.stage_in
-        self._num_crc_threads = min(4, os.cpu_count() or 1)
-        self._checksummers = ThreadPoolExecutor(self._num_crc_threads, thread_name_prefix=f"kvmesh-crc-{node_id}") \
-            if verify_kv and self._num_crc_threads > 1 else None
+        self.requester.accepts_shared_writes = self.shared_region is not None
+        self.holder.checksum = self._checksum_addresses  # device sources are read back (GPUDirect holders)
+        self.holder.checksum_all = verify_kv
         if verify_kv and self.memory.host_visible:
-            self.holder.checksum = self._checksum_addresses
             self.requester.verify = self._verify_blocks
         self.num_malformed = 0
 
     def _checksum_addresses(self, addrs: list[int]) -> list[int]:
-        """crc32 of the block at each address; long lists split among threads (zlib releases the GIL)."""
+        """crc32 of the block at each address; long lists split among threads (zlib releases the GIL). Blocks of a
+        registered device buffer are copied to the host first."""
+        device = None if self.memory.host_visible else self.memory.registered
+        device_end = self.base_addr + self.num_blocks * self.block_bytes
+
         def crc(part: list[int]) -> list[int]:
-            return [zlib.crc32((ctypes.c_ubyte * self.block_bytes).from_address(a)) for a in part]
+            out = []
+            for a in part:
+                if device is not None and self.base_addr <= a < device_end:
+                    out.append(zlib.crc32(device[(a - self.base_addr) // self.block_bytes].cpu().numpy().tobytes()))
+                else:
+                    out.append(zlib.crc32((ctypes.c_ubyte * self.block_bytes).from_address(a)))
+            return out
 
         if len(addrs) * self.block_bytes < _PARALLEL_CHECKSUM_BYTES or self._checksummers is None:
             return crc(addrs)
@@ -119,7 +144,9 @@ class TransferAgent:
     def record(self) -> PeerRecord:
         """What peers need to write into us (published in etcd by nodes)."""
         return PeerRecord(self.node_id, self.side_channel, self.engine.endpoint, self.base_addr, self.num_blocks,
-                          self.block_bytes, self.shared_region.encode() if self.shared_region else "")
+                          self.block_bytes, self.shared_region.encode() if self.shared_region else "",
+                          self.landing_addr if self.landing is not None else 0,
+                          self.landing.num_slots if self.landing is not None else 0)
 
     @property
     def num_unauthenticated(self) -> int:

@@ -16,7 +16,11 @@ One conversation per transfer, on the writer's side channel::
 
 Destination addresses never travel: the writer reads the requester's transfer
 endpoint and base address from the etcd node directory and bounds-checks the
-block ids against the requester's published layout.
+block ids against the requester's published layout. With ``landing`` set, the ids
+are slots of the requester's landing zone (``transfer/landing.py``), written through
+the transfer engine only and always with a crc32 per block; without it they are KV
+blocks, which a writer with a one-sided engine may only write through shared memory
+(else it refuses with NEEDS_LANDING).
 """
 from __future__ import annotations
 
@@ -46,6 +50,7 @@ class ErrorCode(str, Enum):
     NOT_A_PREFILL_NODE = "not_a_prefill_node"
     SHUTTING_DOWN = "shutting_down"
     MALFORMED = "malformed"  # the message did not decode or validate
+    NEEDS_LANDING = "needs_landing"  # one-sided writes go to landing slots: ask again with ``landing``
 
 
 _CODES = {c.value for c in ErrorCode}
@@ -81,6 +86,7 @@ class PushRequest:
     block_hashes: list[bytes]
     deadline_ms: int  # the grant's lifetime: never write after this (from receipt)
     wait_ms: int = 0  # how long to wait for blocks still being computed (<= deadline_ms)
+    landing: bool = False  # dst ids are landing slots, not KV blocks
 
     def validate(self) -> None:
         _check_grant(self.TYPE, self.grant_id, self.dst_block_ids, self.deadline_ms)
@@ -113,6 +119,7 @@ class ComputeAndPush:
     dst_block_ids: list[int]
     deadline_ms: int
     wanted_within_ms: int = 0
+    landing: bool = False  # dst ids are landing slots, not KV blocks
 
     def validate(self) -> None:
         _check_grant(self.TYPE, self.grant_id, self.dst_block_ids, self.deadline_ms)

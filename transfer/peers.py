@@ -1,8 +1,8 @@
 """Where a peer's KV memory is: resolved from the node directory, never from a message (docs/design.md §6).
 
-A holder writes only to the transfer endpoint and base address that the
-requester published in etcd, and only into block ids below the requester's
-published buffer size.
+A holder writes only to the transfer endpoint and base (or landing) address that
+the requester published in etcd, and only into block ids below the requester's
+published buffer (or landing zone) size.
 """
 from __future__ import annotations
 
@@ -20,6 +20,8 @@ class PeerRecord:
     num_blocks: int
     block_bytes: int
     shared_memory: str = ""  # where a writer on its host can open its KV buffer ("": nowhere; shared_memory.py)
+    landing_addr: int = 0  # its landing zone, where one-sided writes go (transfer/landing.py)
+    num_landing_slots: int = 0  # 0: it has none (its backend refuses stray writes)
 
 
 class PeerDirectory(Protocol):

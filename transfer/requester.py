@@ -14,6 +14,13 @@ still land somewhere: a late final PushResult releases the grant's quarantine.
                                          late final ─────────────────────> acknowledge (released)
     peer's lease ends (``peer_gone``) ─────────────────────────────────────> writer_gone (released)
 
+Each conversation's grant gets the fence that proves its end (``transfer/grants.py``): a writer on
+this host writes our pool blocks in place (PROCESS), a backend that refuses stray writes likewise
+(REFUSABLE); a one-sided network write targets landing slots (LANDING, ``transfer/landing.py``),
+and a block counts as written only once this thread has copied it into its pool block and its
+crc32 matched the writer's. A writer that cannot honour a PROCESS grant (no shared memory with us)
+refuses with NEEDS_LANDING and is asked again through landing slots.
+
 Every call returns a PushOutcome, also on failure: how many leading blocks are
 really written (usable), which blocks are tainted (the caller must stop using
 them: swap or free its references; the table holds them until the writer has
@@ -38,12 +45,14 @@ from kvmesh.auth import AuthError, ClusterAuth
 from kvmesh.kv.block_hash import BlockHash
 from kvmesh.transfer import messages as m
 from kvmesh.transfer.errors import TransferAborted, TransferError, TransferRefused, TransferTimeout
-from kvmesh.transfer.grants import Grant, GrantTable
+from kvmesh.transfer.grants import Fence, Grant, GrantTable
 from kvmesh.transfer.peers import PeerDirectory, PeerRecord
 
 log = logging.getLogger("kvmesh.transfer")
 
 ACCEPT_TIMEOUT_S = 5.0  # a prefill node answers Accepted / Refused within this
+LAND_RETRY_S = 0.005  # a reported block whose bytes do not check out yet is copied again after this
+LAND_GRACE_S = 0.25  # ... for at most this long after the writer's final answer
 
 
 class PushOutcome(NamedTuple):
@@ -92,6 +101,7 @@ class KVRequester:
         self.block_bytes = grants.block_bytes
         # A peer's record -> whether its process still exists, for writers on this host (None: cannot tell).
         self.writer_liveness: Callable[[PeerRecord], Callable[[], bool] | None] | None = None
+        self.accepts_shared_writes = False  # our KV buffer is published in shared memory for same-host writers
         self._next_sweep = 0.0
 
     def start(self) -> KVRequester:
@@ -105,8 +115,9 @@ class KVRequester:
         deadline_ms = max(1, min(int(timeout_s * 1000), m.MAX_WAIT_MS))
         wait_ms = min(wait_ms, deadline_ms)
         return self._converse(peer_id, block_ids, request_id, timeout_s, deadline_ms / 1000,
-                              lambda cid, g: m.PushRequest(cid, self.node_id, g.grant_id, list(block_ids),
-                                                           list(block_hashes), deadline_ms, wait_ms))
+                              lambda cid, g: m.PushRequest(cid, self.node_id, g.grant_id, list(g.block_ids),
+                                                           list(block_hashes[:len(g.block_ids)]), deadline_ms,
+                                                           wait_ms, landing=g.fence is Fence.LANDING))
 
     def compute_and_push(self, peer_id: str, block_ids: list[int], prompt_token_ids: list[int], first_block: int,
                          *, request_id: str, timeout_s: float, wanted_within_s: float = 0.0) -> PushOutcome:
@@ -120,7 +131,8 @@ class KVRequester:
         wanted_ms = max(1, int(wanted_within_s * 1000)) if wanted_within_s > 0 else 0
         return self._converse(peer_id, block_ids, request_id, timeout_s, deadline_ms / 1000,
                               lambda cid, g: m.ComputeAndPush(cid, self.node_id, g.grant_id, list(prompt_token_ids),
-                                                              first_block, list(block_ids), deadline_ms, wanted_ms),
+                                                              first_block, list(g.block_ids), deadline_ms, wanted_ms,
+                                                              landing=g.fence is Fence.LANDING),
                               compute=True)
 
     def abort(self, request_id: str, reason: str = "aborted by the requester") -> int:
@@ -148,14 +160,46 @@ class KVRequester:
             log.warning("%s: released %d quarantined blocks of departed node %s", self.node_id, released, peer_id)
 
     # ---- one conversation --------------------------------------------------------------------------------
+    def _fence_for(self, writer_alive: Callable[[], bool] | None) -> Fence:
+        """The proof this conversation's end will rest on (``transfer/grants.py``)."""
+        if writer_alive is not None and self.accepts_shared_writes:
+            return Fence.PROCESS  # a writer on this host copies into our shared buffer in place
+        if self.grants.writes_refusable:
+            return Fence.REFUSABLE
+        return Fence.LANDING if self.grants.landing is not None else Fence.PROCESS
+
     def _converse(self, peer_id: str, block_ids: list[int], request_id: str, timeout_s: float, grant_s: float,
                   make_msg, compute: bool = False) -> PushOutcome:
         peer = self.directory.get(peer_id)
         if peer is None:
             return PushOutcome(0, [], TransferError("not a registered node", request_id=request_id, peer=peer_id))
-        cid = f"{request_id}/{next(self._ids)}"
         alive = self.writer_liveness(peer) if self.writer_liveness is not None else None
-        grant = self.grants.issue(cid, peer_id, block_ids, grant_s + 1.0, writer_alive=alive)
+        fence = self._fence_for(alive)
+        started = time.monotonic()
+        outcome = self._converse_once(peer, block_ids, request_id, timeout_s, grant_s, make_msg, compute, alive,
+                                      fence)
+        refused = outcome.error
+        if isinstance(refused, TransferRefused) and refused.code == m.ErrorCode.NEEDS_LANDING.value and \
+                fence is not Fence.LANDING and self.grants.landing is not None:
+            left = timeout_s - (time.monotonic() - started)
+            if left > 0:  # the writer cannot reach our shared memory: through landing slots instead
+                outcome = self._converse_once(peer, block_ids, request_id, left, min(grant_s, left), make_msg,
+                                              compute, alive, Fence.LANDING)
+        return outcome
+
+    def _converse_once(self, peer: PeerRecord, block_ids: list[int], request_id: str, timeout_s: float,
+                       grant_s: float, make_msg, compute: bool, alive: Callable[[], bool] | None,
+                       fence: Fence) -> PushOutcome:
+        peer_id = peer.node_id
+        slots: list[int] = []
+        if fence is Fence.LANDING:  # as many blocks as there are free slots (the caller computes the rest)
+            slots = self.grants.landing.allocate(len(block_ids))
+            if not slots:
+                return PushOutcome(0, [], TransferError("every landing slot is in use", request_id=request_id,
+                                                        peer=peer_id))
+            block_ids = block_ids[:len(slots)]
+        cid = f"{request_id}/{next(self._ids)}"
+        grant = self.grants.issue(cid, peer_id, slots or block_ids, grant_s + 1.0, writer_alive=alive, fence=fence)
         conv = _Conversation(cid, peer_id, peer.side_channel, grant)
         with self._lock:
             self._conversations[cid] = conv
@@ -163,49 +207,69 @@ class KVRequester:
         deadline = time.monotonic() + timeout_s
         accept_by = time.monotonic() + min(ACCEPT_TIMEOUT_S, timeout_s) if compute else None
         written = [False] * len(block_ids)
-        num_landed = 0  # leading blocks already copied out of the registered memory
+        checksums: list[int] = []
+        num_landed = 0  # leading blocks in our KV buffer for good (copied out, and for slots checked)
+        stuck_since = 0.0  # when the block at num_landed was first reported and did not check out
         write_s = 0.0
         error: TransferError | None = None
         while True:
             limit = min(deadline, accept_by) if accept_by is not None else deadline
+            wait_s = max(0.0, limit - time.monotonic())
+            if num_landed < _leading(written):  # reported blocks that did not check out yet: try again soon
+                wait_s = min(wait_s, LAND_RETRY_S)
             try:
-                msg = conv.events.get(timeout=max(0.0, limit - time.monotonic()))
+                msg = conv.events.get(timeout=wait_s)
             except queue.Empty:
+                now = time.monotonic()
+                if now < limit:
+                    before = num_landed
+                    num_landed = self._land(slots, block_ids, num_landed, _leading(written), checksums)
+                    stuck_since = 0.0 if num_landed > before else stuck_since or now
+                    if stuck_since and now - stuck_since > LAND_GRACE_S:  # damaged, not late: stop the writer
+                        self.num_checksum_failures += 1
+                        error = TransferError(f"block {num_landed} failed its checksum", request_id=cid,
+                                              peer=peer_id)
+                        break
+                    continue
                 what = "no Accepted/Refused" if accept_by is not None and limit == accept_by else "no final result"
                 error = TransferTimeout(f"{what} within {limit - (deadline - timeout_s):.1f} s", request_id=cid,
                                         peer=peer_id)
                 break
             if isinstance(msg, _PeerGone):  # its lease ended: dead, or (on this host) maybe only stopped
-                tainted = self.grants.revoke(grant.grant_id)  # a dead writer's grant is gone already: []
-                if tainted:
+                held = self.grants.revoke(grant.grant_id)  # a dead writer's grant is gone already: []
+                if held:
                     with self._lock:
                         conv.abandoned = cid in self._conversations  # its final may still come
                 else:
                     self._drop(cid)
-                num = min(_leading(written), grant.num_confirmed) if tainted else _leading(written)
-                return PushOutcome(num, tainted, TransferError("the writer left the cluster", request_id=cid,
-                                                               peer=peer_id))
+                return self._given_up(grant, slots, held, written, num_landed,
+                                      TransferError("the writer left the cluster", request_id=cid, peer=peer_id),
+                                      write_s)
             if isinstance(msg, m.Accepted):
                 accept_by = None
             elif isinstance(msg, m.Refused):
                 self._drop(cid)
                 self.grants.close(grant.grant_id)
+                self._free_slots(slots)
                 return PushOutcome(0, [], TransferRefused(f"refused ({msg.code}): {msg.reason}", code=msg.code,
                                                           request_id=cid, peer=peer_id))
             elif isinstance(msg, m.PushResult):
                 write_s = max(write_s, msg.write_us / 1e6)
                 if len(msg.written) == len(written):
                     written = msg.written
-                    num_landed = self._land(block_ids, num_landed, _leading(written))
+                    checksums = msg.checksums or checksums
+                    num_landed = self._land(slots, block_ids, num_landed, _leading(written), checksums)
                 if msg.final:
                     num = _leading(written)
-                    if self.verify is not None and msg.checksums:
-                        good = self.verify(block_ids[:num], msg.checksums[:num])
-                        if good < num:  # the bytes that arrived are not what the writer sent: recompute them
-                            self.num_checksum_failures += 1
-                            log.warning("%s: block %d of %s from %s failed its checksum: %d of %d blocks kept",
-                                        self.node_id, good, cid, peer_id, good, num)
-                            num = good
+                    if slots:
+                        num = self._land_rest(slots, block_ids, num_landed, num, checksums, deadline)
+                        self._free_slots(slots)
+                    elif self.verify is not None and msg.checksums:
+                        num = self.verify(block_ids[:num], msg.checksums[:num])
+                    if num < _leading(written):  # the bytes that arrived are not what the writer sent: recompute
+                        self.num_checksum_failures += 1
+                        log.warning("%s: block %d of %s from %s failed its checksum: %d of %d blocks kept",
+                                    self.node_id, num, cid, peer_id, num, _leading(written))
                     self.bytes_received += num * self.block_bytes
                     if msg.code:
                         cls = TransferAborted if msg.code == m.ErrorCode.ABORTED.value else TransferError
@@ -215,15 +279,51 @@ class KVRequester:
         with self._lock:
             conv.abandoned = cid in self._conversations
         self._send(peer.side_channel, m.Abort(cid, "requester gave up"))
-        tainted = self.grants.revoke(grant.grant_id)
-        num = min(_leading(written), grant.num_confirmed) if tainted else _leading(written)
-        return PushOutcome(num, tainted, error, write_s)
+        held = self.grants.revoke(grant.grant_id)
+        return self._given_up(grant, slots, held, written, num_landed, error, write_s)
 
-    def _land(self, block_ids: list[int], num_landed: int, num_written: int) -> int:
-        """Stage in the blocks written since the last report (while the rest are still in flight)."""
-        if self.stage_in is not None and num_written > num_landed:
+    def _given_up(self, grant: Grant, slots: list[int], held: list[int], written: list[bool], num_landed: int,
+                  error: TransferError | None, write_s: float) -> PushOutcome:
+        """The outcome of a conversation that ended without the writer's final answer (``held``: what the
+        revoke fenced). Landing: only what was copied and checked counts, and no pool block is tainted."""
+        if slots:
+            fenced = set(held)
+            self._free_slots([s for s in slots if s not in fenced])  # the grant had closed: nothing fenced
+            self.bytes_received += num_landed * self.block_bytes
+            return PushOutcome(num_landed, [], error, write_s)
+        num = min(_leading(written), grant.num_confirmed) if held else _leading(written)
+        return PushOutcome(num, held, error, write_s)
+
+    def _land(self, slots: list[int], block_ids: list[int], num_landed: int, num_written: int,
+              checksums: list[int]) -> int:
+        """Move the blocks written since the last report into our KV buffer (while the rest are in flight):
+        out of landing slots, checked (stopping at the first that does not check out), or out of a host mirror."""
+        if num_written <= num_landed:
+            return num_landed
+        if slots:
+            if len(checksums) < num_written:  # nothing to check them against: never usable
+                return num_landed
+            return num_landed + self.grants.landing.land(slots[num_landed:num_written],
+                                                         block_ids[num_landed:num_written],
+                                                         checksums[num_landed:num_written])
+        if self.stage_in is not None:
             self.stage_in(block_ids[num_landed:num_written])
-        return max(num_landed, num_written)
+        return num_written
+
+    def _land_rest(self, slots: list[int], block_ids: list[int], num_landed: int, num_written: int,
+                   checksums: list[int], deadline: float) -> int:
+        """After the writer's final answer: land what is left, trying again for a short while (bytes the writer
+        handed over before answering may still be on their way into the slots)."""
+        give_up = min(deadline, time.monotonic() + LAND_GRACE_S)
+        while True:
+            num_landed = self._land(slots, block_ids, num_landed, num_written, checksums)
+            if num_landed >= num_written or time.monotonic() >= give_up:
+                return num_landed
+            time.sleep(LAND_RETRY_S)
+
+    def _free_slots(self, slots: list[int]) -> None:
+        if slots:
+            self.grants.landing.free(slots)
 
     def _drop(self, cid: str) -> None:
         with self._lock:

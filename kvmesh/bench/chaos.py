@@ -12,6 +12,14 @@ shared-prefix requests and meanwhile:
     flood     authenticated push requests that ask a holder to wait as long as allowed for
               blocks that never come, and past the cap
 
+With ``--hosts`` the nodes run on simulated hosts (network namespaces, ``cluster/hosts.py``):
+etcd and prefill-1 on host 1, prefill-0 on host 2, decode-0 on host 3, decode-1 on host 4, so
+that KV crosses veth links, and two more faults join the mix:
+
+    slow      decode-0's link capped at SLOW_MBIT for SLOW_S: pushes into it outlive the decode
+              nodes' timeouts and Mooncake's own bound on a batch (MC_TRANSFER_TIMEOUT=5)
+    flap      host 2's link (prefill-0) down for FLAP_S, then up
+
 and then checks what must never happen: a request without a final event (lost),
 a greedy output that differs from the single-node engine (corrupted), blocks
 still referenced once everything is over (leaked), a forged message that got
@@ -19,6 +27,7 @@ anything but a refusal (forged_accepted). JSON: ``{"backends": {name: {...}}}``.
 """
 from __future__ import annotations
 
+import os
 import queue
 import random
 import signal
@@ -31,6 +40,7 @@ from tqdm import tqdm
 
 from kvmesh.auth import REFUSED, ClusterAuth
 from kvmesh.bench.report import machine, print_table, write_json
+from kvmesh.cluster.hosts import Hosts, HostsError, can_create
 from kvmesh.cluster.local_launcher import LocalCluster
 from kvmesh.cluster.node_connection import NodeConnection, NodeLost
 from kvmesh.engine.sampling_params import SamplingParams, to_wire
@@ -42,6 +52,9 @@ from kvmesh.wire import decode, encode
 PREFILL_TIMEOUT_S = 2.0
 LEASE_TTL_S = 3
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+SLOW_MBIT, SLOW_S = 0.3, 6.0
+FLAP_S = 1.5
+HOST_PLACEMENT = {"etcd": 1, "prefill-1": 1, "prefill-0": 2, "decode-0": 3, "decode-1": 4}
 
 
 def _prompt_group(rng: random.Random) -> list[list[int]]:
@@ -53,8 +66,9 @@ def _prompt_group(rng: random.Random) -> list[list[int]]:
 class _Run:
     """One backend's run: the cluster, the traffic, the faults and what they did."""
 
-    def __init__(self, backend: str, num_requests: int, abort_every: int, seed: int):
+    def __init__(self, backend: str, num_requests: int, abort_every: int, seed: int, hosts: Hosts | None = None):
         self.backend = backend
+        self.hosts = hosts
         self.num_requests = num_requests
         self.rng = random.Random(seed)
         self.prompts: list[list[int]] = []  # every prompt sent, in order
@@ -64,7 +78,8 @@ class _Run:
         self.flood = {"sent": 0, "refused_busy_or_capped": 0}
         self.cluster = LocalCluster(2, 2, cluster=f"chaos-{backend}", node_args=[
             "--transfer-backend", backend, "--local-prefill-tokens", "0", "--prefill-timeout", str(PREFILL_TIMEOUT_S),
-            "--lease-ttl", str(LEASE_TTL_S), "--num-kv-blocks", "512"])
+            "--holder-timeout", str(PREFILL_TIMEOUT_S), "--lease-ttl", str(LEASE_TTL_S), "--num-kv-blocks", "512"],
+            hosts=hosts, placement=dict(HOST_PLACEMENT) if hosts is not None else None)
 
     def log(self, what: str) -> None:
         self.events.append(f"{time.monotonic() - self.t0:6.2f}s {what}")
@@ -137,6 +152,25 @@ class _Run:
         stop.wait(1.0)
         self.cluster.start_node("prefill", "prefill-1")
         self.log("prefill-1 restarted and registered")
+        if self.hosts is not None:
+            self.link_faults(stop)
+
+    def link_faults(self, stop: threading.Event) -> None:
+        """Between hosts: a slow link into decode-0 (pushes outlive every timeout), then a flapping host 2."""
+        host = self.cluster.placement["decode-0"]
+        self.hosts.set_rate(host, SLOW_MBIT)
+        self.log(f"decode-0's link capped at {SLOW_MBIT} Mbit/s")
+        stop.wait(SLOW_S)
+        self.hosts.set_rate(host, None)
+        self.log("decode-0's link uncapped")
+        if stop.is_set():
+            return
+        host = self.cluster.placement["prefill-0"]
+        self.hosts.link_down(host)
+        self.log("prefill-0's link down")
+        stop.wait(FLAP_S)
+        self.hosts.link_up(host)
+        self.log("prefill-0's link up")
 
     def _ask(self, endpoint: str, payload: bytes) -> bytes | None:
         sock = zmq.Context.instance().socket(zmq.DEALER)
@@ -246,6 +280,23 @@ class _Run:
             time.sleep(0.2)
 
 
+def _run_on_hosts(backend: str, num_requests: int, abort_every: int, seed: int, bar: tqdm) -> dict:
+    ok, why = can_create()
+    if not ok:
+        raise HostsError(f"bench chaos --hosts: {why}")
+    pid = os.getpid()
+    saved = os.environ.get("MC_TRANSFER_TIMEOUT")
+    os.environ["MC_TRANSFER_TIMEOUT"] = "5"  # the nodes' Mooncake ends a batch before the slow link drains it
+    try:
+        with Hosts(len(set(HOST_PLACEMENT.values())), prefix=f"kc{pid % 100000}", subnet=f"10.81.{pid % 250}") as h:
+            return _Run(backend, num_requests, abort_every, seed, hosts=h).run(bar)
+    finally:
+        if saved is None:
+            os.environ.pop("MC_TRANSFER_TIMEOUT", None)
+        else:
+            os.environ["MC_TRANSFER_TIMEOUT"] = saved
+
+
 def _reference(prompts: list[list[int]]) -> list[list[int]]:
     """Greedy outputs of the single-node engine on the same weights (the independent reference)."""
     from kvmesh import LLM
@@ -264,12 +315,17 @@ def msgpack_push(request_id: str, wait_ms: int) -> bytes:
 
 
 def run(json_path: str | None, backends: list[str] | None = None, num_requests: int = 240,
-        abort_every: int = 10, seed: int = 0) -> dict:
+        abort_every: int = 10, seed: int = 0, hosts: bool = False) -> dict:
+    """``hosts``: the nodes on simulated hosts with link faults (needs root and ``ip netns``)."""
     backends = backends or (["mooncake", "zmq"] if mooncake_available() else ["zmq"])
-    out = {"machine": machine(), "model": "tiny-llama", "prefill_timeout_s": PREFILL_TIMEOUT_S, "backends": {}}
+    out = {"machine": machine(), "model": "tiny-llama", "prefill_timeout_s": PREFILL_TIMEOUT_S,
+           "hosts": len(set(HOST_PLACEMENT.values())) if hosts else 0, "backends": {}}
     with tqdm(desc="chaos requests", leave=False) as bar:
         for backend in backends:
-            out["backends"][backend] = _Run(backend, num_requests, abort_every, seed).run(bar)
+            if hosts:
+                out["backends"][backend] = _run_on_hosts(backend, num_requests, abort_every, seed, bar)
+            else:
+                out["backends"][backend] = _Run(backend, num_requests, abort_every, seed).run(bar)
     cols = ["requests", "completed", "failed_with_error", "aborted", "lost", "corrupted", "leaked_blocks",
             "forged_accepted"]
     print_table("chaos: faults during serving (must be 0: lost, corrupted, leaked_blocks, forged_accepted)",

@@ -107,6 +107,14 @@ class KVCacheManager:
         seq.block_ids = [mapping.get(b, b) for b in seq.block_ids]
         self.pool.free(old)
 
+    def release_from(self, seq: Sequence, index: int) -> None:
+        """Give back ``seq``'s blocks from ``index`` on (uncached, not yet computed); the scheduler allocates
+        them again when it computes those tokens, waiting for room like any request the pool cannot hold yet."""
+        if index < seq.num_cached_blocks:
+            raise ValueError(f"block {index} of {seq.request_id} is cached: only uncomputed blocks can go back")
+        self.pool.free(seq.block_ids[index:])
+        del seq.block_ids[index:]
+
     def free(self, seq: Sequence) -> None:
         """Give back every block of ``seq``; cached ones stay matchable until reused."""
         self.pool.free(seq.block_ids)

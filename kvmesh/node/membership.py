@@ -29,7 +29,8 @@ def peer_record(record: NodeRecord) -> PeerRecord | None:
     try:
         return PeerRecord(record.node_id, record.side_channel, record.transfer_endpoint, int(layout["base_addr"]),
                           int(layout["num_blocks"]), int(layout["bytes_per_block"]),
-                          str(layout.get("shared_memory", "")))
+                          str(layout.get("shared_memory", "")), int(layout.get("landing_addr", 0)),
+                          int(layout.get("num_landing_slots", 0)))
     except (KeyError, TypeError, ValueError):
         return None
 

@@ -78,6 +78,8 @@ class NodeConfig:
     shared_memory_transfers: bool = True  # same-host pushes by one copy into a peer's memfd KV buffer
     lease_ttl_s: int = 10
     prefill_timeout_s: float = 10.0
+    holder_timeout_s: float = 5.0  # decode: a holder's push of blocks it already has
+    num_landing_slots: int = -1  # one-sided backends: where pushes land before a checked copy (-1: auto)
     local_prefill_tokens: int = -1  # decode: uncached suffixes up to this are computed locally; -1: cost model
     transfer_gib_per_s: float = 1.0  # assumed by the cost model until it measures transfers
     transfer_rtt_s: float = 0.010  # ... and its fetch overhead beyond the bytes, until it measures fetches
@@ -133,7 +135,8 @@ class NodeRuntime:
                                    advertise=self.advertise_host, verify_kv=cfg.verify_kv,
                                    kv_memory=cfg.kv_transfer_memory,
                                    shared_region=self.shared_kv.region if self.shared_kv is not None else None,
-                                   shared_writes=cfg.shared_memory_transfers)
+                                   shared_writes=cfg.shared_memory_transfers,
+                                   num_landing_slots=cfg.num_landing_slots)
         self.tiers: TieredCache | None = None
         tier_cfg = TierConfig(cfg.host_kv_bytes, cfg.disk_kv_bytes, cfg.disk_kv_path, cfg.verify_kv)
         if tier_cfg.enabled:
@@ -176,6 +179,8 @@ class NodeRuntime:
                            "model": self.cfg.model, "dtype": str(self.loaded.dtype).removeprefix("torch."),
                            "device": device_name(self.device), "kv_memory": self.agent.memory.mode,
                            "shared_memory": self.agent.record.shared_memory,
+                           "landing_addr": self.agent.record.landing_addr,
+                           "num_landing_slots": self.agent.record.num_landing_slots,
                            "fingerprint": self.loaded.fingerprint, "root_hash": self.engine.kv.root_hash.hex(),
                            "index_namespace": index_namespace(self.engine.namespace),
                            "prefill_tokens_per_s": self.prefill_tokens_per_s,
@@ -307,6 +312,9 @@ class NodeRuntime:
                  "num_quarantined_total": self.agent.grants.num_quarantined_total,
                  "num_pending_pushes": self.agent.holder.num_pending,
                  "num_checksum_failures": self.agent.requester.num_checksum_failures,
+                 "num_fenced_landing_slots": self.agent.grants.num_fenced_slots,
+                 "index_revision": self.membership.index.mirror.revision if self.membership.index else 0,
+                 "landing": self.agent.landing.describe() if self.agent.landing is not None else {},
                  "device": device_name(self.device), "kv_memory": self.agent.memory.describe(),
                  "num_failed_steps": self.loop.num_failed_steps, **self.role_stats(),
                  **(self.tiers.stats() if self.tiers is not None else {}),

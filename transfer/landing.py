@@ -1,0 +1,151 @@
+"""LandingZone: where one-sided network writes land, so that a late byte can never reach a KV block.
+
+A Mooncake (or RDMA) write cannot be refused by its receiver, and a writer's "I stopped"
+does not prove its bytes stopped: what is already in its socket buffers, in its transfer
+lanes, on the link or in our receive path is still written into our memory afterwards,
+by our own engine (docs/design.md §6). So such writes never target KV blocks. They target
+slots of this zone, a separate registered host buffer, and reach the KV buffer only by a
+copy that this node makes itself, checked against the writer's crc32 of each block:
+
+    peer ──one-sided write──> slot s ──copy──> KV block b ──crc32(b) == writer's?──> usable
+                              (late writes       (never written by
+                               land here only)    anyone but us)
+
+    host KV buffer    copy s -> b, then crc32 of b itself: b is what the request reads
+    device KV buffer  crc32(s), copy s -> b, crc32(s) again: a write into s during the copy
+                      changes s, so the second check fails
+
+A late write can therefore only damage a slot; a damaged slot fails its check, and the
+block is recomputed, never served. Slots of a given-up transfer are held apart
+(``GrantTable`` quarantines them) until the writer's final answer, its departure or an
+age cap, so that late bytes rarely meet a new transfer's slot; correctness does not
+depend on that hold, only the rate of checksum failures does.
+
+Thread-safe: requester threads allocate, land and free concurrently.
+"""
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Callable, Sequence
+
+import torch
+
+DEFAULT_MAX_BYTES = 1 << 30  # an automatic zone is at most this large ...
+DEFAULT_FRACTION = 4  # ... and at most a quarter of the KV buffer's blocks (at least MIN_SLOTS)
+MIN_SLOTS = 64
+
+
+def default_num_slots(num_blocks: int, block_bytes: int) -> int:
+    """An automatic zone size: a quarter of the blocks within DEFAULT_MAX_BYTES, at least MIN_SLOTS (never more
+    than the KV buffer holds)."""
+    by_bytes = max(1, DEFAULT_MAX_BYTES // max(1, block_bytes))
+    return max(1, min(num_blocks, max(MIN_SLOTS, min(num_blocks // DEFAULT_FRACTION, by_bytes))))
+
+
+class LandingZone:
+    def __init__(self, kv_buffer: torch.Tensor, num_slots: int,
+                 checksum: Callable[[list[int]], list[int]]):
+        """``kv_buffer``: the node's KV buffer, block-major; ``checksum(addresses)``: crc32 of the block at each
+        host address (``TransferAgent`` splits long lists among threads)."""
+        if num_slots < 1:
+            raise ValueError("a landing zone needs at least one slot")
+        self.kv_buffer = kv_buffer
+        self.num_slots = num_slots
+        self.tensor = torch.empty((num_slots, *kv_buffer.shape[1:]), dtype=kv_buffer.dtype, device="cpu",
+                                  pin_memory=kv_buffer.is_cuda)
+        self.block_bytes = kv_buffer[0].numel() * kv_buffer.element_size()
+        self.base_addr = self.tensor.data_ptr()
+        self._checksum = checksum
+        self._lock = threading.Lock()
+        self._free: deque[int] = deque(range(num_slots))  # oldest-freed first: a slot just let go waits longest
+        self._held: set[int] = set()  # by conversations
+        self._fenced: set[int] = set()  # by the grant table (a given-up transfer may still write them)
+        self.num_landed = 0
+        self.num_failed_checks = 0
+
+    # ---- slots ------------------------------------------------------------------------------------------
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def allocate(self, num: int) -> list[int]:
+        """Up to ``num`` free slots (fewer, or none, when the zone is busy), held by the caller until ``free``."""
+        with self._lock:
+            slots = [self._free.popleft() for _ in range(min(num, len(self._free)))]
+            self._held.update(slots)
+            return slots
+
+    def free(self, slots: Sequence[int]) -> None:
+        """The caller is done with these slots (landed, or its transfer ended before they were written)."""
+        with self._lock:
+            for s in slots:
+                if s in self._held:
+                    self._held.remove(s)
+                    self._free.append(s)
+
+    def fence(self, slots: Sequence[int]) -> None:
+        """A given-up transfer may still write these: the grant table holds them from their owner on."""
+        with self._lock:
+            for s in slots:
+                self._held.discard(s)
+                self._fenced.add(s)
+
+    def unfence(self, slots: Sequence[int]) -> None:
+        """The fenced transfer is over (or old enough): the slots may be written again."""
+        with self._lock:
+            for s in slots:
+                if s in self._fenced:
+                    self._fenced.remove(s)
+                    self._free.append(s)
+
+    def slot_addrs(self, slots: Sequence[int]) -> list[int]:
+        return [self.base_addr + s * self.block_bytes for s in slots]
+
+    # ---- landing -----------------------------------------------------------------------------------------
+    def land(self, slots: Sequence[int], block_ids: Sequence[int], checksums: Sequence[int]) -> int:
+        """Copy slot i into KV block i while it checks out; returns how many leading blocks landed.
+
+        A block that fails its check is not usable (yet): its bytes may still be arriving, or a late write of
+        another transfer damaged its slot. The caller may try again later or recompute it.
+        """
+        if not slots:
+            return 0
+        if self.kv_buffer.device.type == "cpu":
+            for s, b in zip(slots, block_ids):
+                self.kv_buffer[b].copy_(self.tensor[s])
+            base = self.kv_buffer.data_ptr()
+            good = _leading_equal(self._checksum([base + b * self.block_bytes for b in block_ids]), checksums)
+        else:
+            good = _leading_equal(self._checksum(self.slot_addrs(slots)), checksums)
+            if good:
+                index = torch.tensor(list(block_ids[:good]), device=self.kv_buffer.device)
+                self.kv_buffer.index_copy_(0, index, self.tensor[list(slots[:good])].to(self.kv_buffer.device))
+                torch.cuda.synchronize(self.kv_buffer.device)
+                good = _leading_equal(self._checksum(self.slot_addrs(slots[:good])), checksums)
+        with self._lock:
+            self.num_landed += good
+            self.num_failed_checks += good < len(slots)
+        return good
+
+    def check_integrity(self) -> None:
+        with self._lock:
+            free = set(self._free)
+            assert len(free) == len(self._free), "a landing slot is free twice"
+            assert not (free & self._held) and not (free & self._fenced) and not (self._held & self._fenced), \
+                "a landing slot is in two states"
+            assert len(free) + len(self._held) + len(self._fenced) == self.num_slots, "a landing slot was lost"
+
+    def describe(self) -> dict:
+        with self._lock:
+            return {"slots": self.num_slots, "free": len(self._free), "fenced": len(self._fenced),
+                    "landed": self.num_landed, "failed_checks": self.num_failed_checks}
+
+
+def _leading_equal(found: Sequence[int], expected: Sequence[int]) -> int:
+    good = 0
+    for got, want in zip(found, expected):
+        if got != want:
+            break
+        good += 1
+    return good
