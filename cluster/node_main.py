@@ -42,6 +42,8 @@ def add_node_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lease-ttl", type=int, default=10)
     p.add_argument("--prefill-timeout", type=float, default=10.0,
                    help="decode nodes give up on a prefill node's blocks after this many seconds (then compute)")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="on a CUDA device: decode without CUDA graphs (captured at start-up otherwise)")
     p.add_argument("--holder-timeout", type=float, default=5.0,
                    help="decode nodes give up on a holder's push of cached blocks after this many seconds")
     p.add_argument("--landing-slots", type=int, default=-1,
@@ -97,7 +99,7 @@ def run_node(role: str, args: argparse.Namespace) -> int:
                      lease_ttl_s=args.lease_ttl, transfer_gib_per_s=args.transfer_gib_per_s,
                      transfer_rtt_s=args.transfer_rtt_ms / 1e3,
                      prefill_timeout_s=args.prefill_timeout, holder_timeout_s=args.holder_timeout,
-                     num_landing_slots=args.landing_slots, local_prefill_tokens=args.local_prefill_tokens,
+                     num_landing_slots=args.landing_slots, enforce_eager=args.enforce_eager, local_prefill_tokens=args.local_prefill_tokens,
                      enable_prefix_caching=not args.no_prefix_cache, use_global_pool=not args.no_global_pool,
                      speculative=args.speculative, num_speculative_tokens=args.num_speculative_tokens,
                      host_kv_bytes=_gib_to_bytes("--host-kv-gib", args.host_kv_gib),

@@ -6,6 +6,7 @@ runner. ``step`` = schedule -> forward -> advance -> stop checks -> free.
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -28,6 +29,8 @@ from kvmesh.kv.eviction import POLICIES
 from kvmesh.kv.kv_buffer import KVLayout
 from kvmesh.model.loader import LoadedModel
 
+log = logging.getLogger("kvmesh.engine")
+
 
 class StepFailed(KvmeshError, RuntimeError):
     """An engine step raised; ``failed`` are the requests of that batch, now FAILED and freed."""
@@ -49,6 +52,7 @@ class EngineConfig:
     track_pool_changes: bool = False  # nodes that publish to the global index drain the pool's change log
     scheduler: SchedulerConfig = SchedulerConfig()
     speculative: SpeculativeConfig | None = None  # None: no speculative decoding
+    enforce_eager: bool = False  # on CUDA: no decode CUDA graphs (kvmesh/engine/cuda_graphs.py)
 
 
 class LLMEngine:
@@ -76,6 +80,8 @@ class LLMEngine:
         kv_buffer = kv_allocator(self.layout.shape, self.layout.dtype) if kv_allocator is not None and on_host \
             else self.layout.allocate(loaded.device)
         self.runner = ModelRunner(loaded.model, kv_buffer, config.block_size)
+        if kv_buffer.is_cuda and not config.enforce_eager:
+            self._capture_graphs()
         self.pins = PinnedPrefixes(self.pool)
         self.speculator = None
         if config.speculative is not None:
@@ -91,6 +97,18 @@ class LLMEngine:
         self.on_token: Callable[[Sequence, int], None] | None = None  # called for every sampled token
         # Called after every step that computed prompt tokens: (tokens computed in the step, its seconds).
         self.on_prefill_step: Callable[[int, float], None] | None = None
+
+    def _capture_graphs(self) -> None:
+        """Decode CUDA graphs for every batch size up to ``max_num_seqs``; a capture that fails leaves the engine
+        eager (logged), never broken."""
+        from kvmesh.engine.cuda_graphs import DecodeGraphs
+
+        try:
+            self.runner.graphs = DecodeGraphs(self.loaded.model, self.runner.kv_buffer, self.config.block_size,
+                                              self.config.scheduler.max_num_seqs, self.max_model_len).capture()
+        except Exception as e:  # an op that cannot be captured: correct, only slower
+            log.warning("decode CUDA graphs could not be captured (%s: %s); decoding eagerly", type(e).__name__, e)
+            self.runner.graphs = None
 
     # ---- requests -------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None) -> Sequence:

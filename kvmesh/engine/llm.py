@@ -25,7 +25,8 @@ class LLM:
                  max_num_batched_tokens: int = 2048, max_num_seqs: int = 64, max_model_len: int | None = None,
                  enable_prefix_caching: bool = True, long_prefill_token_threshold: int = 0,
                  max_num_partial_prefills: int = 4, eviction_policy: str = "tail-first-lru",
-                 speculative: SpeculativeConfig | None = None, progress: bool = True):
+                 speculative: SpeculativeConfig | None = None, progress: bool = True, enforce_eager: bool = False):
+        """``enforce_eager``: on CUDA, decode without CUDA graphs (``kvmesh/engine/cuda_graphs.py``)."""
         self.loaded = load_model(model, dtype=dtype, device=device, progress=progress)
         scheduler = SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
                                     long_prefill_token_threshold=long_prefill_token_threshold,
@@ -33,7 +34,7 @@ class LLM:
         self.engine = LLMEngine(self.loaded, EngineConfig(
             block_size=block_size, num_kv_blocks=num_kv_blocks, kv_cache_memory_gib=kv_cache_memory_gib,
             max_model_len=max_model_len, enable_prefix_caching=enable_prefix_caching, speculative=speculative,
-            eviction_policy=eviction_policy, scheduler=scheduler))
+            eviction_policy=eviction_policy, scheduler=scheduler, enforce_eager=enforce_eager))
 
     @property
     def tokenizer(self):

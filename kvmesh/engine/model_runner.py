@@ -6,6 +6,9 @@ their K/V stored in its blocks (which must already cover them). Sequences whose
 chunk reaches their last token get a sampled token back; mid-prompt chunks get
 None. Decodes (one new token) are put first, as the kernels expect.
 
+On CUDA, a decode-only batch (no drafts) replays a captured graph of the forward when one is
+given (``graphs``, ``kvmesh/engine/cuda_graphs.py``); everything else runs eagerly.
+
 Speculative decoding: ``drafts[i]`` turns batch item i (a decode) into a verification
 of ``[last token, d1 .. dk]`` (num_new_tokens = k + 1); it gets back the list of
 tokens the rejection sampler emits (accepted drafts, then one from the target).
@@ -16,6 +19,7 @@ from typing import NamedTuple
 
 import torch
 
+from kvmesh.engine.cuda_graphs import DecodeGraphs
 from kvmesh.engine.sampler import sample, top_logprobs
 from kvmesh.engine.sequence import Sequence
 from kvmesh.engine.spec_decode.proposers import Proposal
@@ -36,6 +40,7 @@ class ModelRunner:
         self.kv_buffer = kv_buffer
         self.block_size = block_size
         self.device = kv_buffer.device
+        self.graphs: DecodeGraphs | None = None  # set once captured (the engine, on CUDA)
 
     @torch.inference_mode()
     def execute(self, batch: list[tuple[Sequence, int]], drafts: dict[int, Proposal] | None = None
@@ -60,10 +65,15 @@ class ModelRunner:
             query_lens.append(n)
             seq_lens.append(start + n)
             tables.append(seq.block_ids)
-        md = AttentionMetadata.build(query_lens=query_lens, seq_lens=seq_lens, block_tables=tables,
-                                     block_size=self.block_size, device=self.device)
-        hidden = self.model(torch.tensor(input_ids, device=self.device),
-                            torch.tensor(positions, device=self.device), self.kv_buffer, md)
+        graphed = self.graphs is not None and not drafts and len(input_ids) == len(batch) and \
+            self.graphs.can_run(len(batch))
+        if graphed:
+            graph_logits = self.graphs.run(input_ids, positions, tables, seq_lens)
+        else:
+            md = AttentionMetadata.build(query_lens=query_lens, seq_lens=seq_lens, block_tables=tables,
+                                         block_size=self.block_size, device=self.device)
+            hidden = self.model(torch.tensor(input_ids, device=self.device),
+                                torch.tensor(positions, device=self.device), self.kv_buffer, md)
         rows, sampled_items, verify_rows = [], [], {}
         end = 0
         for i, q_len in zip(order, query_lens):
@@ -76,7 +86,7 @@ class ModelRunner:
                 sampled_items.append(i)
         results: list[SampledToken | list[SampledToken] | None] = [None] * len(batch)
         if rows:
-            logits = self.model.compute_logits(hidden[rows])
+            logits = graph_logits[rows] if graphed else self.model.compute_logits(hidden[rows])
             seqs = [batch[i][0] for i in sampled_items]
             tokens, logprobs, tops = sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
             for i, tok, lp, top in zip(sampled_items, tokens, logprobs, tops):

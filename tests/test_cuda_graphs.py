@@ -1,0 +1,54 @@
+"""Decode CUDA graphs, the parts without a device: bucket choice and the padded, fixed-shape inputs.
+
+The padded forward is run eagerly here, on the CPU, against the plain decode forward on the same
+KV: same logits for the real rows, and the padding rows write nothing. tests/gpu/test_gpu_graphs.py
+captures and replays it on a GPU.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvmesh.engine.cuda_graphs import BUCKETS, DecodeInputs, bucket_for, buckets_for
+from kvmesh.kernels.attention_metadata import AttentionMetadata
+from kvmesh.model.loader import load_model
+
+
+def test_buckets_stop_at_max_num_seqs():
+    assert buckets_for(64) == [1, 2, 4, 8, 16, 24, 32, 48, 64]
+    assert buckets_for(100) == [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 100]
+    assert buckets_for(1) == [1]
+    assert buckets_for(300) == [*BUCKETS, 300]
+    buckets = buckets_for(64)
+    assert [bucket_for(buckets, n) for n in (1, 3, 7, 9, 33, 64)] == [1, 4, 8, 16, 48, 64]
+    assert bucket_for(buckets, 65) is None  # past the largest: eager
+
+
+def test_padded_decode_forward_equals_the_plain_one_and_padding_writes_nothing():
+    loaded = load_model("tiny-llama", progress=False)
+    model, cfg = loaded.model, loaded.config
+    block_size, num_blocks = 16, 64
+    gen = torch.Generator().manual_seed(0)
+    kv = torch.randn((num_blocks, cfg.num_layers, 2, block_size, cfg.num_kv_heads, cfg.head_dim), generator=gen)
+    seq_lens = [5, 40, 17, 64, 33]  # the new token of each is its last position
+    tables = [[3], [7, 8, 9], [20, 21], [30, 31, 32, 33], [40, 41, 42]]
+    input_ids = [11, 22, 33, 44, 55]
+    positions = [n - 1 for n in seq_lens]
+    plain_kv, padded_kv = kv.clone(), kv.clone()
+    inputs = DecodeInputs(max_batch=16, max_model_len=cfg.max_position_embeddings, block_size=block_size,
+                          device=torch.device("cpu"))  # persistent: made once, outside inference mode
+    with torch.inference_mode():
+        md = AttentionMetadata.build(query_lens=[1] * 5, seq_lens=seq_lens, block_tables=tables, block_size=block_size)
+        want = model.compute_logits(model(torch.tensor(input_ids), torch.tensor(positions), plain_kv, md))
+        inputs.fill(input_ids, positions, tables, seq_lens)
+        bucket = bucket_for(buckets_for(16), 5)
+        assert bucket == 8
+        assert inputs.slot_mapping[5:].tolist() == [-1] * 11  # padding rows store nothing
+        got = model.compute_logits(model(inputs.input_ids[:bucket], inputs.positions[:bucket], padded_kv,
+                                         inputs.metadata(bucket)))
+    torch.testing.assert_close(got[:5], want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(padded_kv, plain_kv)  # the same K/V stored, nothing else touched
+    inputs.fill([], [], [], [])  # an empty step leaves only padding
+    assert inputs.slot_mapping.tolist() == [-1] * 16 and inputs.seq_lens.tolist() == [1] * 16
+    with pytest.raises(ValueError):
+        inputs.fill([1], [0], [list(range(inputs.width + 1))], [1])
