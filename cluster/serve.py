@@ -45,6 +45,8 @@ def add_node_share_arguments(p: argparse.ArgumentParser) -> None:
                    help="compute threads per node (0: this machine's cores split evenly among the nodes)")
     p.add_argument("--speculative", default="off", choices=["off", "ngram", "self-draft"],
                    help="speculative decoding on the decode nodes (prompt lookup, or the model's first layers)")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="on a CUDA device: decode without CUDA graphs (captured at start-up otherwise)")
     p.add_argument("--host-kv-gib", type=float, default=0.0,
                    help="per node: host memory below the KV buffer for evicted blocks (docs/tiers.md; 0: none)")
     p.add_argument("--disk-kv-gib", type=float, default=0.0, help="per node: a local-disk tier below that (0: none)")
@@ -57,7 +59,8 @@ def node_share_args(args: argparse.Namespace) -> list[str]:
     """The node arguments ``add_node_share_arguments`` adds beyond dtype and threads."""
     out = ["--device", args.device, "--speculative", args.speculative, "--host-kv-gib", repr(args.host_kv_gib),
            "--disk-kv-gib", repr(args.disk_kv_gib)]
-    return out + (["--disk-kv-path", args.disk_kv_path] if args.disk_kv_path else [])
+    return out + (["--disk-kv-path", args.disk_kv_path] if args.disk_kv_path else []) + \
+        (["--enforce-eager"] if args.enforce_eager else [])
 
 
 def add_front_end_arguments(p: argparse.ArgumentParser) -> None:

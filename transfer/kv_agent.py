@@ -31,7 +31,7 @@ from kvmesh.transfer.errors import TransferError
 from kvmesh.transfer.grants import GrantTable
 from kvmesh.transfer.holder import KVHolder
 from kvmesh.transfer.kv_memory import choose_kv_memory
-from kvmesh.transfer.landing import LandingZone, default_num_slots
+from kvmesh.transfer.landing import LandingZone, default_num_slots, leading_equal
 from kvmesh.transfer.peers import PeerDirectory, PeerRecord
 from kvmesh.transfer.requester import KVRequester, PushOutcome
 from kvmesh.transfer.shared_memory import PeerProcesses, SharedMemoryWriter, SharedRegion
@@ -126,13 +126,8 @@ class TransferAgent:
 
     def _verify_blocks(self, block_ids: list[int], checksums: list[int]) -> int:
         """How many leading blocks of ours hold bytes whose crc32 is the writer's."""
-        found = self._checksum_addresses([self.base_addr + b * self.block_bytes for b in block_ids])
-        good = 0
-        for got, expected in zip(found, checksums):
-            if got != expected:
-                break
-            good += 1
-        return good
+        return leading_equal(self._checksum_addresses([self.base_addr + b * self.block_bytes for b in block_ids]),
+                             checksums)
 
     def start(self) -> TransferAgent:
         self.holder.start()

@@ -115,14 +115,14 @@ class LandingZone:
             for s, b in zip(slots, block_ids):
                 self.kv_buffer[b].copy_(self.tensor[s])
             base = self.kv_buffer.data_ptr()
-            good = _leading_equal(self._checksum([base + b * self.block_bytes for b in block_ids]), checksums)
+            good = leading_equal(self._checksum([base + b * self.block_bytes for b in block_ids]), checksums)
         else:
-            good = _leading_equal(self._checksum(self.slot_addrs(slots)), checksums)
+            good = leading_equal(self._checksum(self.slot_addrs(slots)), checksums)
             if good:
                 index = torch.tensor(list(block_ids[:good]), device=self.kv_buffer.device)
                 self.kv_buffer.index_copy_(0, index, self.tensor[list(slots[:good])].to(self.kv_buffer.device))
                 torch.cuda.synchronize(self.kv_buffer.device)
-                good = _leading_equal(self._checksum(self.slot_addrs(slots[:good])), checksums)
+                good = leading_equal(self._checksum(self.slot_addrs(slots[:good])), checksums)
         with self._lock:
             self.num_landed += good
             self.num_failed_checks += good < len(slots)
@@ -142,7 +142,8 @@ class LandingZone:
                     "landed": self.num_landed, "failed_checks": self.num_failed_checks}
 
 
-def _leading_equal(found: Sequence[int], expected: Sequence[int]) -> int:
+def leading_equal(found: Sequence[int], expected: Sequence[int]) -> int:
+    """How many leading checksums match the expected ones."""
     good = 0
     for got, want in zip(found, expected):
         if got != want:
