@@ -73,14 +73,15 @@ class Holder:
 
 
 def make_agent(name: str, backend: str, num_blocks: int = 48, kv: torch.Tensor | None = None,
-               kv_memory: str = "auto") -> TransferAgent:
+               kv_memory: str = "auto", num_landing_slots: int = -1) -> TransferAgent:
     """``backend`` SHARED: the zmq engine, and the KV buffer in shared memory published to same-host writers."""
     shared = SharedKVAllocator() if backend == SHARED else None
     if shared is not None:
         backend, kv = "zmq", shared.allocate((num_blocks, *BLOCK_SHAPE), torch.float32)
     kv = torch.zeros((num_blocks, *BLOCK_SHAPE)) if kv is None else kv
     agent = TransferAgent(name, BlockPool(kv.shape[0]), kv, create_transfer_engine(backend, auth=AUTH), StaticPeers(),
-                          AUTH, verify_kv=True, kv_memory=kv_memory, shared_region=shared and shared.region).start()
+                          AUTH, verify_kv=True, kv_memory=kv_memory, shared_region=shared and shared.region,
+                          num_landing_slots=num_landing_slots).start()
     agent.test_allocator = shared
     return agent
 
@@ -179,6 +180,30 @@ def test_pull_prefix_caches_what_the_peer_holds(requester):
         requester.pool.check_integrity()
     finally:
         holder.close()
+
+
+@pytest.mark.skipif("mooncake" not in BACKENDS, reason="landing slots are Mooncake's (one-sided writes)")
+def test_a_push_longer_than_the_landing_zone_arrives_in_rounds():
+    """5 landing slots, 12 blocks: three conversations of 5, 5 and 2 blocks, every byte in its block; and a
+    14-block chain the holder holds 12 of stops after the round that came back short."""
+    agent = make_agent("rounds", "mooncake", num_landing_slots=5)
+    holder = Holder("mooncake", seed=21, requester=agent, chain=12)
+    try:
+        ids = agent.pool.allocate(12)
+        outcome = agent.requester.push(holder.node_id, ids, chain_hashes(12), request_id="r", timeout_s=30)
+        assert outcome.error is None and outcome.num_written == 12 and outcome.tainted_block_ids == []
+        for i, block in enumerate(ids):
+            assert torch.equal(agent.kv_buffer[block], holder.expected_block(i)), f"block {i}"
+        assert agent.landing.num_landed == 12 and agent.landing.num_free == 5
+        agent.pool.free(ids)
+        ids = agent.pool.allocate(14)
+        outcome = agent.requester.push(holder.node_id, ids, chain_hashes(14), request_id="s", timeout_s=30)
+        assert outcome.num_written == 12 and agent.landing.num_landed == 24
+        agent.pool.free(ids)
+        agent.grants.check_integrity()
+    finally:
+        holder.close()
+        agent.close()
 
 
 @pytest.mark.parametrize("requester", BACKENDS, indirect=True)

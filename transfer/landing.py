@@ -52,7 +52,8 @@ class LandingZone:
             raise ValueError("a landing zone needs at least one slot")
         self.kv_buffer = kv_buffer
         self.num_slots = num_slots
-        self.tensor = torch.empty((num_slots, *kv_buffer.shape[1:]), dtype=kv_buffer.dtype, device="cpu",
+        # Zeroed: its pages are touched now, not by the engine's receiver in the middle of a transfer.
+        self.tensor = torch.zeros((num_slots, *kv_buffer.shape[1:]), dtype=kv_buffer.dtype, device="cpu",
                                   pin_memory=kv_buffer.is_cuda)
         self.block_bytes = kv_buffer[0].numel() * kv_buffer.element_size()
         self.base_addr = self.tensor.data_ptr()

@@ -115,9 +115,10 @@ class KVRequester:
         deadline_ms = max(1, min(int(timeout_s * 1000), m.MAX_WAIT_MS))
         wait_ms = min(wait_ms, deadline_ms)
         return self._converse(peer_id, block_ids, request_id, timeout_s, deadline_ms / 1000,
-                              lambda cid, g: m.PushRequest(cid, self.node_id, g.grant_id, list(g.block_ids),
-                                                           list(block_hashes[:len(g.block_ids)]), deadline_ms,
-                                                           wait_ms, landing=g.fence is Fence.LANDING))
+                              lambda cid, g, offset: m.PushRequest(
+                                  cid, self.node_id, g.grant_id, list(g.block_ids),
+                                  list(block_hashes[offset:offset + len(g.block_ids)]), deadline_ms, wait_ms,
+                                  landing=g.fence is Fence.LANDING))
 
     def compute_and_push(self, peer_id: str, block_ids: list[int], prompt_token_ids: list[int], first_block: int,
                          *, request_id: str, timeout_s: float, wanted_within_s: float = 0.0) -> PushOutcome:
@@ -130,9 +131,9 @@ class KVRequester:
         deadline_ms = max(1, min(int(timeout_s * 1000), m.MAX_WAIT_MS))
         wanted_ms = max(1, int(wanted_within_s * 1000)) if wanted_within_s > 0 else 0
         return self._converse(peer_id, block_ids, request_id, timeout_s, deadline_ms / 1000,
-                              lambda cid, g: m.ComputeAndPush(cid, self.node_id, g.grant_id, list(prompt_token_ids),
-                                                              first_block, list(g.block_ids), deadline_ms, wanted_ms,
-                                                              landing=g.fence is Fence.LANDING),
+                              lambda cid, g, offset: m.ComputeAndPush(
+                                  cid, self.node_id, g.grant_id, list(prompt_token_ids), first_block + offset,
+                                  list(g.block_ids), deadline_ms, wanted_ms, landing=g.fence is Fence.LANDING),
                               compute=True)
 
     def abort(self, request_id: str, reason: str = "aborted by the requester") -> int:
@@ -176,34 +177,47 @@ class KVRequester:
         alive = self.writer_liveness(peer) if self.writer_liveness is not None else None
         fence = self._fence_for(alive)
         started = time.monotonic()
-        outcome = self._converse_once(peer, block_ids, request_id, timeout_s, grant_s, make_msg, compute, alive,
-                                      fence)
+
+        def round_from(offset: int) -> tuple[PushOutcome, int]:
+            """One conversation for block_ids[offset:] (landing: as many as slots are free); (outcome, asked)."""
+            left = timeout_s - (time.monotonic() - started)
+            if left <= 0:
+                return PushOutcome(0, [], TransferTimeout("no time left", request_id=request_id, peer=peer_id)), 0
+            slots = self.grants.landing.allocate(len(block_ids) - offset) if fence is Fence.LANDING else []
+            if fence is Fence.LANDING and not slots:
+                return PushOutcome(0, [], TransferError("every landing slot is in use", request_id=request_id,
+                                                        peer=peer_id)), 0
+            targets = block_ids[offset:offset + len(slots)] if slots else block_ids[offset:]
+            return self._converse_once(peer, targets, slots, offset, request_id, left, min(grant_s, left), make_msg,
+                                       compute, alive, fence), len(targets)
+
+        outcome, asked = round_from(0)
         refused = outcome.error
         if isinstance(refused, TransferRefused) and refused.code == m.ErrorCode.NEEDS_LANDING.value and \
                 fence is not Fence.LANDING and self.grants.landing is not None:
-            left = timeout_s - (time.monotonic() - started)
-            if left > 0:  # the writer cannot reach our shared memory: through landing slots instead
-                outcome = self._converse_once(peer, block_ids, request_id, left, min(grant_s, left), make_msg,
-                                              compute, alive, Fence.LANDING)
+            fence = Fence.LANDING  # the writer cannot reach our shared memory: through landing slots instead
+            outcome, asked = round_from(0)
+        # Fewer landing slots than blocks: another round while the last one got all it asked for.
+        got_all = asked > 0 and outcome.num_written == asked
+        while fence is Fence.LANDING and outcome.error is None and got_all and outcome.num_written < len(block_ids):
+            more, asked = round_from(outcome.num_written)
+            got_all = asked > 0 and more.num_written == asked
+            outcome = PushOutcome(outcome.num_written + more.num_written, more.tainted_block_ids, more.error,
+                                  outcome.write_s + more.write_s)
         return outcome
 
-    def _converse_once(self, peer: PeerRecord, block_ids: list[int], request_id: str, timeout_s: float,
-                       grant_s: float, make_msg, compute: bool, alive: Callable[[], bool] | None,
-                       fence: Fence) -> PushOutcome:
+    def _converse_once(self, peer: PeerRecord, block_ids: list[int], slots: list[int], offset: int,
+                       request_id: str, timeout_s: float, grant_s: float, make_msg, compute: bool,
+                       alive: Callable[[], bool] | None, fence: Fence) -> PushOutcome:
+        """One conversation: the writer fills ``block_ids`` (through ``slots`` when landing), blocks ``offset..``
+        of the caller's request."""
         peer_id = peer.node_id
-        slots: list[int] = []
-        if fence is Fence.LANDING:  # as many blocks as there are free slots (the caller computes the rest)
-            slots = self.grants.landing.allocate(len(block_ids))
-            if not slots:
-                return PushOutcome(0, [], TransferError("every landing slot is in use", request_id=request_id,
-                                                        peer=peer_id))
-            block_ids = block_ids[:len(slots)]
         cid = f"{request_id}/{next(self._ids)}"
         grant = self.grants.issue(cid, peer_id, slots or block_ids, grant_s + 1.0, writer_alive=alive, fence=fence)
         conv = _Conversation(cid, peer_id, peer.side_channel, grant)
         with self._lock:
             self._conversations[cid] = conv
-        self._send(peer.side_channel, make_msg(cid, grant))
+        self._send(peer.side_channel, make_msg(cid, grant, offset))
         deadline = time.monotonic() + timeout_s
         accept_by = time.monotonic() + min(ACCEPT_TIMEOUT_S, timeout_s) if compute else None
         written = [False] * len(block_ids)

@@ -117,7 +117,8 @@ def bench_backend(backend: str, repeat: int, bar: tqdm) -> list[dict]:
     pool = BlockPool(num_blocks)
     auth = ClusterAuth(_TOKEN)
     agent = TransferAgent("bench-requester", pool, kv, create_transfer_engine(engine_backend, auth=auth),
-                          StaticPeers(), auth, shared_region=shared and shared.region).start()
+                          StaticPeers(), auth, shared_region=shared and shared.region,
+                          num_landing_slots=num_blocks).start()  # one round for every size of the sweep
     transport = SHARED_MEMORY if shared is not None else agent.engine.transport
     piece_bytes = 0 if shared is not None else agent.engine.max_descriptor_bytes
     try:
