@@ -130,6 +130,13 @@ def _add_bench(sub) -> None:
     cl = which.add_parser("cluster", help="the serving modes compared on one workload (TTFT, TPOT, hit rates, ...)")
     add_cluster_arguments(cl)
     cl.set_defaults(func=_run_bench_cluster)
+    st = which.add_parser("step", help="host time of one decode step by phase (schedule, prepare, forward, sample, "
+                                       "outputs) and torch ops per layer; no GPU needed")
+    st.add_argument("--json", default=None)
+    st.add_argument("--model", default="tiny-llama")
+    st.add_argument("--batches", default="32,128")
+    st.add_argument("--steps", type=int, default=50)
+    st.set_defaults(func=_run_bench_step)
     from kvmesh.bench.late_writes import add_arguments as add_late_writes_arguments
 
     lw = which.add_parser("late-writes", help="pushes given up on slow links between simulated hosts: later "
@@ -158,6 +165,13 @@ def _run_bench_chaos(args: argparse.Namespace) -> int:
     bad = [b for b, r in out["backends"].items()
            if r["lost"] or r["corrupted"] or r["leaked_blocks"] or r["forged_accepted"]]
     return 1 if bad else 0
+
+
+def _run_bench_step(args: argparse.Namespace) -> int:
+    from kvmesh.bench import step
+
+    step.run(args.json, args.model, tuple(int(b) for b in args.batches.split(",") if b), args.steps)
+    return 0
 
 
 def _run_bench_late_writes(args: argparse.Namespace) -> int:

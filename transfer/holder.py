@@ -168,7 +168,7 @@ class KVHolder:
         if requester.block_bytes != self.block_bytes:
             return m.ErrorCode.LAYOUT_MISMATCH, f"block bytes {requester.block_bytes} != {self.block_bytes}", None
         if msg.landing and self.checksum is None:
-            return m.ErrorCode.NEEDS_LANDING, "this holder cannot checksum what it sends into landing slots", None
+            return m.ErrorCode.WRITE_FAILED, "this holder cannot checksum what it sends into landing slots", None
         if not msg.landing and not self.engine_refusable and not self._can_share(requester):
             return m.ErrorCode.NEEDS_LANDING, "one-sided writes into KV blocks are refused: use landing slots", None
         if len(self._pushes) >= MAX_PENDING_PUSHES:

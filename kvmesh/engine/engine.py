@@ -191,9 +191,15 @@ class LLMEngine:
         drafts = drafts or {}
         started = time.perf_counter()
         results = self.runner.execute(batch, drafts)
-        self.num_steps += 1
         if self.on_prefill_step is not None and any(n > 1 and i not in drafts for i, (_, n) in enumerate(batch)):
             self.on_prefill_step(sum(n for _, n in batch), time.perf_counter() - started)
+        return self.finish_step(batch, drafts, results)
+
+    def finish_step(self, batch, drafts: dict, results: list) -> list[Sequence]:
+        """After a forward: emit the sampled tokens, advance and finish sequences; returns those finished.
+
+        Called by ``step`` (and by ``kvmesh bench step``, which times the runner's phases itself)."""
+        self.num_steps += 1
         finished = []
         for i, ((seq, n), sampled) in enumerate(zip(batch, results)):
             tokens = sampled if isinstance(sampled, list) else ([] if sampled is None else [sampled])

@@ -61,6 +61,8 @@ class KVCacheManager:
 
         Returns False, changing nothing, when the pool cannot supply the blocks.
         """
+        if not cached_block_ids and -(-num_tokens // self.block_size) <= len(seq.block_ids):
+            return True  # most decode steps: the new token fits the last block
         with self.pool.lock:  # other threads (transfers) allocate too: check, adopt and allocate at once
             if not self.can_fit(seq, num_tokens, cached_block_ids):
                 return False

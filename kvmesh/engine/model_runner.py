@@ -28,6 +28,18 @@ from kvmesh.kernels.attention_metadata import AttentionMetadata
 from kvmesh.model.llama import LlamaForCausalLM
 
 
+class StepInputs(NamedTuple):
+    """One step's model inputs as host lists (``ModelRunner.prepare``), in the order the kernels want."""
+
+    order: list[int]  # batch item indexes, decodes first
+    input_ids: list[int]
+    positions: list[int]
+    query_lens: list[int]
+    seq_lens: list[int]
+    tables: list[list[int]]
+    graphed: bool  # a decode-only step that replays a CUDA graph
+
+
 class SampledToken(NamedTuple):
     token_id: int
     logprob: float
@@ -47,9 +59,15 @@ class ModelRunner:
                 ) -> list[SampledToken | list[SampledToken] | None]:
         """Compute one step; returns one entry per batch item in the caller's order.
 
-        Does not change the sequences: the caller advances ``num_computed_tokens``.
+        Does not change the sequences: the caller advances ``num_computed_tokens``. The three phases
+        (``prepare``, ``forward``, ``sample``) are public so that ``kvmesh bench step`` can time them.
         """
         drafts = drafts or {}
+        prepared = self.prepare(batch, drafts)
+        return self.sample(batch, drafts, prepared, self.forward(prepared))
+
+    def prepare(self, batch: list[tuple[Sequence, int]], drafts: dict[int, Proposal]) -> StepInputs:
+        """The step's model inputs in host lists, decodes first (as the kernels expect)."""
         order = sorted(range(len(batch)), key=lambda i: batch[i][1] != 1)  # decodes first, stable
         input_ids: list[int] = []
         positions: list[int] = []
@@ -67,16 +85,25 @@ class ModelRunner:
             tables.append(seq.block_ids)
         graphed = self.graphs is not None and not drafts and len(input_ids) == len(batch) and \
             self.graphs.can_run(len(batch))
-        if graphed:
-            graph_logits = self.graphs.run(input_ids, positions, tables, seq_lens)
-        else:
-            md = AttentionMetadata.build(query_lens=query_lens, seq_lens=seq_lens, block_tables=tables,
-                                         block_size=self.block_size, device=self.device)
-            hidden = self.model(torch.tensor(input_ids, device=self.device),
-                                torch.tensor(positions, device=self.device), self.kv_buffer, md)
+        return StepInputs(order, input_ids, positions, query_lens, seq_lens, tables, graphed)
+
+    @torch.inference_mode()
+    def forward(self, inputs: StepInputs) -> torch.Tensor:
+        """Hidden states [tokens, hidden] of the step, or for a graph replay its logits [rows, vocab]."""
+        if inputs.graphed:
+            return self.graphs.run(inputs.input_ids, inputs.positions, inputs.tables, inputs.seq_lens)
+        md = AttentionMetadata.build(query_lens=inputs.query_lens, seq_lens=inputs.seq_lens,
+                                     block_tables=inputs.tables, block_size=self.block_size, device=self.device)
+        return self.model(torch.tensor(inputs.input_ids, device=self.device),
+                          torch.tensor(inputs.positions, device=self.device), self.kv_buffer, md)
+
+    @torch.inference_mode()
+    def sample(self, batch: list[tuple[Sequence, int]], drafts: dict[int, Proposal], inputs: StepInputs,
+               out: torch.Tensor) -> list[SampledToken | list[SampledToken] | None]:
+        """Tokens of the items whose chunk reaches their last token, verifications of the drafted ones."""
         rows, sampled_items, verify_rows = [], [], {}
         end = 0
-        for i, q_len in zip(order, query_lens):
+        for i, q_len in zip(inputs.order, inputs.query_lens):
             end += q_len
             seq, n = batch[i]
             if i in drafts:
@@ -86,13 +113,13 @@ class ModelRunner:
                 sampled_items.append(i)
         results: list[SampledToken | list[SampledToken] | None] = [None] * len(batch)
         if rows:
-            logits = graph_logits[rows] if graphed else self.model.compute_logits(hidden[rows])
+            logits = out[rows] if inputs.graphed else self.model.compute_logits(out[rows])
             seqs = [batch[i][0] for i in sampled_items]
             tokens, logprobs, tops = sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
             for i, tok, lp, top in zip(sampled_items, tokens, logprobs, tops):
                 results[i] = SampledToken(tok, lp, top)
         for i, item_rows in verify_rows.items():
-            logits = self.model.compute_logits(hidden[item_rows.start:item_rows.stop])
+            logits = self.model.compute_logits(out[item_rows.start:item_rows.stop])
             results[i] = self._verify(batch[i][0], drafts[i], logits.float().cpu())  # k + 1 rows, CPU generators
         return results
 

@@ -16,6 +16,12 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
     params ask for ``logprobs=k`` also get the k most likely tokens with theirs (else []).
     """
     logprobs_all = torch.log_softmax(logits, dim=-1)
+    if logits.device.type != "cpu" and all(p.greedy for p in params):  # one copy back for the whole batch
+        picked = logits.argmax(dim=-1)
+        ids, logprobs = torch.stack((picked.to(torch.float64),
+                                     logprobs_all.gather(1, picked[:, None])[:, 0].to(torch.float64))).tolist()
+        return [int(t) for t in ids], logprobs, [top_logprobs(logprobs_all[row], p) if p.logprobs else []
+                                                 for row, p in enumerate(params)]
     token_ids = greedy_tokens(logits)
     for row, p in enumerate(params):
         if p.greedy:
@@ -24,7 +30,8 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
         token_ids[row] = int(torch.multinomial(probs, 1, generator=generators[row]).item())
     picked = torch.tensor(token_ids, dtype=torch.int64, device=logits.device)
     logprobs = logprobs_all.gather(1, picked[:, None])[:, 0].tolist()  # one copy back, not one per row
-    return token_ids, logprobs, [top_logprobs(logprobs_all[row], p) for row, p in enumerate(params)]
+    return token_ids, logprobs, [top_logprobs(logprobs_all[row], p) if p.logprobs else []
+                                 for row, p in enumerate(params)]
 
 
 def greedy_tokens(logits: torch.Tensor) -> list[int]:

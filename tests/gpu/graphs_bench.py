@@ -65,6 +65,7 @@ def main() -> None:
     ap.add_argument("--batches", default="1,32,128")
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--budget-s", type=float, default=150.0, help="skip the static-cache baseline past this")
+    ap.add_argument("--no-transformers", action="store_true", help="kvmesh's rows only")
     ap.add_argument("--only-static", action="store_true",
                     help="kvmesh with graphs and transformers' static cache only (no eager rows)")
     args = ap.parse_args()
@@ -104,6 +105,8 @@ def main() -> None:
         save()
         print(json.dumps(row), flush=True)
     del eager
+    if args.no_transformers:
+        return
     try:
         from kvmesh.bench.model import _hf_twin
 

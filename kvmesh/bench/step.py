@@ -1,0 +1,88 @@
+"""``kvmesh bench step``: the host's cost of one decode step, split by phase, without a GPU.
+
+On a GPU the forward of a small model takes less device time than the host spends around it
+(docs/gpu.md: replays of a whole step's forward leave the device idle while Python schedules, fills
+inputs and samples). That host part is measurable on any machine: the tiny preset's forward is a few
+microseconds of arithmetic, so what a step costs here is almost all host work. For each batch, a
+steady state of that many running decodes; per step (median over ``--steps``):
+
+    schedule   Scheduler.schedule (admission, block allocation for the new tokens)
+    prepare    the runner's model inputs (token ids, positions, block tables, metadata)
+    forward    the model's forward (on the CPU: its dispatch plus the tiny arithmetic)
+    sample     logits -> tokens and logprobs
+    outputs    emitting tokens, advancing and finishing sequences, caching full blocks
+
+and the number of torch ops one forward dispatches (and per layer). JSON + table.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from kvmesh.bench.report import machine, print_table, write_json
+
+PHASES = ("schedule", "prepare", "forward", "sample", "outputs")
+
+
+class _CountOps(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.num_ops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.num_ops += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _one_batch(model: str, batch: int, steps: int) -> dict:
+    from kvmesh import LLM, SamplingParams
+
+    llm = LLM(model, num_kv_blocks=max(1024, batch * 16), max_num_seqs=batch, progress=False)
+    engine, runner = llm.engine, llm.engine.runner
+    params = SamplingParams(max_tokens=steps + 16, temperature=0.0, ignore_eos=True)
+    for i in range(batch):
+        engine.add_request([(7 * i + j) % 250 for j in range(32)], params)
+    while any(seq.is_prefilling for seq in engine.scheduler.running) or engine.scheduler.waiting:
+        engine.step()  # every prompt computed: from here on, decode-only steps
+    times = {phase: [] for phase in PHASES}
+    num_ops = 0
+    for step in range(steps):
+        t0 = time.perf_counter()
+        out = engine.scheduler.schedule()
+        t1 = time.perf_counter()
+        prepared = runner.prepare(out.batch, {})
+        t2 = time.perf_counter()
+        if step == 0:
+            with _CountOps() as counter:
+                forward = runner.forward(prepared)
+            num_ops = counter.num_ops
+        else:
+            forward = runner.forward(prepared)
+        t3 = time.perf_counter()
+        results = runner.sample(out.batch, {}, prepared, forward)
+        t4 = time.perf_counter()
+        engine.finish_step(out.batch, {}, results)
+        t5 = time.perf_counter()
+        for phase, (a, b) in zip(PHASES, ((t0, t1), (t1, t2), (t2, t3), (t3, t4), (t4, t5))):
+            times[phase].append((b - a) * 1e6)
+    row = {"batch": batch, **{f"{p}_us": statistics.median(times[p]) for p in PHASES}}
+    row["total_us"] = sum(row[f"{p}_us"] for p in PHASES)
+    row["torch_ops_per_step"] = num_ops
+    row["torch_ops_per_layer"] = num_ops / llm.loaded.config.num_layers
+    return row
+
+
+def run(json_path: str | None, model: str = "tiny-llama", batches: tuple[int, ...] = (32, 128),
+        steps: int = 50) -> dict:
+    torch.manual_seed(0)
+    res = {"machine": machine(), "model": model, "threads": torch.get_num_threads(), "steps": steps,
+           "batches": [_one_batch(model, b, steps) for b in batches]}
+    cols = [f"{p}_us" for p in PHASES] + ["total_us", "torch_ops_per_step", "torch_ops_per_layer"]
+    print_table(f"host time per decode step ({model}, CPU, median of {steps} steps, microseconds)",
+                ["batch", *cols], [[r["batch"], *(f"{r[c]:.0f}" if isinstance(r[c], float) else r[c] for c in cols)]
+                                   for r in res["batches"]])
+    write_json(json_path, res)
+    return res
