@@ -113,7 +113,8 @@ class NodeRuntime:
         self.shared_kv = SharedKVAllocator() if cfg.shared_memory_transfers else None
         self.engine = LLMEngine(self.loaded, EngineConfig(
             block_size=cfg.block_size, num_kv_blocks=cfg.num_kv_blocks, track_pool_changes=True,
-            enable_prefix_caching=cfg.enable_prefix_caching, enforce_eager=cfg.enforce_eager,
+            enable_prefix_caching=cfg.enable_prefix_caching,
+            enforce_eager=cfg.enforce_eager or cfg.role == "prefill",  # prefill nodes never decode: no graphs
             speculative=None if cfg.speculative == "off" or cfg.role != "decode" else SpeculativeConfig(
                 method=cfg.speculative, num_speculative_tokens=cfg.num_speculative_tokens),
             scheduler=SchedulerConfig(max_num_seqs=cfg.max_num_seqs,
