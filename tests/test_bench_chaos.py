@@ -7,7 +7,9 @@ from kvmesh.bench import chaos
 def test_chaos_quick_zmq(tmp_path):
     out = chaos.run(str(tmp_path / "chaos.json"), ["zmq"], num_requests=48, abort_every=10)
     r = out["backends"]["zmq"]
-    assert r["requests"] >= 48 and r["completed"] > 0
+    assert r["requests"] >= 48
+    assert r["completed"] >= 0.95 * (r["requests"] - r["aborted"]), r  # faults may fail a request, rarely
+    assert r["failed_with_error"] <= 0.05 * r["requests"], r
     assert (r["lost"], r["corrupted"], r["leaked_blocks"], r["forged_accepted"]) == (0, 0, 0, 0), r
     assert r["forged_sent"] >= 24 and r["aborted"] > 0
     decode_stats = [s for n, s in r["nodes"].items() if n.startswith("decode")]

@@ -110,7 +110,7 @@ def test_cross_node_prefix_reuse_by_counters(cluster, reference):
     b = cluster.client("prefill-1")
     before = b.stats()
     out1 = cluster.client("decode-0").generate(first, GREEDY, prefill_node="prefill-0")
-    time.sleep(0.5)  # publication to the global index is asynchronous (a few ms; see bench metadata)
+    wait_until_published(cluster, prefix, 6)  # publication to the global index is asynchronous
     out2 = cluster.client("decode-1").generate(second, GREEDY, prefill_node="prefill-1")
     assert [out1.token_ids, out2.token_ids] == reference([first, second])
     after = b.stats()
@@ -206,6 +206,23 @@ def test_dead_decode_node_is_a_clear_error_for_the_caller():
         with pytest.raises(RequestFailed, match="stopped answering"):
             client.generate(prompt(5, 40), GREEDY, liveness_s=1.0)
         assert time.monotonic() - start < 10
+
+
+def wait_until_published(cluster: LocalCluster, token_ids: list[int], num_blocks: int) -> None:
+    """Until some node's entries for the first ``num_blocks`` blocks of ``token_ids`` are in etcd."""
+    from kvmesh.metadata.block_index import BlockIndex
+    from kvmesh.metadata.etcd_store import EtcdStore
+    from kvmesh.node.runtime import index_namespace
+
+    engine = LLM("tiny-llama", num_kv_blocks=64, progress=False).engine  # the nodes' model: the same hashes
+    hashes = engine.kv.hash_prompt(token_ids)[:num_blocks]
+    store = EtcdStore(cluster.etcd_endpoint)
+    index = BlockIndex(store, cluster.cluster, index_namespace(engine.namespace))
+    try:
+        wait_until(lambda: max(index.lookup_direct(hashes).values(), default=0) >= num_blocks)
+    finally:
+        index.close()
+        store.close()
 
 
 def wait_until(predicate, timeout_s: float = 30.0) -> None:

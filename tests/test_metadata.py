@@ -98,7 +98,8 @@ def test_publish_lookup_unpublish_round_trip(store):
     index2.close()
 
 
-def test_mirror_lookup_of_2048_blocks_is_fast(etcd):
+def test_mirror_lookup_of_2048_blocks_is_local_and_exact(etcd):
+    """Every lookup answers from the mirror, exactly; its time is reported, not asserted (noisy machines)."""
     store = EtcdStore(etcd.endpoint)
     registry, publisher = node(store, "fast", "node-a")
     index = BlockIndex(store, "fast", "ns")
@@ -106,10 +107,11 @@ def test_mirror_lookup_of_2048_blocks_is_fast(etcd):
     publisher.publish(hashes)
     wait_for(lambda: index.lookup(hashes) == {"node-a": 2048}, what="2048 blocks visible")
     start = time.perf_counter()
-    for _ in range(100):
-        index.lookup(hashes)
+    answers = [index.lookup(hashes) for _ in range(100)]
     per_lookup_us = (time.perf_counter() - start) / 100 * 1e6
     print(f"mirror lookup of 2048 blocks: {per_lookup_us:.1f} us")  # reported, not asserted (noisy machines)
+    assert all(a == {"node-a": 2048} for a in answers)
+    assert index.lookup(hashes[:1000] + chain("other", 1)) == {"node-a": 1000}  # a chain that leaves the held one
     publisher.close()
     registry.deregister()
     index.close()

@@ -127,7 +127,9 @@ def test_logprobs_equal_the_engines_log_softmax(served):
     chat = client.chat.completions.create(model="tiny-llama", messages=messages, max_tokens=4, temperature=0.0,
                                           logprobs=True, top_logprobs=2)
     chat_prompt = tokenizer.encode(tokenizer.apply_chat_template(messages))
-    for entry, (tok, logprob, tops) in zip(chat.choices[0].logprobs.content, expected(chat_prompt, 4, 2)):
+    content, want = chat.choices[0].logprobs.content, expected(chat_prompt, 4, 2)
+    assert len(content) == len(want) == 4  # zip below checks nothing of a missing entry
+    for entry, (tok, logprob, tops) in zip(content, want):
         assert entry.token == tokenizer.decode([tok]) and abs(entry.logprob - logprob) < 1e-4
         assert [t.logprob for t in entry.top_logprobs] == pytest.approx(tops, abs=1e-4)
 
@@ -306,16 +308,22 @@ def test_cache_aware_routing_reuses_more_than_round_robin(served):
     assert reused["cache-aware"] > reused["round-robin"]
 
 
+def aborted_counts(cluster) -> dict[str, int]:
+    return {n: cluster.client(n).stats()["num_aborted"] for n, node in cluster.nodes.items() if node.role == "decode"}
+
+
 def test_a_client_that_goes_away_aborts_its_request(served):
+    """900 tokens (the context's worth): the request would run on for seconds; only an abort ends it early."""
     router = served["router"]
-    stream = router.generate(list(range(30, 90)), SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True))
+    before = aborted_counts(served["cluster"])
+    stream = router.generate(list(range(30, 90)), SamplingParams(max_tokens=900, temperature=0.0, ignore_eos=True))
     first = next(stream)
     node = served["cluster"].client(first.node_id)
     stream.close()  # what the HTTP and gRPC front ends do when the client disconnects
     deadline = time.monotonic() + 10
     while True:
         stats = node.stats(check=True)
-        if stats["num_aborted"] >= 1 and stats["num_used_blocks"] == 0:
+        if stats["num_aborted"] > before[first.node_id] and stats["num_used_blocks"] == 0:
             break
         assert time.monotonic() < deadline, stats
         time.sleep(0.05)
@@ -458,7 +466,10 @@ def test_stop_strings_end_the_stream_and_the_node_request(served, reference):
     full = reference(ids, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
     # An ASCII stop string (the tiny model's bytes are not all valid UTF-8).
     needle = next(ch for ch in full.text[5:] if ch.isascii() and ch.isprintable())
-    chunks = list(router.generate(ids, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True,
+    before = aborted_counts(served["cluster"])
+    # 900 tokens may be asked (the context's worth): the node would run on for seconds; only the router's
+    # abort ends its request at the stop string.
+    chunks = list(router.generate(ids, SamplingParams(max_tokens=900, temperature=0.0, ignore_eos=True,
                                                       stop=(needle,))))
     assert "".join(c.text for c in chunks) == full.text[: full.text.find(needle)]
     assert chunks[-1].finish_reason == "stop"
@@ -467,6 +478,7 @@ def test_stop_strings_end_the_stream_and_the_node_request(served, reference):
     while node.stats()["num_running"] or node.stats()["num_used_blocks"]:
         assert time.monotonic() < deadline, "the node kept generating after the stop string"
         time.sleep(0.05)
+    assert node.stats()["num_aborted"] > before[chunks[-1].node_id]  # stopped by the abort, not by finishing
 
 
 def test_the_router_loads_no_weights_and_refuses_nodes_with_other_weights(monkeypatch):
