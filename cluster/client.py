@@ -75,8 +75,10 @@ class NodeClient:
     def generate(self, prompt: list[int], params: SamplingParams, **kwargs) -> Completion:
         return self.generate_many([prompt], params, **kwargs)[0]
 
-    def stats(self, check: bool = False, timeout_s: float = 10.0) -> dict:
-        reply = self._conn.stats(check, timeout_s)
+    def stats(self, check: bool = False, timeout_s: float = 10.0, kv_probe: list[int] | None = None) -> dict:
+        """The node's counters; ``check``: after its integrity checks (a failed one raises); ``kv_probe``: with
+        that prompt's cached-KV fingerprint under "kv_probe" (``kvmesh/engine/kv_probe.py``)."""
+        reply = self._conn.stats(check, timeout_s, kv_probe)
         if reply is None:
             raise RequestFailed(f"no stats from {self.endpoint}")
         if reply.error:

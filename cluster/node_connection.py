@@ -72,16 +72,24 @@ class NodeConnection:
             self._streams.pop(request_id, None)
         self._send(encode(nm.AbortRequest(request_id)))
 
-    def stats(self, check: bool = False, timeout_s: float = 5.0) -> nm.StatsReply | None:
-        """The node's counters (with ``check``, after its integrity checks); None if it does not answer."""
+    def stats(self, check: bool = False, timeout_s: float = 5.0,
+              kv_probe: list[int] | None = None) -> nm.StatsReply | None:
+        """The node's counters (with ``check``, after its integrity checks; with ``kv_probe``, that prompt's KV
+        fingerprint); None if it does not answer."""
         waiter: queue.Queue = queue.Queue()
         with self._lock:
             self._stats_waiters.append(waiter)
-        self._send(encode(nm.StatsRequest(check)))
-        try:
-            return waiter.get(timeout=timeout_s)
-        except queue.Empty:
-            return None
+        self._send(encode(nm.StatsRequest(check, list(kv_probe or []))))
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                reply = waiter.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                return None
+            if not kv_probe or "kv_probe" in reply.stats or reply.error:
+                return reply
+            with self._lock:  # the answer to a plainer stats request (a liveness ping): ours comes later
+                self._stats_waiters.append(waiter)
 
     def _send(self, payload: bytes) -> None:
         """Queue ``payload`` for the socket thread and wake it (any thread)."""

@@ -11,6 +11,7 @@ from kvmesh import LLM, SamplingParams
 from kvmesh.auth import REFUSED
 from kvmesh.cluster.client import RequestFailed
 from kvmesh.cluster.local_launcher import LocalCluster
+from kvmesh.engine.kv_probe import mismatched_positions, prompt_kv_sums
 from kvmesh.node.messages import GenerateRequest, TokenEvent
 from kvmesh.transfer.engine import mooncake_available
 from kvmesh.wire import decode
@@ -28,6 +29,7 @@ def reference():
     def run(prompts: list[list[int]]) -> list[list[int]]:
         return [o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
 
+    run.engine = llm.engine  # its cached KV is the KV-level oracle's reference
     return run
 
 
@@ -116,6 +118,11 @@ def test_cross_node_prefix_reuse_by_counters(cluster, reference):
     after = b.stats()
     # decode-1 got the prefix from a holder (decode-0 or prefill-0); prefill-1 had at most the suffix to do.
     assert out2.stats["tokens_reused_remote"] >= 96
+    # The KV itself, position by position: received blocks in the wrong slots leave greedy tokens unchanged.
+    got = cluster.client("decode-1").stats(kv_probe=second)["kv_probe"]
+    want = prompt_kv_sums(reference.engine, second)
+    assert got["num_blocks"] == want["num_blocks"] == (len(second) - 1) // 16
+    assert mismatched_positions(got, want, num_layers=2) == []
     assert after["tokens_computed"] - before["tokens_computed"] <= len(second) - 96
     assert after["bytes_received"] > before["bytes_received"] and after["tokens_pulled"] >= 96
     shared_bytes = sum(cluster.client(n).stats()["bytes_sent_shared_memory"] for n in cluster.nodes)

@@ -179,3 +179,18 @@ def test_a_failed_step_fails_exactly_its_batch_and_the_engine_goes_on():
         engine.step()
     assert later.status is RequestStatus.FINISHED and len(later.output_token_ids) == 4
     engine.check_integrity()
+
+
+def test_the_kv_oracle_sees_blocks_in_the_wrong_slots():
+    """Two cached blocks of a prompt swapped in their slots: the KV fingerprint names exactly their positions."""
+    from kvmesh.engine.kv_probe import mismatched_positions, prompt_kv_sums
+
+    llm = LLM("tiny-llama", num_kv_blocks=256, progress=False)
+    prompt = list(range(40, 140))  # 100 tokens: 6 full blocks
+    llm.generate([prompt], SamplingParams(max_tokens=2, temperature=0.0), use_tqdm=False)
+    want = prompt_kv_sums(llm.engine, prompt)
+    assert want["num_blocks"] == 6 and mismatched_positions(want, want, 2) == []
+    ids = llm.engine.pool.match(llm.engine.kv.hash_prompt(prompt))
+    kv = llm.engine.runner.kv_buffer
+    kv[[ids[1], ids[2]]] = kv[[ids[2], ids[1]]].clone()
+    assert mismatched_positions(prompt_kv_sums(llm.engine, prompt), want, 2) == list(range(16, 48))

@@ -61,10 +61,12 @@ class AbortRequest:
 
 @dataclass(frozen=True)
 class StatsRequest:
-    """Anyone -> node: counters; with ``check``, also run every integrity check."""
+    """Anyone -> node: counters; with ``check``, also run every integrity check; with ``kv_probe``, also the
+    fingerprint of that prompt's cached KV (a debug call: tests and benchmarks compare it with a reference)."""
 
     TYPE: ClassVar[str] = "stats"
     check: bool = False
+    kv_probe: list[int] = field(default_factory=list)  # a prompt: its cached KV's fingerprint (engine/kv_probe.py)
 
     def validate(self) -> None:
         pass

@@ -30,6 +30,7 @@ from kvmesh.engine.spec_decode.speculator import SpeculativeConfig
 from kvmesh.device import device_name, resolve_device
 from kvmesh.errors import KvmeshError
 from kvmesh.kv.block_hash import HashNamespace
+from kvmesh.engine.kv_probe import prompt_kv_sums
 from kvmesh.kv.cache_stats import PrefixCacheStats
 from kvmesh.kv.tiers.tiered_cache import TierConfig, TieredCache
 from kvmesh.metadata.records import NodeRecord
@@ -259,8 +260,8 @@ class NodeRuntime:
             self.endpoint.send(identity, encode(nm.TokenEvent("", [], finished=True, error=f"malformed: {e}")))
             return
         if isinstance(msg, nm.StatsRequest):
-            if msg.check:  # integrity checks need the engine between steps
-                self.call_soon(lambda: self.endpoint.send(identity, encode(self._stats(True))))
+            if msg.check or msg.kv_probe:  # integrity checks and KV reads need the engine between steps
+                self.call_soon(lambda: self.endpoint.send(identity, encode(self._stats(msg.check, msg.kv_probe))))
             else:  # answered here, at once: a liveness ping must not wait for a long engine step
                 try:
                     reply = self._stats(False)
@@ -289,9 +290,9 @@ class NodeRuntime:
 
         self.call_soon(apply)
 
-    def _stats(self, check: bool) -> nm.StatsReply:
+    def _stats(self, check: bool, kv_probe: list[int] | None = None) -> nm.StatsReply:
         """Counters (read without stopping the engine: each is a plain int or a short snapshot); ``check``
-        runs the integrity checks too and must be called on the engine thread."""
+        runs the integrity checks too and ``kv_probe`` reads that prompt's cached KV: both on the engine thread."""
         error = ""
         if check:
             try:
@@ -322,6 +323,8 @@ class NodeRuntime:
                  **(self.tiers.stats() if self.tiers is not None else {}),
                  "pinned_prefixes": {pin_id: list(counts) for pin_id, counts in self.engine.pins.status().items()},
                  **(self.engine.speculator.stats() if self.engine.speculator is not None else {})}
+        if kv_probe:
+            stats["kv_probe"] = prompt_kv_sums(self.engine, kv_probe)
         return nm.StatsReply(self.cfg.node_id, stats, error)
 
     # ---- role hooks -----------------------------------------------------------------------------------
