@@ -6,6 +6,7 @@ checked in tests/gpu only.
 """
 from __future__ import annotations
 
+import importlib.util
 import math
 from dataclasses import dataclass
 
@@ -15,8 +16,11 @@ import torch
 from kvmesh.kernels.reference import attention as ref_attn
 from kvmesh.kernels.reference import cache_ops as ref_cache
 
-triton_attn = pytest.importorskip("kvmesh.kernels.triton.attention")
-triton_cache = pytest.importorskip("kvmesh.kernels.triton.cache_ops")
+if importlib.util.find_spec("triton") is None:
+    pytest.skip("Triton is not installed", allow_module_level=True)
+# Triton is installed: a kernel module that fails to import is a failure here, not 72 silent skips.
+from kvmesh.kernels.triton import attention as triton_attn  # noqa: E402
+from kvmesh.kernels.triton import cache_ops as triton_cache  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.float16] if DEVICE == "cpu" else [torch.float32, torch.float16, torch.bfloat16]

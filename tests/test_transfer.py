@@ -480,6 +480,20 @@ def test_transport_is_reported_and_rdma_without_device_says_so(tmp_path, caplog)
         assert "no RDMA device" in mc.transport_reason or mc.transport == "rdma"
 
 
+def test_mooncake_loads_where_it_is_installed():
+    """The [mooncake] variants run only where Mooncake loads: an installed one that fails to load fails here,
+    loudly, instead of making them vanish."""
+    import importlib.util
+
+    if importlib.util.find_spec("mooncake") is None:
+        pytest.skip("Mooncake is not installed: the [mooncake] variants of these tests do not run")
+    try:
+        import mooncake.engine  # noqa: F401
+    except Exception as e:
+        pytest.fail(f"Mooncake is installed but cannot be loaded: {type(e).__name__}: {e}")
+    assert mooncake_available() and "mooncake" in BACKENDS
+
+
 def test_native_status_codes_become_typed_errors():
     check_status(0, what="x")
     with pytest.raises(TransferError, match=r"write failed \(request r1, peer p:1, status -1\)"):
