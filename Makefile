@@ -10,7 +10,7 @@ TORCH_CPU_VERSION := 2.13.0
 HAS_NVIDIA := $(shell test -e /proc/driver/nvidia/version && echo 1)
 PYTEST_ARGS ?=
 
-.PHONY: all install test test-gpu gpu-check generate serve clean
+.PHONY: all install test mutate test-gpu gpu-check generate serve clean
 
 all: test
 
@@ -39,6 +39,10 @@ install: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q -rs $(PYTEST_ARGS) --ignore=tests/gpu tests
+
+# Deliberate breakages (tests/mutate.py): each must make a test fail. Edits the tree while it runs.
+mutate: $(STAMP)
+	$(PY) -m tests.mutate
 
 # On a machine with a CUDA device: the Triton kernels and the model on the GPU.
 test-gpu: $(STAMP)

@@ -1,0 +1,86 @@
+"""``make mutate``: deliberate breakages, each of which some test must catch.
+
+Each mutation replaces one snippet of the implementation, runs the tests that name what it breaks,
+and expects them to fail; the file is restored afterwards whatever happens. Prints a table and exits
+non-zero when a breakage went unnoticed. It edits the working tree while it runs: run nothing else
+from this checkout meanwhile.
+"""
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass(frozen=True)
+class Mutation:
+    name: str
+    path: str
+    old: str
+    new: str
+    tests: tuple[str, ...]  # pytest arguments that must fail with the breakage
+
+
+MUTATIONS = (
+    Mutation("aborts are dropped on their way to the node", "cluster/node_connection.py",
+             "        self._send(encode(nm.AbortRequest(request_id)))",
+             "        pass  # mutation: the abort never leaves",
+             ("tests/test_router.py", "-k", "goes_away or stop_strings")),
+    Mutation("received blocks land in reversed slots", "decode_node/worker.py",
+             "outcome = self.agent.requester.push(node_id, seq.block_ids[got:length], seq.block_hashes[got:length],",
+             "outcome = self.agent.requester.push(node_id, seq.block_ids[got:length][::-1], "
+             "seq.block_hashes[got:length],",
+             ("tests/test_cluster.py", "-k", "cross_node")),
+    Mutation("an integrity failure inside a worker thread", "kvmesh/kv/block_pool.py",
+             "    def check_integrity(self) -> None:\n",
+             "    def check_integrity(self) -> None:\n"
+             "        import threading\n"
+             "        assert threading.current_thread() is threading.main_thread(), 'mutation'\n",
+             ("tests/test_block_pool.py", "-k", "concurrent")),
+    Mutation("a same-host writer's quarantine released while its process lives", "transfer/grants.py",
+             "(g.writer_alive is not None and not _alive(g))",
+             "(g.writer_alive is not None)",
+             ("tests/test_transfer.py", "-k", "outliving_its_lease")),
+    Mutation("a landing slot is trusted without its checksum", "transfer/landing.py",
+             "        if not slots:\n            return 0\n",
+             "        if not slots:\n            return 0\n"
+             "        for s, b in zip(slots, block_ids):\n"
+             "            self.kv_buffer[b].copy_(self.tensor[s].to(self.kv_buffer.device))\n"
+             "        return len(slots)\n",
+             ("tests/test_landing.py", "tests/test_transfer.py", "-k", "damaged or checked")),
+)
+
+
+def run_one(mutation: Mutation) -> tuple[bool, float]:
+    """Apply, run the tests, restore; returns (caught, seconds)."""
+    path = ROOT / mutation.path
+    original = path.read_text()
+    if original.count(mutation.old) != 1:
+        raise SystemExit(f"{mutation.name}: the snippet to replace is not in {mutation.path} exactly once")
+    started = time.monotonic()
+    try:
+        path.write_text(original.replace(mutation.old, mutation.new))
+        res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
+                              *mutation.tests], cwd=ROOT, capture_output=True, text=True)
+    finally:
+        path.write_text(original)
+    return res.returncode != 0, time.monotonic() - started
+
+
+def main() -> int:
+    rows = []
+    for mutation in MUTATIONS:
+        caught, seconds = run_one(mutation)
+        rows.append((mutation.name, "caught" if caught else "MISSED", f"{seconds:.0f} s"))
+        print(f"{rows[-1][1]:7} {mutation.name} ({rows[-1][2]})", flush=True)
+    missed = [r for r in rows if r[1] == "MISSED"]
+    print(f"{len(rows) - len(missed)} of {len(rows)} breakages caught")
+    return 1 if missed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
