@@ -41,9 +41,10 @@ MUTATIONS = (
              "        import threading\n"
              "        assert threading.current_thread() is threading.main_thread(), 'mutation'\n",
              ("tests/test_block_pool.py", "-k", "concurrent")),
-    Mutation("a same-host writer's quarantine released while its process lives", "transfer/grants.py",
-             "(g.writer_alive is not None and not _alive(g))",
-             "(g.writer_alive is not None)",
+    Mutation("a same-host writer's grants released at its lease's end while its process lives",
+             "transfer/grants.py",
+             "if g.writer_id == writer_id and not _alive(g)]",
+             "if g.writer_id == writer_id]",
              ("tests/test_transfer.py", "-k", "outliving_its_lease")),
     Mutation("a landing slot is trusted without its checksum", "transfer/landing.py",
              "        if not slots:\n            return 0\n",
