@@ -45,14 +45,14 @@ MUTATIONS = (
              "transfer/grants.py",
              "if g.writer_id == writer_id and not _alive(g)]",
              "if g.writer_id == writer_id]",
-             ("tests/test_transfer.py", "-k", "outliving_its_lease")),
+             ("tests/test_transfer_fences.py", "-k", "outliving_its_lease")),
     Mutation("a landing slot is trusted without its checksum", "transfer/landing.py",
              "        if not slots:\n            return 0\n",
              "        if not slots:\n            return 0\n"
              "        for s, b in zip(slots, block_ids):\n"
              "            self.kv_buffer[b].copy_(self.tensor[s].to(self.kv_buffer.device))\n"
              "        return len(slots)\n",
-             ("tests/test_landing.py", "tests/test_transfer.py", "-k", "damaged or checked")),
+             ("tests/test_landing.py", "tests/test_transfer_fences.py", "-k", "damaged or checked")),
 )
 
 

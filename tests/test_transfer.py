@@ -1,14 +1,12 @@
-"""Transfer layer: real processes, every byte checked, coalescing, grants, fencing, auth, malformed input."""
+"""Transfer layer: real processes, every byte checked, coalescing, grants, auth, malformed input.
+
+The fences (given-up, stalled and damaged transfers) are in tests/test_transfer_fences.py."""
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
 import signal
 import subprocess
-import sys
 import threading
-import time
 from pathlib import Path
 
 import msgpack
@@ -16,90 +14,17 @@ import pytest
 import torch
 import zmq
 
-from kvmesh.auth import REFUSED, TOKEN_ENV, ClusterAuth
-from kvmesh.kv.block_pool import BlockPool
+from kvmesh.auth import REFUSED, ClusterAuth
 from kvmesh.transfer import messages as m
 from kvmesh.transfer.coalesce import BlockRun, Descriptor, coalesce, to_descriptors
 from kvmesh.transfer.engine import create_transfer_engine, mooncake_available
 from kvmesh.transfer.errors import TransferError, TransferTimeout, check_status
-from kvmesh.transfer.kv_agent import TransferAgent
-from kvmesh.transfer.peer_process import BLOCK_SHAPE, chain_hashes, seeded_buffer
-from kvmesh.transfer.peers import PeerRecord, StaticPeers
+from kvmesh.transfer.peer_process import BLOCK_SHAPE, chain_hashes
+from kvmesh.transfer.peers import PeerRecord
 from kvmesh.transfer.rdma_devices import choose_transport
 from kvmesh.transfer.shared_memory import SharedKVAllocator
-
-BACKENDS = ["zmq"] + (["mooncake"] if mooncake_available() else [])
-SHARED = "shared-memory"  # a requester whose KV buffer a holder on this host writes by one copy (engine: zmq)
-TOKEN = "transfer-test-token"
-AUTH = ClusterAuth(TOKEN)
-
-
-class Holder:
-    """kvmesh.transfer.peer_process as a subprocess that trusts ``requester``."""
-
-    def __init__(self, backend: str, seed: int, requester: TransferAgent | None, chain: int = 20, delay_ms: int = 0,
-                 num_blocks: int = 64, token: str = TOKEN, kv_memory: str = "auto", shared_memory: bool = False):
-        self.seed, self.num_blocks = seed, num_blocks
-        trusted = ["--requester", json.dumps(dataclasses.asdict(requester.record))] if requester else []
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kvmesh.transfer.peer_process", "--backend", backend, "--seed", str(seed),
-             "--chain", str(chain), "--delay-ms", str(delay_ms), "--num-blocks", str(num_blocks),
-             "--kv-memory", kv_memory, *trusted, *(["--shared-memory"] if shared_memory else [])],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-            env={**os.environ, TOKEN_ENV: token})
-        self.info = json.loads(self.proc.stdout.readline())
-        self.record = PeerRecord(**self.info["record"])
-        self.node_id = self.record.node_id
-        if requester is not None:
-            requester.requester.directory.add(self.record)
-        if not delay_ms:  # serving the whole chain before the test asks for it (no race with caching)
-            wait_until(lambda: self.check()["num_cached"] == chain)
-
-    def check(self) -> dict:
-        self.proc.stdin.write("check\n")
-        self.proc.stdin.flush()
-        return json.loads(self.proc.stdout.readline())
-
-    def expected_block(self, i: int) -> torch.Tensor:
-        return seeded_buffer(self.num_blocks, self.seed)[self.info["chain_ids"][i]]
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            if self.proc.returncode is None:
-                self.proc.send_signal(signal.SIGCONT)
-            self.proc.stdin.write("quit\n")
-            self.proc.stdin.flush()
-            self.proc.wait(timeout=10)
-
-
-def make_agent(name: str, backend: str, num_blocks: int = 48, kv: torch.Tensor | None = None,
-               kv_memory: str = "auto", num_landing_slots: int = -1) -> TransferAgent:
-    """``backend`` SHARED: the zmq engine, and the KV buffer in shared memory published to same-host writers."""
-    shared = SharedKVAllocator() if backend == SHARED else None
-    if shared is not None:
-        backend, kv = "zmq", shared.allocate((num_blocks, *BLOCK_SHAPE), torch.float32)
-    kv = torch.zeros((num_blocks, *BLOCK_SHAPE)) if kv is None else kv
-    agent = TransferAgent(name, BlockPool(kv.shape[0]), kv, create_transfer_engine(backend, auth=AUTH), StaticPeers(),
-                          AUTH, verify_kv=True, kv_memory=kv_memory, shared_region=shared and shared.region,
-                          num_landing_slots=num_landing_slots).start()
-    agent.test_allocator = shared
-    return agent
-
-
-@pytest.fixture
-def requester(request):
-    backend = request.param if hasattr(request, "param") else "zmq"
-    agent = make_agent("requester", backend)
-    yield agent
-    agent.close()
-    agent.pool.check_integrity()
-    agent.grants.check_integrity()
-    if agent.test_allocator is not None:
-        agent.test_allocator.close()
-
-
-def kv_of(agent: TransferAgent) -> torch.Tensor:
-    return agent.kv_buffer
+from tests.transfer_support import (  # noqa: F401 (requester: a fixture)
+    AUTH, BACKENDS, SHARED, Holder, kv_of, make_agent, requester, wait_until)
 
 
 def test_coalescing_exact_runs():
@@ -182,71 +107,6 @@ def test_pull_prefix_caches_what_the_peer_holds(requester):
         holder.close()
 
 
-@pytest.mark.skipif("mooncake" not in BACKENDS, reason="landing slots are Mooncake's (one-sided writes)")
-def test_a_push_longer_than_the_landing_zone_arrives_in_rounds():
-    """5 landing slots, 12 blocks: three conversations of 5, 5 and 2 blocks, every byte in its block; and a
-    14-block chain the holder holds 12 of stops after the round that came back short."""
-    agent = make_agent("rounds", "mooncake", num_landing_slots=5)
-    holder = Holder("mooncake", seed=21, requester=agent, chain=12)
-    try:
-        ids = agent.pool.allocate(12)
-        outcome = agent.requester.push(holder.node_id, ids, chain_hashes(12), request_id="r", timeout_s=30)
-        assert outcome.error is None and outcome.num_written == 12 and outcome.tainted_block_ids == []
-        for i, block in enumerate(ids):
-            assert torch.equal(agent.kv_buffer[block], holder.expected_block(i)), f"block {i}"
-        assert agent.landing.num_landed == 12 and agent.landing.num_free == 5
-        agent.pool.free(ids)
-        ids = agent.pool.allocate(14)
-        outcome = agent.requester.push(holder.node_id, ids, chain_hashes(14), request_id="s", timeout_s=30)
-        assert outcome.num_written == 12 and agent.landing.num_landed == 24
-        agent.pool.free(ids)
-        agent.grants.check_integrity()
-    finally:
-        holder.close()
-        agent.close()
-
-
-@pytest.mark.parametrize("requester", BACKENDS, indirect=True)
-def test_a_block_damaged_in_flight_is_not_kept(requester):
-    """A bit flipped between the writer's memory and ours: blocks 0..4 are kept, 5 on are recomputed. One-sided
-    writes: the flip is in the landing slot of block 5 (it never checks out, however often it is copied)."""
-    holder = Holder(requester.engine.name, seed=13, requester=requester, chain=8)
-    landing = requester.landing
-    verify = requester.requester.verify
-    land = landing.land if landing is not None else None
-    damaged = []
-
-    def flip_then_verify(block_ids, checksums):
-        kv_of(requester)[block_ids[5]].view(-1)[3] += 1.0
-        damaged.append(block_ids[5])
-        return verify(block_ids, checksums)
-
-    def flip_then_land(slots, block_ids, checksums):
-        if len(slots) > 5 and not damaged:
-            landing.tensor[slots[5]].view(-1)[3] += 1.0
-            damaged.append(block_ids[5])
-        return land(slots, block_ids, checksums)
-
-    if landing is not None:
-        landing.land = flip_then_land
-    else:
-        requester.requester.verify = flip_then_verify
-    try:
-        ids = requester.pull_prefix(holder.node_id, chain_hashes(8), timeout_s=30, request_id="v")
-        assert len(ids) == 5 and damaged and damaged[0] not in ids  # blocks 0..4 kept; 5 on are recomputed
-        assert requester.pool.match(chain_hashes(8)) == ids
-        for i, block in enumerate(ids):
-            assert torch.equal(kv_of(requester)[block], holder.expected_block(i))
-        assert requester.requester.num_checksum_failures == 1
-        requester.pool.free(ids)
-        requester.grants.check_integrity()
-    finally:
-        requester.requester.verify = verify
-        if landing is not None:
-            del landing.land
-        holder.close()
-
-
 def test_holder_waits_for_blocks_still_being_computed(requester):
     holder = Holder("zmq", seed=13, requester=requester, chain=8, delay_ms=150)  # one block every 150 ms
     try:
@@ -284,53 +144,6 @@ def test_requester_abort_unpins_on_the_holder_and_releases_the_grant(requester):
         wait_until(lambda: requester.grants.num_quarantined_blocks == 0)  # the holder's final released it
         wait_until(lambda: holder.check()["num_pinned"] == 0)
         requester.pool.check_integrity()
-        assert requester.pool.usage().num_used == 0
-    finally:
-        holder.close()
-
-
-@pytest.mark.parametrize("requester", [*BACKENDS, SHARED], indirect=True)
-def test_stalled_then_resumed_holder_cannot_touch_reused_blocks(requester):
-    """SIGSTOP a holder mid-push past the requester's timeout; the blocks it was granted are refilled with
-    other data; SIGCONT: the other data stays intact (zmq refuses late writes; Mooncake's and shared memory's
-    tainted blocks were quarantined and never handed out) and the quarantine lifts once the holder says it
-    stopped."""
-    holder = Holder(requester.engine.name, seed=18, requester=requester, chain=24, delay_ms=250)
-    try:
-        ids = requester.pool.allocate(24)
-
-        stopped = []
-
-        def stop_after_first_chunk():  # the holder is mid-push: some blocks confirmed, more to come
-            try:
-                wait_until(lambda: any(g.num_confirmed for g in list(requester.grants._grants.values())))
-                holder.proc.send_signal(signal.SIGSTOP)
-                stopped.append(True)
-            except BaseException as e:  # a thread's failure is only a warning: the test reads it below
-                stopped.append(e)
-
-        stopper = threading.Thread(target=stop_after_first_chunk)
-        stopper.start()
-        outcome = requester.requester.push(holder.node_id, ids, chain_hashes(24), request_id="s", timeout_s=3,
-                                           wait_ms=30_000)
-        stopper.join()
-        assert stopped == [True], stopped  # the holder really was stalled mid-push
-        assert isinstance(outcome.error, TransferTimeout)
-        tainted = set(outcome.tainted_block_ids)
-        if requester.grants.writes_refusable:
-            assert not tainted  # the receiver refuses writes outside a live grant
-        requester.pool.free(ids)
-        reused = requester.pool.allocate(requester.pool.num_free_blocks)  # every block anyone may hand out
-        assert not tainted & set(reused)
-        kv = kv_of(requester)
-        for b in reused:
-            kv[b].fill_(float(b))
-        holder.proc.send_signal(signal.SIGCONT)
-        wait_until(lambda: requester.grants.num_quarantined_blocks == 0)
-        wait_until(lambda: holder.check()["num_pinned"] == 0)
-        for b in reused:
-            assert torch.all(kv[b] == float(b)), f"block {b} was overwritten after its grant was revoked"
-        requester.pool.free(reused)
         assert requester.pool.usage().num_used == 0
     finally:
         holder.close()
@@ -434,13 +247,6 @@ def test_malformed_messages_are_refused_and_the_holder_keeps_serving(requester):
         assert holder.check()["num_malformed"] == len(bad)
     finally:
         holder.close()
-
-
-def wait_until(predicate, timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.02)
 
 
 @pytest.mark.parametrize("payload,match", [
@@ -591,59 +397,3 @@ def test_checksums_of_long_pushes_split_among_threads_agree_with_zlib():
         assert agent.requester.verify(blocks, expected) == 20
     finally:
         agent.close()
-
-
-@pytest.mark.parametrize("ending", ["resumed", "killed"])
-def test_a_stopped_same_host_writer_outliving_its_lease_cannot_touch_reused_blocks(ending):
-    """A holder on this host is SIGSTOPped mid-push and its lease ends (peer_gone): it is not dead, and once
-    resumed would finish the write it had begun. Its unconfirmed blocks stay quarantined while its process
-    exists (the pool never hands them out), and are released by its final answer (resumed) or by its exit
-    (killed). Without the liveness check the lease's end released them at once (chaos caught 6 corrupted)."""
-    requester = make_agent("requester", SHARED)
-    holder = Holder("zmq", seed=31, requester=requester, chain=24, delay_ms=250, shared_memory=True)
-    try:
-        ids = requester.pool.allocate(24)
-
-        stopped = []
-
-        def stop_then_lose_lease():  # mid-push: some blocks confirmed, more to come; then the lease ends
-            try:
-                wait_until(lambda: any(g.num_confirmed for g in list(requester.grants._grants.values())))
-                holder.proc.send_signal(signal.SIGSTOP)
-                requester.peer_gone(holder.node_id)
-                stopped.append(True)
-            except BaseException as e:  # a thread's failure is only a warning: the test reads it below
-                stopped.append(e)
-
-        stopper = threading.Thread(target=stop_then_lose_lease)
-        stopper.start()
-        outcome = requester.requester.push(holder.node_id, ids, chain_hashes(24), request_id="lease", timeout_s=30,
-                                           wait_ms=30_000)
-        stopper.join()
-        assert stopped == [True], stopped
-        assert "left the cluster" in str(outcome.error) and outcome.tainted_block_ids
-        tainted = set(outcome.tainted_block_ids)
-        assert requester.grants.num_quarantined_blocks == len(tainted)
-        requester.pool.free(ids)
-        reused = requester.pool.allocate(requester.pool.num_free_blocks)
-        assert not tainted & set(reused)
-        kv = kv_of(requester)
-        for b in reused:
-            kv[b].fill_(float(b))
-        assert requester.grants.num_quarantined_blocks == len(tainted)  # the IO thread's sweeps keep it
-        if ending == "resumed":
-            holder.proc.send_signal(signal.SIGCONT)
-        else:
-            holder.proc.send_signal(signal.SIGKILL)
-            holder.proc.wait()
-        wait_until(lambda: requester.grants.num_quarantined_blocks == 0)
-        for b in reused:
-            assert torch.all(kv[b] == float(b)), f"block {b} was overwritten after its grant was revoked"
-        requester.pool.free(reused)
-        assert requester.pool.usage().num_used == 0
-        requester.pool.check_integrity()
-        requester.grants.check_integrity()
-    finally:
-        holder.close()
-        requester.close()
-        requester.test_allocator.close()

@@ -1,0 +1,101 @@
+"""What the transfer tests share: a holder in its own process, requester agents, the fixture, waits."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from kvmesh.auth import TOKEN_ENV, ClusterAuth
+from kvmesh.kv.block_pool import BlockPool
+from kvmesh.transfer.engine import create_transfer_engine, mooncake_available
+from kvmesh.transfer.kv_agent import TransferAgent
+from kvmesh.transfer.peer_process import BLOCK_SHAPE, seeded_buffer
+from kvmesh.transfer.peers import PeerRecord, StaticPeers
+from kvmesh.transfer.shared_memory import SharedKVAllocator
+
+BACKENDS = ["zmq"] + (["mooncake"] if mooncake_available() else [])
+SHARED = "shared-memory"  # a requester whose KV buffer a holder on this host writes by one copy (engine: zmq)
+TOKEN = "transfer-test-token"
+AUTH = ClusterAuth(TOKEN)
+
+
+class Holder:
+    """kvmesh.transfer.peer_process as a subprocess that trusts ``requester``."""
+
+    def __init__(self, backend: str, seed: int, requester: TransferAgent | None, chain: int = 20, delay_ms: int = 0,
+                 num_blocks: int = 64, token: str = TOKEN, kv_memory: str = "auto", shared_memory: bool = False):
+        self.seed, self.num_blocks = seed, num_blocks
+        trusted = ["--requester", json.dumps(dataclasses.asdict(requester.record))] if requester else []
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "kvmesh.transfer.peer_process", "--backend", backend, "--seed", str(seed),
+             "--chain", str(chain), "--delay-ms", str(delay_ms), "--num-blocks", str(num_blocks),
+             "--kv-memory", kv_memory, *trusted, *(["--shared-memory"] if shared_memory else [])],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+            env={**os.environ, TOKEN_ENV: token})
+        self.info = json.loads(self.proc.stdout.readline())
+        self.record = PeerRecord(**self.info["record"])
+        self.node_id = self.record.node_id
+        if requester is not None:
+            requester.requester.directory.add(self.record)
+        if not delay_ms:  # serving the whole chain before the test asks for it (no race with caching)
+            wait_until(lambda: self.check()["num_cached"] == chain)
+
+    def check(self) -> dict:
+        self.proc.stdin.write("check\n")
+        self.proc.stdin.flush()
+        return json.loads(self.proc.stdout.readline())
+
+    def expected_block(self, i: int) -> torch.Tensor:
+        return seeded_buffer(self.num_blocks, self.seed)[self.info["chain_ids"][i]]
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            if self.proc.returncode is None:
+                self.proc.send_signal(signal.SIGCONT)
+            self.proc.stdin.write("quit\n")
+            self.proc.stdin.flush()
+            self.proc.wait(timeout=10)
+
+
+def make_agent(name: str, backend: str, num_blocks: int = 48, kv: torch.Tensor | None = None,
+               kv_memory: str = "auto", num_landing_slots: int = -1) -> TransferAgent:
+    """``backend`` SHARED: the zmq engine, and the KV buffer in shared memory published to same-host writers."""
+    shared = SharedKVAllocator() if backend == SHARED else None
+    if shared is not None:
+        backend, kv = "zmq", shared.allocate((num_blocks, *BLOCK_SHAPE), torch.float32)
+    kv = torch.zeros((num_blocks, *BLOCK_SHAPE)) if kv is None else kv
+    agent = TransferAgent(name, BlockPool(kv.shape[0]), kv, create_transfer_engine(backend, auth=AUTH), StaticPeers(),
+                          AUTH, verify_kv=True, kv_memory=kv_memory, shared_region=shared and shared.region,
+                          num_landing_slots=num_landing_slots).start()
+    agent.test_allocator = shared
+    return agent
+
+
+@pytest.fixture
+def requester(request):
+    backend = request.param if hasattr(request, "param") else "zmq"
+    agent = make_agent("requester", backend)
+    yield agent
+    agent.close()
+    agent.pool.check_integrity()
+    agent.grants.check_integrity()
+    if agent.test_allocator is not None:
+        agent.test_allocator.close()
+
+
+def kv_of(agent: TransferAgent) -> torch.Tensor:
+    return agent.kv_buffer
+
+
+def wait_until(predicate, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
