@@ -77,8 +77,7 @@ class TransferAgent:
         if not refusable:
             slots = default_num_slots(self.num_blocks, self.block_bytes) if num_landing_slots < 0 else num_landing_slots
             self.landing = LandingZone(kv_buffer, slots, self._checksum_addresses)
-            self.landing_addr = engine.register(self.landing.tensor)
-            if self.landing_addr != self.landing.base_addr:
+            if engine.register(self.landing.tensor) != self.landing.base_addr:
                 raise TransferError("the transfer engine registered the landing zone at another address")
         self.grants = GrantTable(pool, self.base_addr, self.block_bytes, writes_refusable=refusable,
                                  landing=self.landing)
@@ -140,7 +139,7 @@ class TransferAgent:
         """What peers need to write into us (published in etcd by nodes)."""
         return PeerRecord(self.node_id, self.side_channel, self.engine.endpoint, self.base_addr, self.num_blocks,
                           self.block_bytes, self.shared_region.encode() if self.shared_region else "",
-                          self.landing_addr if self.landing is not None else 0,
+                          self.landing.base_addr if self.landing is not None else 0,
                           self.landing.num_slots if self.landing is not None else 0)
 
     @property

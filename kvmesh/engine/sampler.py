@@ -20,16 +20,16 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
         picked = logits.argmax(dim=-1)
         ids, logprobs = torch.stack((picked.to(torch.float64),
                                      logprobs_all.gather(1, picked[:, None])[:, 0].to(torch.float64))).tolist()
-        return [int(t) for t in ids], logprobs, [top_logprobs(logprobs_all[row], p) if p.logprobs else []
-                                                 for row, p in enumerate(params)]
-    token_ids = greedy_tokens(logits)
-    for row, p in enumerate(params):
-        if p.greedy:
-            continue
-        probs = target_probs(logits[row].float().cpu(), p)  # drawn on the CPU: a seed means one stream anywhere
-        token_ids[row] = int(torch.multinomial(probs, 1, generator=generators[row]).item())
-    picked = torch.tensor(token_ids, dtype=torch.int64, device=logits.device)
-    logprobs = logprobs_all.gather(1, picked[:, None])[:, 0].tolist()  # one copy back, not one per row
+        token_ids = [int(t) for t in ids]
+    else:
+        token_ids = greedy_tokens(logits)
+        for row, p in enumerate(params):
+            if p.greedy:
+                continue
+            probs = target_probs(logits[row].float().cpu(), p)  # drawn on the CPU: a seed means one stream anywhere
+            token_ids[row] = int(torch.multinomial(probs, 1, generator=generators[row]).item())
+        picked = torch.tensor(token_ids, dtype=torch.int64, device=logits.device)
+        logprobs = logprobs_all.gather(1, picked[:, None])[:, 0].tolist()  # one copy back, not one per row
     return token_ids, logprobs, [top_logprobs(logprobs_all[row], p) if p.logprobs else []
                                  for row, p in enumerate(params)]
 
