@@ -70,10 +70,10 @@ class LocalCluster:
         self.threads_per_node = threads_per_node or max(1, (os.cpu_count() or 1) // max(1, num_prefill + num_decode))
         self.start_timeout_s = start_timeout_s
         if etcd or hosts is None:
-            self._etcd = None if etcd else EmbeddedEtcd()
+            self._etcd = None if etcd else EmbeddedEtcd(token=self.token)
         else:
             etcd_host = hosts[self.placement["etcd"]]
-            self._etcd = EmbeddedEtcd(host=etcd_host.address, command_prefix=etcd_host.exec_prefix)
+            self._etcd = EmbeddedEtcd(host=etcd_host.address, command_prefix=etcd_host.exec_prefix, token=self.token)
         self.etcd_endpoint = etcd or self._etcd.endpoint
         self.nodes: dict[str, NodeProcess] = {}
         self._clients: dict[str, NodeClient] = {}
@@ -114,7 +114,7 @@ class LocalCluster:
         return node
 
     def wait_registered(self, node_ids: set[str]) -> None:
-        wait_for_nodes(self.etcd_endpoint, self.cluster, node_ids, self.start_timeout_s)
+        wait_for_nodes(self.etcd_endpoint, self.cluster, node_ids, self.start_timeout_s, self.token)
 
     def wait_decode_nodes_see_prefill_nodes(self) -> None:
         """Until every decode node's own directory (fed by an etcd watch) lists every prefill node: a

@@ -4,7 +4,9 @@ A receiver thread owns the socket; ``submit`` hands a request to it (a queue, an
 byte down a pipe that wakes the thread at once) and returns a queue that receives
 that request's TokenEvents. If the node stops answering
 (no message for ``liveness_s`` and no reply to a ping), every open stream gets a
-``NodeLost`` instead, so no caller waits forever and the router can migrate.
+``NodeLost`` instead, so no caller waits forever and the router can migrate. An
+endpoint that cannot be connected to, or a node that refuses our handshake (another
+cluster token), fails every stream at once, and every later one, the same way.
 """
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ import time
 
 import zmq
 
-from kvmesh.auth import REFUSED, AuthError, ClusterAuth
+from kvmesh.auth import REFUSED, AuthError, ClusterAuth, HandshakeMonitor
 from kvmesh.errors import KvmeshError
 from kvmesh.node import messages as nm
 from kvmesh.wire import MessageError, decode, encode
@@ -106,12 +108,35 @@ class NodeConnection:
                 pass
 
     def _run(self) -> None:
-        sock = self._ctx.socket(zmq.DEALER)
+        sock = self._auth.curve_client(self._ctx.socket(zmq.DEALER))
         sock.linger = 0
-        sock.connect(f"tcp://{self.endpoint}")
+        try:
+            sock.connect(f"tcp://{self.endpoint}")
+        except zmq.ZMQError as e:
+            sock.close()
+            self._give_up(NodeLost(f"cannot connect to node {self.node_id} at {self.endpoint!r}: {e}"))
+            return
+        handshakes = HandshakeMonitor(sock) if self._auth.enabled else None
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
         poller.register(self._wake_r, zmq.POLLIN)
+        if handshakes is not None:
+            poller.register(handshakes.socket, zmq.POLLIN)
+        try:
+            self._serve(sock, poller, handshakes)
+        finally:
+            if handshakes is not None:
+                sock.disable_monitor()
+                handshakes.close()
+            sock.close()
+
+    def _give_up(self, error: NodeLost) -> None:
+        """This connection will never work: fail what is open and everything submitted later."""
+        with self._lock:
+            self.alive = False
+        self._fail_all(error)
+
+    def _serve(self, sock: zmq.Socket, poller: zmq.Poller, handshakes: HandshakeMonitor | None) -> None:
         last_heard, pinged = time.monotonic(), False
         while not self._stop.is_set():
             while not self._outgoing.empty():
@@ -119,6 +144,9 @@ class NodeConnection:
             events = dict(poller.poll(IDLE_POLL_MS))
             if self._wake_r in events:
                 self._drain_wakeups()
+            if handshakes is not None and handshakes.socket in events and handshakes.drain() \
+                    and not handshakes.num_succeeded:
+                self._fail_all(NodeLost(f"node {self.node_id} refused our handshake: the cluster token differs"))
             if sock in events:
                 last_heard, pinged, self.alive = time.monotonic(), False, True
                 frame = sock.recv()
@@ -137,7 +165,6 @@ class NodeConnection:
                 else:
                     sock.send(self._auth.seal(encode(nm.StatsRequest())))
                     last_heard, pinged = time.monotonic(), True
-        sock.close()
 
     def _drain_wakeups(self) -> None:
         try:

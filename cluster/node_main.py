@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import logging
 
-from kvmesh.auth import token_from_env
+from kvmesh.auth import InsecureClusterError, add_secret_arguments, secret_from_args
 from kvmesh.device import DeviceError
 from kvmesh.lifecycle import stop_on_sigterm
 from kvmesh.node.runtime import DEFAULT_CLUSTER, NodeConfig
@@ -72,9 +72,7 @@ def add_node_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--verify-kv", action=argparse.BooleanOptionalAction, default=True,
                    help="check a crc32 of each lower-tier block when it is promoted or served, and of each block "
                         "a peer pushes here (a mismatch is recomputed, never used)")
-    p.add_argument("--cluster-token", default=None,
-                   help="shared secret that authenticates every frame between nodes and routers "
-                        "(default: $KVMESH_CLUSTER_TOKEN; prefer the variable: argv is visible to local users)")
+    add_secret_arguments(p)
     p.add_argument("--log-level", default="WARNING")
 
 
@@ -104,13 +102,13 @@ def run_node(role: str, args: argparse.Namespace) -> int:
                      speculative=args.speculative, num_speculative_tokens=args.num_speculative_tokens,
                      host_kv_bytes=_gib_to_bytes("--host-kv-gib", args.host_kv_gib),
                      disk_kv_bytes=_gib_to_bytes("--disk-kv-gib", args.disk_kv_gib), disk_kv_path=args.disk_kv_path,
-                     verify_kv=args.verify_kv, cluster_token=token_from_env(args.cluster_token))
+                     verify_kv=args.verify_kv, cluster_token=secret_from_args(args), insecure=args.insecure)
     stop_on_sigterm()  # SIGTERM: deregister and close like Ctrl-C or a closed stdin
     try:
         node = create_node(cfg)
     except KeyboardInterrupt:
         return 0
-    except (DeviceError, ValueError) as e:  # a --device or --kv-transfer-memory this machine cannot honour
+    except (DeviceError, ValueError, InsecureClusterError) as e:  # a flag this machine or network cannot honour
         raise SystemExit(f"{args.node_id}: {e}") from None
     node.serve_forever()
     return 0

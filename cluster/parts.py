@@ -5,7 +5,9 @@
     host C:  kvmesh decode-node  --etcd A:2379 --host 0.0.0.0 --node-id decode-0
     host A:  kvmesh router --etcd A:2379 --host 0.0.0.0       # learns the model from the nodes
 
-All share ``$KVMESH_CLUSTER_TOKEN`` and the default cluster name. Both run in the
+All share ``$KVMESH_CLUSTER_TOKEN`` (or ``--cluster-token-file``; bound beyond loopback
+they refuse to start without one) and the default cluster name; etcd then runs with
+authentication, its credentials derived from that secret. Both run in the
 foreground until Ctrl-C or SIGTERM, and leave nothing behind (etcd's data dir is
 removed unless ``--data-dir`` names one).
 """
@@ -17,6 +19,7 @@ import os
 import sys
 import time
 
+from kvmesh.auth import add_secret_arguments, require_secret, secret_from_args
 from kvmesh.errors import KvmeshError
 from kvmesh.lifecycle import stop_on_sigterm
 from kvmesh.node.runtime import DEFAULT_CLUSTER
@@ -32,13 +35,16 @@ def add_etcd_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--advertise-host", default=None, help="the address nodes use (default: --host, or the "
                                                           "address of the default route for 0.0.0.0)")
     p.add_argument("--data-dir", default=None, help="keep etcd's data here (default: a temporary dir, removed)")
+    add_secret_arguments(p)
 
 
 def run_etcd(args: argparse.Namespace) -> int:
     from kvmesh.metadata.embedded_etcd import EmbeddedEtcd
 
     stop_on_sigterm()
-    etcd = EmbeddedEtcd(args.data_dir, host=args.host, port=args.port, advertise=args.advertise_host)
+    token = secret_from_args(args)
+    require_secret("etcd", [args.host], token, args.insecure)
+    etcd = EmbeddedEtcd(args.data_dir, host=args.host, port=args.port, advertise=args.advertise_host, token=token)
     try:
         etcd.start()
         print(json.dumps({"etcd": etcd.endpoint}), flush=True)
@@ -63,12 +69,12 @@ def add_router_arguments(p: argparse.ArgumentParser) -> None:
     add_front_end_arguments(p)
 
 
-def model_of_cluster(etcd: str, cluster: str, timeout_s: float) -> str:
+def model_of_cluster(etcd: str, cluster: str, timeout_s: float, token: str = "") -> str:
     """The model the cluster's nodes serve (from their records), waiting up to ``timeout_s`` for one."""
-    from kvmesh.metadata.etcd_store import EtcdStore
     from kvmesh.metadata.registry import NodeDirectory
+    from kvmesh.metadata.sealed_store import open_store
 
-    store = EtcdStore(etcd)
+    store = open_store(etcd, token)
     directory = NodeDirectory(store, cluster)
     try:
         deadline = time.monotonic() + timeout_s
@@ -98,16 +104,16 @@ def exit_now(code: int) -> None:
 
 
 def run_router(args: argparse.Namespace) -> int:
-    from kvmesh.auth import token_from_env
     from kvmesh.cluster.serve import run_front_ends
 
     stop_on_sigterm()
-    token = token_from_env(args.cluster_token)
+    token = secret_from_args(args)
+    require_secret("router", [args.host], token, args.insecure)
     if not token:
-        print("kvmesh router: no cluster token ($KVMESH_CLUSTER_TOKEN / --cluster-token): nodes that have one "
-              "will refuse this router", file=sys.stderr)
+        print("kvmesh router: no cluster token ($KVMESH_CLUSTER_TOKEN / --cluster-token-file): nodes that have "
+              "one will refuse this router", file=sys.stderr)
     if args.model is None:
-        args.model = model_of_cluster(args.etcd, args.cluster, args.wait_for_nodes)
+        args.model = model_of_cluster(args.etcd, args.cluster, args.wait_for_nodes, token)
         print(f"the cluster serves {args.model}", file=sys.stderr)
     run_front_ends(args, args.etcd, args.cluster, token)
     exit_now(0)

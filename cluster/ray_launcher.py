@@ -36,10 +36,10 @@ def node_ip() -> str:
 
 @ray.remote(max_restarts=-1)
 class EtcdActor:
-    def __init__(self) -> None:
+    def __init__(self, token: str) -> None:
         from kvmesh.metadata.embedded_etcd import EmbeddedEtcd
 
-        self.server = EmbeddedEtcd(host="0.0.0.0", advertise=node_ip()).start()
+        self.server = EmbeddedEtcd(host="0.0.0.0", advertise=node_ip(), token=token).start()
 
     def endpoint(self) -> str:
         return self.server.endpoint
@@ -97,7 +97,7 @@ class RayCluster:
         """Create (or reuse, by name) the etcd and node actors and wait until every node is registered."""
         if not self.etcd:
             etcd_actor = EtcdActor.options(name="etcd", namespace=NAMESPACE, get_if_exists=True, num_cpus=0.1,
-                                           lifetime="detached").remote()
+                                           lifetime="detached").remote(self.token)
             self.etcd = ray.get(etcd_actor.endpoint.remote(), timeout=timeout_s)
             self.actors["etcd"] = etcd_actor
         specs = [("prefill", f"prefill-{i}") for i in range(self.num_prefill)]
@@ -119,7 +119,7 @@ class RayCluster:
         return {i["node_id"]: i["host"] for i in infos}
 
     def wait_registered(self, node_ids: set[str], timeout_s: float = 120.0) -> None:
-        wait_for_nodes(self.etcd, self.cluster, node_ids, timeout_s)
+        wait_for_nodes(self.etcd, self.cluster, node_ids, timeout_s, self.token)
 
 
 def stop_cluster() -> list[str]:

@@ -28,7 +28,7 @@ from kvmesh.kv.prefix_hasher import PrefixHasher
 from kvmesh.metadata.block_index import BlockIndex
 from kvmesh.metadata.pins import PinRegistry
 from kvmesh.metadata.records import PinRecord
-from kvmesh.metadata.etcd_store import EtcdStore
+from kvmesh.metadata.sealed_store import open_store
 from kvmesh.metadata.registry import NodeDirectory
 from kvmesh.auth import ClusterAuth
 from kvmesh.model.loader import load_tokenizer
@@ -120,7 +120,7 @@ class Router:
         self.tokenizer = card.tokenizer
         self.vocab_size = card.config.vocab_size
         self.max_model_len = card.config.max_position_embeddings
-        self.store = EtcdStore(cfg.etcd)
+        self.store = open_store(cfg.etcd, cfg.cluster_token)
         self.directory = NodeDirectory(self.store, cfg.cluster)
         self.directory.mirror.wait_healthy(10)
         card_of_nodes = self._learn_model_card(cfg.wait_for_nodes_s)

@@ -13,7 +13,7 @@ import json
 import os
 import sys
 
-from kvmesh.auth import generate_token, token_from_env
+from kvmesh.auth import add_secret_arguments, generate_token, secret_from_args
 from kvmesh.cluster.local_launcher import LocalCluster
 from kvmesh.cluster.parts import exit_now
 from kvmesh.cluster.router import Router, RouterConfig
@@ -69,12 +69,13 @@ def add_front_end_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--http-port", type=int, default=8000)
     p.add_argument("--routing", default="cache-aware", choices=["cache-aware", "round-robin", "random"])
     p.add_argument("--max-in-flight", type=int, default=256)
-    p.add_argument("--api-key", default=None, help="require this bearer token on gRPC and on /v1/* (HTTP)")
+    p.add_argument("--api-key-file", default=None,
+                   help="file holding the bearer token every route but /health and /ready requires (gRPC and "
+                        "HTTP; default: $KVMESH_API_KEY, else none)")
+    p.add_argument("--api-key", default=None, help=argparse.SUPPRESS)  # visible in argv: the file or variable
     p.add_argument("--tls-cert", default=None, help="PEM certificate: serve gRPC and HTTP over TLS")
     p.add_argument("--tls-key", default=None, help="PEM private key for --tls-cert")
-    p.add_argument("--cluster-token", default=None,
-                   help="secret shared by the router and the nodes (default: $KVMESH_CLUSTER_TOKEN, else a new "
-                        "random one for the nodes started here)")
+    add_secret_arguments(p, generated=True)
 
 
 def run_front_ends(args: argparse.Namespace, etcd: str, cluster: str, cluster_token: str, supervision=None) -> None:
@@ -123,7 +124,7 @@ def run_serve(args: argparse.Namespace) -> int:
         with LocalCluster(args.prefill, args.decode, model=args.model, etcd=args.etcd, cluster=args.cluster,
                           start_timeout_s=600, dtype=args.dtype, threads_per_node=args.threads,
                           node_args=node_share_args(args),
-                          cluster_token=token_from_env(args.cluster_token) or None) as cluster, \
+                          cluster_token=secret_from_args(args) or None) as cluster, \
                 Supervisor(cluster, max_restarts=args.max_restarts) as supervisor:
             run_front_ends(args, cluster.etcd_endpoint, args.cluster, cluster.token, supervisor.status)
     except KeyboardInterrupt:  # during start-up
@@ -167,7 +168,7 @@ def run_launch(args: argparse.Namespace) -> int:
     placement = dict(p.split("=", 1) for p in args.placement)
     if not set(placement) <= {"prefill", "decode"} or "" in placement.values():
         raise KvmeshError(f"--placement takes prefill=RESOURCE or decode=RESOURCE, not {args.placement}")
-    token = token_from_env(args.cluster_token) or generate_token()
+    token = secret_from_args(args) or generate_token()
     cluster = RayCluster(args.prefill, args.decode, args.model, args.cluster, args.gpus_per_node,
                          args.cpus_per_node, etcd=args.etcd or "",
                          node_options={"cluster_token": token, "device": args.device, "dtype": args.dtype},

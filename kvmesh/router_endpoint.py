@@ -3,8 +3,10 @@
 ZMQ sockets are not thread-safe, so replies from worker threads go through an
 in-process PUSH socket per thread to the one thread that owns the ROUTER. Every
 incoming frame must carry the cluster MAC (``kvmesh.auth``): a frame that does
-not is refused with the ``REFUSED`` marker and counted (``num_refused``), and
-never reaches ``on_message``. Replies are sealed the same way.
+not (or a stale or replayed one) is refused with the ``REFUSED`` marker and counted
+(``num_refused``), and never reaches ``on_message``. Replies are sealed the same
+way. With a cluster token the socket is a CurveZMQ server: a peer without the
+token never completes a handshake (counted in ``num_refused`` as well).
 
 Construction binds the socket; ``start`` starts the serving thread.
 """
@@ -17,7 +19,7 @@ from collections.abc import Callable
 
 import zmq
 
-from kvmesh.auth import REFUSED, AuthError, ClusterAuth
+from kvmesh.auth import REFUSED, AuthError, ClusterAuth, HandshakeMonitor
 from kvmesh.netaddr import zmq_bind_host
 
 log = logging.getLogger("kvmesh.auth")
@@ -30,8 +32,9 @@ class RouterEndpoint:
         self._ctx = zmq.Context.instance()
         self._auth = auth or ClusterAuth()
         self._name = name
-        self._router = self._ctx.socket(zmq.ROUTER)
+        self._router = self._auth.curve_server(self._ctx.socket(zmq.ROUTER))
         self._router.linger = 0
+        self._handshakes = HandshakeMonitor(self._router) if self._auth.enabled else None
         if port:
             self._router.bind(f"tcp://{zmq_bind_host(host)}:{port}")
         else:
@@ -63,8 +66,12 @@ class RouterEndpoint:
         poller = zmq.Poller()
         poller.register(self._router, zmq.POLLIN)
         poller.register(self._outbox, zmq.POLLIN)
+        if self._handshakes is not None:
+            poller.register(self._handshakes.socket, zmq.POLLIN)
         while not self._stop.is_set():
             events = dict(poller.poll(100))
+            if self._handshakes is not None and self._handshakes.socket in events:
+                self._count_refused(self._handshakes.drain(), "failed handshake(s)")
             if self._outbox in events:
                 while self._outbox.poll(0):
                     self._router.send_multipart(self._outbox.recv_multipart())
@@ -74,16 +81,20 @@ class RouterEndpoint:
                     continue
                 try:
                     payload = self._auth.open(frames[1])
-                except AuthError:
-                    self.num_refused += 1
-                    if self.num_refused & (self.num_refused - 1) == 0:  # log the 1st, 2nd, 4th, 8th, ...
-                        log.warning("%s: refused %d unauthenticated frame(s)", self._name, self.num_refused)
+                except AuthError as e:
+                    self._count_refused(1, f"unauthenticated frame(s), last: {e}")
                     self._router.send_multipart([frames[0], REFUSED])
                     continue
                 try:
                     self._on_message(frames[0], payload)
                 except Exception:  # a handler bug must not stop the endpoint
                     log.exception("%s: handler failed", self._name)
+
+    def _count_refused(self, n: int, what: str) -> None:
+        for _ in range(n):
+            self.num_refused += 1
+            if self.num_refused & (self.num_refused - 1) == 0:  # log the 1st, 2nd, 4th, 8th, ...
+                log.warning("%s: refused %d %s", self._name, self.num_refused, what)
 
     def close(self) -> None:
         """Stop serving; replies already handed to ``send`` are still delivered (up to 1 s). Idempotent."""
@@ -94,5 +105,8 @@ class RouterEndpoint:
             self._thread.join(timeout=2)
         while self._outbox.poll(50):
             self._router.send_multipart(self._outbox.recv_multipart())
+        if self._handshakes is not None:
+            self._router.disable_monitor()
+            self._handshakes.close()
         self._router.close(linger=1000)
         self._outbox.close()

@@ -153,7 +153,7 @@ class BlockIndex:
         self.num_skipped = 0
         self.mirror = PrefixMirror(store, self.prefix, self._apply)
 
-    def _apply(self, kind: str, key: str, value: bytes) -> None:
+    def _apply(self, kind: str, key: str, value: bytes, lease: int = 0) -> None:
         if kind == "reset":
             self._holders = {}
             return

@@ -76,8 +76,12 @@ def _port_in_use(log_path: Path, offset: int, ports: tuple[int, ...]) -> int | N
 
 class EmbeddedEtcd:
     def __init__(self, data_dir: str | None = None, name: str = "kvmesh", host: str = "127.0.0.1",
-                 port: int = 0, advertise: str | None = None, command_prefix: list[str] | None = None):
+                 port: int = 0, advertise: str | None = None, command_prefix: list[str] | None = None,
+                 token: str = ""):
+        """``token``: the cluster secret; when given, etcd runs with authentication and the credentials
+        derived from it (``metadata/etcd_auth.py``)."""
         self._own_dir = data_dir is None
+        self._token = token
         self.data_dir = Path(data_dir or tempfile.mkdtemp(prefix="kvmesh-etcd-"))
         self.name = name
         self.host = "0.0.0.0" if is_wildcard(host) else host
@@ -99,6 +103,10 @@ class EmbeddedEtcd:
             try:
                 self._start_once(timeout_s)
                 self._can_repick_client = False
+                if self._token:
+                    from kvmesh.metadata.etcd_auth import enable_auth
+
+                    enable_auth(self.endpoint, self._token)
                 return self
             except _PortTaken as e:
                 if attempt == _START_ATTEMPTS - 1 or (e.port == self.client_port and not self._can_repick_client):

@@ -7,10 +7,13 @@ deadline, and connection failures become StoreUnavailable.
 """
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 
 import grpc
 
+from kvmesh.auth import TOKEN_ENV
+from kvmesh.metadata.etcd_auth import authenticate, is_token_rejected
 from kvmesh.metadata.store import CompactedError, KeyValue, StoreUnavailable, WatchCallback, WatchEvent
 
 MAX_TXN_OPS = 128
@@ -32,18 +35,49 @@ def split_batches(items: Sequence, size_of=lambda x: 0) -> list[list]:
 
 
 class EtcdStore:
-    def __init__(self, endpoint: str = "127.0.0.1:2379", timeout_s: float = 2.0):
+    def __init__(self, endpoint: str = "127.0.0.1:2379", timeout_s: float = 2.0, token: str = ""):
+        """``token``: the cluster secret; etcd's credentials are derived from it (``metadata/etcd_auth.py``)
+        and sent once etcd asks for them. Nothing is contacted here."""
         import pyetcd
 
         host, _, port = endpoint.rpartition(":")
         self.endpoint = endpoint
+        self.timeout_s = timeout_s
         self._client = pyetcd.client(host=host or "127.0.0.1", port=int(port), timeout=timeout_s)
         # The client refuses an endpoint for 300 s after one failure; retry it after a moment instead.
         for endpoint in self._client.endpoints.values():
             endpoint.time_retry = 0.2
         self._leases: dict[int, object] = {}
+        self._token = token
+        self._auth_lock = threading.Lock()
+        self.authenticated = False  # etcd asked for credentials and took ours
 
     def _call(self, fn, *args, **kwargs):
+        try:
+            return self._call_once(fn, *args, **kwargs)
+        except grpc.RpcError as e:
+            if not is_token_rejected(e):
+                raise
+            self._authenticate(e)
+            return self._call_once(fn, *args, **kwargs)
+
+    def _authenticate(self, refused: BaseException) -> None:
+        """etcd wants credentials (first call, or our auth token expired): log in with the derived ones."""
+        if not self._token:
+            raise StoreUnavailable(f"etcd at {self.endpoint} requires authentication and this process has no "
+                                   f"cluster secret (${TOKEN_ENV})") from None
+        with self._auth_lock:
+            try:
+                if not authenticate(self._client, self._token, self.timeout_s):
+                    raise refused
+            except grpc.RpcError as e:
+                if _is_unavailable(e):
+                    raise StoreUnavailable(f"etcd at {self.endpoint} is unreachable: {type(e).__name__}") from None
+                raise StoreUnavailable(f"etcd at {self.endpoint} refused our credentials: {e.details()} "
+                                       f"(another cluster secret?)") from None
+            self.authenticated = True
+
+    def _call_once(self, fn, *args, **kwargs):
         try:
             return fn(*args, **kwargs)
         except Exception as e:  # grpc and pyetcd raise several types for "cannot reach etcd"
@@ -63,6 +97,9 @@ class EtcdStore:
         if not responses or responses[0].TTL <= 0:
             raise KeyError(f"lease {lease_id} has expired")
 
+    def lease_alive(self, lease_id: int) -> bool:
+        return self._call(self._client.get_lease_info, lease_id).TTL > 0
+
     def revoke_lease(self, lease_id: int) -> None:
         self._call(self._client.revoke_lease, lease_id)
         self._leases.pop(lease_id, None)
@@ -80,17 +117,20 @@ class EtcdStore:
 
     def get_prefix(self, prefix: str) -> tuple[list[KeyValue], int]:
         response = self._call(self._client.get_prefix_response, prefix)
-        items = [KeyValue(kv.key.decode(), bytes(kv.value)) for kv in response.kvs]
+        items = [KeyValue(kv.key.decode(), bytes(kv.value), kv.lease) for kv in response.kvs]
         return items, response.header.revision
 
     def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
-        out: list[bytes | None] = []
+        return [kv.value if kv is not None else None for kv in self.get_entries(keys)]
+
+    def get_entries(self, keys: Sequence[str]) -> list[KeyValue | None]:
+        out: list[KeyValue | None] = []
         tx = self._client.transactions
         for batch in split_batches(keys, len):
             _, responses = self._call(self._client.transaction, compare=[], success=[tx.get(k) for k in batch],
                                       failure=[])
-            for found in responses:
-                out.append(bytes(found[0][0]) if found else None)
+            for key, found in zip(batch, responses):
+                out.append(KeyValue(key, bytes(found[0][0]), found[0][1].lease_id) if found else None)
         return out
 
     def watch_prefix(self, prefix: str, start_revision: int, callback: WatchCallback):
@@ -111,7 +151,7 @@ class EtcdStore:
             for e in response.events:
                 kind = "delete" if isinstance(e, ev.DeleteEvent) else "put"
                 events.append(WatchEvent(kind, e.key.decode(), bytes(e.value) if kind == "put" else b"",
-                                         e.mod_revision))
+                                         e.mod_revision, e.lease if kind == "put" else 0))
             if events:
                 callback(events)
 

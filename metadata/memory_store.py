@@ -33,6 +33,11 @@ class MemoryStore:
             ttl = self._leases[lease_id][1]
             self._leases[lease_id] = (time.monotonic() + ttl, ttl)
 
+    def lease_alive(self, lease_id: int) -> bool:
+        with self._lock:
+            self._expire()
+            return lease_id in self._leases
+
     def revoke_lease(self, lease_id: int) -> None:
         with self._lock:
             self._leases.pop(lease_id, None)
@@ -45,9 +50,9 @@ class MemoryStore:
                 raise KeyError(f"lease {lease_id} has expired")
             self._revision += 1
             events = []
-            for key, value in items:
+            for key, value, *_ in items:
                 self._data[key] = (value, lease_id)
-                events.append(WatchEvent("put", key, value, self._revision))
+                events.append(WatchEvent("put", key, value, self._revision, lease_id or 0))
             self._notify(events)
 
     def delete_many(self, keys: Sequence[str]) -> None:
@@ -59,13 +64,16 @@ class MemoryStore:
     def get_prefix(self, prefix: str) -> tuple[list[KeyValue], int]:
         with self._lock:
             self._expire()
-            items = [KeyValue(k, v) for k, (v, _) in sorted(self._data.items()) if k.startswith(prefix)]
+            items = [KeyValue(k, v, lease or 0) for k, (v, lease) in sorted(self._data.items()) if k.startswith(prefix)]
             return items, self._revision
 
     def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
+        return [kv.value if kv is not None else None for kv in self.get_entries(keys)]
+
+    def get_entries(self, keys: Sequence[str]) -> list[KeyValue | None]:
         with self._lock:
             self._expire()
-            return [self._data[k][0] if k in self._data else None for k in keys]
+            return [KeyValue(k, self._data[k][0], self._data[k][1] or 0) if k in self._data else None for k in keys]
 
     def watch_prefix(self, prefix: str, start_revision: int, callback: WatchCallback):
         with self._lock:

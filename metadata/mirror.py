@@ -16,8 +16,9 @@ from kvmesh.metadata.store import MetadataStore, StoreUnavailable, WatchEvent
 
 log = logging.getLogger("kvmesh.metadata")
 
-# on_change(kind, key, value): kind "put" | "delete" | "reset" (key/value empty: the copy was rebuilt)
-ChangeCallback = Callable[[str, str, bytes], None]
+# on_change(kind, key, value, lease): kind "put" | "delete" | "reset" (key/value empty: the copy was rebuilt);
+# lease: the lease a put key is attached to (0: none, and for deletes)
+ChangeCallback = Callable[[str, str, bytes, int], None]
 
 
 class PrefixMirror:
@@ -63,9 +64,9 @@ class PrefixMirror:
             self._generation += 1
             generation = self._generation
             self.revision = revision
-            self._on_change("reset", "", b"")
+            self._on_change("reset", "", b"", 0)
             for kv in items:
-                self._on_change("put", kv.key, kv.value)
+                self._on_change("put", kv.key, kv.value, kv.lease)
         self._cancel_watch = self.store.watch_prefix(
             self.prefix, revision + 1, lambda batch: self._on_watch(generation, batch))
         self.num_resyncs += 1
@@ -81,7 +82,7 @@ class PrefixMirror:
                 return
             for event in batch:
                 self.revision = max(self.revision, event.revision)
-                self._on_change(event.kind, event.key, event.value)
+                self._on_change(event.kind, event.key, event.value, event.lease)
 
     def mark_unhealthy(self) -> None:
         """Force a resync (used when a caller learns the store was unreachable)."""

@@ -43,7 +43,7 @@ class PinRegistry:
         with self._lock:
             return dict(self.pins)
 
-    def _apply(self, kind: str, key: str, value: bytes) -> None:
+    def _apply(self, kind: str, key: str, value: bytes, lease: int = 0) -> None:
         record = None
         with self._lock:
             if kind == "reset":

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass, field
 
 import msgpack
@@ -36,7 +37,22 @@ class NodeRecord:
         if not all(isinstance(getattr(record, f), str) for f in ("node_id", "host", "transfer_endpoint",
                                                                   "side_channel", "request_endpoint")):
             raise RecordError("node record: ids and endpoints must be strings")
+        for name in ("transfer_endpoint", "side_channel", "request_endpoint"):
+            endpoint = getattr(record, name)
+            if (endpoint or name != "request_endpoint") and not is_endpoint(endpoint):
+                raise RecordError(f"node record: {name} {endpoint[:80]!r} is not host:port")
+        if not isinstance(record.kv_layout, dict) or not isinstance(record.load, dict):
+            raise RecordError("node record: kv_layout and load must be maps")
         return record
+
+
+_ENDPOINT = re.compile(r"(?:[A-Za-z0-9][A-Za-z0-9.\-]{0,252}|\[[0-9A-Fa-f:.]{2,45}\]):([0-9]{1,5})")
+
+
+def is_endpoint(text: str) -> bool:
+    """``host:port`` (a name, an IPv4 address or a bracketed IPv6 address; port 1-65535), nothing else."""
+    match = _ENDPOINT.fullmatch(text)
+    return match is not None and 0 < int(match.group(1)) < 65536
 
 
 @dataclass(frozen=True)

@@ -57,6 +57,7 @@ class NodeRegistry:
         while not self._stop.wait(self.ttl_s / 3):
             try:
                 self.store.keepalive(self.lease_id)
+                self._restore_record()
             except KeyError:
                 log.warning("node %s: lease expired; registering again", self.record.node_id)
                 try:
@@ -65,6 +66,14 @@ class NodeRegistry:
                     pass
             except StoreUnavailable:
                 pass  # keep trying; the lease lives ttl_s past the last refresh
+
+    def _restore_record(self) -> None:
+        """Write our record back if someone deleted or replaced it (readers drop values without our MAC)."""
+        key = self.keys.node(self.record.node_id)
+        current = self.store.get_entries([key])[0]
+        if current is None or current.lease != self.lease_id or current.value != self.record.encode():
+            log.warning("node %s: our record in etcd was deleted or replaced; writing it back", self.record.node_id)
+            self.store.put_many([KeyValue(key, self.record.encode())], self.lease_id)
 
     def deregister(self) -> None:
         self._stop.set()
@@ -79,32 +88,59 @@ class NodeRegistry:
 
 
 class NodeDirectory:
-    """Everyone's node records, from a mirror; ``on_event(kind, node_id, record)`` for joins and deaths."""
+    """Everyone's node records, from a mirror; ``on_event(kind, node_id, record)`` for joins and deaths.
+
+    A node has left when its record is gone *and* its lease has ended: a record deleted while its lease
+    lives (by a process that can write to etcd, not by the node) is ignored and counted in
+    ``num_deletes_ignored`` (the node's registry writes it back). Records that fail validation are dropped
+    before anyone connects to them (``num_invalid``)."""
 
     def __init__(self, store: MetadataStore, cluster: str,
                  on_event: Callable[[str, str, NodeRecord | None], None] | None = None):
         self.keys = KeyLayout(cluster)
+        self.store = store
         self.nodes: dict[str, NodeRecord] = {}
+        self._leases: dict[str, int] = {}
+        self.num_deletes_ignored = 0
+        self.num_invalid = 0
         self._on_event = on_event
         self.mirror = PrefixMirror(store, self.keys.nodes_prefix, self._apply)
 
-    def _apply(self, kind: str, key: str, value: bytes) -> None:
+    def _lease_ended(self, node_id: str) -> bool:
+        lease = self._leases.get(node_id, 0)
+        try:
+            if lease and self.store.lease_alive(lease):
+                self.num_deletes_ignored += 1
+                log.warning("the record of node %s was deleted while its lease lives: ignored", node_id)
+                return False
+        except StoreUnavailable:
+            pass  # cannot tell: treat it as gone (a real node re-registers)
+        return True
+
+    def _apply(self, kind: str, key: str, value: bytes, lease: int = 0) -> None:
         if kind == "reset":
-            self.nodes = {}
+            self.nodes, self._leases = {}, {}
             return
         node_id = self.keys.parse_node(key)
         if node_id is None:
             log.warning("skipping a key that is not a node key: %r", key)
             return
         if kind == "delete":
-            if self.nodes.pop(node_id, None) is not None and self._on_event:
-                self._on_event("left", node_id, None)
+            if node_id in self.nodes and self._lease_ended(node_id):
+                del self.nodes[node_id]
+                self._leases.pop(node_id, None)
+                if self._on_event:
+                    self._on_event("left", node_id, None)
             return
         try:
             record = NodeRecord.decode(value)
+            if record.node_id != node_id:
+                raise RecordError(f"names node {record.node_id!r}")
         except RecordError as e:
+            self.num_invalid += 1
             log.warning("skipping node %s: %s", node_id, e)
             return
+        self._leases[node_id] = lease
         joined = node_id not in self.nodes
         self.nodes[node_id] = record
         if self._on_event:
@@ -114,13 +150,13 @@ class NodeDirectory:
         self.mirror.close()
 
 
-def wait_for_nodes(etcd: str, cluster: str, node_ids: set[str], timeout_s: float = 120.0) -> None:
+def wait_for_nodes(etcd: str, cluster: str, node_ids: set[str], timeout_s: float = 120.0, token: str = "") -> None:
     """Block until every node in ``node_ids`` is registered in ``cluster`` (launchers use it)."""
     import time
 
-    from kvmesh.metadata.etcd_store import EtcdStore
+    from kvmesh.metadata.sealed_store import open_store
 
-    store = EtcdStore(etcd)
+    store = open_store(etcd, token)
     directory = NodeDirectory(store, cluster)
     try:
         deadline = time.monotonic() + timeout_s

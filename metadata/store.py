@@ -21,6 +21,7 @@ class StoreUnavailable(KvmeshError, ConnectionError):
 class KeyValue(NamedTuple):
     key: str
     value: bytes
+    lease: int = 0  # the lease the key is attached to (reads fill it in; 0: none)
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,6 +30,7 @@ class WatchEvent:
     key: str
     value: bytes  # empty for deletes
     revision: int
+    lease: int = 0
 
 
 class CompactedError(KvmeshError):
@@ -47,6 +49,9 @@ class MetadataStore(Protocol):
 
     def revoke_lease(self, lease_id: int) -> None: ...
 
+    def lease_alive(self, lease_id: int) -> bool:
+        """Whether the lease still exists (raises StoreUnavailable)."""
+
     def put_many(self, items: Sequence[KeyValue], lease_id: int | None = None) -> None:
         """Write all items in one atomic batch (callers keep batches within the store's limits)."""
 
@@ -57,6 +62,9 @@ class MetadataStore(Protocol):
 
     def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
         """Point reads of several keys in one round trip."""
+
+    def get_entries(self, keys: Sequence[str]) -> list[KeyValue | None]:
+        """Point reads with each key's lease (None: absent)."""
 
     def watch_prefix(self, prefix: str, start_revision: int, callback: WatchCallback) -> Callable[[], None]:
         """Deliver every change under ``prefix`` from ``start_revision`` on; returns a cancel function."""

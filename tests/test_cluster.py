@@ -218,12 +218,12 @@ def test_dead_decode_node_is_a_clear_error_for_the_caller():
 def wait_until_published(cluster: LocalCluster, token_ids: list[int], num_blocks: int) -> None:
     """Until some node's entries for the first ``num_blocks`` blocks of ``token_ids`` are in etcd."""
     from kvmesh.metadata.block_index import BlockIndex
-    from kvmesh.metadata.etcd_store import EtcdStore
+    from kvmesh.metadata.sealed_store import open_store
     from kvmesh.node.runtime import index_namespace
 
     engine = LLM("tiny-llama", num_kv_blocks=64, progress=False).engine  # the nodes' model: the same hashes
     hashes = engine.kv.hash_prompt(token_ids)[:num_blocks]
-    store = EtcdStore(cluster.etcd_endpoint)
+    store = open_store(cluster.etcd_endpoint, cluster.token)
     index = BlockIndex(store, cluster.cluster, index_namespace(engine.namespace))
     try:
         wait_until(lambda: max(index.lookup_direct(hashes).values(), default=0) >= num_blocks)
@@ -246,7 +246,7 @@ def test_bad_requests_get_clear_errors(cluster):
     out = client.generate([1, 2, 99999], GREEDY)
     assert "vocabulary" in out.error
     assert "bogus" in client.submit(GenerateRequest("x", [1], {"max_tokens": 1, "bogus": 2})).get(timeout=10).error
-    raw = zmq.Context.instance().socket(zmq.DEALER)
+    raw = cluster.auth.curve_client(zmq.Context.instance().socket(zmq.DEALER))
     raw.linger = 0
     raw.connect(f"tcp://{cluster.nodes['decode-0'].info['requests']}")
     raw.send(cluster.auth.seal(b"\xc1 not msgpack"))  # authenticated, but not a message

@@ -23,7 +23,7 @@ from kvmesh.auth import TOKEN_ENV
 from kvmesh.bench.late_writes import PATHS, LateWritesConfig, run_one
 from kvmesh.cluster.hosts import Hosts, can_create
 from kvmesh.cluster.local_launcher import LocalCluster
-from kvmesh.metadata.etcd_store import EtcdStore
+from kvmesh.metadata.sealed_store import open_store
 from kvmesh.metadata.keys import KeyLayout
 from kvmesh.transfer.engine import mooncake_available
 
@@ -123,7 +123,7 @@ def _three_hosts(hosts, endpoint: str, placement: dict, args: list[str]) -> None
     with LocalCluster(1, 1, etcd=endpoint, hosts=hosts, placement=placement, node_args=args,
                       cluster="hosts3") as cluster:
         assert cluster.etcd_endpoint.startswith(hosts[1].address)
-        store = EtcdStore(cluster.etcd_endpoint)
+        store = open_store(cluster.etcd_endpoint, cluster.token)
         records, _ = store.get_prefix(KeyLayout("hosts3").nodes_prefix)
         assert len(records) == 2
         for rec in records:  # what the nodes publish is their host's address, never loopback
@@ -165,7 +165,7 @@ def test_a_host_link_going_down_and_coming_back(hosts):
         prompts = [prompt(100 + i, 80) for i in range(12)]
         want = reference(prompts)
         assert [c.token_ids for c in client.generate_many(prompts[:4], GREEDY)] == want[:4]
-        store = EtcdStore(cluster.etcd_endpoint)
+        store = open_store(cluster.etcd_endpoint, cluster.token)
         keys = KeyLayout("linkdown")
 
         def held_by_prefill() -> int:

@@ -19,6 +19,7 @@ from kvmesh.metadata.memory_store import MemoryStore
 from kvmesh.metadata.records import NodeRecord
 from kvmesh.metadata.store import KeyValue
 from kvmesh.metadata.registry import NodeDirectory, NodeRegistry
+from kvmesh.metadata.sealed_store import open_store
 from tests.metadata_node import chain
 
 
@@ -264,7 +265,7 @@ def test_compacted_watch_is_reported_and_the_mirror_resyncs(etcd):
     # A mirror whose watch breaks resyncs by itself and keeps every key.
     copy: dict[str, bytes] = {}
 
-    def apply(kind: str, key: str, value: bytes) -> None:
+    def apply(kind: str, key: str, value: bytes, lease: int) -> None:
         if kind == "reset":
             copy.clear()
         elif kind == "put":
@@ -286,16 +287,16 @@ def test_a_peer_registered_after_the_last_watch_event_is_found_in_etcd(etcd):
 
     layout = {"base_addr": 4096, "num_blocks": 8, "bytes_per_block": 512}
     me = ClusterMembership(etcd.endpoint, "fresh-peer", "holder", "mfresh", 10, on_peer_left=lambda _n: None)
-    me.start(NodeRecord("holder", "prefill", "127.0.0.1", "127.0.0.1:1", "tcp://127.0.0.1:2", kv_layout=layout))
+    me.start(NodeRecord("holder", "prefill", "127.0.0.1", "127.0.0.1:1", "127.0.0.1:2", kv_layout=layout))
     try:
         me.directory.close()  # its mirror hears nothing from now on
-        store = EtcdStore(etcd.endpoint)
-        record = NodeRecord("newcomer", "decode", "127.0.0.1", "127.0.0.1:3", "tcp://127.0.0.1:4", kv_layout=layout)
+        store = open_store(etcd.endpoint, "")
+        record = NodeRecord("newcomer", "decode", "127.0.0.1", "127.0.0.1:3", "127.0.0.1:4", kv_layout=layout)
         store.put_many([KeyValue(KeyLayout("fresh-peer").node("newcomer"), record.encode())])
         store.close()
         assert "newcomer" not in me.directory.nodes
         peer = me.peer("newcomer")
-        assert peer is not None and peer.side_channel == "tcp://127.0.0.1:4" and peer.num_blocks == 8
+        assert peer is not None and peer.side_channel == "127.0.0.1:4" and peer.num_blocks == 8
         assert me.peer("nobody") is None and me.peer("../bad name") is None
     finally:
         me.close()

@@ -11,7 +11,7 @@ from kvmesh import LLM, SamplingParams
 from kvmesh.cluster.local_launcher import LocalCluster
 from kvmesh.kv.block_hash import hash_blocks
 from kvmesh.kv.tiers.media import DiskLayout, DiskMedium
-from kvmesh.metadata.etcd_store import EtcdStore
+from kvmesh.metadata.sealed_store import open_store
 from kvmesh.metadata.keys import KeyLayout
 from kvmesh.metadata.records import BlockEntry, NodeRecord
 
@@ -65,7 +65,7 @@ def run_each(cluster: LocalCluster, node_id: str, prompts: list[list[int]], coun
 def index_of(cluster: LocalCluster, node_id: str) -> dict[bytes, int]:
     """What etcd's global index lists for ``node_id``: block hash -> tier."""
     keys = KeyLayout(cluster.cluster)
-    store = EtcdStore(cluster.etcd_endpoint)
+    store = open_store(cluster.etcd_endpoint, cluster.token)
     try:
         items, _ = store.get_prefix(keys.blocks_prefix)
     finally:
@@ -79,7 +79,7 @@ def index_of(cluster: LocalCluster, node_id: str) -> dict[bytes, int]:
 
 
 def record_of(cluster: LocalCluster, node_id: str) -> NodeRecord:
-    store = EtcdStore(cluster.etcd_endpoint)
+    store = open_store(cluster.etcd_endpoint, cluster.token)
     try:
         items, _ = store.get_prefix(KeyLayout(cluster.cluster).node(node_id))
     finally:

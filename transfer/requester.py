@@ -366,7 +366,7 @@ class KVRequester:
                         address = address.decode()
                         dealer = dealers.get(address)
                         if dealer is None:
-                            dealer = dealers[address] = self._ctx.socket(zmq.DEALER)
+                            dealer = dealers[address] = self._auth.curve_client(self._ctx.socket(zmq.DEALER))
                             dealer.linger = 0
                             dealer.connect(f"tcp://{address}")
                             by_socket[dealer] = address

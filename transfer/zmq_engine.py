@@ -3,7 +3,8 @@
 The receiving side runs a ROUTER thread that copies each payload frame into its
 registered memory; the writer sends one multipart message per batch (a header
 sealed with the cluster MAC naming the grant and the target ranges, then the
-payload frames) and waits for the ack. Before copying, the receiver checks the
+payload frames) and waits for the ack. With a cluster token both ends run
+CurveZMQ, so the payload frames are encrypted and authenticated too. Before copying, the receiver checks the
 header's MAC, that every range lies inside registered memory, and, when a write
 guard is set (nodes set their GrantTable's), that the ranges lie in the blocks
 of an open grant: a write after a revoke is refused, never copied.
@@ -19,7 +20,7 @@ import msgpack
 import torch
 import zmq
 
-from kvmesh.auth import AuthError, ClusterAuth
+from kvmesh.auth import AuthError, ClusterAuth, HandshakeMonitor
 from kvmesh.netaddr import zmq_bind_host
 from kvmesh.transfer.coalesce import Descriptor
 from kvmesh.transfer.errors import TransferError, TransferTimeout
@@ -38,8 +39,9 @@ class ZmqTransferEngine:
         self.num_refused = 0  # batches refused for any reason
         self.num_unauthenticated = 0  # of which: no valid cluster MAC
         self._regions: list[tuple[int, int, torch.Tensor]] = []
-        self._server = self._ctx.socket(zmq.ROUTER)
+        self._server = self._auth.curve_server(self._ctx.socket(zmq.ROUTER))
         self._server.linger = 0
+        self._handshakes = HandshakeMonitor(self._server) if self._auth.enabled else None
         port = self._server.bind_to_random_port(f"tcp://{zmq_bind_host(host)}")
         self.endpoint = f"{advertise or host}:{port}"
         self._peers: dict[str, zmq.Socket] = {}
@@ -66,8 +68,15 @@ class ZmqTransferEngine:
     def _serve(self) -> None:
         poller = zmq.Poller()
         poller.register(self._server, zmq.POLLIN)
+        if self._handshakes is not None:
+            poller.register(self._handshakes.socket, zmq.POLLIN)
         while not self._stop.is_set():
-            if not poller.poll(100):
+            events = dict(poller.poll(100))
+            if self._handshakes is not None and self._handshakes.socket in events:
+                failed = self._handshakes.drain()  # writers without the cluster key: never a byte copied
+                self.num_refused += failed
+                self.num_unauthenticated += failed
+            if self._server not in events:
                 continue
             identity, header, *payloads = self._server.recv_multipart(copy=False)
             seq, error = -1, b""
@@ -102,7 +111,7 @@ class ZmqTransferEngine:
         with self._send_lock:
             sock = self._peers.get(peer_endpoint)
             if sock is None:
-                sock = self._ctx.socket(zmq.DEALER)
+                sock = self._auth.curve_client(self._ctx.socket(zmq.DEALER))
                 sock.linger = 0
                 sock.connect(f"tcp://{peer_endpoint}")
                 self._peers[peer_endpoint] = sock
@@ -129,6 +138,9 @@ class ZmqTransferEngine:
         self._thread.join(timeout=2)
         for sock in self._peers.values():
             sock.close()
+        if self._handshakes is not None and not self._server.closed:
+            self._server.disable_monitor()
+            self._handshakes.close()
         self._server.close()
 
 

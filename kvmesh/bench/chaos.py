@@ -172,13 +172,15 @@ class _Run:
         self.hosts.link_up(host)
         self.log("prefill-0's link up")
 
-    def _ask(self, endpoint: str, payload: bytes) -> bytes | None:
-        sock = zmq.Context.instance().socket(zmq.DEALER)
+    def _ask(self, endpoint: str, payload: bytes, channel: ClusterAuth) -> bytes | None:
+        """Send ``payload`` over a connection secured with ``channel``'s keys (another token's: the handshake
+        fails and nothing is answered)."""
+        sock = channel.curve_client(zmq.Context.instance().socket(zmq.DEALER))
         sock.linger = 0
         sock.connect(f"tcp://{endpoint}")
         try:
             sock.send(payload)
-            return sock.recv() if sock.poll(5000) else None
+            return sock.recv() if sock.poll(5000 if channel is self.cluster.auth else 1000) else None
         finally:
             sock.close()
 
@@ -189,15 +191,18 @@ class _Run:
         for name, node in self.cluster.nodes.items():
             side, requests = node.info["side_channel"], node.info["requests"]
             attempts = [
-                (side, m.encode(m.PushRequest("forge-1", "decode-0", "g", [0, 1, 2, 3], hashes, 1000))),
-                (side, wrong.seal(m.encode(m.PushRequest("forge-2", "decode-0", "g", [0, 1, 2, 3], hashes, 1000)))),
-                (side, auth.seal(m.encode(m.PushRequest("forge-3", "mallory", "g", [0, 1, 2, 3], hashes, 1000)))),
-                (side, auth.seal(m.encode(m.PushRequest("forge-4", "decode-0", "g", [10**6], hashes[:1], 1000)))),
-                (requests, encode(nm.GenerateRequest("forge-5", [1, 2, 3], {"max_tokens": 1}))),
-                (requests, wrong.seal(encode(nm.GenerateRequest("forge-6", [1, 2, 3], {"max_tokens": 1})))),
+                (side, m.encode(m.PushRequest("forge-1", "decode-0", "g", [0, 1, 2, 3], hashes, 1000)), wrong),
+                (side, wrong.seal(m.encode(m.PushRequest("forge-2", "decode-0", "g", [0, 1, 2, 3], hashes, 1000))),
+                 auth),
+                (side, auth.seal(m.encode(m.PushRequest("forge-3", "mallory", "g", [0, 1, 2, 3], hashes, 1000))),
+                 auth),
+                (side, auth.seal(m.encode(m.PushRequest("forge-4", "decode-0", "g", [10**6], hashes[:1], 1000))),
+                 auth),
+                (requests, encode(nm.GenerateRequest("forge-5", [1, 2, 3], {"max_tokens": 1})), wrong),
+                (requests, wrong.seal(encode(nm.GenerateRequest("forge-6", [1, 2, 3], {"max_tokens": 1}))), auth),
             ]
-            for endpoint, payload in attempts:
-                reply = self._ask(endpoint, payload)
+            for endpoint, payload, channel in attempts:
+                reply = self._ask(endpoint, payload, channel)
                 self.forged["sent"] += 1
                 if reply is None or reply == REFUSED:
                     continue
@@ -211,7 +216,7 @@ class _Run:
         """Pushes that wait as long as allowed for blocks nobody has, plus some past the cap."""
         auth = self.cluster.auth
         side = self.cluster.nodes["decode-1"].info["side_channel"]
-        sock = zmq.Context.instance().socket(zmq.DEALER)
+        sock = auth.curve_client(zmq.Context.instance().socket(zmq.DEALER))
         sock.linger = 0
         sock.connect(f"tcp://{side}")
         ids = []

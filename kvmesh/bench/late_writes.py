@@ -118,10 +118,10 @@ def run_one(hosts: Hosts, backend: str, path: str, cfg: LateWritesConfig, bar: t
 
 def _published_revision(cluster: LocalCluster, num_blocks: int, timeout_s: float = 60.0) -> int:
     """Once decode-0 (the holder) has ``num_blocks`` entries in the index: etcd's revision then."""
-    from kvmesh.metadata.etcd_store import EtcdStore
+    from kvmesh.metadata.sealed_store import open_store
     from kvmesh.metadata.keys import KeyLayout
 
-    store = EtcdStore(cluster.etcd_endpoint)
+    store = open_store(cluster.etcd_endpoint, cluster.token)
     try:
         deadline = time.monotonic() + timeout_s
         while True:  # publication is asynchronous: read again

@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 from kvmesh.metadata.block_index import BlockIndex, BlockPublisher
 from kvmesh.metadata.keys import InvalidNameError, KeyLayout
-from kvmesh.metadata.etcd_store import EtcdStore
+from kvmesh.metadata.sealed_store import open_store
 from kvmesh.metadata.pins import PinRegistry
 from kvmesh.metadata.records import NodeRecord, PinRecord, RecordError
 from kvmesh.metadata.registry import NodeDirectory, NodeRegistry
@@ -38,8 +38,10 @@ def peer_record(record: NodeRecord) -> PeerRecord | None:
 class ClusterMembership:
     def __init__(self, etcd: str, cluster: str, node_id: str, namespace: str, lease_ttl_s: int,
                  on_peer_left: Callable[[str], None],
-                 on_pin_change: Callable[[str, str, PinRecord | None], None] | None = None):
+                 on_pin_change: Callable[[str, str, PinRecord | None], None] | None = None, token: str = ""):
+        """``token``: the cluster secret (etcd's credentials and the MAC on every value, ``metadata/sealed_store``)."""
         self.etcd, self.cluster, self.node_id, self.namespace = etcd, cluster, node_id, namespace
+        self._token = token
         self.lease_ttl_s = lease_ttl_s
         self._on_peer_left = on_peer_left
         self._on_pin_change = on_pin_change
@@ -48,7 +50,7 @@ class ClusterMembership:
         self.store = self.publisher = self.index = self.directory = self.registry = None
 
     def start(self, record: NodeRecord, sync_timeout_s: float = 30.0) -> ClusterMembership:
-        self.store = EtcdStore(self.etcd)
+        self.store = open_store(self.etcd, self._token)
         self.publisher = BlockPublisher(self.store, self.cluster, self.namespace, self.node_id)
         self.index = BlockIndex(self.store, self.cluster, self.namespace)
         self.directory = NodeDirectory(self.store, self.cluster, on_event=self._on_event)

@@ -22,7 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from kvmesh.auth import ClusterAuth
+from kvmesh.auth import ClusterAuth, require_secret
 from kvmesh.engine.engine import EngineConfig, LLMEngine
 from kvmesh.engine.scheduler import SchedulerConfig
 from kvmesh.engine.sequence import Sequence
@@ -94,6 +94,7 @@ class NodeConfig:
     num_speculative_tokens: int = 4
     enforce_eager: bool = False  # on CUDA: no decode CUDA graphs
     cluster_token: str = field(default="", repr=False)  # authenticates every frame (kvmesh.auth)
+    insecure: bool = False  # may bind beyond loopback without a cluster token
 
 
 def index_namespace(namespace: HashNamespace) -> str:
@@ -104,11 +105,12 @@ def index_namespace(namespace: HashNamespace) -> str:
 class NodeRuntime:
     def __init__(self, cfg: NodeConfig):
         self.cfg = cfg
+        require_secret(f"node {cfg.node_id}", [cfg.host], cfg.cluster_token, cfg.insecure)
         self.auth = ClusterAuth(cfg.cluster_token)
         self.advertise_host = advertise_address(cfg.host, cfg.advertise_host, cfg.etcd)
         if not self.auth.enabled:
-            log.warning("%s: no cluster token (--cluster-token / $KVMESH_CLUSTER_TOKEN): any process that reaches "
-                        "this node can submit work and make it write KV", cfg.node_id)
+            log.warning("%s: no cluster token ($KVMESH_CLUSTER_TOKEN / --cluster-token-file): any process that "
+                        "reaches this node can submit work and make it write KV", cfg.node_id)
         self.device = resolve_device(cfg.device)
         self.loaded = load_model(cfg.model, dtype=cfg.dtype, device=self.device, progress=False)
         self.shared_kv = SharedKVAllocator() if cfg.shared_memory_transfers else None
@@ -130,7 +132,8 @@ class NodeRuntime:
         self.engine.on_token = self.on_token
         self.membership = ClusterMembership(cfg.etcd, cfg.cluster, cfg.node_id,
                                             index_namespace(self.engine.namespace), cfg.lease_ttl_s,
-                                            on_peer_left=self._peer_left, on_pin_change=self._pin_changed)
+                                            on_peer_left=self._peer_left, on_pin_change=self._pin_changed,
+                                            token=cfg.cluster_token)
         self.agent = TransferAgent(cfg.node_id, self.pool, self.engine.runner.kv_buffer,
                                    create_transfer_engine(cfg.transfer_backend, host=cfg.host, auth=self.auth,
                                                           advertise=self.advertise_host),
