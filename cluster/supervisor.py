@@ -21,6 +21,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from kvmesh import lifecycle
 from kvmesh.cluster.local_launcher import LocalCluster
 
 log = logging.getLogger("kvmesh.supervisor")
@@ -66,8 +67,14 @@ class Supervisor:
             return self.cluster.etcd_running
         return self.cluster.nodes[s.name].proc.poll() is None
 
+    def _stopping(self) -> bool:
+        """Closing, or this process got SIGTERM / SIGINT (its children likely got it too): restart nothing."""
+        return self._stop.is_set() or lifecycle.stopping.is_set()
+
     def _run(self) -> None:
         while not self._stop.wait(0.1):
+            if lifecycle.stopping.is_set():
+                return
             now = time.monotonic()
             for s in list(self._procs.values()):
                 if s.state is ProcessState.UP and not self._alive(s):
@@ -90,6 +97,8 @@ class Supervisor:
         log.warning("%s exited (%s); restarting in %.1f s", s.name, s.last_exit, backoff)
 
     def _restart(self, s: _Supervised) -> None:
+        if self._stopping():
+            return
         s.restarts.append(time.monotonic())
         try:
             if s.role == "etcd":

@@ -12,6 +12,7 @@ import ctypes
 import ctypes.util
 import signal
 import sys
+import threading
 
 _PR_SET_PDEATHSIG = 1
 
@@ -27,10 +28,19 @@ def die_with_parent(sig: int = signal.SIGTERM):
     return arm
 
 
+# Set by the first SIGTERM or SIGINT: this process is stopping (supervisors restart nothing from then on).
+stopping = threading.Event()
+
+
 def _interrupt(signum, frame) -> None:
+    if stopping.is_set():
+        return  # a second signal must not interrupt the cleanup the first one started
+    stopping.set()
     raise KeyboardInterrupt
 
 
 def stop_on_sigterm() -> None:
-    """SIGTERM stops the calling process like Ctrl-C (its cleanup runs)."""
+    """SIGTERM stops the calling process like Ctrl-C (its cleanup runs, once: later signals are ignored);
+    both set ``stopping``."""
     signal.signal(signal.SIGTERM, _interrupt)
+    signal.signal(signal.SIGINT, _interrupt)

@@ -61,3 +61,53 @@ def test_serve_leaves_nothing_behind(sig):
         assert time.monotonic() < deadline, (f"left behind after {sig.name}: "
                                              f"{[p for p in pids if alive(p)]}, {os.path.exists(data_dir)}")
         time.sleep(0.1)
+
+
+def test_one_sigterm_to_the_process_group_ends_serve_and_restarts_nothing(tmp_path):
+    """Service managers signal the whole group: the nodes stop at the same moment as serve, and its supervisor
+    must take that for a shutdown, not for deaths to repair."""
+    log_path = tmp_path / "serve.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "kvmesh.cli", "serve", "--model", "tiny-llama",
+                                 "--dtype", "float32", "--grpc-port", "0", "--http-port", "0"],
+                                stdout=subprocess.PIPE, stderr=log, text=True, start_new_session=True)
+    url = json.loads(proc.stdout.readline())["http"].removesuffix("/v1")
+    with _NO_PROXY.open(url + "/ready", timeout=10) as r:
+        processes = json.loads(r.read())["supervisor"]["nodes"]
+    pids = [p["pid"] for p in processes.values()] + children_of(processes["etcd"]["pid"])
+    body = json.dumps({"prompt": "x" * 32, "max_tokens": 900, "stream": True}).encode()
+    request = urllib.request.Request(url + "/v1/completions", data=body, headers={"Content-Type": "application/json"})
+    stream = _NO_PROXY.open(request, timeout=60)  # in flight when the signal comes: the front end drains it
+    assert stream.readline().startswith(b"data:")
+    os.killpg(proc.pid, signal.SIGTERM)
+    assert proc.wait(timeout=30) == 0, "one SIGTERM to the group did not end serve within 30 s"
+    deadline = time.monotonic() + 30
+    while any(alive(p) for p in pids):
+        assert time.monotonic() < deadline, f"left behind: {[p for p in pids if alive(p)]}"
+        time.sleep(0.1)
+    stream.close()
+    text = log_path.read_text()
+    assert "restarting" not in text and "restarted" not in text, text[-2000:]
+
+
+def test_a_stopping_process_restarts_no_child():
+    """The first SIGTERM / SIGINT sets ``lifecycle.stopping``; a child seen dead after that stays down."""
+    from types import SimpleNamespace
+
+    from kvmesh import lifecycle
+    from kvmesh.cluster.supervisor import ProcessState, Supervisor
+
+    started = []
+    dead = SimpleNamespace(role="decode", proc=SimpleNamespace(poll=lambda: 0, returncode=0, pid=1))
+    cluster = SimpleNamespace(nodes={"decode-0": dead}, supervises_etcd=False,
+                              start_node=lambda role, name: started.append(name))
+    lifecycle.stopping.set()
+    try:
+        supervisor = Supervisor(cluster, base_backoff_s=0.0).start()
+        supervisor._thread.join(timeout=10)
+        assert not supervisor._thread.is_alive(), "the supervisor kept watching a stopping process's children"
+        supervisor._restart(supervisor._procs["decode-0"])  # a restart already due when the signal came
+        assert started == [] and supervisor._procs["decode-0"].state is not ProcessState.FAILED
+    finally:
+        lifecycle.stopping.clear()
+        supervisor.close()
