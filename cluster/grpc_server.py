@@ -17,6 +17,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from kvmesh.cluster.api_keys import ApiKeys
 from kvmesh.cluster.openai_protocol import MAX_CHOICES
 from kvmesh.cluster.router import Overloaded, Router
 from kvmesh.engine.sampling_params import SamplingParams
@@ -44,7 +45,8 @@ def sampling_from_proto(s) -> list[SamplingParams]:
                           else 1.0, top_p=s.top_p or 1.0, top_k=s.top_k or -1,
                           seed=s.seed if s.HasField("seed") else None, stop_token_ids=tuple(s.stop_token_ids),
                           stop=tuple(s.stop), ignore_eos=s.ignore_eos,
-                          logprobs=s.logprobs if s.HasField("logprobs") else None, priority=s.priority)
+                          logprobs=s.logprobs if s.HasField("logprobs") else None, priority=s.priority,
+                          cache_salt=s.cache_salt or None)
     n = s.n or 1
     if n > MAX_CHOICES:
         raise InvalidRequestError(f"n must be in 1..{MAX_CHOICES}, got {n}")
@@ -89,8 +91,14 @@ def merged(streams) -> Iterator[tuple[int, object]]:
 
 
 class RouterServicer(pb_grpc.RouterServicer):
-    def __init__(self, router: Router):
+    def __init__(self, router: Router, keys: ApiKeys | None = None):
         self.router = router
+        self.keys = keys or ApiKeys()
+
+    def _client_of(self, context) -> str:
+        """Who is asking, for the router's per-client limit: their key, else their address."""
+        client = self.keys.match(dict(context.invocation_metadata()).get("authorization"))
+        return client or context.peer().rpartition(":")[0]
 
     def _check_model(self, model: str, context) -> None:
         if model and model != self.router.model_name:
@@ -105,7 +113,8 @@ class RouterServicer(pb_grpc.RouterServicer):
                 prompt_ids = self.router.tokenize(request.text)
             else:
                 prompt_ids = list(request.token_ids.ids)
-            streams = [self.router.generate(prompt_ids, params, request.session_id) for params in choices]
+            client = self._client_of(context)
+            streams = [self.router.generate(prompt_ids, params, request.session_id, client) for params in choices]
             for index, chunk in merged(streams):
                 if not context.is_active():
                     return
@@ -143,12 +152,13 @@ class RouterServicer(pb_grpc.RouterServicer):
 
 
 class BearerTokenInterceptor(grpc.ServerInterceptor):
-    """Refuses calls without ``authorization: Bearer <token>`` (health and reflection stay open)."""
+    """Refuses calls without ``authorization: Bearer <key>`` of one of ``keys`` (health and reflection stay
+    open)."""
 
     _OPEN = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 
-    def __init__(self, token: str):
-        self._expected = f"Bearer {token}"
+    def __init__(self, keys: ApiKeys):
+        self._keys = keys
 
         def deny(request, context):
             context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
@@ -159,7 +169,7 @@ class BearerTokenInterceptor(grpc.ServerInterceptor):
     def intercept_service(self, continuation, details):
         if details.method.startswith(self._OPEN):
             return continuation(details)
-        if dict(details.invocation_metadata).get("authorization") == self._expected:
+        if self._keys.match(dict(details.invocation_metadata).get("authorization")) is not None:
             return continuation(details)
         return self._deny_stream if details.method.endswith("/Generate") else self._deny
 
@@ -186,14 +196,17 @@ def _follow_readiness(router: Router, health_servicer, period_s: float = 0.5) ->
 
 
 def start_grpc_server(router: Router, address: str = "127.0.0.1:50051", max_workers: int = 64,
-                      token: str | None = None, tls: tuple[bytes, bytes] | None = None) -> tuple[grpc.Server, int]:
+                      token: str | ApiKeys | None = None, tls: tuple[bytes, bytes] | None = None
+                      ) -> tuple[grpc.Server, int]:
     """Start serving; returns the server and the bound port (``:0`` picks a free one).
 
-    ``token``: require ``authorization: Bearer <token>``; ``tls``: (PEM key, PEM certificate chain).
+    ``token``: require ``authorization: Bearer <key>`` (one key, or ``ApiKeys``); ``tls``: (PEM key, PEM
+    certificate chain).
     """
-    interceptors = [BearerTokenInterceptor(token)] if token else []
+    keys = token if isinstance(token, ApiKeys) else ApiKeys([token] if token else [])
+    interceptors = [BearerTokenInterceptor(keys)] if keys.enabled else []
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), interceptors=interceptors)
-    pb_grpc.add_RouterServicer_to_server(RouterServicer(router), server)
+    pb_grpc.add_RouterServicer_to_server(RouterServicer(router, keys), server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)

@@ -16,6 +16,7 @@ import uuid
 from aiohttp import web
 
 from kvmesh.cluster import openai_protocol as proto
+from kvmesh.cluster.api_keys import ApiKeys
 from kvmesh.cluster.router import Overloaded, Router
 from kvmesh.errors import InvalidRequestError, KvmeshError
 
@@ -26,23 +27,28 @@ def _error(status: int, message: str, kind: str) -> web.Response:
     return web.json_response({"error": {"message": message, "type": kind, "code": status}}, status=status)
 
 
-def _bearer_middleware(token: str):
-    expected = f"Bearer {token}"
+OPEN_PATHS = ("/health", "/ready")  # probes: everything else needs a key when keys are set
+CLIENT = web.RequestKey("client", str)  # the API key's client id, set by the bearer check
 
+
+def _bearer_middleware(keys: ApiKeys):
     @web.middleware
     async def check(request: web.Request, handler):
-        protected = request.path.startswith("/v1/") or request.path.startswith("/admin/")
-        if protected and request.headers.get("Authorization") != expected:
-            return _error(401, "missing or wrong bearer token", "authentication_error")
+        if request.path not in OPEN_PATHS:
+            client = keys.match(request.headers.get("Authorization"))
+            if client is None:
+                return _error(401, "missing or wrong bearer token", "authentication_error")
+            request[CLIENT] = client
         return await handler(request)
 
     return check
 
 
 class OpenAIServer:
-    def __init__(self, router: Router, token: str | None = None):
+    def __init__(self, router: Router, token: str | ApiKeys | None = None):
         self.router = router
-        middlewares = [_bearer_middleware(token)] if token else []
+        keys = token if isinstance(token, ApiKeys) else ApiKeys([token] if token else [])
+        middlewares = [_bearer_middleware(keys)] if keys.enabled else []
         self.app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=middlewares)
         self.app.router.add_get("/v1/models", self.models)
         self.app.router.add_post("/v1/completions", self.completions)
@@ -157,7 +163,8 @@ class OpenAIServer:
                 raise InvalidRequestError(f"{len(prompts)} prompts x n={len(params)} is more than "
                                           f"{proto.MAX_CHOICES} choices")
             user = str(body.get("user") or "")
-            streams = [self.router.generate(p, sp, user) for p in prompts for sp in params]
+            client = request.get(CLIENT) or request.remote or ""
+            streams = [self.router.generate(p, sp, user, client) for p in prompts for sp in params]
             firsts = await asyncio.gather(*(asyncio.to_thread(next, s) for s in streams), return_exceptions=True)
             failure = next((f for f in firsts if isinstance(f, BaseException)), None)
             if failure is not None:  # validation or admission failed for one: none of them runs
@@ -298,6 +305,12 @@ async def start_http_server(router: Router, host: str = "127.0.0.1", port: int =
 
         ssl_context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
         ssl_context.load_cert_chain(*tls)
+    # Streams wait in threads (a chunk each, or a whole non-streamed choice): a pool sized for the router's
+    # in-flight limit, so that n=16 requests cannot starve the rest.
+    from concurrent.futures import ThreadPoolExecutor
+
+    asyncio.get_running_loop().set_default_executor(
+        ThreadPoolExecutor(router.cfg.max_in_flight + 16, thread_name_prefix="kvmesh-http"))
     # On shutdown, open streams get 3 s to finish (aiohttp's default is 60 s: a SIGTERM'd router seemed hung).
     runner = web.AppRunner(OpenAIServer(router, token).app, shutdown_timeout=3.0)
     await runner.setup()

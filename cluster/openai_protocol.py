@@ -32,6 +32,7 @@ def sampling_params(body: dict, chat: bool) -> SamplingParams:
                           top_p=1.0 if top_p is None else top_p, top_k=-1 if top_k is None else top_k,
                           seed=body.get("seed"), ignore_eos=body.get("ignore_eos", False),  # a vLLM extension
                           logprobs=logprobs, priority=body.get("priority", 0),  # a vLLM extension too
+                          cache_salt=body.get("cache_salt"),  # vLLM's: tenants that must not share prefix hits
                           stop=(stop,) if isinstance(stop, str) else tuple(stop) if isinstance(stop, list) else stop)
 
 
@@ -58,7 +59,7 @@ _UNSUPPORTED = {"best_of": lambda v: v not in (None, 1),
                 "response_format": lambda v: v not in (None, {"type": "text"})}
 
 
-_FIELDS = {"model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed", "stop", "n",
+_FIELDS = {"model", "cache_salt", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed", "stop", "n",
            "stream", "stream_options", "ignore_eos", "user", "logprobs", "priority"}
 _COMPLETION_FIELDS = _FIELDS | {"prompt"}
 _CHAT_FIELDS = _FIELDS | {"messages", "top_logprobs"}

@@ -23,7 +23,7 @@ from kvmesh.cluster.node_connection import NodeConnection, NodeLost
 from kvmesh.cluster.routing import Candidate, make_policy
 from kvmesh.engine.sampling_params import SamplingParams, to_wire
 from kvmesh.errors import InvalidRequestError, KvmeshError
-from kvmesh.kv.block_hash import hash_blocks
+from kvmesh.kv.block_hash import hash_blocks, salted_root
 from kvmesh.kv.prefix_hasher import PrefixHasher
 from kvmesh.metadata.block_index import BlockIndex
 from kvmesh.metadata.pins import PinRegistry
@@ -51,6 +51,7 @@ class RouterConfig:
     block_size: int = 16
     dtype: str = "float32"
     max_in_flight: int = 256
+    max_in_flight_per_client: int = 0  # one client (API key, else address) at most this many (0: half the above)
     request_timeout_s: float = 300.0
     liveness_s: float = 3.0  # a decode node silent this long (and deaf to a ping) is lost
     cluster_token: str = field(default="", repr=False)  # seals every frame to the nodes (kvmesh.auth)
@@ -134,6 +135,7 @@ class Router:
         self._connections: dict[str, NodeConnection] = {}
         self._lock = threading.Lock()
         self._in_flight = 0
+        self._in_flight_by_client: Counter[str] = Counter()
         self._queued_tokens: Counter[str] = Counter()  # node -> uncached prompt tokens awaiting a first token
         self._ids = itertools.count()
         self.num_migrations = 0
@@ -160,7 +162,8 @@ class Router:
             raise InvalidRequestError(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) "
                                       f"exceeds the context of {self.max_model_len}")
 
-    def generate(self, prompt_ids: list[int], params: SamplingParams, session_id: str = "") -> Iterator[Chunk]:
+    def generate(self, prompt_ids: list[int], params: SamplingParams, session_id: str = "",
+                 client: str = "") -> Iterator[Chunk]:
         """Stream a completion. Raises InvalidRequestError / Overloaded before the first chunk.
 
         If the decode node dies mid-stream, the prompt plus the tokens streamed so far go
@@ -174,11 +177,17 @@ class Router:
         except InvalidRequestError:
             self.metrics.requests.labels("invalid").inc()
             raise
+        per_client = self.cfg.max_in_flight_per_client or max(1, self.cfg.max_in_flight // 2)
         with self._lock:
             if self._in_flight >= self.cfg.max_in_flight:
                 self.metrics.requests.labels("overloaded").inc()
                 raise Overloaded(f"{self._in_flight} requests in flight (limit {self.cfg.max_in_flight})")
+            if self._in_flight_by_client[client] >= per_client:
+                self.metrics.requests.labels("overloaded").inc()
+                raise Overloaded(f"this client has {self._in_flight_by_client[client]} requests in flight "
+                                 f"(limit {per_client} per client)")
             self._in_flight += 1
+            self._in_flight_by_client[client] += 1
         self.metrics.in_flight.inc()
         state = _StreamState(len(prompt_ids))
         lost: set[tuple[str, str]] = set()  # (node id, request endpoint): a restarted node is a new incarnation
@@ -187,8 +196,8 @@ class Router:
         try:
             while True:
                 context = list(prompt_ids) + state.tokens
-                node_id, uncached = self._choose_node_waiting(context, session_id, lost) if lost else \
-                    self._choose_node(context, session_id)
+                node_id, uncached = self._choose_node_waiting(context, session_id, lost, params.cache_salt) \
+                    if lost else self._choose_node(context, session_id, cache_salt=params.cache_salt)
                 queued.add(node_id, uncached)
                 if not lost:
                     self.metrics.queue.observe(time.perf_counter() - arrived)
@@ -226,6 +235,9 @@ class Router:
             self.metrics.in_flight.dec()
             with self._lock:
                 self._in_flight -= 1
+                self._in_flight_by_client[client] -= 1
+                if self._in_flight_by_client[client] <= 0:
+                    del self._in_flight_by_client[client]
 
     def _record_finished(self, chunk: Chunk, state: _StreamState, arrived: float) -> None:
         now = time.perf_counter()
@@ -296,27 +308,28 @@ class Router:
                         self.fingerprint)
         return False
 
-    def _choose_node_waiting(self, prompt_ids: list[int], session_id: str, lost: set[tuple[str, str]]) -> Route:
+    def _choose_node_waiting(self, prompt_ids: list[int], session_id: str, lost: set[tuple[str, str]],
+                             cache_salt: str | None = None) -> Route:
         """After a node was lost: a decode node not lost yet, waiting up to ``migration_wait_s`` for one to
         (re)appear; raises KvmeshError naming the lost nodes when none does."""
         deadline = time.monotonic() + self.cfg.migration_wait_s
         while True:
             try:
-                return self._choose_node(prompt_ids, session_id, lost)
+                return self._choose_node(prompt_ids, session_id, lost, cache_salt)
             except KvmeshError:
                 if time.monotonic() >= deadline:
                     raise
             time.sleep(0.1)
 
-    def _choose_node(self, prompt_ids: list[int], session_id: str, exclude: set[tuple[str, str]] = frozenset()
-                     ) -> Route:
+    def _choose_node(self, prompt_ids: list[int], session_id: str, exclude: set[tuple[str, str]] = frozenset(),
+                     cache_salt: str | None = None) -> Route:
         decode_nodes = {n: r for n, r in self.directory.nodes.items()
                         if r.role == "decode" and (n, r.request_endpoint) not in exclude
                         and self._serves_our_model(n, r)}
         if not decode_nodes:
             lost = sorted({n for n, _ in exclude})
             raise KvmeshError("no decode node is available" + (f" ({', '.join(lost)} lost)" if lost else ""))
-        hashes = self.hasher.hash(self.root_hash, prompt_ids)
+        hashes = self.hasher.hash(salted_root(self.root_hash, cache_salt), prompt_ids)
         held = self.index.lookup(hashes) if hashes else {}
         with self._lock:
             queued = dict(self._queued_tokens)
@@ -385,6 +398,12 @@ class Router:
                                       f"block), got {len(prompt_ids)}")
         pin_id = hashes[-1].hex()
         num_tokens = len(hashes) * self.cfg.block_size
+        pinned = {p: len(r.token_ids) // self.cfg.block_size for p, r in self.pin_registry.snapshot().items()}
+        pinned[pin_id] = len(hashes)
+        limit = self.max_pinned_blocks()
+        if sum(pinned.values()) > limit:
+            raise InvalidRequestError(f"pinning {len(hashes)} more blocks would pin {sum(pinned.values())} blocks: "
+                                      f"at most {limit} (a quarter of the smallest decode node's KV blocks)")
         self.pin_registry.put(pin_id, PinRecord(list(prompt_ids[:num_tokens]), label, time.time()))
         return {"id": pin_id, "num_blocks": len(hashes), "num_tokens": num_tokens, "label": label}
 
@@ -394,6 +413,17 @@ class Router:
             return False
         self.pin_registry.delete(pin_id)
         return True
+
+    def max_pinned_blocks(self) -> int:
+        """Pins may hold at most a quarter of the smallest decode node's KV blocks (all pins together)."""
+        sizes = []
+        for record in self.directory.nodes.values():
+            try:
+                if record.role == "decode":
+                    sizes.append(int(record.kv_layout.get("num_blocks", 0)))
+            except (TypeError, ValueError):
+                continue
+        return min(sizes, default=0) // 4
 
     def pins(self) -> list[dict]:
         """Every pin, with how many of its blocks each node holds pinned right now."""

@@ -13,7 +13,8 @@ import json
 import os
 import sys
 
-from kvmesh.auth import add_secret_arguments, generate_token, secret_from_args
+from kvmesh.auth import add_secret_arguments, generate_token, is_loopback, secret_from_args
+from kvmesh.cluster.api_keys import api_keys_from_args
 from kvmesh.cluster.local_launcher import LocalCluster
 from kvmesh.cluster.parts import exit_now
 from kvmesh.cluster.router import Router, RouterConfig
@@ -88,11 +89,15 @@ def run_front_ends(args: argparse.Namespace, etcd: str, cluster: str, cluster_to
     router.supervision = supervision
     tls_files = (args.tls_cert, args.tls_key) if args.tls_cert else None
     tls_pem = tuple(open(f, "rb").read() for f in (args.tls_key, args.tls_cert)) if tls_files else None
-    grpc_server, grpc_port = start_grpc_server(router, f"{args.host}:{args.grpc_port}", token=args.api_key,
+    keys = api_keys_from_args(args)
+    if not keys.enabled and not is_loopback(args.host):
+        print(f"kvmesh: the front ends on {args.host} take requests from anyone who reaches them (no "
+              f"--api-key-file / $KVMESH_API_KEY)", file=sys.stderr)
+    grpc_server, grpc_port = start_grpc_server(router, f"{args.host}:{args.grpc_port}", token=keys,
                                                tls=tls_pem)
 
     async def main() -> None:
-        runner, http_port = await start_http_server(router, args.host, args.http_port, token=args.api_key,
+        runner, http_port = await start_http_server(router, args.host, args.http_port, token=keys,
                                                     tls=tls_files)
         scheme = "https" if tls_files else "http"
         print(json.dumps({"grpc": f"{args.host}:{grpc_port}", "http": f"{scheme}://{args.host}:{http_port}/v1",

@@ -421,7 +421,7 @@ class DecodeWorker(NodeRuntime):
                 outcome = self.agent.requester.compute_and_push(
                     node_id, seq.block_ids[got:end], list(seq.prompt_token_ids), got,
                     request_id=f"{seq.request_id}/prefill", timeout_s=self.cfg.prefill_timeout_s,
-                    wanted_within_s=wanted_within_s)
+                    wanted_within_s=wanted_within_s, cache_salt=seq.params.cache_salt or "")
             finally:
                 with self._lock:
                     self._prefills_in_flight[node_id] -= 1

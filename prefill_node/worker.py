@@ -24,7 +24,8 @@ from kvmesh.transfer import messages as m
 from kvmesh.transfer.errors import TransferError, TransferRefused
 
 log = logging.getLogger("kvmesh.prefill")
-_PREFILL_ONLY = SamplingParams(max_tokens=1, temperature=0.0)
+def _prefill_only(cache_salt: str) -> SamplingParams:
+    return SamplingParams(max_tokens=1, temperature=0.0, cache_salt=cache_salt or None)
 
 
 @dataclass(slots=True)
@@ -33,6 +34,7 @@ class _Prefill:
 
     prompt_token_ids: list[int]
     hashes: list[BlockHash]
+    cache_salt: str = ""
     held: list[int] = field(default_factory=list)  # local hits and pulled blocks we keep a reference on
     seq: Sequence | None = None
     released: bool = False
@@ -55,11 +57,11 @@ class PrefillWorker(NodeRuntime):
         bs = self.cfg.block_size
         prompt = msg.prompt_token_ids
         try:
-            self.engine.prepare_request(prompt, _PREFILL_ONLY, request_id=f"check:{msg.request_id}")
+            self.engine.prepare_request(prompt, _prefill_only(msg.cache_salt), request_id=f"check:{msg.request_id}")
         except Exception as e:
             self.num_refused += 1
             raise TransferRefused(str(e), code=m.ErrorCode.INVALID_PROMPT.value, request_id=msg.request_id) from None
-        hashes = self.engine.kv.hash_prompt(prompt[: (len(prompt) - 1) // bs * bs])
+        hashes = self.engine.kv.hash_prompt(prompt[: (len(prompt) - 1) // bs * bs], msg.cache_salt or None)
         wanted = hashes[msg.first_block: msg.first_block + len(msg.dst_block_ids)]
         if len(wanted) < len(msg.dst_block_ids):
             self.num_refused += 1
@@ -76,7 +78,7 @@ class PrefillWorker(NodeRuntime):
                     raise TransferRefused(f"busy: this prompt would be ready in {finish_s * 1e3:.0f} ms here, the "
                                           f"requester computes it in {msg.wanted_within_ms} ms",
                                           code=m.ErrorCode.BUSY.value, request_id=msg.request_id)
-            self._prefills[msg.request_id] = _Prefill(list(prompt), hashes)
+            self._prefills[msg.request_id] = _Prefill(list(prompt), hashes, msg.cache_salt)
         self.workers.submit(self._prepare, msg.request_id)
         return wanted
 
@@ -136,7 +138,7 @@ class PrefillWorker(NodeRuntime):
             self._drop(prefill)
             return
         try:
-            prefill.seq = self.engine.add_request(prefill.prompt_token_ids, _PREFILL_ONLY,
+            prefill.seq = self.engine.add_request(prefill.prompt_token_ids, _prefill_only(prefill.cache_salt),
                                                   request_id=f"prefill:{request_id}")
         except Exception as e:  # validated at admission; a failure here ends in the holder's deadline
             log.warning("%s: prefill %s failed to start: %s", self.cfg.node_id, request_id, e)

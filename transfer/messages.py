@@ -120,9 +120,12 @@ class ComputeAndPush:
     deadline_ms: int
     wanted_within_ms: int = 0
     landing: bool = False  # dst ids are landing slots, not KV blocks
+    cache_salt: str = ""  # the request's (its chain's root is salted with it)
 
     def validate(self) -> None:
         _check_grant(self.TYPE, self.grant_id, self.dst_block_ids, self.deadline_ms)
+        if not isinstance(self.cache_salt, str) or len(self.cache_salt) > 256:
+            raise MessageError("compute_and_push: cache_salt must be a string of at most 256 characters")
         if not self.prompt_token_ids or any(t < 0 for t in self.prompt_token_ids):
             raise MessageError("compute_and_push: empty prompt or negative token id")
         if self.first_block < 0:

@@ -121,7 +121,8 @@ class KVRequester:
                                   landing=g.fence is Fence.LANDING))
 
     def compute_and_push(self, peer_id: str, block_ids: list[int], prompt_token_ids: list[int], first_block: int,
-                         *, request_id: str, timeout_s: float, wanted_within_s: float = 0.0) -> PushOutcome:
+                         *, request_id: str, timeout_s: float, wanted_within_s: float = 0.0,
+                         cache_salt: str = "") -> PushOutcome:
         """Ask prefill node ``peer_id`` to compute the prompt and write blocks ``first_block..`` into ``block_ids``.
 
         ``wanted_within_s``: we would have them sooner by computing them ourselves; the prefill node refuses
@@ -133,7 +134,8 @@ class KVRequester:
         return self._converse(peer_id, block_ids, request_id, timeout_s, deadline_ms / 1000,
                               lambda cid, g, offset: m.ComputeAndPush(
                                   cid, self.node_id, g.grant_id, list(prompt_token_ids), first_block + offset,
-                                  list(g.block_ids), deadline_ms, wanted_ms, landing=g.fence is Fence.LANDING),
+                                  list(g.block_ids), deadline_ms, wanted_ms, landing=g.fence is Fence.LANDING,
+                                  cache_salt=cache_salt),
                               compute=True)
 
     def abort(self, request_id: str, reason: str = "aborted by the requester") -> int:

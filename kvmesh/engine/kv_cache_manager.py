@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Sequence as Seq
 
 from kvmesh.engine.sequence import Sequence
-from kvmesh.kv.block_hash import BlockHash, hash_blocks
+from kvmesh.kv.block_hash import BlockHash, hash_blocks, salted_root
 from kvmesh.kv.block_pool import NO_BLOCK, BlockPool
 from kvmesh.kv.cache_stats import PrefixCacheStats
 from kvmesh.kv.prefix_hasher import PrefixHasher
@@ -30,9 +30,10 @@ class KVCacheManager:
         self.stats = PrefixCacheStats()
         self.hasher = PrefixHasher(block_size)  # prompts that repeat a recent prefix are compared, not rehashed
 
-    def hash_prompt(self, token_ids: list[int]) -> list[BlockHash]:
-        """The block hashes of every full block of a prompt (from the namespace root)."""
-        return self.hasher.hash(self.root_hash, token_ids)
+    def hash_prompt(self, token_ids: list[int], cache_salt: str | None = None) -> list[BlockHash]:
+        """The block hashes of every full block of a prompt (from the namespace root, salted by the request's
+        ``cache_salt``)."""
+        return self.hasher.hash(salted_root(self.root_hash, cache_salt), token_ids)
 
     def update_hashes(self, seq: Sequence) -> None:
         """Extend ``seq.block_hashes`` to every full block of its tokens (prompt and output)."""
@@ -42,7 +43,7 @@ class KVCacheManager:
             return
         tokens = seq.token_ids(have * self.block_size, num_full * self.block_size)
         seq.block_hashes.extend(hash_blocks(seq.block_hashes[-1], tokens, self.block_size) if have
-                                else self.hash_prompt(tokens))
+                                else self.hash_prompt(tokens, seq.params.cache_salt))
 
     def find_cached_prefix(self, seq: Sequence) -> list[int]:
         """Block ids of the longest usable cached prefix (no reference taken); fills ``seq.block_hashes``."""

@@ -15,6 +15,10 @@ from kvmesh.errors import InvalidRequestError
 
 MAX_LOGPROBS = 20
 MIN_PRIORITY, MAX_PRIORITY = -1000, 1000
+MAX_STOP_STRINGS, MAX_STOP_CHARS = 16, 256  # each token event scans the text for every stop string
+MAX_STOP_TOKEN_IDS = 256
+MAX_CACHE_SALT_CHARS = 256
+GREEDY_BELOW = 1e-5  # a temperature below this is greedy (dividing logits by it overflows float32)
 
 
 @dataclass(frozen=True)
@@ -29,6 +33,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # also return this many most likely alternatives per token (0..20)
     priority: int = 0  # lower is more urgent (admitted first, preempted last); ageing bounds waits
+    cache_salt: str | None = None  # prefix-cache hits only between requests with the same salt (tenants)
 
     def __post_init__(self) -> None:
         # Accept lists from callers while keeping the frozen record hashable.
@@ -55,6 +60,15 @@ class SamplingParams:
             raise InvalidRequestError(f"top_k must be -1 (off) or >= 1, got {self.top_k!r}")
         if any(not s for s in self.stop):
             raise InvalidRequestError("stop strings must be non-empty")
+        if len(self.stop) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_CHARS for s in self.stop):
+            raise InvalidRequestError(f"at most {MAX_STOP_STRINGS} stop strings of at most {MAX_STOP_CHARS} "
+                                      f"characters each")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise InvalidRequestError(f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids, got {len(self.stop_token_ids)}")
+        if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt
+                                            or len(self.cache_salt) > MAX_CACHE_SALT_CHARS):
+            raise InvalidRequestError(f"cache_salt must be a non-empty string of at most {MAX_CACHE_SALT_CHARS} "
+                                      f"characters")
         if isinstance(self.priority, bool) or not isinstance(self.priority, int) or \
                 not MIN_PRIORITY <= self.priority <= MAX_PRIORITY:
             raise InvalidRequestError(f"priority must be an integer in {MIN_PRIORITY}..{MAX_PRIORITY}, "
@@ -65,11 +79,11 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        return self.temperature < GREEDY_BELOW or self.top_k == 1
 
 
 WIRE_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids", "ignore_eos", "logprobs",
-               "priority")
+               "priority", "cache_salt")
 
 
 def to_wire(params: SamplingParams) -> dict:

@@ -55,6 +55,14 @@ def root_hash(namespace: bytes) -> BlockHash:
     return hashlib.blake2b(namespace, digest_size=16, person=_NS_PERSON).digest()
 
 
+def salted_root(root: BlockHash, cache_salt: str | None) -> BlockHash:
+    """The chain root of requests carrying ``cache_salt`` (``root`` itself without one): their blocks share
+    hashes, hits and ``cached_tokens`` only with requests of the same salt."""
+    if not cache_salt:
+        return root
+    return hashlib.blake2b(root + cache_salt.encode(), digest_size=16, person=b"kvmesh-salt-v1").digest()
+
+
 def tokens_to_bytes(token_ids: Sequence[int]) -> bytes:
     """Little-endian uint32 bytes of the tokens, converted once in bulk."""
     arr = array.array("I", token_ids)
