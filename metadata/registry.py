@@ -92,8 +92,11 @@ class NodeDirectory:
 
     A node has left when its record is gone *and* its lease has ended: a record deleted while its lease
     lives (by a process that can write to etcd, not by the node) is ignored and counted in
-    ``num_deletes_ignored`` (the node's registry writes it back). Records that fail validation are dropped
+    ``num_deletes_ignored``; the node's registry writes it back, and until then its lease is checked every
+    ``recheck_s``, so a node that dies meanwhile still leaves. Records that fail validation are dropped
     before anyone connects to them (``num_invalid``)."""
+
+    recheck_s = 1.0
 
     def __init__(self, store: MetadataStore, cluster: str,
                  on_event: Callable[[str, str, NodeRecord | None], None] | None = None):
@@ -101,6 +104,8 @@ class NodeDirectory:
         self.store = store
         self.nodes: dict[str, NodeRecord] = {}
         self._leases: dict[str, int] = {}
+        self._orphans: set[str] = set()  # deleted while their lease lived: not believed yet
+        self._closed = threading.Event()
         self.num_deletes_ignored = 0
         self.num_invalid = 0
         self._on_event = on_event
@@ -109,13 +114,26 @@ class NodeDirectory:
     def _lease_ended(self, node_id: str) -> bool:
         lease = self._leases.get(node_id, 0)
         try:
-            if lease and self.store.lease_alive(lease):
-                self.num_deletes_ignored += 1
-                log.warning("the record of node %s was deleted while its lease lives: ignored", node_id)
-                return False
+            return not (lease and self.store.lease_alive(lease))
         except StoreUnavailable:
-            pass  # cannot tell: treat it as gone (a real node re-registers)
-        return True
+            return True  # cannot tell: treat it as gone (a live node registers again)
+
+    def _left(self, node_id: str) -> None:
+        self._orphans.discard(node_id)
+        self._leases.pop(node_id, None)
+        if self.nodes.pop(node_id, None) is not None and self._on_event:
+            self._on_event("left", node_id, None)
+
+    def _recheck(self, node_id: str) -> None:
+        """A record deleted under a live lease: it left once the lease ends, unless the record came back."""
+        if self._closed.is_set() or node_id not in self._orphans:
+            return
+        if self._lease_ended(node_id):
+            self._left(node_id)
+            return
+        timer = threading.Timer(self.recheck_s, self._recheck, (node_id,))
+        timer.daemon = True
+        timer.start()
 
     def _apply(self, kind: str, key: str, value: bytes, lease: int = 0) -> None:
         if kind == "reset":
@@ -126,11 +144,15 @@ class NodeDirectory:
             log.warning("skipping a key that is not a node key: %r", key)
             return
         if kind == "delete":
-            if node_id in self.nodes and self._lease_ended(node_id):
-                del self.nodes[node_id]
-                self._leases.pop(node_id, None)
-                if self._on_event:
-                    self._on_event("left", node_id, None)
+            if node_id not in self.nodes:
+                return
+            if self._lease_ended(node_id):
+                self._left(node_id)
+            else:
+                self.num_deletes_ignored += 1
+                log.warning("the record of node %s was deleted while its lease lives: ignored", node_id)
+                self._orphans.add(node_id)
+                self._recheck(node_id)
             return
         try:
             record = NodeRecord.decode(value)
@@ -141,12 +163,14 @@ class NodeDirectory:
             log.warning("skipping node %s: %s", node_id, e)
             return
         self._leases[node_id] = lease
+        self._orphans.discard(node_id)
         joined = node_id not in self.nodes
         self.nodes[node_id] = record
         if self._on_event:
             self._on_event("joined" if joined else "updated", node_id, record)
 
     def close(self) -> None:
+        self._closed.set()
         self.mirror.close()
 
 

@@ -395,6 +395,14 @@ def test_bearer_token_and_tls_on_both_endpoints(served, tmp_path):
         with pytest.raises(urllib.error.HTTPError) as http_err:
             urllib.request.urlopen(url, context=ctx, timeout=10)
         assert http_err.value.code == 401
+        base = f"https://localhost:{http_port}"
+        for path, body in (("/metrics", None), ("/tokenize", b'{"prompt": "x"}'), ("/detokenize", b'{"tokens": [1]}'),
+                           ("/admin/pins", None)):
+            with pytest.raises(urllib.error.HTTPError) as http_err:
+                urllib.request.urlopen(urllib.request.Request(base + path, data=body), context=ctx, timeout=10)
+            assert http_err.value.code == 401, path
+        with urllib.request.urlopen(base + "/health", context=ctx, timeout=10) as r:  # probes stay open
+            assert r.status == 200
         req = urllib.request.Request(url, headers={"Authorization": "Bearer s3cret"})
         with urllib.request.urlopen(req, context=ctx, timeout=10) as r:
             assert json.loads(r.read())["data"][0]["id"] == "tiny-llama"
@@ -501,3 +509,25 @@ def test_the_router_loads_no_weights_and_refuses_nodes_with_other_weights(monkey
             assert ready and detail["refused_nodes"] == ["decode-bf16"] and detail["decode_nodes"] == ["decode-0"]
         finally:
             router.close()
+
+
+def test_request_caps_and_cache_salt(served):
+    """20,000 stop strings are a 400, not a slow stream; a cache_salt shares prefix hits only with its own salt."""
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=served["http"] + "/v1", api_key="unused")
+    for extra in ({"stop": [f"s{i}" for i in range(20_000)]}, {"stop": ["x" * 5000]},
+                  {"extra_body": {"stop_token_ids": list(range(5000))}}):
+        with pytest.raises(openai.BadRequestError, match="stop"):
+            client.completions.create(model="tiny-llama", prompt="hello", max_tokens=2, **extra)
+    prompt = "tenant data " * 30
+
+    def cached(salt):
+        out = client.completions.create(model="tiny-llama", prompt=prompt, max_tokens=2, temperature=0.0,
+                                        extra_body={"cache_salt": salt} if salt else {})
+        return out.usage.prompt_tokens_details.cached_tokens
+
+    assert cached("tenant-a") == 0
+    assert cached("tenant-a") > 0, "the same salt must reuse its own prefix"
+    assert cached("tenant-b") == 0 and cached(None) == 0, "another tenant saw tenant-a's cached prefix"
+    with pytest.raises(openai.BadRequestError, match="cache_salt"):
+        client.completions.create(model="tiny-llama", prompt="x", max_tokens=1, extra_body={"cache_salt": "s" * 300})

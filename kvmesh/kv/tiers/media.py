@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import mmap
 import os
+import stat
 import struct
 import threading
 from dataclasses import dataclass
@@ -27,6 +28,8 @@ from pathlib import Path
 from typing import NamedTuple, Protocol
 
 import torch
+
+from kvmesh.errors import KvmeshError
 
 log = logging.getLogger("kvmesh.tiers")
 
@@ -115,7 +118,10 @@ class DiskMedium:
         self.num_slots, self.block_bytes = layout.num_slots, layout.block_bytes
         self.path.parent.mkdir(parents=True, exist_ok=True)
         reusable = self._header_matches()
-        self._fd = self._open(os.O_RDWR | os.O_CREAT)
+        self._fd = self._open(os.O_RDWR | os.O_NOFOLLOW if reusable else
+                              os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, fresh=not reusable)
+        if reusable:
+            _check_private_file(self._fd, self.path)
         self.direct = self._direct
         if not reusable:
             os.ftruncate(self._fd, 0)
@@ -124,7 +130,11 @@ class DiskMedium:
         self.reused = reusable
         self._buffers = threading.local()  # one aligned buffer per thread and size, reused
 
-    def _open(self, flags: int) -> int:
+    def _open(self, flags: int, fresh: bool = False) -> int:
+        """Open the tier file; a fresh one is created anew (a file or link in its place is removed first: it
+        is not ours to trust)."""
+        if fresh and (self.path.exists() or self.path.is_symlink()):
+            self.path.unlink()
         self._direct = False
         if hasattr(os, "O_DIRECT"):
             try:
@@ -132,7 +142,8 @@ class DiskMedium:
                 self._direct = True
                 return fd
             except OSError:  # tmpfs and some others refuse O_DIRECT: buffered IO then
-                pass
+                if fresh and os.path.lexists(self.path):
+                    self.path.unlink()  # the refused open may have created it
         return os.open(self.path, flags, 0o600)
 
     def _file_header(self) -> bytes:
@@ -141,14 +152,17 @@ class DiskMedium:
         return head.ljust(ALIGN, b"\0")
 
     def _header_matches(self) -> bool:
-        """An existing file written for this exact layout (then its slots can be re-adopted)."""
+        """An existing file written for this exact layout (then its slots can be re-adopted); never a link."""
         try:
-            with open(self.path, "rb") as f:
-                head = f.read(_FILE_HEADER.size)
-            if os.path.getsize(self.path) != self.layout.file_bytes:
-                return False
+            fd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW)
         except OSError:
             return False
+        try:
+            head = os.pread(fd, _FILE_HEADER.size, 0)
+            if os.fstat(fd).st_size != self.layout.file_bytes:
+                return False
+        finally:
+            os.close(fd)
         if len(head) < _FILE_HEADER.size:
             return False
         magic, version, root, block_bytes, num_slots = _FILE_HEADER.unpack(head)
@@ -219,3 +233,16 @@ class DiskMedium:
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
+
+
+class UnsafeTierFile(KvmeshError, PermissionError):
+    """A tier file to adopt that is not a private regular file of ours."""
+
+
+def _check_private_file(fd: int, path: Path) -> None:
+    """Adopt only a regular file owned by us, readable by nobody else, with one name."""
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077 or st.st_nlink != 1:
+        os.close(fd)
+        raise UnsafeTierFile(f"{path} is not a private regular file of this user (mode {st.st_mode & 0o777:o}, "
+                             f"owner {st.st_uid}, {st.st_nlink} links): not adopting it")

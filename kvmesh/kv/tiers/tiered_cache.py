@@ -25,6 +25,8 @@ committed under it again.
 from __future__ import annotations
 
 import logging
+import os
+import shutil
 import tempfile
 import threading
 import time
@@ -104,7 +106,8 @@ class TieredCache:
         if cfg.disk_bytes > 0:
             folder = cfg.disk_path
             if not folder:
-                self._tmp = tempfile.TemporaryDirectory(prefix="kvmesh-disk-tier-")
+                remove_stale_temp_folders()
+                self._tmp = tempfile.TemporaryDirectory(prefix=f"{TEMP_PREFIX}{os.getpid()}-")
                 folder = self._tmp.name
             layout = DiskLayout(root_hash, self.block_bytes, max(1, cfg.disk_bytes // self.block_bytes))
             medium = DiskMedium(Path(folder) / f"{name}.kvtier", layout)
@@ -493,3 +496,31 @@ class TieredCache:
             store.medium.close()
         if self._tmp is not None:
             self._tmp.cleanup()
+
+
+TEMP_PREFIX = "kvmesh-disk-tier-"  # + the owner's pid + "-": folders of dead owners are removed at start-up
+
+
+def remove_stale_temp_folders(root: str | None = None) -> list[str]:
+    """Remove default disk-tier folders (KV of a crashed node) whose owning process is gone; returns them.
+
+    Only folders this user owns, named ``kvmesh-disk-tier-<pid>-...``, whose pid no longer runs."""
+    removed = []
+    root = root or tempfile.gettempdir()
+    for entry in os.scandir(root):
+        if not entry.name.startswith(TEMP_PREFIX) or not entry.is_dir(follow_symlinks=False):
+            continue
+        pid_text = entry.name[len(TEMP_PREFIX):].split("-", 1)[0]
+        if not pid_text.isdigit() or entry.stat(follow_symlinks=False).st_uid != os.geteuid():
+            continue
+        try:
+            os.kill(int(pid_text), 0)
+            continue  # its owner still runs
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            continue  # a process of someone else runs under that pid
+        shutil.rmtree(entry.path, ignore_errors=True)
+        removed.append(entry.path)
+        log.warning("removed %s: the KV of a node that did not clean up after itself", entry.path)
+    return removed
