@@ -35,7 +35,9 @@ def add_node_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--advertise-host", default="",
                    help="the address other hosts reach this node at (default: --host, or for 0.0.0.0 the "
                         "address of the interface that routes to etcd)")
-    p.add_argument("--transfer-backend", default="auto", choices=["auto", "mooncake", "zmq"])
+    p.add_argument("--transfer-backend", default="auto", choices=["auto", "mooncake", "zmq"],
+                   help="auto: Mooncake where it loads, except on a node bound to loopback (Mooncake's ports listen "
+                        "on every interface: docs/security.md), else zmq (CurveZMQ-encrypted)")
     p.add_argument("--shared-memory-transfers", action=argparse.BooleanOptionalAction, default=True,
                    help="keep the KV buffer (on the CPU) in shared memory so that peers on this host push into it "
                         "with one copy, and push that way to such peers; off: every push goes through the engine")

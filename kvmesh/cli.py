@@ -79,6 +79,8 @@ def _add_bench(sub) -> None:
                    help="comma-separated: mooncake, zmq, shared-memory (default: mooncake if it loads, zmq and "
                         "shared-memory)")
     t.add_argument("--repeat", type=int, default=3)
+    t.add_argument("--insecure", action="store_true",
+                   help="no cluster token (no CurveZMQ): the baseline of what channel security costs")
     t.set_defaults(func=_run_bench_transfer)
     md = which.add_parser("metadata", help="global block index on etcd: publish, lookup, visibility, memory")
     md.add_argument("--json", default=None)
@@ -125,6 +127,10 @@ def _add_bench(sub) -> None:
     ch.add_argument("--hosts", action="store_true",
                     help="nodes on simulated hosts (network namespaces; root) with slow and flapping links")
     ch.set_defaults(func=_run_bench_chaos)
+    at = which.add_parser("attack", help="each attack of docs/security.md against a real cluster: attempts, "
+                                         "successes (must be 0), whether other clients were still answered")
+    at.add_argument("--json", default=None)
+    at.set_defaults(func=_run_bench_attack)
     from kvmesh.bench.cluster_bench import add_arguments as add_cluster_arguments
 
     cl = which.add_parser("cluster", help="the serving modes compared on one workload (TTFT, TPOT, hit rates, ...)")
@@ -165,6 +171,13 @@ def _run_bench_chaos(args: argparse.Namespace) -> int:
     bad = [b for b, r in out["backends"].items()
            if r["lost"] or r["corrupted"] or r["leaked_blocks"] or r["forged_accepted"]]
     return 1 if bad else 0
+
+
+def _run_bench_attack(args: argparse.Namespace) -> int:
+    from kvmesh.bench import attack
+
+    out = attack.run(args.json)
+    return 1 if any(r["succeeded"] or not r["service_answered"] for r in out["attacks"].values()) else 0
 
 
 def _run_bench_step(args: argparse.Namespace) -> int:
@@ -231,7 +244,8 @@ def _run_bench_metadata(args: argparse.Namespace) -> int:
 def _run_bench_transfer(args: argparse.Namespace) -> int:
     from kvmesh.bench import transfer
 
-    transfer.run(args.json, [b for b in args.backends.split(",") if b] or None, repeat=args.repeat)
+    transfer.run(args.json, [b for b in args.backends.split(",") if b] or None, repeat=args.repeat,
+                 insecure=args.insecure)
     return 0
 
 

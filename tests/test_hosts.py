@@ -19,7 +19,7 @@ import urllib.request
 import pytest
 
 from kvmesh import LLM, SamplingParams
-from kvmesh.auth import TOKEN_ENV
+from kvmesh.auth import TOKEN_ENV, generate_token
 from kvmesh.bench.late_writes import PATHS, LateWritesConfig, run_one
 from kvmesh.cluster.hosts import Hosts, can_create
 from kvmesh.cluster.local_launcher import LocalCluster
@@ -95,10 +95,12 @@ def complete(base_url: str, prompt_ids: list[int]) -> dict:
         return json.loads(r.read())
 
 
-def start_etcd(host) -> tuple[subprocess.Popen, str]:
-    """``kvmesh etcd`` alone on ``host``; returns it and its advertised endpoint."""
+def start_etcd(host, token: str) -> tuple[subprocess.Popen, str]:
+    """``kvmesh etcd`` alone on ``host`` (with authentication: its credentials derived from ``token``); returns it
+    and its advertised endpoint."""
     proc = subprocess.Popen([*host.exec_prefix, sys.executable, "-m", "kvmesh.cli", "etcd", "--host", "0.0.0.0",
-                             "--port", "2379"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+                             "--port", "2379"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                            env={**os.environ, TOKEN_ENV: token})
     return proc, json.loads(proc.stdout.readline())["etcd"]
 
 
@@ -108,10 +110,11 @@ def test_three_hosts_parity_and_cross_host_reuse(hosts):
     placement = {"prefill-0": 2, "decode-0": 3}
     args = ["--transfer-backend", BACKEND, "--local-prefill-tokens", "0"]
     data_dirs = set(glob.glob(os.path.join(tempfile.gettempdir(), "kvmesh-etcd-*")))
-    etcd, endpoint = start_etcd(hosts[1])
+    token = generate_token()
+    etcd, endpoint = start_etcd(hosts[1], token)
     assert endpoint == f"{hosts[1].address}:2379"  # 0.0.0.0 advertised as the address routing out of host 1
     try:
-        _three_hosts(hosts, endpoint, placement, args)
+        _three_hosts(hosts, endpoint, placement, args, token)
     finally:
         etcd.terminate()
         assert etcd.wait(timeout=30) == 0
@@ -119,9 +122,9 @@ def test_three_hosts_parity_and_cross_host_reuse(hosts):
     assert not processes_matching("listen-client-urls http://0.0.0.0:2379"), "etcd outlived kvmesh etcd"
 
 
-def _three_hosts(hosts, endpoint: str, placement: dict, args: list[str]) -> None:
+def _three_hosts(hosts, endpoint: str, placement: dict, args: list[str], token: str) -> None:
     with LocalCluster(1, 1, etcd=endpoint, hosts=hosts, placement=placement, node_args=args,
-                      cluster="hosts3") as cluster:
+                      cluster="hosts3", cluster_token=token) as cluster:
         assert cluster.etcd_endpoint.startswith(hosts[1].address)
         store = open_store(cluster.etcd_endpoint, cluster.token)
         records, _ = store.get_prefix(KeyLayout("hosts3").nodes_prefix)

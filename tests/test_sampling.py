@@ -85,3 +85,33 @@ def test_stop_strings_cut_the_text(llm):
 def test_wrongly_typed_sampling_params_are_refused(kwargs):
     with pytest.raises(InvalidRequestError):
         SamplingParams(**kwargs)
+
+
+def test_a_row_of_non_finite_logits_fails_that_request_only(monkeypatch):
+    """One request's logits turn NaN (a numerics bug, a bad weight row): it ends with an error, the others
+    in the same steps go on and match a run without it."""
+    import kvmesh.engine.model_runner as runner_module
+    from kvmesh.engine.sampler import NON_FINITE, sample
+
+    logits = torch.randn(3, 50)
+    logits[1, 7] = float("nan")
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.8, seed=1), SamplingParams(top_k=5)]
+    ids, _, _ = sample(logits, params, [None, torch.Generator().manual_seed(1), torch.Generator().manual_seed(2)])
+    assert ids[1] == NON_FINITE and ids[0] == int(logits[0].argmax()) and 0 <= ids[2] < 50
+
+    def poisoned(logits, params, generators):
+        logits = logits.clone()
+        for row, p in enumerate(params):
+            if p.seed == 666:
+                logits[row] = float("nan")
+        return sample(logits, params, generators)
+
+    llm = LLM("tiny-llama", num_kv_blocks=64, progress=False)
+    greedy = SamplingParams(max_tokens=8, temperature=0.0)
+    expected = llm.generate([[1, 2, 3, 4]], greedy, use_tqdm=False)[0].token_ids
+    monkeypatch.setattr(runner_module, "sample", poisoned)
+    outs = llm.generate([[1, 2, 3, 4], [5, 6, 7]], [greedy, SamplingParams(max_tokens=8, seed=666)], use_tqdm=False)
+    assert outs[0].token_ids == expected and outs[0].outputs[0].finish_reason == "length"
+    assert outs[1].outputs[0].finish_reason == "error" and outs[1].token_ids == []
+    llm.engine.pool.check_integrity()
+    assert llm.engine.pool.num_free_blocks == llm.engine.pool.num_blocks  # the failed request freed its blocks

@@ -223,6 +223,16 @@ def test_nothing_listens_beyond_loopback_without_a_secret():
         assert proc.returncode != 0 and "without a cluster secret" in proc.stderr, (argv, proc.stderr[-500:])
 
 
+def test_auto_never_opens_a_loopback_node_to_the_network_through_mooncake():
+    from kvmesh.transfer.engine import create_transfer_engine
+
+    engine = create_transfer_engine("auto", host="127.0.0.1", auth=ClusterAuth(TOKEN))
+    try:
+        assert engine.name == "zmq" and "loopback" in engine.transport_reason
+    finally:
+        engine.close()
+
+
 # ---- tier files ---------------------------------------------------------------------------------------
 def test_tier_files_are_private_and_never_followed(tmp_path):
     from kvmesh.kv.tiers.media import DiskLayout, DiskMedium, UnsafeTierFile

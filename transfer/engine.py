@@ -7,12 +7,17 @@ Mooncake cannot load).
 """
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from typing import Protocol
 
 import torch
 
+from kvmesh.auth import is_loopback
+from kvmesh.netaddr import is_wildcard
 from kvmesh.transfer.coalesce import Descriptor
+
+log = logging.getLogger("kvmesh.transfer")
 
 
 class TransferEngine(Protocol):
@@ -47,16 +52,32 @@ def mooncake_available() -> bool:
 def create_transfer_engine(backend: str = "auto", *, host: str = "127.0.0.1", transport: str = "auto",
                            metadata_server: str = "P2PHANDSHAKE", auth=None,
                            advertise: str | None = None) -> TransferEngine:
-    """``backend``: mooncake, zmq, or auto (Mooncake when it loads, else zmq); binds ``host``, publishes ``advertise``."""
+    """``backend``: mooncake, zmq, or auto; binds ``host``, publishes ``advertise``.
+
+    auto: Mooncake when it loads, except on a node bound to loopback: Mooncake's handshake and data ports
+    listen on every interface whatever ``host`` says (its data port takes raw reads and writes from anyone
+    who reaches it), which would open a loopback-only node to the network; zmq (encrypted) there."""
+    reason = ""
     if backend == "auto":
-        backend = "mooncake" if mooncake_available() else "zmq"
+        if is_loopback(host):
+            backend, reason = "zmq", ("auto: zmq, not Mooncake, on a loopback-bound node (Mooncake's ports would "
+                                      "listen on every interface)")
+        else:
+            backend = "mooncake" if mooncake_available() else "zmq"
     if backend == "mooncake":
         from kvmesh.transfer.mooncake_engine import MooncakeTransferEngine
 
+        if not is_wildcard(host):
+            log.warning("Mooncake's handshake and data ports listen on every interface, not only on %s: its data "
+                        "port takes reads and writes at raw addresses from anyone who reaches it. Keep these "
+                        "ports on a private network (docs/security.md) or use --transfer-backend zmq", host)
         return MooncakeTransferEngine(host=host, transport=transport, metadata_server=metadata_server,
                                       advertise=advertise)
     if backend == "zmq":
         from kvmesh.transfer.zmq_engine import ZmqTransferEngine
 
-        return ZmqTransferEngine(host=host, auth=auth, advertise=advertise)
+        engine = ZmqTransferEngine(host=host, auth=auth, advertise=advertise)
+        if reason:
+            engine.transport_reason = reason
+        return engine
     raise ValueError(f"unknown transfer backend {backend!r} (choose from auto, mooncake, zmq)")

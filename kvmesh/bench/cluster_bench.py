@@ -213,12 +213,13 @@ class ModeRun(NamedTuple):
 
 
 def run_mode(mode: Mode, model: str, num_decode: int, workload: str, requests, concurrency: int,
-             routing: str | None, bar: tqdm, hosts=None) -> ModeRun:
-    """One run of ``requests`` on a fresh cluster in ``mode``."""
+             routing: str | None, bar: tqdm, hosts=None, insecure: bool = False) -> ModeRun:
+    """One run of ``requests`` on a fresh cluster in ``mode`` (``insecure``: no cluster token, so no CurveZMQ
+    and no etcd authentication: what the channel security costs)."""
     cluster_name = "bench-" + mode.name.replace("+", "-")
     with LocalCluster(mode.num_prefill, num_decode, model=model, cluster=cluster_name,
                       node_args=["--transfer-backend", "auto", *mode.node_args], start_timeout_s=300,
-                      hosts=hosts) as cluster:
+                      hosts=hosts, cluster_token="" if insecure else None) as cluster:
         router = Router(RouterConfig(etcd=cluster.etcd_endpoint, cluster_token=cluster.token, model=model,
                                      cluster=cluster_name, routing=routing or mode.routing,
                                      max_in_flight=100_000))
@@ -304,7 +305,8 @@ def run(args) -> dict:
                     for name in names:
                         bar.set_postfix_str(f"{name}" + (f" @ {cap:g} Gbit/s" if cap else ""))
                         runs[name].append(run_mode(chosen[name], args.model, args.decode, args.workload, requests,
-                                                   args.concurrency, args.routing or None, bar, hosts))
+                                                   args.concurrency, args.routing or None, bar, hosts,
+                                                   args.insecure))
                 results = {name: summarize_runs(r, args.slo_ttft_ms, args.slo_tpot_ms) for name, r in runs.items()}
                 if cap is None:
                     res["modes"] = results
@@ -359,6 +361,9 @@ def add_arguments(p) -> None:
     p.add_argument("--modes", default="", help="comma-separated subset of kvmesh,local-rr,no-cache,colocated")
     p.add_argument("--routing", default="", help="override every mode's routing policy")
     p.add_argument("--quick", action="store_true", help="a small run that finishes in a few minutes")
+    p.add_argument("--insecure", action="store_true",
+                   help="clusters without a cluster token (no CurveZMQ, no etcd authentication): the baseline "
+                        "of what channel security costs")
     p.add_argument("--repeat", type=int, default=None,
                    help="run every mode this many times, modes taking turns; metrics over all requests pooled, "
                         "each run's TTFT p50 reported too (default 1; 3 with --quick)")

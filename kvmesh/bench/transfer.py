@@ -87,14 +87,15 @@ def socket_gib_per_s(nbytes: int = 64 * 2**20, repeat: int = 5) -> float:
         sink.wait()
 
 
-def _holder(backend: str, num_blocks: int, contiguous: bool, requester: TransferAgent) -> tuple[subprocess.Popen, str]:
+def _holder(backend: str, num_blocks: int, contiguous: bool, requester: TransferAgent,
+            token: str) -> tuple[subprocess.Popen, str]:
     """A holder process that trusts ``requester``; returns it and its node id (added to our directory)."""
     args = [sys.executable, "-m", "kvmesh.transfer.peer_process", "--backend", backend, "--num-blocks",
             str(num_blocks), "--chain", str(num_blocks), "--block-elems", str(BLOCK_ELEMS),
             "--requester", json.dumps(dataclasses.asdict(requester.record))]
     proc = subprocess.Popen(args + (["--contiguous"] if contiguous else []), stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-                            env={**os.environ, TOKEN_ENV: _TOKEN})
+                            env={**os.environ, TOKEN_ENV: token})
     record = PeerRecord(**json.loads(proc.stdout.readline())["record"])
     requester.requester.directory.add(record)
     return proc, record.node_id
@@ -107,7 +108,7 @@ def _push(agent: TransferAgent, peer: str, dst: list[int], hashes: list[bytes], 
     return outcome.num_written
 
 
-def bench_backend(backend: str, repeat: int, bar: tqdm) -> list[dict]:
+def bench_backend(backend: str, repeat: int, bar: tqdm, token: str = _TOKEN) -> list[dict]:
     num_blocks = max(SIZES_BLOCKS)
     hashes = chain_hashes(num_blocks)
     results = []
@@ -115,7 +116,7 @@ def bench_backend(backend: str, repeat: int, bar: tqdm) -> list[dict]:
     engine_backend = "zmq" if shared is not None else backend
     kv = shared.allocate((num_blocks, BLOCK_ELEMS), torch.float32) if shared else torch.zeros((num_blocks, BLOCK_ELEMS))
     pool = BlockPool(num_blocks)
-    auth = ClusterAuth(_TOKEN)
+    auth = ClusterAuth(token)
     agent = TransferAgent("bench-requester", pool, kv, create_transfer_engine(engine_backend, auth=auth),
                           StaticPeers(), auth, shared_region=shared and shared.region,
                           num_landing_slots=num_blocks).start()  # one round for every size of the sweep
@@ -123,7 +124,7 @@ def bench_backend(backend: str, repeat: int, bar: tqdm) -> list[dict]:
     piece_bytes = 0 if shared is not None else agent.engine.max_descriptor_bytes
     try:
         for layout in ("contiguous", "scattered"):
-            proc, peer = _holder(engine_backend, num_blocks, layout == "contiguous", agent)
+            proc, peer = _holder(engine_backend, num_blocks, layout == "contiguous", agent, token)
             try:
                 _push(agent, peer, [0], hashes[:1], timeout_s=60)  # warm-up: connections, handshakes
                 for n in SIZES_BLOCKS:
@@ -154,13 +155,14 @@ def bench_backend(backend: str, repeat: int, bar: tqdm) -> list[dict]:
     return results
 
 
-def run(json_path: str | None, backends: list[str] | None = None, repeat: int = 3) -> dict:
+def run(json_path: str | None, backends: list[str] | None = None, repeat: int = 3, insecure: bool = False) -> dict:
+    """``insecure``: no cluster token (plain ZMQ frames with a public MAC key): the baseline of CurveZMQ's cost."""
     backends = backends or ((["mooncake"] if mooncake_available() else []) + ["zmq", SHARED_MEMORY])
-    res = {"machine": machine(), "block_bytes": BLOCK_BYTES, "memcpy_gib_per_s": memcpy_gib_per_s(),
+    res = {"machine": machine(), "channel_security": not insecure, "block_bytes": BLOCK_BYTES, "memcpy_gib_per_s": memcpy_gib_per_s(),
            "socket_gib_per_s": socket_gib_per_s(), "results": []}
     with tqdm(total=len(backends) * 2 * len(SIZES_BLOCKS), desc="transfer sweep", leave=False) as bar:
         for backend in backends:
-            res["results"] += bench_backend(backend, repeat, bar)
+            res["results"] += bench_backend(backend, repeat, bar, "" if insecure else _TOKEN)
     ceiling = res["socket_gib_per_s"]
     rows = [[r["backend"], r["transport"], r["layout"], f"{r['size_bytes'] / 2**20:g} MiB", r["descriptors"],
              f"{r['gib_per_s']:.2f}", f"{r['gib_per_s'] / ceiling:.2f}"] for r in res["results"]]

@@ -18,6 +18,7 @@ from kvmesh.engine.model_runner import ModelRunner
 from kvmesh.engine.outputs import CompletionOutput, RequestOutput
 from kvmesh.engine.pinned_prefixes import PinnedPrefix, PinnedPrefixes
 from kvmesh.engine.request_state import RequestStatus
+from kvmesh.engine.sampler import NON_FINITE
 from kvmesh.engine.sampling_params import SamplingParams
 from kvmesh.engine.scheduler import Scheduler, SchedulerConfig
 from kvmesh.engine.sequence import Sequence
@@ -172,7 +173,8 @@ class LLMEngine:
 
     # ---- one step --------------------------------------------------------------------------
     def step(self) -> list[Sequence]:
-        """Run one forward; returns the sequences that finished in it (their blocks are freed)."""
+        """Run one forward; returns the sequences that finished in it (their blocks are freed), FAILED ones (a
+        row of non-finite logits) among them with ``error`` set."""
         out = self.scheduler.schedule()
         if not out.batch:
             return []
@@ -206,6 +208,11 @@ class LLMEngine:
             if i in drafts:
                 self.speculator.record(seq, len(drafts[i].token_ids), len(tokens) - 1)
             num_emitted, done = 0, False
+            if any(t.token_id == NON_FINITE for t in tokens):  # this request's logits broke: it alone fails
+                seq.finish_reason, seq.error = "error", "the model produced non-finite logits for this request"
+                self.scheduler.finish(seq, RequestStatus.FAILED)
+                finished.append(seq)
+                continue
             for token in tokens:
                 num_emitted += 1
                 if self._emit(seq, token):

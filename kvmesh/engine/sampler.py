@@ -5,6 +5,8 @@ import torch
 
 from kvmesh.engine.sampling_params import SamplingParams
 
+NON_FINITE = -1  # the token id of a row whose logits hold a NaN or an infinity: that request fails alone
+
 
 def sample(logits: torch.Tensor, params: list[SamplingParams],
            generators: list[torch.Generator | None]) -> tuple[list[int], list[float], list[list[tuple[int, float]]]]:
@@ -14,23 +16,30 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
     top-k, then top-p (smallest set whose probability reaches top_p), then draw.
     The logprob returned is that of the chosen token under the unmodified model; rows whose
     params ask for ``logprobs=k`` also get the k most likely tokens with theirs (else []).
+    A row whose logits are not all finite gets ``NON_FINITE`` (the others are unaffected).
     """
     logprobs_all = torch.log_softmax(logits, dim=-1)
+    finite = torch.isfinite(logits).all(dim=-1)
     if logits.device.type != "cpu" and all(p.greedy for p in params):  # one copy back for the whole batch
         picked = logits.argmax(dim=-1)
-        ids, logprobs = torch.stack((picked.to(torch.float64),
-                                     logprobs_all.gather(1, picked[:, None])[:, 0].to(torch.float64))).tolist()
-        token_ids = [int(t) for t in ids]
+        ids, logprobs, ok = torch.stack((picked.to(torch.float64),
+                                         logprobs_all.gather(1, picked[:, None])[:, 0].to(torch.float64),
+                                         finite.to(torch.float64))).tolist()
+        token_ids = [int(t) if good else NON_FINITE for t, good in zip(ids, ok)]
     else:
         token_ids = greedy_tokens(logits)
+        ok = finite.tolist()
         for row, p in enumerate(params):
+            if not ok[row]:
+                token_ids[row] = NON_FINITE
+                continue
             if p.greedy:
                 continue
             probs = target_probs(logits[row].float().cpu(), p)  # drawn on the CPU: a seed means one stream anywhere
             token_ids[row] = int(torch.multinomial(probs, 1, generator=generators[row]).item())
-        picked = torch.tensor(token_ids, dtype=torch.int64, device=logits.device)
+        picked = torch.tensor([max(t, 0) for t in token_ids], dtype=torch.int64, device=logits.device)
         logprobs = logprobs_all.gather(1, picked[:, None])[:, 0].tolist()  # one copy back, not one per row
-    return token_ids, logprobs, [top_logprobs(logprobs_all[row], p) if p.logprobs else []
+    return token_ids, logprobs, [top_logprobs(logprobs_all[row], p) if p.logprobs and ok[row] else []
                                  for row, p in enumerate(params)]
 
 

@@ -30,6 +30,7 @@ class Sequence:
     output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)  # when params.logprobs
     output_text: str | None = None  # set when a stop string cut the text
     finish_reason: str | None = None
+    error: str = ""  # why a FAILED sequence failed
     arrival: int = 0  # the scheduler's arrival order (ties between equal priorities: earlier first)
     arrival_step: int = 0  # the scheduler step it arrived at (ageing)
     num_draft_tokens: int = 0  # speculative decoding: guesses verified for this request ...

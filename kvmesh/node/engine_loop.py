@@ -14,6 +14,7 @@ import threading
 from collections.abc import Callable
 
 from kvmesh.engine.engine import LLMEngine, StepFailed
+from kvmesh.engine.request_state import RequestStatus
 from kvmesh.engine.sequence import Sequence
 
 log = logging.getLogger("kvmesh.node")
@@ -56,7 +57,10 @@ class EngineLoop:
             if scheduler.waiting or scheduler.running:
                 try:
                     for seq in self.engine.step():
-                        self._on_finish(seq)
+                        if seq.status is RequestStatus.FAILED:
+                            self._on_failed(seq, seq.error)
+                        else:
+                            self._on_finish(seq)
                 except StepFailed as e:
                     self.num_failed_steps += 1
                     log.exception("%s: %s (%d requests failed)", self.name, e, len(e.failed))
