@@ -30,7 +30,11 @@ class Holder:
     """kvmesh.transfer.peer_process as a subprocess that trusts ``requester``."""
 
     def __init__(self, backend: str, seed: int, requester: TransferAgent | None, chain: int = 20, delay_ms: int = 0,
-                 num_blocks: int = 64, token: str = TOKEN, kv_memory: str = "auto", shared_memory: bool = False):
+                 num_blocks: int = 64, token: str = TOKEN, kv_memory: str = "auto", shared_memory: bool | None = None):
+        """``shared_memory``: the holder's KV buffer in a published memfd (default: when the requester's is, as
+        nodes on one host do; a requester fences in-place copies by the writer's process, known through it)."""
+        if shared_memory is None:
+            shared_memory = bool(requester is not None and requester.record.shared_memory)
         self.seed, self.num_blocks = seed, num_blocks
         trusted = ["--requester", json.dumps(dataclasses.asdict(requester.record))] if requester else []
         self.proc = subprocess.Popen(

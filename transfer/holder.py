@@ -20,9 +20,9 @@ on this host that publishes its buffer in shared memory is written with one copy
 Where the destination is (``landing`` on the request): landing slots of the requester are
 written through the engine, each chunk with the crc32 of every block it sends (the requester
 copies a slot into its KV buffer only when it checks out). KV blocks themselves are written
-only where the requester can fence the write: through shared memory, or through an engine
-that refuses stray writes (zmq); a one-sided engine with no shared memory refuses them
-(NEEDS_LANDING).
+only where the requester can fence the write: through shared memory when the request says
+``in_place`` (the requester fences it by our process), or through an engine that refuses stray
+writes (zmq); a one-sided engine otherwise refuses them (NEEDS_LANDING).
 """
 from __future__ import annotations
 
@@ -84,6 +84,7 @@ class _Push:
     write_s: float = 0.0  # time spent in the transfer engine
     checksums: list[int] = field(default_factory=list)  # per block, when the holder checksums what it sends
     landing: bool = False  # dst ids are the requester's landing slots
+    in_place: bool = False  # the requester fences same-host copies into its shared memory (else: the engine)
 
 
 class KVHolder:
@@ -141,7 +142,7 @@ class KVHolder:
             return
         push = _Push(msg.request_id, identity, requester, msg.grant_id, list(msg.dst_block_ids),
                      now + msg.deadline_ms / 1000, now + wait_ms / 1000, written=[False] * len(msg.dst_block_ids),
-                     ready=not is_compute, compute=is_compute, landing=msg.landing)
+                     ready=not is_compute, compute=is_compute, landing=msg.landing, in_place=msg.in_place)
         if not is_compute:
             push.block_hashes = list(msg.block_hashes)
         with self._lock:
@@ -169,7 +170,7 @@ class KVHolder:
             return m.ErrorCode.LAYOUT_MISMATCH, f"block bytes {requester.block_bytes} != {self.block_bytes}", None
         if msg.landing and self.checksum is None:
             return m.ErrorCode.WRITE_FAILED, "this holder cannot checksum what it sends into landing slots", None
-        if not msg.landing and not self.engine_refusable and not self._can_share(requester):
+        if not msg.landing and not self.engine_refusable and not (msg.in_place and self._can_share(requester)):
             return m.ErrorCode.NEEDS_LANDING, "one-sided writes into KV blocks are refused: use landing slots", None
         if len(self._pushes) >= MAX_PENDING_PUSHES:
             return m.ErrorCode.BUSY, f"{MAX_PENDING_PUSHES} transfers already in progress", None
@@ -260,7 +261,7 @@ class KVHolder:
             start, end = push.num_written, push.num_written + num
             base = push.requester.landing_addr if push.landing else push.requester.base_addr
             dst_addrs = [base + b * self.block_bytes for b in push.dst_block_ids[start:end]]
-            shared = not push.landing and self._can_share(push.requester)
+            shared = not push.landing and push.in_place and self._can_share(push.requester)
             if not push.landing and not shared and not self.engine_refusable:
                 raise TransferError("the requester's shared memory cannot be written any more",
                                     request_id=push.request_id, peer=push.requester.node_id)

@@ -87,6 +87,7 @@ class PushRequest:
     deadline_ms: int  # the grant's lifetime: never write after this (from receipt)
     wait_ms: int = 0  # how long to wait for blocks still being computed (<= deadline_ms)
     landing: bool = False  # dst ids are landing slots, not KV blocks
+    in_place: bool = False  # a writer on our host may copy into our shared memory (we fence it by its process)
 
     def validate(self) -> None:
         _check_grant(self.TYPE, self.grant_id, self.dst_block_ids, self.deadline_ms)
@@ -120,6 +121,7 @@ class ComputeAndPush:
     deadline_ms: int
     wanted_within_ms: int = 0
     landing: bool = False  # dst ids are landing slots, not KV blocks
+    in_place: bool = False  # a writer on our host may copy into our shared memory (we fence it by its process)
     cache_salt: str = ""  # the request's (its chain's root is salted with it)
 
     def validate(self) -> None:

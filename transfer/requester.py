@@ -118,7 +118,7 @@ class KVRequester:
                               lambda cid, g, offset: m.PushRequest(
                                   cid, self.node_id, g.grant_id, list(g.block_ids),
                                   list(block_hashes[offset:offset + len(g.block_ids)]), deadline_ms, wait_ms,
-                                  landing=g.fence is Fence.LANDING))
+                                  landing=g.fence is Fence.LANDING, in_place=g.fence is Fence.PROCESS))
 
     def compute_and_push(self, peer_id: str, block_ids: list[int], prompt_token_ids: list[int], first_block: int,
                          *, request_id: str, timeout_s: float, wanted_within_s: float = 0.0,
@@ -135,7 +135,7 @@ class KVRequester:
                               lambda cid, g, offset: m.ComputeAndPush(
                                   cid, self.node_id, g.grant_id, list(prompt_token_ids), first_block + offset,
                                   list(g.block_ids), deadline_ms, wanted_ms, landing=g.fence is Fence.LANDING,
-                                  cache_salt=cache_salt),
+                                  in_place=g.fence is Fence.PROCESS, cache_salt=cache_salt),
                               compute=True)
 
     def abort(self, request_id: str, reason: str = "aborted by the requester") -> int:

@@ -93,6 +93,8 @@ def _holder(backend: str, num_blocks: int, contiguous: bool, requester: Transfer
     args = [sys.executable, "-m", "kvmesh.transfer.peer_process", "--backend", backend, "--num-blocks",
             str(num_blocks), "--chain", str(num_blocks), "--block-elems", str(BLOCK_ELEMS),
             "--requester", json.dumps(dataclasses.asdict(requester.record))]
+    if requester.shared_writer is not None or requester.record.shared_memory:
+        args.append("--shared-memory")  # its process is then known to us: our fence for its in-place copies
     proc = subprocess.Popen(args + (["--contiguous"] if contiguous else []), stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
                             env={**os.environ, TOKEN_ENV: token})
