@@ -115,8 +115,8 @@ class NodeDirectory:
         lease = self._leases.get(node_id, 0)
         try:
             return not (lease and self.store.lease_alive(lease))
-        except StoreUnavailable:
-            return True  # cannot tell: treat it as gone (a live node registers again)
+        except Exception:  # cannot tell (etcd down, our store closing): gone; a live node registers again
+            return True
 
     def _left(self, node_id: str) -> None:
         self._orphans.discard(node_id)
