@@ -1,1 +1,2 @@
-"""Cluster level: the local launcher and the node client (router, Ray launcher and harness come next)."""
+"""Cluster level: node processes and their launchers (local, simulated hosts, Ray), supervision, the router with its
+routing policies, the gRPC and OpenAI HTTP front ends, API keys, and the node client."""

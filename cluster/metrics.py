@@ -34,7 +34,8 @@ class RouterMetrics:
 
     def record_finished(self, cache: dict) -> None:
         self.requests.labels("ok").inc()
-        for source, key in (("local", "tokens_reused_local"), ("remote", "tokens_reused_remote"),
+        for source, key in (("local", "tokens_reused_local"), ("host", "tokens_reused_host"),
+                            ("disk", "tokens_reused_disk"), ("remote", "tokens_reused_remote"),
                             ("prefill_node", "tokens_from_prefill_node"), ("computed", "tokens_computed")):
             self.prompt_tokens.labels(source).inc(int(cache.get(key, 0)))
         if cache.get("spec_draft_tokens"):

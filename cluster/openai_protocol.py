@@ -90,8 +90,13 @@ def logprobs_object(tokenizer, chunks, chat: bool) -> dict | None:
             "top_logprobs": [{text(a): v for a, v in top} for _, _, top in entries]}
 
 
+REUSED_SOURCES = ("tokens_reused_local", "tokens_reused_host", "tokens_reused_disk", "tokens_reused_remote")
+
+
 def usage(chunk) -> dict:
-    cached = int(chunk.cache.get("tokens_reused_local", 0)) + int(chunk.cache.get("tokens_reused_remote", 0))
+    """OpenAI's usage object; ``cached_tokens``: prompt tokens whose KV was reused from any cache (the KV buffer,
+    the node's host or disk tier, a peer)."""
+    cached = sum(int(chunk.cache.get(key, 0)) for key in REUSED_SOURCES)
     return {"prompt_tokens": chunk.prompt_tokens, "completion_tokens": chunk.completion_tokens,
             "total_tokens": chunk.prompt_tokens + chunk.completion_tokens,
             "prompt_tokens_details": {"cached_tokens": cached}}

@@ -110,8 +110,8 @@ class EmbeddedEtcd:
                 return self
             except _PortTaken as e:
                 if attempt == _START_ATTEMPTS - 1 or (e.port == self.client_port and not self._can_repick_client):
-                    raise EtcdStartError(f"etcd could not listen on port {e.port}: address already in use; "
-                                         f"see {self.data_dir / 'etcd.log'}") from None
+                    raise EtcdStartError(f"etcd could not listen on port {e.port}: address already in use "
+                                         f"(another process holds it)") from None
                 if self._can_repick_client:
                     self.client_port = _free_port()
                 self.peer_port = _free_port()
@@ -137,11 +137,12 @@ class EmbeddedEtcd:
         while time.monotonic() < deadline:
             if self._proc.poll() is not None:
                 code = self._proc.returncode
+                tail = self._log_tail(log_path, log_start)  # before anyone removes a data dir of ours
                 self.stop()
                 taken = _port_in_use(log_path, log_start, (self.client_port, self.peer_port))
                 if taken is not None:
                     raise _PortTaken(taken)
-                raise EtcdStartError(f"etcd exited with {code}; see {log_path}")
+                raise EtcdStartError(f"etcd exited with {code}: {tail}")
             try:
                 with _NO_PROXY.open(f"{advertised}/health", timeout=1) as r:
                     if b'"health":"true"' in r.read():
@@ -149,8 +150,21 @@ class EmbeddedEtcd:
             except OSError:
                 pass
             time.sleep(0.05)
+        tail = self._log_tail(log_path, log_start)
         self.stop()
-        raise EtcdStartError(f"etcd not healthy within {timeout_s} s; see {log_path}")
+        raise EtcdStartError(f"etcd not healthy within {timeout_s} s: {tail}")
+
+    def _log_tail(self, log_path: Path, offset: int, lines: int = 5) -> str:
+        """The last lines etcd logged in this start, quoted into errors: a data dir of ours is removed with its
+        log, so a path alone would point at nothing (a kept ``data_dir``'s log is named as well)."""
+        try:
+            with open(log_path, "rb") as f:
+                f.seek(offset)
+                text = f.read().decode(errors="replace").strip().splitlines()[-lines:]
+        except OSError:
+            text = []
+        tail = " | ".join(text) or "it logged nothing"
+        return tail if self._own_dir else f"{tail} (log: {log_path})"
 
     @property
     def pid(self) -> int | None:

@@ -195,6 +195,17 @@ def test_a_given_port_in_use_is_a_clear_error():
             server.cleanup()
 
 
+def test_an_etcd_that_cannot_start_says_why_in_the_error():
+    """The error quotes etcd's own words: its log lives in a temporary data dir that is removed with it."""
+    server = EmbeddedEtcd(command_prefix=["sh", "-c", "echo 'etcd: cannot start: the disk is on fire'; exit 3", "--"])
+    try:
+        with pytest.raises(EtcdStartError, match="the disk is on fire") as error:
+            server.start()
+        assert str(server.data_dir) not in str(error.value)
+    finally:
+        server.cleanup()
+
+
 def test_etcd_outage_degrades_then_catches_up():
     with EmbeddedEtcd() as server:
         store = EtcdStore(server.endpoint)

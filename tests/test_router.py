@@ -531,3 +531,19 @@ def test_request_caps_and_cache_salt(served):
     assert cached("tenant-b") == 0 and cached(None) == 0, "another tenant saw tenant-a's cached prefix"
     with pytest.raises(openai.BadRequestError, match="cache_salt"):
         client.completions.create(model="tiny-llama", prompt="x", max_tokens=1, extra_body={"cache_salt": "s" * 300})
+
+
+def test_cached_tokens_count_every_cache_the_prompt_came_from():
+    """The KV buffer, the host and disk tiers and peers are all reuse (usage, /metrics); a prefill node's work is not."""
+    from kvmesh.cluster.metrics import RouterMetrics
+    from kvmesh.cluster.openai_protocol import usage
+    from kvmesh.cluster.router import Chunk
+
+    cache = {"tokens_reused_local": 16, "tokens_reused_host": 32, "tokens_reused_disk": 48, "tokens_reused_remote": 64,
+             "tokens_from_prefill_node": 100, "tokens_computed": 5}
+    assert usage(Chunk([], "", True, prompt_tokens=265, cache=cache))["prompt_tokens_details"]["cached_tokens"] == 160
+    metrics = RouterMetrics()
+    metrics.record_finished(cache)
+    text = metrics.exposition().decode()
+    for source, n in (("host", 32), ("disk", 48), ("remote", 64)):
+        assert f'kvmesh_prompt_tokens_total{{source="{source}"}} {float(n)}' in text, text

@@ -1,1 +1,2 @@
-"""What prefill and decode nodes share: wire messages and the node runtime."""
+"""What prefill and decode nodes share: wire messages, the engine loop, cluster membership, measured rates and the
+node runtime."""
