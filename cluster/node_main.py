@@ -5,9 +5,8 @@ import argparse
 import logging
 
 from kvmesh.auth import InsecureClusterError, add_secret_arguments, secret_from_args
-from kvmesh.device import DeviceError
 from kvmesh.lifecycle import stop_on_sigterm
-from kvmesh.node.runtime import DEFAULT_CLUSTER, NodeConfig
+from kvmesh.metadata.keys import DEFAULT_CLUSTER
 
 
 def add_node_arguments(p: argparse.ArgumentParser) -> None:
@@ -85,6 +84,9 @@ def _gib_to_bytes(flag: str, gib: float) -> int:
 
 
 def run_node(role: str, args: argparse.Namespace) -> int:
+    from kvmesh.device import DeviceError  # the model stack: only for the node commands themselves
+    from kvmesh.node.runtime import NodeConfig
+
     logging.basicConfig(level=args.log_level, format=f"%(asctime)s {args.node_id} %(name)s %(levelname)s %(message)s")
     if args.threads > 0:
         import torch
@@ -116,7 +118,7 @@ def run_node(role: str, args: argparse.Namespace) -> int:
     return 0
 
 
-def create_node(cfg: NodeConfig):
+def create_node(cfg):
     """The worker of ``cfg.role``, started and registered."""
     if cfg.role == "prefill":
         from kvmesh.prefill_node.worker import PrefillWorker

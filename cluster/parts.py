@@ -22,7 +22,7 @@ import time
 from kvmesh.auth import add_secret_arguments, require_secret, secret_from_args
 from kvmesh.errors import KvmeshError
 from kvmesh.lifecycle import stop_on_sigterm
-from kvmesh.node.runtime import DEFAULT_CLUSTER
+from kvmesh.metadata.keys import DEFAULT_CLUSTER
 
 
 class NoNodesError(KvmeshError, RuntimeError):

@@ -24,7 +24,7 @@ import ray
 
 from kvmesh.auth import generate_token, token_from_env
 from kvmesh.metadata.registry import wait_for_nodes
-from kvmesh.node.runtime import DEFAULT_CLUSTER
+from kvmesh.metadata.keys import DEFAULT_CLUSTER
 
 NAMESPACE = "kvmesh"
 

@@ -31,7 +31,7 @@ from kvmesh.metadata.records import PinRecord
 from kvmesh.metadata.sealed_store import open_store
 from kvmesh.metadata.registry import NodeDirectory
 from kvmesh.auth import ClusterAuth
-from kvmesh.model.loader import load_tokenizer
+from kvmesh.model.card import load_tokenizer
 from kvmesh.node import messages as nm
 
 

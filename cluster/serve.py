@@ -19,7 +19,7 @@ from kvmesh.cluster.local_launcher import LocalCluster
 from kvmesh.cluster.parts import exit_now
 from kvmesh.cluster.router import Router, RouterConfig
 from kvmesh.errors import KvmeshError
-from kvmesh.node.runtime import DEFAULT_CLUSTER
+from kvmesh.metadata.keys import DEFAULT_CLUSTER
 
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:

@@ -1,4 +1,11 @@
 """Attention and cache kernels: torch references (CPU) and Triton (CUDA), dispatched in ``ops``."""
-from kvmesh.kernels.attention_metadata import AttentionMetadata
-
 __all__ = ["AttentionMetadata"]
+
+
+def __getattr__(name: str):
+    # Lazy, so that importing a torch-free part of the package (the CPU library's loader, from a process that
+    # never runs the model) does not import torch.
+    if name == "AttentionMetadata":
+        from kvmesh.kernels.attention_metadata import AttentionMetadata
+        return AttentionMetadata
+    raise AttributeError(f"module 'kvmesh.kernels' has no attribute {name!r}")

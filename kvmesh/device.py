@@ -11,6 +11,8 @@ import re
 
 import torch
 
+from kvmesh.cpu_info import cpu_features, cpu_flags  # noqa: F401 (their old home)
+
 DEVICE_CHOICES = "auto, cpu, cuda or cuda:N"
 _SPEC = re.compile(r"^(auto|cpu|cuda)(?::(\d+))?$")
 
@@ -63,21 +65,3 @@ def synchronize(device: torch.device) -> None:
     """Wait for the device's queued work (timing, handing memory to another engine); no-op on the CPU."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-@functools.cache
-def cpu_flags() -> tuple[str, ...]:
-    """Every flag of the CPU (/proc/cpuinfo, read once; empty where it is not readable)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return tuple(sorted(line.split(":", 1)[1].split()))
-    except OSError:
-        pass
-    return ()
-
-
-def cpu_features() -> list[str]:
-    """The CPU flags kvmesh decides on (``--dtype auto``, packed linears, the bf16 prefill attention)."""
-    return sorted(set(cpu_flags()) & {"amx_bf16", "amx_tile", "avx512_bf16", "avx512f", "avx2"})

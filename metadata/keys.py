@@ -34,6 +34,9 @@ class BlockKey(NamedTuple):
     node_id: str
 
 
+DEFAULT_CLUSTER = "kvmesh"  # every command's default --cluster
+
+
 class KeyLayout:
     def __init__(self, cluster: str):
         self.cluster = check_name("cluster", cluster)

@@ -36,10 +36,10 @@ def test_fast_path_equals_pure_chain_and_extends():
 
 
 def test_namespace_separates_models_dtypes_and_tenants():
-    base = HashNamespace.for_model("abc", 16, torch.float32)
-    others = [HashNamespace.for_model("abd", 16, torch.float32), HashNamespace.for_model("abc", 32, torch.float32),
-              HashNamespace.for_model("abc", 16, torch.bfloat16), HashNamespace.for_model("abc", 16, torch.float32, "t2"),
-              HashNamespace.for_model("abc", 16, torch.float32, tp_rank=1, tp_size=2)]
+    base = HashNamespace.for_model("abc", 16, "float32")
+    others = [HashNamespace.for_model("abd", 16, "float32"), HashNamespace.for_model("abc", 32, "float32"),
+              HashNamespace.for_model("abc", 16, "bfloat16"), HashNamespace.for_model("abc", 16, "float32", "t2"),
+              HashNamespace.for_model("abc", 16, "float32", tp_rank=1, tp_size=2)]
     roots = {ns.root() for ns in others}
     assert base.root() not in roots and len(roots) == len(others)
     assert base.encode() == b"abc|16|float32|0/1|"

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import random
 import threading
 import time
@@ -547,3 +548,30 @@ def test_cached_tokens_count_every_cache_the_prompt_came_from():
     text = metrics.exposition().decode()
     for source, n in (("host", 32), ("disk", 48), ("remote", 64)):
         assert f'kvmesh_prompt_tokens_total{{source="{source}"}} {float(n)}' in text, text
+
+
+def test_kvmesh_router_runs_without_torch(served):
+    """``kvmesh router`` reads the model card, tokenizes, hashes and routes without the model stack: no libtorch
+    in its address space (it would be mapped the moment anything imported torch), and it serves."""
+    import subprocess
+    import sys
+
+    from kvmesh.auth import TOKEN_ENV
+
+    cluster = served["cluster"]
+    proc = subprocess.Popen([sys.executable, "-m", "kvmesh.cli", "router", "--etcd", cluster.etcd_endpoint,
+                             "--cluster", "router", "--http-port", "0", "--grpc-port", "0"],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                            env={**os.environ, TOKEN_ENV: cluster.token})
+    try:
+        base = json.loads(proc.stdout.readline())["http"]
+        body = json.dumps({"prompt": "no torch here", "max_tokens": 4, "temperature": 0}).encode()
+        request = urllib.request.Request(base + "/completions", body, {"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=60) as r:
+            assert json.loads(r.read())["choices"][0]["text"]
+        with open(f"/proc/{proc.pid}/maps") as f:
+            torch_maps = [line for line in f if "libtorch" in line]
+        assert torch_maps == [], torch_maps[:3]
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from typing import Protocol
-
-import torch
+from typing import TYPE_CHECKING, Protocol
 
 from kvmesh.auth import is_loopback
 from kvmesh.netaddr import is_wildcard
 from kvmesh.transfer.coalesce import Descriptor
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger("kvmesh.transfer")
 

@@ -73,7 +73,8 @@ class LLMEngine:
             raise ValueError(f"unknown eviction policy {config.eviction_policy!r} (choose from {', '.join(POLICIES)})")
         self.pool = BlockPool(self.layout.num_blocks, POLICIES[config.eviction_policy](),
                               track_changes=config.track_pool_changes)
-        self.namespace = HashNamespace.for_model(loaded.fingerprint, config.block_size, loaded.dtype,
+        self.namespace = HashNamespace.for_model(loaded.fingerprint, config.block_size,
+                                                 str(loaded.dtype).removeprefix("torch."),
                                                  cache_salt=config.cache_salt)
         self.kv = KVCacheManager(self.pool, config.block_size, self.namespace.root(), config.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv)

@@ -16,9 +16,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import torch
-
-from kvmesh.kernels.cpu import library as native_kernels
+_NATIVE_MODULE = "kvmesh.kernels.cpu.library"  # loaded by processes that run the model (it needs torch)
 
 BlockHash = bytes  # 16 bytes
 
@@ -46,9 +44,10 @@ class HashNamespace:
         return root_hash(self.encode())
 
     @classmethod
-    def for_model(cls, fingerprint: str, block_size: int, kv_dtype: torch.dtype, cache_salt: str = "",
+    def for_model(cls, fingerprint: str, block_size: int, kv_dtype: str, cache_salt: str = "",
                   tp_rank: int = 0, tp_size: int = 1) -> HashNamespace:
-        return cls(fingerprint, block_size, str(kv_dtype).removeprefix("torch."), tp_rank, tp_size, cache_salt)
+        """``kv_dtype``: the KV buffer's dtype name ("bfloat16", "float32")."""
+        return cls(fingerprint, block_size, kv_dtype, tp_rank, tp_size, cache_salt)
 
 
 def root_hash(namespace: bytes) -> BlockHash:
@@ -116,10 +115,12 @@ def hash_block_bytes(parent: BlockHash, data: bytes, step: int, start_block: int
     """The chain over whole blocks of token bytes (``step`` bytes each) from block ``start_block`` of ``data``.
 
     In one native call where the CPU kernels are loaded (``kernels/cpu/blake2b_chain.c``, checked
-    against hashlib in the tests), else through hashlib: the same digests either way.
+    against hashlib in the tests: every node), else through hashlib (a router, which never imports
+    torch): the same digests either way.
     """
+    native_kernels = sys.modules.get(_NATIVE_MODULE)
     native = native_kernels.blake2b_chain(parent, data[start_block * step:] if start_block else data, step,
-                                          _KV_PERSON)
+                                          _KV_PERSON) if native_kernels is not None else None
     if native is not None:
         return native
     return _hash_block_bytes_hashlib(parent, data, step, start_block)

@@ -8,18 +8,12 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 
-import torch
-
-from kvmesh.device import cpu_features  # noqa: F401 (parse_dtype looks it up here; tests patch it)
+from kvmesh.cpu_info import cpu_features  # noqa: F401 (parse_dtype looks it up here; tests patch it)
 from kvmesh.errors import UnsupportedModelError
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
 
-DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-}
+DTYPE_NAMES = ("float32", "bfloat16", "float16")  # the torch dtypes of these names: parse_dtype
 
 
 @dataclass(frozen=True)
@@ -131,6 +125,8 @@ def _rope_scaling_from_hf(scaling: dict | None) -> RopeScaling | None:
 
 def auto_dtype(device: str | torch.device = "cpu") -> torch.dtype:
     """``--dtype auto``: bfloat16 on CUDA and on CPUs with native bf16 math (AMX or AVX512-BF16), else float32."""
+    import torch
+
     if torch.device(device).type == "cuda":
         return torch.bfloat16
     features = cpu_features()
@@ -139,15 +135,17 @@ def auto_dtype(device: str | torch.device = "cpu") -> torch.dtype:
 
 def parse_dtype(name: str | torch.dtype, device: str | torch.device = "cpu") -> torch.dtype:
     """A dtype name ("float32", "bf16", ... or "auto", resolved for ``device``) -> torch dtype."""
+    import torch  # here, so that reading a config (a router) never imports torch
+
     if isinstance(name, torch.dtype):
         return name
     if name == "auto":
         return auto_dtype(device)
     aliases = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
     key = aliases.get(name, name)
-    if key not in DTYPES:
-        raise ValueError(f"unknown dtype {name!r} (choose from {', '.join(DTYPES)})")
-    return DTYPES[key]
+    if key not in DTYPE_NAMES:
+        raise ValueError(f"unknown dtype {name!r} (choose from {', '.join(DTYPE_NAMES)})")
+    return getattr(torch, key)
 
 
 def to_hf_dict(cfg: ModelConfig) -> dict:

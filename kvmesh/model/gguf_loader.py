@@ -13,7 +13,6 @@ from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
-import torch
 from tqdm import tqdm
 
 from kvmesh.errors import UnsupportedModelError
@@ -84,6 +83,7 @@ def _hf_name(gguf_name: str) -> str:
 
 def load_gguf(path: Path, progress: bool = True) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     import gguf
+    import torch  # here: reading a GGUF's config (a router) needs no torch
 
     reader = gguf.GGUFReader(str(path))
     config = gguf_config(reader)

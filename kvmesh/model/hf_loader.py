@@ -4,9 +4,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import torch
-from safetensors.torch import load_file
-
 from kvmesh.errors import UnknownModelError
 from kvmesh.model.config import ModelConfig
 
@@ -27,6 +24,8 @@ def load_hf_directory(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor],
     with open(path / "config.json") as f:
         config = ModelConfig.from_hf_dict(json.load(f))
     files = weight_files(path)
+    from safetensors.torch import load_file  # torch: only when weights are read
+
     state: dict[str, torch.Tensor] = {}
     for file in files:
         state.update(load_file(str(file)))

@@ -20,6 +20,7 @@ from kvmesh.model.gguf_loader import load_gguf_cached
 from kvmesh.model.hf_loader import is_hf_directory, load_hf_directory
 from kvmesh.model.llama import LlamaForCausalLM
 from kvmesh.model.presets import PRESETS, random_state_dict
+from kvmesh.model.card import _directory_tokenizer
 from kvmesh.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 
 
@@ -80,44 +81,3 @@ def load_model(name_or_path: str, dtype: str | torch.dtype = "float32", device: 
         device=torch_device, fingerprint=model_fingerprint(config, torch_dtype, weights_digest),
         load_seconds=time.perf_counter() - start,
     )
-
-
-@dataclass(frozen=True)
-class TokenizerCard:
-    """What a router needs of a model: its name, config and tokenizer. No weights are read."""
-
-    name: str
-    config: ModelConfig
-    tokenizer: Tokenizer
-
-
-def load_tokenizer(name_or_path: str) -> TokenizerCard:
-    """The config and tokenizer of a preset, a GGUF file (metadata only) or an HF directory, without weights."""
-    import json
-
-    preset = PRESETS.get(name_or_path)
-    path = Path(name_or_path).expanduser()
-    if preset is not None and preset.config is not None:
-        return TokenizerCard(name_or_path, preset.config, ByteTokenizer(preset.config.vocab_size))
-    if preset is not None or path.suffix == ".gguf":
-        import gguf
-
-        from kvmesh.model.gguf_loader import gguf_config
-
-        gguf_path = preset.gguf_path() if preset is not None else path
-        if not gguf_path.is_file():
-            raise UnknownModelError(f"GGUF file {gguf_path} does not exist")
-        config = gguf_config(gguf.GGUFReader(str(gguf_path)))  # metadata; tensors stay memory-mapped, unread
-        return TokenizerCard(name_or_path, config, HFTokenizer.from_gguf(gguf_path, config.eos_token_ids))
-    if is_hf_directory(path):
-        config = ModelConfig.from_hf_dict(json.loads((path / "config.json").read_text()))
-        return TokenizerCard(name_or_path, config, _directory_tokenizer(path, config))
-    raise UnknownModelError(f"unknown model {name_or_path!r}: not a preset ({', '.join(PRESETS)}), "
-                            "a directory with config.json, or a .gguf file")
-
-
-def _directory_tokenizer(path: Path, config: ModelConfig) -> Tokenizer:
-    has_hf_tokenizer = any((path / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json"))
-    if has_hf_tokenizer:
-        return HFTokenizer.from_directory(path, config.eos_token_ids)
-    return ByteTokenizer(config.vocab_size)

@@ -6,8 +6,6 @@ import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
 from kvmesh.errors import UnknownModelError
 from kvmesh.model.config import ModelConfig, RopeScaling
 
@@ -65,6 +63,8 @@ PRESETS: dict[str, Preset] = {
 
 def random_state_dict(config: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
     """Seeded weights, the same on every machine: large enough that greedy choices are not near-ties."""
+    import torch
+
     from kvmesh.model.llama import LlamaForCausalLM
 
     from kvmesh.model.weight_names import split_to_hf

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from kvmesh.auth import ClusterAuth, require_secret
+from kvmesh.metadata.keys import DEFAULT_CLUSTER  # noqa: F401 (re-exported: NodeConfig's default)
 from kvmesh.engine.engine import EngineConfig, LLMEngine
 from kvmesh.engine.scheduler import SchedulerConfig
 from kvmesh.engine.sequence import Sequence
@@ -49,7 +50,6 @@ from kvmesh.transfer.shared_memory import SharedKVAllocator
 from kvmesh.wire import MessageError, decode, encode
 
 log = logging.getLogger("kvmesh.node")
-DEFAULT_CLUSTER = "kvmesh"  # every command's default --cluster
 PROBE_SHORT_TOKENS, PROBE_LONG_TOKENS = 64, 512  # the start-up probe's two prefill sizes
 PROBE_DECODE_STEPS = 3
 
