@@ -36,7 +36,7 @@ from kvmesh.errors import KvmeshError, OutOfBlocksError
 from kvmesh.kv.block_pool import NO_BLOCK
 from kvmesh.kv.cache_stats import PrefixCacheStats
 from kvmesh.node import messages as nm
-from kvmesh.node.rate_meter import CostFit
+from kvmesh.rate_meter import CostFit
 from kvmesh.node.runtime import NodeRuntime
 from kvmesh.transfer.errors import TransferRefused
 from kvmesh.transfer.shared_memory import same_host_region

@@ -148,7 +148,7 @@ def test_cache_aware_policy_scores_cache_against_load_and_keeps_sessions():
 def test_cost_fit_separates_the_fixed_cost_of_a_step_from_its_rate():
     import random
 
-    from kvmesh.node.rate_meter import CostFit
+    from kvmesh.rate_meter import CostFit
 
     rng = random.Random(0)
     truth = lambda n: 0.0005 + n / 100_000  # noqa: E731  the tiny preset's prefill on one thread, roughly
@@ -162,7 +162,7 @@ def test_cost_fit_separates_the_fixed_cost_of_a_step_from_its_rate():
     assert abs(fit.seconds(768) - truth(768)) / truth(768) < 0.05
     # What the old meter (tokens / step time, averaged) says after the short steps that dominate a decode
     # node's life: ~44k tokens/s, less than half the marginal rate.
-    from kvmesh.node.rate_meter import RateMeter
+    from kvmesh.rate_meter import RateMeter
 
     meter = RateMeter(512 / truth(512))
     for _ in range(50):

@@ -40,7 +40,7 @@ from kvmesh.node import messages as nm
 from kvmesh.node.engine_loop import EngineLoop
 from kvmesh.netaddr import advertise_address
 from kvmesh.node.membership import ClusterMembership
-from kvmesh.node.rate_meter import CostFit
+from kvmesh.rate_meter import CostFit
 from kvmesh.router_endpoint import RouterEndpoint
 from kvmesh.transfer.block_source import TieredSource
 from kvmesh.transfer.engine import create_transfer_engine

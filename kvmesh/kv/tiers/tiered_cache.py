@@ -41,7 +41,7 @@ from kvmesh.errors import OutOfBlocksError
 from kvmesh.kv.block_pool import NO_BLOCK, BlockPool
 from kvmesh.kv.tiers.media import DiskLayout, DiskMedium, HostMedium
 from kvmesh.kv.tiers.tier_store import TierEntry, TierStore, block_checksum
-from kvmesh.node.rate_meter import RateMeter
+from kvmesh.rate_meter import RateMeter
 
 log = logging.getLogger("kvmesh.tiers")
 
