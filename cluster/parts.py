@@ -79,7 +79,7 @@ def model_of_cluster(etcd: str, cluster: str, timeout_s: float, token: str = "")
     try:
         deadline = time.monotonic() + timeout_s
         while True:
-            models = {r.kv_layout.get("model") for r in directory.nodes.values()} - {None}
+            models = {r.model.model for r in directory.nodes.values()} - {""}
             if len(models) > 1:
                 raise KvmeshError(f"cluster {cluster!r} serves several models {sorted(models)}: pass --model")
             if models:

@@ -27,7 +27,7 @@ from kvmesh.kv.block_hash import hash_blocks, salted_root
 from kvmesh.kv.prefix_hasher import PrefixHasher
 from kvmesh.metadata.block_index import BlockIndex
 from kvmesh.metadata.pins import PinRegistry
-from kvmesh.metadata.records import PinRecord
+from kvmesh.metadata.records import ModelCard, PinRecord
 from kvmesh.metadata.sealed_store import open_store
 from kvmesh.metadata.registry import NodeDirectory
 from kvmesh.auth import ClusterAuth
@@ -125,10 +125,10 @@ class Router:
         self.directory = NodeDirectory(self.store, cfg.cluster)
         self.directory.mirror.wait_healthy(10)
         card_of_nodes = self._learn_model_card(cfg.wait_for_nodes_s)
-        self.fingerprint = card_of_nodes["fingerprint"]
-        self.root_hash = bytes.fromhex(card_of_nodes["root_hash"])
-        self.index = BlockIndex(self.store, cfg.cluster, card_of_nodes["index_namespace"])
-        self.pin_registry = PinRegistry(self.store, cfg.cluster, card_of_nodes["index_namespace"])
+        self.fingerprint = card_of_nodes.fingerprint
+        self.root_hash = bytes.fromhex(card_of_nodes.root_hash)
+        self.index = BlockIndex(self.store, cfg.cluster, card_of_nodes.index_namespace)
+        self.pin_registry = PinRegistry(self.store, cfg.cluster, card_of_nodes.index_namespace)
         self.refused_nodes: set[str] = set()  # registered, but serving other weights
         self.policy = make_policy(cfg.routing)
         self.hasher = PrefixHasher(cfg.block_size)  # a prompt repeating a recent prefix is compared, not rehashed
@@ -278,33 +278,33 @@ class Router:
             if event.token_ids or delta:
                 yield Chunk(event.token_ids, delta, node_id=node_id, logprobs=logprobs, top_logprobs=tops)
 
-    def _learn_model_card(self, timeout_s: float) -> dict:
+    def _learn_model_card(self, timeout_s: float) -> ModelCard:
         """Fingerprint, hash root and index namespace of ``cfg.model`` as its nodes publish them."""
         deadline = time.monotonic() + timeout_s
         while True:
-            cards = [r.kv_layout for r in self.directory.nodes.values()
-                     if r.kv_layout.get("model") == self.cfg.model and "root_hash" in r.kv_layout]
+            cards = [r.model for r in self.directory.nodes.values()
+                     if r.model.model == self.cfg.model and r.model.root_hash]
             if cards:
-                fingerprints = Counter(c["fingerprint"] for c in cards)
+                fingerprints = Counter(c.fingerprint for c in cards)
                 if len(fingerprints) > 1:
                     log.warning("nodes serving %s disagree on its weights %s: routing to the most common",
                                 self.cfg.model, dict(fingerprints))
                 chosen = fingerprints.most_common(1)[0][0]
-                return next(c for c in cards if c["fingerprint"] == chosen)
+                return next(c for c in cards if c.fingerprint == chosen)
             if time.monotonic() > deadline:
-                served = sorted({r.kv_layout.get("model", "?") for r in self.directory.nodes.values()})
+                served = sorted({r.model.model or "?" for r in self.directory.nodes.values()})
                 raise KvmeshError(f"no node of cluster {self.cfg.cluster!r} serves {self.cfg.model!r} within "
                                   f"{timeout_s:.0f} s" + (f" (it serves {', '.join(served)})" if served else ""))
             time.sleep(0.1)
 
     def _serves_our_model(self, node_id: str, record) -> bool:
         """Nodes with other weights (another fingerprint) are refused: their KV and tokens would be wrong."""
-        if record.kv_layout.get("fingerprint") == self.fingerprint:
+        if record.model.fingerprint == self.fingerprint:
             return True
         if node_id not in self.refused_nodes:
             self.refused_nodes.add(node_id)
             log.warning("refusing node %s: it serves %s (fingerprint %s), not %s (%s)", node_id,
-                        record.kv_layout.get("model"), record.kv_layout.get("fingerprint"), self.cfg.model,
+                        record.model.model, record.model.fingerprint, self.cfg.model,
                         self.fingerprint)
         return False
 
@@ -335,8 +335,7 @@ class Router:
             queued = dict(self._queued_tokens)
         candidates = [Candidate(n, held.get(n, 0) * self.cfg.block_size,
                                 self._connections[n].num_open if n in self._connections else 0, len(prompt_ids),
-                                queued.get(n, 0), float(r.kv_layout.get("prefill_tokens_per_s", 0) or 0),
-                                float(r.kv_layout.get("decode_step_s", 0) or 0))
+                                queued.get(n, 0), r.probe.prefill_tokens_per_s, r.probe.decode_step_s)
                       for n, r in sorted(decode_nodes.items())]
         chosen_id = self.policy.choose(candidates, session_id)
         chosen = next(c for c in candidates if c.node_id == chosen_id)
@@ -416,13 +415,7 @@ class Router:
 
     def max_pinned_blocks(self) -> int:
         """Pins may hold at most a quarter of the smallest decode node's KV blocks (all pins together)."""
-        sizes = []
-        for record in self.directory.nodes.values():
-            try:
-                if record.role == "decode":
-                    sizes.append(int(record.kv_layout.get("num_blocks", 0)))
-            except (TypeError, ValueError):
-                continue
+        sizes = [r.kv_layout.num_blocks for r in self.directory.nodes.values() if r.role == "decode"]
         return min(sizes, default=0) // 4
 
     def pins(self) -> list[dict]:

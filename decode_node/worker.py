@@ -187,7 +187,7 @@ class DecodeWorker(NodeRuntime):
         rtt_s = self.rates.rtt_s_for(self._link(holder)) if holder is not None else self.rates.rtt_s
         if holder is not None and held_end > promote_end:  # a holder streams disk-tier blocks off its disk first
             if self.membership.index.slowest_tier(seq.block_hashes[promote_end:held_end], holder) == 2:
-                disk_rate = self.membership.layout_value(holder, "disk_read_bytes_per_s")
+                disk_rate = self.membership.probe_of(holder).disk_read_bytes_per_s
                 if disk_rate > 0:
                     bytes_per_s = min(bytes_per_s, disk_rate)
         plan = plan_fetch(promote_end, held_end, end, bs, self.engine.layout.bytes_per_token,
@@ -244,16 +244,9 @@ class DecodeWorker(NodeRuntime):
         best_s = float("inf")
         with self._lock:
             for node_id, record in prefill_nodes.items():
-                try:
-                    published = float(record.kv_layout.get("prefill_tokens_per_s", 0) or 0)
-                except (TypeError, ValueError):
-                    continue
+                published, step_s = record.probe.prefill_tokens_per_s, record.probe.decode_step_s
                 if not published > 0:
                     continue
-                try:
-                    step_s = max(0.0, float(record.kv_layout.get("decode_step_s", 0) or 0))
-                except (TypeError, ValueError):
-                    step_s = 0.0
                 fit = self._prefill_cost(node_id, published, step_s)
                 # Never faster than the node measured itself computing: a quicker conversation found the
                 # prompt cached there (an index not yet updated), which says nothing about the next one.

@@ -16,7 +16,7 @@ from kvmesh.metadata.embedded_etcd import EmbeddedEtcd, EtcdStartError, etcd_bin
 from kvmesh.metadata.etcd_store import EtcdStore, split_batches
 from kvmesh.metadata.keys import InvalidNameError, KeyLayout
 from kvmesh.metadata.memory_store import MemoryStore
-from kvmesh.metadata.records import NodeRecord
+from kvmesh.metadata.records import KVLayoutRecord, NodeRecord
 from kvmesh.metadata.store import KeyValue
 from kvmesh.metadata.registry import NodeDirectory, NodeRegistry
 from kvmesh.metadata.sealed_store import open_store
@@ -296,7 +296,7 @@ def test_a_peer_registered_after_the_last_watch_event_is_found_in_etcd(etcd):
     from kvmesh.metadata.store import KeyValue
     from kvmesh.node.membership import ClusterMembership
 
-    layout = {"base_addr": 4096, "num_blocks": 8, "bytes_per_block": 512}
+    layout = KVLayoutRecord(num_blocks=8, bytes_per_block=512, base_addr=4096)
     me = ClusterMembership(etcd.endpoint, "fresh-peer", "holder", "mfresh", 10, on_peer_left=lambda _n: None)
     me.start(NodeRecord("holder", "prefill", "127.0.0.1", "127.0.0.1:1", "127.0.0.1:2", kv_layout=layout))
     try:

@@ -2,6 +2,7 @@
 credentials, records that lie, deletions that are not deaths, exposure without a secret, tier files."""
 from __future__ import annotations
 
+import dataclasses
 import os
 import queue
 import struct
@@ -9,6 +10,7 @@ import subprocess
 import sys
 import time
 
+import msgpack
 import pytest
 import zmq
 
@@ -18,14 +20,14 @@ from kvmesh.metadata.embedded_etcd import EmbeddedEtcd
 from kvmesh.metadata.etcd_store import EtcdStore
 from kvmesh.metadata.keys import KeyLayout
 from kvmesh.metadata.memory_store import MemoryStore
-from kvmesh.metadata.records import NodeRecord
+from kvmesh.metadata.records import KVLayoutRecord, NodeRecord
 from kvmesh.metadata.registry import NodeDirectory, NodeRegistry
 from kvmesh.metadata.sealed_store import SealedStore, open_store
 from kvmesh.metadata.store import KeyValue, StoreUnavailable
 
 TOKEN = "security-test-token"
 RECORD = NodeRecord("decode-0", "decode", "127.0.0.1", "127.0.0.1:7001", "127.0.0.1:7002", "127.0.0.1:7003",
-                    kv_layout={"base_addr": 4096, "num_blocks": 8, "bytes_per_block": 512})
+                    kv_layout=KVLayoutRecord(num_blocks=8, bytes_per_block=512, base_addr=4096))
 
 
 def wait_for(predicate, timeout_s: float = 30.0) -> None:
@@ -148,7 +150,7 @@ def test_a_forged_or_rewritten_node_record_is_never_believed(open_etcd):
         wait_for(lambda: "decode-0" in directory.nodes)
         fake = NodeRecord("decode-9", "decode", "127.0.0.1", "127.0.0.1:6001", "127.0.0.1:6002", "127.0.0.1:6003")
         attacker.put_many([KeyValue(keys.node("decode-9"), fake.encode())])
-        moved = NodeRecord(**{**RECORD.__dict__, "transfer_endpoint": "127.0.0.1:6666"})
+        moved = dataclasses.replace(RECORD, transfer_endpoint="127.0.0.1:6666")
         attacker.put_many([KeyValue(keys.node("decode-0"), moved.encode())])
         wait_for(lambda: reader_store.num_forged >= 2)
         assert "decode-9" not in directory.nodes
@@ -187,14 +189,20 @@ def test_malformed_records_are_dropped_and_unreachable_nodes_fail_at_once():
     from kvmesh.node.messages import GenerateRequest
 
     for bad in ({"request_endpoint": "tcp://127.0.0.1:5"}, {"side_channel": "127.0.0.1:99999"},
-                {"transfer_endpoint": "a b:1"}, {"kv_layout": [1, 2]}):
+                {"transfer_endpoint": "a b:1"}):
         with pytest.raises(RecordError):
-            NodeRecord.decode(NodeRecord(**{**RECORD.__dict__, **bad}).encode())
+            NodeRecord.decode(dataclasses.replace(RECORD, **bad).encode())
+    for part, value in (("kv_layout", [1, 2]), ("kv_layout", {"num_blocks": "8"}), ("probe", {"decode_step_s": -1}),
+                        ("model", {"fingerprint": 3}), ("kv_layout", {"surprise": 1})):
+        raw = {**dataclasses.asdict(RECORD), part: value}
+        with pytest.raises(RecordError, match=part):
+            NodeRecord.decode(msgpack.packb(raw, use_bin_type=True))
+    assert NodeRecord.decode(RECORD.encode()) == RECORD
     store = MemoryStore()
     directory = NodeDirectory(store, "bad")
     store.put_many([KeyValue(KeyLayout("bad").node("decode-1"),
-                             NodeRecord(**{**RECORD.__dict__, "node_id": "decode-1",
-                                           "request_endpoint": "tcp://127.0.0.1:5"}).encode())])
+                             dataclasses.replace(RECORD, node_id="decode-1",
+                                                 request_endpoint="tcp://127.0.0.1:5").encode())])
     store.put_many([KeyValue(KeyLayout("bad").node("decode-2"), RECORD.encode())])  # names another node
     wait_for(lambda: directory.num_invalid == 2)
     assert directory.nodes == {}

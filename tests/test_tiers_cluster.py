@@ -112,7 +112,7 @@ def test_disk_tier_corruption_is_recomputed_and_a_restart_re_adopts(reference, t
     with LocalCluster(num_prefill=0, num_decode=1, node_args=args, cluster="tiers-disk") as c:
         prompts = [prompt(10 + i) for i in range(4)]
         run_each(c, "decode-0", prompts, "tier_demoted_disk")
-        root = bytes.fromhex(record_of(c, "decode-0").kv_layout["root_hash"])
+        root = bytes.fromhex(record_of(c, "decode-0").model.root_hash)
         hashes = hash_blocks(root, prompts[0][:64], 16)
         medium = DiskMedium(tmp_path / "decode-0.kvtier", DiskLayout(root, BLOCK_BYTES, 64))
         slots = {h.block_hash: h.slot for h in medium.scan()}

@@ -10,6 +10,7 @@ sniffed frame, and a hostile HTTP client. Per attack: attempts, successes (must 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import threading
 import time
@@ -94,13 +95,12 @@ class AttackRun:
     # ---- etcd: records, pins, reads -----------------------------------------------------------------
     def forged_node_record(self) -> None:
         from kvmesh.metadata.keys import KeyLayout
-        from kvmesh.metadata.records import NodeRecord
         from kvmesh.metadata.store import KeyValue
 
         fake = _Listener()
         genuine = self._decode_record()
-        record = NodeRecord(**{**genuine.__dict__, "node_id": "decode-evil", "request_endpoint": fake.endpoint,
-                               "side_channel": fake.endpoint})
+        record = dataclasses.replace(genuine, node_id="decode-evil", request_endpoint=fake.endpoint,
+                                     side_channel=fake.endpoint)
         with self.etcd_writer() as etcd:
             etcd.put_many([KeyValue(KeyLayout(self.cluster.cluster).node("decode-evil"), record.encode())])
             answered = self.service_answers(8)  # round-robin-free: the cache-aware router picks among all
@@ -116,8 +116,7 @@ class AttackRun:
 
         thief = _Listener()
         genuine = self._decode_record()
-        moved = type(genuine)(**{**genuine.__dict__, "transfer_endpoint": thief.endpoint,
-                                 "side_channel": thief.endpoint})
+        moved = dataclasses.replace(genuine, transfer_endpoint=thief.endpoint, side_channel=thief.endpoint)
         with self.etcd_writer() as etcd:
             etcd.put_many([KeyValue(KeyLayout(self.cluster.cluster).node("decode-0"), moved.encode())])
             self.service_answers(6)  # prompts the prefill node computes and pushes to decode-0
@@ -141,8 +140,7 @@ class AttackRun:
         from kvmesh.metadata.sealed_store import SealedStore
         from kvmesh.metadata.store import KeyValue
 
-        bad = type(self._decode_record())(**{**self._decode_record().__dict__, "node_id": "decode-bad",
-                                             "request_endpoint": "tcp://127.0.0.1:5"})
+        bad = dataclasses.replace(self._decode_record(), node_id="decode-bad", request_endpoint="tcp://127.0.0.1:5")
         with self.etcd_writer() as etcd:  # even sealed (an insider's bug, not an outsider): dropped
             sealed = SealedStore(etcd, ClusterAuth(self.cluster.token).record_key)
             sealed.put_many([KeyValue(KeyLayout(self.cluster.cluster).node("decode-bad"), bad.encode())])

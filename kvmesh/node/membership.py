@@ -15,7 +15,7 @@ from kvmesh.metadata.block_index import BlockIndex, BlockPublisher
 from kvmesh.metadata.keys import InvalidNameError, KeyLayout
 from kvmesh.metadata.sealed_store import open_store
 from kvmesh.metadata.pins import PinRegistry
-from kvmesh.metadata.records import NodeRecord, PinRecord, RecordError
+from kvmesh.metadata.records import ComputeProbe, NodeRecord, PinRecord, RecordError
 from kvmesh.metadata.registry import NodeDirectory, NodeRegistry
 from kvmesh.metadata.store import StoreUnavailable
 from kvmesh.transfer.peers import PeerRecord
@@ -24,15 +24,13 @@ log = logging.getLogger("kvmesh.node")
 
 
 def peer_record(record: NodeRecord) -> PeerRecord | None:
-    """The transfer-relevant part of a node record (None if it lacks the layout fields)."""
+    """The transfer-relevant part of a node record (None if it publishes no KV buffer)."""
     layout = record.kv_layout
-    try:
-        return PeerRecord(record.node_id, record.side_channel, record.transfer_endpoint, int(layout["base_addr"]),
-                          int(layout["num_blocks"]), int(layout["bytes_per_block"]),
-                          str(layout.get("shared_memory", "")), int(layout.get("landing_addr", 0)),
-                          int(layout.get("num_landing_slots", 0)))
-    except (KeyError, TypeError, ValueError):
+    if not (layout.base_addr and layout.num_blocks and layout.bytes_per_block):
         return None
+    return PeerRecord(record.node_id, record.side_channel, record.transfer_endpoint, layout.base_addr,
+                      layout.num_blocks, layout.bytes_per_block, layout.shared_memory, layout.landing_addr,
+                      layout.num_landing_slots)
 
 
 class ClusterMembership:
@@ -91,13 +89,10 @@ class ClusterMembership:
                 return None
         return peer_record(record) if record is not None else None
 
-    def layout_value(self, node_id: str, key: str) -> float:
-        """A number a node published in its record's layout (0 when it is unknown or not a number)."""
+    def probe_of(self, node_id: str) -> ComputeProbe:
+        """What ``node_id`` measured of itself (zeros for a node we do not know)."""
         record = self.directory.nodes.get(node_id) if self.directory is not None else None
-        try:
-            return float(record.kv_layout.get(key, 0)) if record is not None else 0.0
-        except (TypeError, ValueError):
-            return 0.0
+        return record.probe if record is not None else ComputeProbe()
 
     def nodes(self, role: str) -> dict[str, NodeRecord]:
         return {n: r for n, r in self.directory.nodes.items() if r.role == role and n != self.node_id}

@@ -34,7 +34,7 @@ from kvmesh.kv.block_hash import HashNamespace
 from kvmesh.engine.kv_probe import prompt_kv_sums
 from kvmesh.kv.cache_stats import PrefixCacheStats
 from kvmesh.kv.tiers.tiered_cache import TierConfig, TieredCache
-from kvmesh.metadata.records import NodeRecord
+from kvmesh.metadata.records import ComputeProbe, KVLayoutRecord, ModelCard, NodeRecord
 from kvmesh.model.loader import load_model
 from kvmesh.node import messages as nm
 from kvmesh.node.engine_loop import EngineLoop
@@ -54,7 +54,7 @@ PROBE_SHORT_TOKENS, PROBE_LONG_TOKENS = 64, 512  # the start-up probe's two pref
 PROBE_DECODE_STEPS = 3
 
 
-class ComputeProbe(NamedTuple):
+class ProbeMeasurement(NamedTuple):
     prefill_points: list[tuple[float, float]]  # (prompt tokens, seconds of the prefill step)
     decode_step_s: float  # one decode step of one sequence: about what each request in flight adds to a step
 
@@ -177,22 +177,19 @@ class NodeRuntime:
     # ---- identity ------------------------------------------------------------------------------
     def record(self) -> NodeRecord:
         layout = self.engine.layout
+        kv_layout = KVLayoutRecord(
+            num_blocks=layout.num_blocks, block_size=layout.block_size, num_layers=layout.num_layers,
+            bytes_per_block=self.agent.block_bytes, base_addr=self.agent.base_addr,
+            transport=self.agent.engine.transport, dtype=str(self.loaded.dtype).removeprefix("torch."),
+            device=device_name(self.device), kv_memory=self.agent.memory.mode,
+            shared_memory=self.agent.record.shared_memory, landing_addr=self.agent.record.landing_addr,
+            num_landing_slots=self.agent.record.num_landing_slots)
+        card = ModelCard(self.cfg.model, self.loaded.fingerprint, self.engine.kv.root_hash.hex(),
+                         index_namespace(self.engine.namespace))
+        disk = self.tiers.read_rates[2].per_s if self.tiers is not None and self.tiers.disk is not None else 0.0
+        probe = ComputeProbe(float(self.prefill_tokens_per_s), float(self.decode_step_s), float(disk))
         return NodeRecord(self.cfg.node_id, self.cfg.role, self.advertise_host, self.agent.engine.endpoint,
-                          self.agent.side_channel, self.endpoint.endpoint,
-                          {"num_blocks": layout.num_blocks, "block_size": layout.block_size,
-                           "num_layers": layout.num_layers, "bytes_per_block": self.agent.block_bytes,
-                           "base_addr": self.agent.base_addr, "transport": self.agent.engine.transport,
-                           "model": self.cfg.model, "dtype": str(self.loaded.dtype).removeprefix("torch."),
-                           "device": device_name(self.device), "kv_memory": self.agent.memory.mode,
-                           "shared_memory": self.agent.record.shared_memory,
-                           "landing_addr": self.agent.record.landing_addr,
-                           "num_landing_slots": self.agent.record.num_landing_slots,
-                           "fingerprint": self.loaded.fingerprint, "root_hash": self.engine.kv.root_hash.hex(),
-                           "index_namespace": index_namespace(self.engine.namespace),
-                           "prefill_tokens_per_s": self.prefill_tokens_per_s,
-                           "decode_step_s": self.decode_step_s,
-                           **({"disk_read_bytes_per_s": self.tiers.read_rates[2].per_s}
-                              if self.tiers is not None and self.tiers.disk is not None else {})},
+                          self.agent.side_channel, self.endpoint.endpoint, kv_layout, card, probe,
                           layout.num_blocks, {"free_blocks": self.pool.num_free_blocks})
 
     def lookup_holders(self, block_hashes: list[bytes]) -> dict[str, int]:
@@ -214,7 +211,7 @@ class NodeRuntime:
         real steps). The fixed cost of a step is apart (``prefill_cost.fixed_s``): a request pays it anyway."""
         return self.prefill_cost.per_s
 
-    def _probe(self) -> ComputeProbe:
+    def _probe(self) -> ProbeMeasurement:
         """Start-up measurement of this node's compute, after a warm-up: a short and a long prefill (the best
         of two each; the two points that seed ``prefill_cost``) and one decode step of one sequence."""
         from kvmesh.engine.sampling_params import SamplingParams
@@ -241,7 +238,7 @@ class NodeRuntime:
         self.pool.evict(self.pool.num_blocks)  # the probe's blocks are not worth publishing
         self.pool.take_cached(), self.pool.take_evicted()
         self.engine.kv.stats = PrefixCacheStats()  # counters start with the first real request
-        return ComputeProbe(list(best.items()), decode_step_s)
+        return ProbeMeasurement(list(best.items()), decode_step_s)
 
     # ---- engine-thread hooks ---------------------------------------------------------------------------
     def _publish(self) -> None:
