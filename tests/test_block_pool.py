@@ -292,3 +292,21 @@ def test_allocation_is_sorted_so_a_request_freed_tail_first_comes_back_as_one_ru
     assert pool.cache_blocks(again, hashes) == again and pool.match(hashes) == again
     pool.free(again + rest)
     pool.check_integrity()
+
+
+def test_evictions_are_counted_where_they_happen():
+    """A cached block that loses its hash, to an allocation or to evict(), is one eviction in the engine's stats."""
+    from kvmesh import LLM, SamplingParams
+
+    llm = LLM("tiny-llama", num_kv_blocks=12, progress=False)
+    greedy = SamplingParams(max_tokens=1, temperature=0.0)
+    llm.generate([list(range(1, 65))], greedy, use_tqdm=False)  # 4 full blocks cached
+    assert llm.engine.kv.stats_dict()["evictions"] == 0
+    llm.generate([list(range(100, 276))], greedy, use_tqdm=False)  # 11 blocks of 12: the first prompt's must go
+    evicted = llm.engine.kv.stats_dict()["evictions"]
+    assert evicted > 0 and evicted == llm.engine.pool.num_evicted
+    llm.engine.kv.reset_stats()
+    assert llm.engine.kv.stats_dict()["evictions"] == 0
+    llm.engine.pool.evict(llm.engine.pool.num_blocks)
+    assert llm.engine.kv.stats_dict()["evictions"] > 0
+    llm.engine.pool.check_integrity()

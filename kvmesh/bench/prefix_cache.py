@@ -157,7 +157,7 @@ def bench_engine_workload(num_requests: int = 12) -> dict:
         for p in prompts:
             llm.generate(p, params, use_tqdm=False)
         llm.engine.check_integrity()
-        out["cache_on" if caching else "cache_off"] = llm.engine.kv.stats.as_dict()
+        out["cache_on" if caching else "cache_off"] = llm.engine.kv.stats_dict()
     on, off = out["cache_on"], out["cache_off"]
     out["tokens_computed_drop"] = 1 - on["tokens_computed"] / off["tokens_computed"]
     return out

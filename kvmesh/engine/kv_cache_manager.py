@@ -28,7 +28,18 @@ class KVCacheManager:
         self.root_hash = root_hash
         self.enable_prefix_caching = enable_prefix_caching
         self.stats = PrefixCacheStats()
+        self._evictions_base = pool.num_evicted
         self.hasher = PrefixHasher(block_size)  # prompts that repeat a recent prefix are compared, not rehashed
+
+    def reset_stats(self) -> None:
+        """Counters from zero (a node after its start-up probe)."""
+        self.stats = PrefixCacheStats()
+        self._evictions_base = self.pool.num_evicted
+
+    def stats_dict(self) -> dict[str, float]:
+        """The prefix-cache counters, evictions as the pool counted them since the last reset."""
+        self.stats.evictions = self.pool.num_evicted - self._evictions_base
+        return self.stats.as_dict()
 
     def hash_prompt(self, token_ids: list[int], cache_salt: str | None = None) -> list[BlockHash]:
         """The block hashes of every full block of a prompt (from the namespace root, salted by the request's

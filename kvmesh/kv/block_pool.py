@@ -69,6 +69,7 @@ class BlockPool:
         self._chains: OrderedDict[int, list[int]] = OrderedDict()
         self._max_memo_chains = max_memo_chains
         self._num_lookups = self._num_hits = self._num_matched_blocks = 0  # match_prefix's counters
+        self.num_evicted = 0  # cached blocks that lost their hash (allocation or evict), ever
         self._last_evicted_ids: list[int] | None = None  # collects evict()'s victims for evict_blocks
         self.track_changes = track_changes
         self._evicted: list[BlockHash] = []
@@ -470,6 +471,7 @@ class BlockPool:
     def _uncache(self, block: int) -> None:
         if self._slot[block] < 0:
             return
+        self.num_evicted += 1
         h, parent = self._index.remove_block(block)
         self._chains.pop(block, None)
         if self.on_uncache is not None:

@@ -12,8 +12,7 @@ class PrefixCacheStats:
     tokens_processed: int = 0  # prompt tokens looked up
     tokens_reused: int = 0  # ... of which came from the cache
     tokens_computed: int = 0  # ... of which had to be computed
-    evictions: int = 0  # blocks evicted
-    tokens_evicted: int = 0
+    evictions: int = 0  # cached blocks that lost their hash (the pool counts them; the manager copies the count)
 
     def record_lookup(self, num_tokens: int, num_reused: int, min_prefix_length: int = 1) -> None:
         self.requests += 1
@@ -24,10 +23,6 @@ class PrefixCacheStats:
         self.tokens_processed += num_tokens
         self.tokens_reused += num_reused
         self.tokens_computed += num_tokens - num_reused
-
-    def record_eviction(self, num_blocks: int, block_size: int) -> None:
-        self.evictions += num_blocks
-        self.tokens_evicted += num_blocks * block_size
 
     @property
     def hit_rate(self) -> float:

@@ -32,7 +32,6 @@ from kvmesh.device import device_name, resolve_device
 from kvmesh.errors import KvmeshError
 from kvmesh.kv.block_hash import HashNamespace
 from kvmesh.engine.kv_probe import prompt_kv_sums
-from kvmesh.kv.cache_stats import PrefixCacheStats
 from kvmesh.kv.tiers.tiered_cache import TierConfig, TieredCache
 from kvmesh.metadata.records import ComputeProbe, KVLayoutRecord, ModelCard, NodeRecord
 from kvmesh.model.loader import load_model
@@ -237,7 +236,7 @@ class NodeRuntime:
                 decode_step_s = min(decode_step_s, time.perf_counter() - start)
         self.pool.evict(self.pool.num_blocks)  # the probe's blocks are not worth publishing
         self.pool.take_cached(), self.pool.take_evicted()
-        self.engine.kv.stats = PrefixCacheStats()  # counters start with the first real request
+        self.engine.kv.reset_stats()  # counters start with the first real request
         return ProbeMeasurement(list(best.items()), decode_step_s)
 
     # ---- engine-thread hooks ---------------------------------------------------------------------------
@@ -303,7 +302,7 @@ class NodeRuntime:
             except AssertionError as e:
                 error = f"integrity: {e}"
         usage = self.pool.usage()
-        stats = {**self.engine.kv.stats.as_dict(), "bytes_received": self.agent.bytes_received,
+        stats = {**self.engine.kv.stats_dict(), "bytes_received": self.agent.bytes_received,
                  "bytes_sent": self.agent.bytes_sent, "bytes_sent_shared_memory": self.agent.bytes_sent_shared_memory,
                  "num_used_blocks": usage.num_used,
                  "num_cached_blocks": usage.num_cached, "num_pinned": self.pool.num_pinned(),
