@@ -24,7 +24,8 @@ import zmq
 from kvmesh.auth import REFUSED, ClusterAuth
 from kvmesh.bench.report import machine, print_table, write_json
 
-API_KEY = "attack-bench-key"
+API_KEY = "attack-bench-key"  # the attacking client's (where an attack needs a key at all)
+OTHER_KEY = "attack-bench-other-key"  # another tenant: whether the service kept answering is asked with it
 _NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 
@@ -66,10 +67,11 @@ class AttackRun:
             return e.code, {}
 
     def service_answers(self, n: int = 4) -> bool:
-        """Well-behaved requests (the front end, the router, a decode node and a prefill node) still work."""
+        """Other clients' requests (another tenant's key: the front end, the router, a decode node and a prefill
+        node) still work."""
         for i in range(n):
             status, out = self._http("/v1/completions", {"prompt": f"attack check {i} " * 8, "max_tokens": 4,
-                                                         "temperature": 0})
+                                                         "temperature": 0}, key=OTHER_KEY)
             if status != 200 or not out.get("choices"):
                 return False
         return True
@@ -309,7 +311,7 @@ def _other_client_answered(http: str) -> bool:
     request = urllib.request.Request(http + "/v1/completions",
                                      data=json.dumps({"prompt": "polite", "max_tokens": 2}).encode(),
                                      headers={"Content-Type": "application/json",
-                                              "Authorization": "Bearer attack-bench-other-key"})
+                                              "Authorization": f"Bearer {OTHER_KEY}"})
     try:
         with _NO_PROXY.open(request, timeout=120) as r:
             return r.status == 200
@@ -335,7 +337,7 @@ def attacked_cluster(max_in_flight: int = 16):
         def serve() -> None:
             asyncio.set_event_loop(loop)
             ports["runner"], ports["http"] = loop.run_until_complete(start_http_server(
-                router, "127.0.0.1", 0, token=ApiKeys([API_KEY, "attack-bench-other-key"])))
+                router, "127.0.0.1", 0, token=ApiKeys([API_KEY, OTHER_KEY])))
             ready.set()
             loop.run_forever()
 
