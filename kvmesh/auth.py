@@ -7,7 +7,7 @@ Node request endpoints, side channels and the ZMQ transfer engine's headers are
 sealed with ``ClusterAuth.seal`` and opened with ``ClusterAuth.open``. A frame is
 refused (``AuthError``, counted by the receiver) when its MAC does not verify, when
 it was sealed more than ``MAX_AGE_S`` ago (or that far in the future), or when its
-nonce was already seen inside that window: a sniffed frame cannot be replayed.
+nonce was already seen (``ReplayGuard``): a sniffed frame cannot be replayed.
 Receivers answer a refused frame with the unsealed ``REFUSED`` marker so that a
 client holding the wrong token gets a clear error instead of a timeout.
 
@@ -45,6 +45,7 @@ MAC_BYTES = 16
 NONCE_BYTES = 12
 HEADER_BYTES = MAC_BYTES + NONCE_BYTES + 8
 MAX_AGE_S = 60.0  # frames older (or further ahead) than this are refused; nonces are kept this long
+REPLAY_WINDOW = 1 << 16  # per sender: how far behind its newest frame one may arrive (reordering), bits kept
 REFUSED = b"KVMESH-AUTH-REFUSED"  # unsealed answer to a frame that failed authentication
 
 
@@ -88,11 +89,19 @@ def require_secret(what: str, hosts: list[str], token: str, insecure: bool = Fal
 
 
 class ReplayGuard:
-    """Nonces seen within MAX_AGE_S; ``check`` refuses a repeated one and frames outside the window."""
+    """Refuses frames outside the time window and frames whose nonce was seen, in memory bounded per sender.
 
-    def __init__(self, max_age_s: float = MAX_AGE_S):
+    A nonce is a sender's random prefix (one per process) and its counter. Per prefix the guard keeps the
+    highest counter seen and a bitmap of the ``window`` counters below it (frames of one sender may arrive
+    a little out of order: several threads seal, several sockets carry): a counter seen before, or older
+    than the window, is refused. Senders silent for ``max_age_s`` are forgotten: their frames are stale by
+    then anyway.
+    """
+
+    def __init__(self, max_age_s: float = MAX_AGE_S, window: int = REPLAY_WINDOW):
         self.max_age_s = max_age_s
-        self._seen: dict[bytes, float] = {}
+        self.window = window
+        self._senders: dict[bytes, list] = {}  # prefix -> [highest counter, bitmap (bit d: counter highest-d), last seen]
         self._lock = threading.Lock()
         self._next_prune = 0.0
 
@@ -100,14 +109,27 @@ class ReplayGuard:
         """"" when fresh (and now remembered), else why the frame is refused."""
         if abs(now - sent_s) > self.max_age_s:
             return f"frame sent {now - sent_s:+.0f} s ago, outside the {self.max_age_s:.0f} s window"
+        prefix, counter = nonce[:-4], int.from_bytes(nonce[-4:], "big")
         with self._lock:
-            if nonce in self._seen:
-                return "frame replayed (its nonce was already seen)"
-            self._seen[nonce] = sent_s
+            state = self._senders.get(prefix)
+            if state is None:
+                self._senders[prefix] = [counter, 1, now]
+            elif counter > state[0]:
+                shift = counter - state[0]
+                state[0], state[1] = counter, ((state[1] << shift) | 1) & ((1 << self.window) - 1) \
+                    if shift < self.window else 1
+            else:
+                behind = state[0] - counter
+                if behind >= self.window:
+                    return f"frame too far behind its sender's newest ({behind} frames): refused as a replay"
+                if state[1] >> behind & 1:
+                    return "frame replayed (its nonce was already seen)"
+                state[1] |= 1 << behind
+            self._senders[prefix][2] = now
             if now >= self._next_prune:
                 self._next_prune = now + self.max_age_s / 4
                 horizon = now - self.max_age_s
-                self._seen = {n: t for n, t in self._seen.items() if t >= horizon}
+                self._senders = {p: st for p, st in self._senders.items() if st[2] >= horizon}
         return ""
 
 
@@ -129,7 +151,10 @@ class ClusterAuth:
         return hashlib.blake2b(payload, key=self._key, digest_size=MAC_BYTES).digest()
 
     def seal(self, payload: bytes) -> bytes:
-        nonce = self._nonce_prefix + (next(self._counter) & 0xFFFFFFFF).to_bytes(4, "big")
+        epoch, counter = divmod(next(self._counter), 1 << 32)
+        prefix = self._nonce_prefix if not epoch else \
+            hashlib.blake2b(self._nonce_prefix + epoch.to_bytes(8, "big"), digest_size=NONCE_BYTES - 4).digest()
+        nonce = prefix + counter.to_bytes(4, "big")  # a fresh sender prefix past 2^32 frames: never a repeat
         body = nonce + struct.pack(">Q", int(time.time() * 1000)) + payload
         return self.mac(body) + body
 

@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
@@ -289,6 +290,8 @@ def _add_local_cluster(sub) -> None:
 
 def _run_local_cluster(args: argparse.Namespace) -> int:
     import json as _json
+    import shutil
+    import tempfile
 
     from kvmesh.auth import token_from_env
     from kvmesh.cluster.local_launcher import LocalCluster
@@ -297,6 +300,7 @@ def _run_local_cluster(args: argparse.Namespace) -> int:
     from kvmesh.lifecycle import stop_on_sigterm
 
     stop_on_sigterm()
+    token_dir = ""
     print(f"starting etcd, {args.prefill} prefill and {args.decode} decode node(s) of {args.model} ...",
           file=sys.stderr)
     try:
@@ -305,16 +309,25 @@ def _run_local_cluster(args: argparse.Namespace) -> int:
                           node_args=node_share_args(args)) as cluster, \
                 Supervisor(cluster, max_restarts=args.max_restarts):
             generated = not token_from_env()
+            if generated:  # a secret never goes to stdout (logs): a file only this user can read, removed at exit
+                token_dir = tempfile.mkdtemp(prefix="kvmesh-local-")
+                token_file = os.path.join(token_dir, "cluster-token")
+                with open(os.open(token_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
+                    f.write(cluster.token)
             print(_json.dumps({"etcd": cluster.etcd_endpoint, "nodes": {n: p.info for n, p in cluster.nodes.items()},
-                               **({"cluster_token": cluster.token} if generated else {})}, indent=2))
+                               **({"cluster_token_file": token_file} if generated else {})}, indent=2))
             print("serving; send GenerateRequests to a decode node's 'requests' endpoint "
                   "(kvmesh.cluster.client.NodeClient with ClusterAuth(token)"
-                  + (", the cluster_token above: set $KVMESH_CLUSTER_TOKEN to choose your own" if generated else "")
+                  + (", the token in cluster_token_file above: set $KVMESH_CLUSTER_TOKEN to choose your own"
+                     if generated else "")
                   + "). Dead nodes are restarted. Ctrl-C stops everything.", file=sys.stderr)
             while True:
                 time.sleep(3600)
     except KeyboardInterrupt:
         pass
+    finally:
+        if token_dir:
+            shutil.rmtree(token_dir, ignore_errors=True)
     return 0
 
 

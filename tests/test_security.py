@@ -263,3 +263,22 @@ def test_tier_files_are_private_and_never_followed(tmp_path):
     stale.mkdir()
     live.mkdir()
     assert remove_stale_temp_folders(str(tmp_path)) == [str(stale)] and live.exists()
+
+
+def test_the_replay_guard_takes_reordering_and_stays_small():
+    from kvmesh.auth import ReplayGuard
+
+    guard, now = ReplayGuard(window=64), time.time()
+    prefix = b"p" * 8
+    nonce = [prefix + i.to_bytes(4, "big") for i in range(200)]
+    assert guard.check(nonce[10], now, now) == ""
+    assert guard.check(nonce[5], now, now) == ""  # a little late: fine, once
+    assert "replayed" in guard.check(nonce[5], now, now) and "replayed" in guard.check(nonce[10], now, now)
+    assert guard.check(nonce[150], now, now) == ""
+    assert "behind" in guard.check(nonce[20], now, now)  # further behind than the window: refused
+    assert guard.check(b"q" * 8 + (20).to_bytes(4, "big"), now, now) == ""  # another sender, its own counter
+    for i in range(151, 200):
+        assert guard.check(nonce[i], now, now) == ""
+    assert len(guard._senders) == 2 and guard._senders[prefix][1] < 1 << 64
+    assert guard.check(b"r" * 8 + bytes(4), now + 100, now + 100) == ""  # later: silent senders are forgotten
+    assert set(guard._senders) == {b"r" * 8}
