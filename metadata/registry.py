@@ -68,12 +68,19 @@ class NodeRegistry:
                 pass  # keep trying; the lease lives ttl_s past the last refresh
 
     def _restore_record(self) -> None:
-        """Write our record back if someone deleted or replaced it (readers drop values without our MAC)."""
+        """Write our record back if someone deleted or replaced it (readers drop values without our MAC).
+        Never raises: the keepalive loop it runs in must outlive any failure here."""
         key = self.keys.node(self.record.node_id)
-        current = self.store.get_entries([key])[0]
-        if current is None or current.lease != self.lease_id or current.value != self.record.encode():
-            log.warning("node %s: our record in etcd was deleted or replaced; writing it back", self.record.node_id)
-            self.store.put_many([KeyValue(key, self.record.encode())], self.lease_id)
+        try:
+            current = self.store.get_entries([key])[0]
+            if current is None or current.lease != self.lease_id or current.value != self.record.encode():
+                log.warning("node %s: our record in etcd was deleted or replaced; writing it back",
+                            self.record.node_id)
+                self.store.put_many([KeyValue(key, self.record.encode())], self.lease_id)
+        except KeyError:
+            raise  # the lease is gone: the loop registers again
+        except Exception as e:  # etcd down or our store closing: the next round tries again
+            log.debug("node %s: could not check our record: %s", self.record.node_id, e)
 
     def deregister(self) -> None:
         self._stop.set()
