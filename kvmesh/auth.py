@@ -143,6 +143,9 @@ class ClusterAuth:
         self._nonce_prefix = secrets.token_bytes(NONCE_BYTES - 4)
         self._counter = itertools.count()
         self._guard = ReplayGuard()
+        if self.enabled and not zmq.has("curve"):
+            raise AuthError("this pyzmq's libzmq was built without CURVE (libsodium): kvmesh cannot encrypt its "
+                            "channels; install a pyzmq wheel (they bundle it)")
         secret = z85.encode(derive_key(token, "kvmesh-curve-v1"))
         self._curve = (zmq.curve_public(secret), secret) if self.enabled else None
         self.num_refused = 0  # frames that failed ``open``
