@@ -78,6 +78,26 @@ def test_a_block_damaged_in_flight_is_not_kept(requester):
         holder.close()
 
 
+def stop_mid_push(requester, holder, then=lambda: None) -> tuple[threading.Thread, list]:
+    """A thread that SIGSTOPs ``holder`` once some blocks of its push are confirmed (more to come), then runs
+    ``then``; its outcome lands in the list (True, or the exception: a thread's failure is only a warning,
+    so the test reads it)."""
+    stopped: list = []
+
+    def stop() -> None:
+        try:
+            wait_until(lambda: any(g.num_confirmed for g in list(requester.grants._grants.values())))
+            holder.proc.send_signal(signal.SIGSTOP)
+            then()
+            stopped.append(True)
+        except BaseException as e:
+            stopped.append(e)
+
+    thread = threading.Thread(target=stop)
+    thread.start()
+    return thread, stopped
+
+
 @pytest.mark.parametrize("requester", [*BACKENDS, SHARED], indirect=True)
 def test_stalled_then_resumed_holder_cannot_touch_reused_blocks(requester):
     """SIGSTOP a holder mid-push past the requester's timeout; the blocks it was granted are refilled with
@@ -88,18 +108,7 @@ def test_stalled_then_resumed_holder_cannot_touch_reused_blocks(requester):
     try:
         ids = requester.pool.allocate(24)
 
-        stopped = []
-
-        def stop_after_first_chunk():  # the holder is mid-push: some blocks confirmed, more to come
-            try:
-                wait_until(lambda: any(g.num_confirmed for g in list(requester.grants._grants.values())))
-                holder.proc.send_signal(signal.SIGSTOP)
-                stopped.append(True)
-            except BaseException as e:  # a thread's failure is only a warning: the test reads it below
-                stopped.append(e)
-
-        stopper = threading.Thread(target=stop_after_first_chunk)
-        stopper.start()
+        stopper, stopped = stop_mid_push(requester, holder)
         outcome = requester.requester.push(holder.node_id, ids, chain_hashes(24), request_id="s", timeout_s=3,
                                            wait_ms=30_000)
         stopper.join()
@@ -138,19 +147,7 @@ def test_a_stopped_same_host_writer_outliving_its_lease_cannot_touch_reused_bloc
     try:
         ids = requester.pool.allocate(24)
 
-        stopped = []
-
-        def stop_then_lose_lease():  # mid-push: some blocks confirmed, more to come; then the lease ends
-            try:
-                wait_until(lambda: any(g.num_confirmed for g in list(requester.grants._grants.values())))
-                holder.proc.send_signal(signal.SIGSTOP)
-                requester.peer_gone(holder.node_id)
-                stopped.append(True)
-            except BaseException as e:  # a thread's failure is only a warning: the test reads it below
-                stopped.append(e)
-
-        stopper = threading.Thread(target=stop_then_lose_lease)
-        stopper.start()
+        stopper, stopped = stop_mid_push(requester, holder, then=lambda: requester.peer_gone(holder.node_id))
         outcome = requester.requester.push(holder.node_id, ids, chain_hashes(24), request_id="lease", timeout_s=30,
                                            wait_ms=30_000)
         stopper.join()
