@@ -5,10 +5,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-PACKAGE_DIRS = {"kvmesh": "kvmesh", "kvmesh.kernels": "kernels", "kvmesh.transfer": "transfer",
-                "kvmesh.metadata": "metadata", "kvmesh.prefill_node": "prefill_node",
-                "kvmesh.decode_node": "decode_node", "kvmesh.cluster": "cluster"}
+from tests.source_tree import source_modules
 
 # Lowest first. A module's layer is that of the longest name below that it is or lies under; names ending in "="
 # are the module itself only (the package root is the public API, above everything).
@@ -40,18 +37,6 @@ def layer_of(module: str) -> int | None:
     return None if best is None else best[0]
 
 
-def modules() -> dict[str, Path]:
-    out = {}
-    for package, folder in PACKAGE_DIRS.items():
-        for path in (ROOT / folder).rglob("*.py"):
-            rel = path.relative_to(ROOT / folder).with_suffix("")
-            if "__pycache__" in rel.parts or (package == "kvmesh" and f"kvmesh.{rel.parts[0]}" in PACKAGE_DIRS):
-                continue
-            parts = [package, *rel.parts]
-            out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
-    return out
-
-
 def imports_of(path: Path) -> set[str]:
     found = set()
     for node in ast.walk(ast.parse(path.read_text())):
@@ -65,7 +50,7 @@ def imports_of(path: Path) -> set[str]:
 
 
 def test_no_module_imports_a_higher_layer():
-    found = modules()
+    found = source_modules()
     assert len(found) > 100
     unplaced = sorted(m for m in found if layer_of(m) is None)
     assert unplaced == [], f"modules in no layer of LAYERS: {unplaced}"

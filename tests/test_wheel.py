@@ -9,10 +9,7 @@ import sys
 import zipfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-PACKAGE_DIRS = {"kvmesh": "kvmesh", "kvmesh.kernels": "kernels", "kvmesh.transfer": "transfer",
-                "kvmesh.metadata": "metadata", "kvmesh.prefill_node": "prefill_node",
-                "kvmesh.decode_node": "decode_node", "kvmesh.cluster": "cluster"}
+from tests.source_tree import PACKAGE_DIRS, ROOT, source_modules
 
 # Run with -S (no site hooks, so no editable install mapping kvmesh back to the source tree): the wheel's
 # folder first, then the dependencies' site-packages.
@@ -38,20 +35,6 @@ print(json.dumps(report))
 """
 
 
-def source_modules() -> set[str]:
-    out = set()
-    for package, folder in PACKAGE_DIRS.items():
-        for path in (ROOT / folder).rglob("*.py"):
-            rel = path.relative_to(ROOT / folder).with_suffix("")
-            if "__pycache__" in rel.parts or not (path.parent / "__init__.py").exists():
-                continue
-            if any(f"{package}.{rel.parts[0]}" == other for other in PACKAGE_DIRS):
-                continue  # a link into another root (the device scripts make some)
-            parts = [package, *rel.parts]
-            out.add(".".join(parts[:-1] if parts[-1] == "__init__" else parts))
-    return out
-
-
 def test_the_wheel_holds_every_module_and_imports_without_the_source_tree(tmp_path):
     tree = tmp_path / "src"
     tree.mkdir()
@@ -70,7 +53,7 @@ def test_the_wheel_holds_every_module_and_imports_without_the_source_tree(tmp_pa
         names = z.namelist()
     in_wheel = {n.removesuffix(".py").removesuffix("/__init__").replace("/", ".") for n in names
                 if n.endswith(".py") and n.startswith("kvmesh/")}
-    expected = source_modules()
+    expected = set(source_modules())
     assert expected - in_wheel == set(), "modules of the source tree missing from the wheel"
     assert "kvmesh/cluster/proto/kvmesh.proto" in names and "kvmesh/kernels/cpu/common.h" in names
     deps = [p for p in site.getsitepackages() if Path(p).exists()]
