@@ -116,7 +116,7 @@ class NodeConnection:
             sock.close()
             self._give_up(NodeLost(f"cannot connect to node {self.node_id} at {self.endpoint!r}: {e}"))
             return
-        handshakes = HandshakeMonitor(sock) if self._auth.enabled else None
+        handshakes = self._auth.handshake_monitor(sock)
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
         poller.register(self._wake_r, zmq.POLLIN)
@@ -126,7 +126,6 @@ class NodeConnection:
             self._serve(sock, poller, handshakes)
         finally:
             if handshakes is not None:
-                sock.disable_monitor()
                 handshakes.close()
             sock.close()
 

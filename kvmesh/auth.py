@@ -192,6 +192,10 @@ class ClusterAuth:
             sock.curve_publickey, sock.curve_secretkey = self._curve
         return sock
 
+    def handshake_monitor(self, sock: zmq.Socket) -> HandshakeMonitor | None:
+        """A counter of ``sock``'s failed CurveZMQ handshakes (None without a token: there are none)."""
+        return HandshakeMonitor(sock) if self._curve is not None else None
+
     def curve_client(self, sock: zmq.Socket) -> zmq.Socket:
         """Make ``sock`` (before connect) a CurveZMQ client of servers under the cluster key."""
         if self._curve is not None:
@@ -210,6 +214,7 @@ class HandshakeMonitor:
     Poll ``socket`` with the owner's poller and call ``drain`` when it is readable (the owning thread)."""
 
     def __init__(self, sock: zmq.Socket):
+        self._monitored = sock
         self.socket = sock.get_monitor_socket(_FAILED_HANDSHAKE | zmq.EVENT_HANDSHAKE_SUCCEEDED)
         self.num_failed = 0
         self.num_succeeded = 0
@@ -228,7 +233,11 @@ class HandshakeMonitor:
         return failed
 
     def close(self) -> None:
-        self.socket.close(linger=0)
+        """Stop monitoring (before the monitored socket closes) and close the monitor; idempotent."""
+        if not self._monitored.closed:
+            self._monitored.disable_monitor()
+        if not self.socket.closed:
+            self.socket.close(linger=0)
 
 
 def add_secret_arguments(p, generated: bool = False) -> None:

@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 import zmq
 
-from kvmesh.auth import REFUSED, AuthError, ClusterAuth, HandshakeMonitor
+from kvmesh.auth import REFUSED, AuthError, ClusterAuth
 from kvmesh.netaddr import zmq_bind_host
 
 log = logging.getLogger("kvmesh.auth")
@@ -34,7 +34,7 @@ class RouterEndpoint:
         self._name = name
         self._router = self._auth.curve_server(self._ctx.socket(zmq.ROUTER))
         self._router.linger = 0
-        self._handshakes = HandshakeMonitor(self._router) if self._auth.enabled else None
+        self._handshakes = self._auth.handshake_monitor(self._router)
         if port:
             self._router.bind(f"tcp://{zmq_bind_host(host)}:{port}")
         else:
@@ -106,7 +106,6 @@ class RouterEndpoint:
         while self._outbox.poll(50):
             self._router.send_multipart(self._outbox.recv_multipart())
         if self._handshakes is not None:
-            self._router.disable_monitor()
             self._handshakes.close()
         self._router.close(linger=1000)
         self._outbox.close()

@@ -20,7 +20,7 @@ import msgpack
 import torch
 import zmq
 
-from kvmesh.auth import AuthError, ClusterAuth, HandshakeMonitor
+from kvmesh.auth import AuthError, ClusterAuth
 from kvmesh.netaddr import zmq_bind_host
 from kvmesh.transfer.coalesce import Descriptor
 from kvmesh.transfer.errors import TransferError, TransferTimeout
@@ -41,7 +41,7 @@ class ZmqTransferEngine:
         self._regions: list[tuple[int, int, torch.Tensor]] = []
         self._server = self._auth.curve_server(self._ctx.socket(zmq.ROUTER))
         self._server.linger = 0
-        self._handshakes = HandshakeMonitor(self._server) if self._auth.enabled else None
+        self._handshakes = self._auth.handshake_monitor(self._server)
         port = self._server.bind_to_random_port(f"tcp://{zmq_bind_host(host)}")
         self.endpoint = f"{advertise or host}:{port}"
         self._peers: dict[str, zmq.Socket] = {}
@@ -138,8 +138,7 @@ class ZmqTransferEngine:
         self._thread.join(timeout=2)
         for sock in self._peers.values():
             sock.close()
-        if self._handshakes is not None and not self._server.closed:
-            self._server.disable_monitor()
+        if self._handshakes is not None:
             self._handshakes.close()
         self._server.close()
 
