@@ -187,14 +187,9 @@ class AttackRun:
 
     # ---- channels -----------------------------------------------------------------------------------
     def _ask(self, endpoint: str, frame: bytes, channel: ClusterAuth, timeout_ms: int = 3000) -> bytes | None:
-        sock = channel.curve_client(zmq.Context.instance().socket(zmq.DEALER))
-        sock.linger = 0
-        sock.connect(f"tcp://{endpoint}")
-        try:
-            sock.send(frame)
-            return sock.recv() if sock.poll(timeout_ms) else None
-        finally:
-            sock.close()
+        from kvmesh.bench.chaos import ask_once
+
+        return ask_once(endpoint, frame, channel, timeout_ms)
 
     def unauthenticated_frames(self) -> None:
         from kvmesh.node import messages as nm

@@ -63,6 +63,19 @@ def _prompt_group(rng: random.Random) -> list[list[int]]:
     return [prefix + [rng.randrange(256) for _ in range(rng.randrange(5, 40))] for _ in range(4)]
 
 
+def ask_once(endpoint: str, frame: bytes, channel: ClusterAuth, timeout_ms: int) -> bytes | None:
+    """Send ``frame`` on a fresh connection secured with ``channel``'s keys and return the answer, or None
+    within ``timeout_ms`` (with another token's keys the handshake fails and nothing is ever answered)."""
+    sock = channel.curve_client(zmq.Context.instance().socket(zmq.DEALER))
+    sock.linger = 0
+    sock.connect(f"tcp://{endpoint}")
+    try:
+        sock.send(frame)
+        return sock.recv() if sock.poll(timeout_ms) else None
+    finally:
+        sock.close()
+
+
 class _Run:
     """One backend's run: the cluster, the traffic, the faults and what they did."""
 
@@ -173,16 +186,7 @@ class _Run:
         self.log("prefill-0's link up")
 
     def _ask(self, endpoint: str, payload: bytes, channel: ClusterAuth) -> bytes | None:
-        """Send ``payload`` over a connection secured with ``channel``'s keys (another token's: the handshake
-        fails and nothing is answered)."""
-        sock = channel.curve_client(zmq.Context.instance().socket(zmq.DEALER))
-        sock.linger = 0
-        sock.connect(f"tcp://{endpoint}")
-        try:
-            sock.send(payload)
-            return sock.recv() if sock.poll(5000 if channel is self.cluster.auth else 1000) else None
-        finally:
-            sock.close()
+        return ask_once(endpoint, payload, channel, 5000 if channel is self.cluster.auth else 1000)
 
     def forge(self) -> None:
         """Messages a process without the token (or with the token but lies) might send."""
