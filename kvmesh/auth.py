@@ -113,7 +113,7 @@ class ReplayGuard:
         with self._lock:
             state = self._senders.get(prefix)
             if state is None:
-                self._senders[prefix] = [counter, 1, now]
+                state = self._senders[prefix] = [counter, 1, now]
             elif counter > state[0]:
                 shift = counter - state[0]
                 state[0], state[1] = counter, ((state[1] << shift) | 1) & ((1 << self.window) - 1) \
@@ -125,7 +125,7 @@ class ReplayGuard:
                 if state[1] >> behind & 1:
                     return "frame replayed (its nonce was already seen)"
                 state[1] |= 1 << behind
-            self._senders[prefix][2] = now
+            state[2] = now
             if now >= self._next_prune:
                 self._next_prune = now + self.max_age_s / 4
                 horizon = now - self.max_age_s

@@ -24,17 +24,11 @@ from kvmesh.metadata.records import KVLayoutRecord, NodeRecord
 from kvmesh.metadata.registry import NodeDirectory, NodeRegistry
 from kvmesh.metadata.sealed_store import SealedStore, open_store
 from kvmesh.metadata.store import KeyValue, StoreUnavailable
+from tests.transfer_support import wait_until
 
 TOKEN = "security-test-token"
 RECORD = NodeRecord("decode-0", "decode", "127.0.0.1", "127.0.0.1:7001", "127.0.0.1:7002", "127.0.0.1:7003",
                     kv_layout=KVLayoutRecord(num_blocks=8, bytes_per_block=512, base_addr=4096))
-
-
-def wait_for(predicate, timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.02)
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +72,7 @@ def test_a_process_without_the_token_cannot_complete_a_handshake():
             sock.send(ClusterAuth(TOKEN).seal(b"a frame someone sniffed"))  # even a valid frame
             assert not sock.poll(1000)
             sock.close()
-        wait_for(lambda: endpoint.num_refused >= 2)
+        wait_until(lambda: endpoint.num_refused >= 2)
         assert received.empty()
         insider = ClusterAuth(TOKEN).curve_client(zmq.Context.instance().socket(zmq.DEALER))
         insider.linger = 0
@@ -107,7 +101,7 @@ def test_values_without_the_cluster_mac_do_not_exist_for_readers(backend, open_e
         genuine = raw.get_many([prefix + "genuine"])[0]
         raw.put_many([KeyValue(prefix + "copied", genuine)], lease)  # a genuine value under another key
         raw.put_many([KeyValue(prefix + "genuine", genuine)])  # the same value detached from its lease
-        wait_for(lambda: len(events) >= 4)
+        wait_until(lambda: len(events) >= 4)
         assert [(e.kind, e.key.removeprefix(prefix)) for e in events] == [
             ("put", "genuine"), ("delete", "forged"), ("delete", "copied"), ("delete", "genuine")]
         assert store.get_prefix(prefix)[0] == [] and store.get_many([prefix + "forged", prefix + "genuine"]) == [
@@ -147,15 +141,15 @@ def test_a_forged_or_rewritten_node_record_is_never_believed(open_etcd):
     directory = NodeDirectory(reader_store, "forged")
     try:
         registry.register(RECORD)
-        wait_for(lambda: "decode-0" in directory.nodes)
+        wait_until(lambda: "decode-0" in directory.nodes)
         fake = NodeRecord("decode-9", "decode", "127.0.0.1", "127.0.0.1:6001", "127.0.0.1:6002", "127.0.0.1:6003")
         attacker.put_many([KeyValue(keys.node("decode-9"), fake.encode())])
         moved = dataclasses.replace(RECORD, transfer_endpoint="127.0.0.1:6666")
         attacker.put_many([KeyValue(keys.node("decode-0"), moved.encode())])
-        wait_for(lambda: reader_store.num_forged >= 2)
+        wait_until(lambda: reader_store.num_forged >= 2)
         assert "decode-9" not in directory.nodes
         assert directory.nodes["decode-0"].transfer_endpoint == "127.0.0.1:7001"
-        wait_for(lambda: node_store.get_many([keys.node("decode-0")])[0] == RECORD.encode())  # written back
+        wait_until(lambda: node_store.get_many([keys.node("decode-0")])[0] == RECORD.encode())  # written back
     finally:
         registry.deregister()
         directory.close()
@@ -172,12 +166,12 @@ def test_deleting_a_live_nodes_record_is_not_its_death():
     directory = NodeDirectory(store, "deaths", on_event=lambda kind, node, record: events.append((kind, node)))
     try:
         registry.register(RECORD)
-        wait_for(lambda: "decode-0" in directory.nodes)
+        wait_until(lambda: "decode-0" in directory.nodes)
         store.delete_many([KeyLayout("deaths").node("decode-0")])  # someone with etcd access, not the node
         assert ("left", "decode-0") not in events and "decode-0" in directory.nodes
         assert directory.num_deletes_ignored == 1
         store.revoke_lease(registry.lease_id)  # the node's lease ends: that is a departure
-        wait_for(lambda: ("left", "decode-0") in events)
+        wait_until(lambda: ("left", "decode-0") in events)
     finally:
         registry._stop.set()
         directory.close()
@@ -204,7 +198,7 @@ def test_malformed_records_are_dropped_and_unreachable_nodes_fail_at_once():
                              dataclasses.replace(RECORD, node_id="decode-1",
                                                  request_endpoint="tcp://127.0.0.1:5").encode())])
     store.put_many([KeyValue(KeyLayout("bad").node("decode-2"), RECORD.encode())])  # names another node
-    wait_for(lambda: directory.num_invalid == 2)
+    wait_until(lambda: directory.num_invalid == 2)
     assert directory.nodes == {}
     directory.close()
     conn = NodeConnection("decode-1", "tcp://127.0.0.1:5", auth=ClusterAuth(TOKEN))  # what a router once did

@@ -46,12 +46,13 @@ def load_tokenizer(name_or_path: str) -> TokenizerCard:
         return TokenizerCard(name_or_path, config, HFTokenizer.from_gguf(gguf_path, config.eos_token_ids))
     if is_hf_directory(path):
         config = ModelConfig.from_hf_dict(json.loads((path / "config.json").read_text()))
-        return TokenizerCard(name_or_path, config, _directory_tokenizer(path, config))
+        return TokenizerCard(name_or_path, config, directory_tokenizer(path, config))
     raise UnknownModelError(f"unknown model {name_or_path!r}: not a preset ({', '.join(PRESETS)}), "
                             "a directory with config.json, or a .gguf file")
 
 
-def _directory_tokenizer(path: Path, config: ModelConfig) -> Tokenizer:
+def directory_tokenizer(path: Path, config: ModelConfig) -> Tokenizer:
+    """An HF directory's tokenizer, or the byte tokenizer where it ships none (the loader uses it too)."""
     has_hf_tokenizer = any((path / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json"))
     if has_hf_tokenizer:
         return HFTokenizer.from_directory(path, config.eos_token_ids)

@@ -20,7 +20,7 @@ from kvmesh.model.gguf_loader import load_gguf_cached
 from kvmesh.model.hf_loader import is_hf_directory, load_hf_directory
 from kvmesh.model.llama import LlamaForCausalLM
 from kvmesh.model.presets import PRESETS, random_state_dict
-from kvmesh.model.card import _directory_tokenizer
+from kvmesh.model.card import directory_tokenizer
 from kvmesh.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 
 
@@ -69,7 +69,7 @@ def load_model(name_or_path: str, dtype: str | torch.dtype = "float32", device: 
     elif is_hf_directory(path):
         config, state, files = load_hf_directory(path)
         weights_digest = digest_files(files)
-        tokenizer = _directory_tokenizer(path, config)
+        tokenizer = directory_tokenizer(path, config)
     else:
         raise UnknownModelError(
             f"unknown model {name_or_path!r}: not a preset ({', '.join(PRESETS)}), "
