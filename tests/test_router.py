@@ -575,3 +575,27 @@ def test_kvmesh_router_runs_without_torch(served):
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+def test_one_client_holds_at_most_its_share_of_the_router(served):
+    """Half of max_in_flight per client (key, else address): the next stream of that client is refused, another
+    client's is admitted."""
+    from kvmesh.cluster.router import Overloaded
+
+    router = served["router"]
+    share = router.cfg.max_in_flight // 2
+    params = SamplingParams(max_tokens=500, temperature=0.0, ignore_eos=True)
+    streams = []
+    try:
+        for i in range(share):
+            streams.append(router.generate([1 + i % 200, 2, 3], params, client="hog"))
+            next(streams[-1])  # admitted: in flight until closed
+        extra = router.generate([7, 8, 9], params, client="hog")
+        with pytest.raises(Overloaded, match="per client"):
+            next(extra)
+        other = router.generate([7, 8, 9], params, client="someone-else")
+        streams.append(other)
+        assert next(other).token_ids
+    finally:
+        for stream in streams:
+            stream.close()

@@ -84,6 +84,22 @@ def test_a_process_without_the_token_cannot_complete_a_handshake():
         endpoint.close()
 
 
+def test_a_router_with_another_token_fails_its_streams_at_once():
+    """Its handshake is refused: the streams end with NodeLost naming the token, not after a liveness timeout."""
+    from kvmesh.cluster.node_connection import NodeConnection, NodeLost
+    from kvmesh.node.messages import GenerateRequest
+    from kvmesh.router_endpoint import RouterEndpoint
+
+    endpoint = RouterEndpoint("127.0.0.1", lambda identity, payload: None, "node", ClusterAuth(TOKEN)).start()
+    conn = NodeConnection("decode-0", endpoint.endpoint, liveness_s=600, auth=ClusterAuth("another-token"))
+    try:
+        error = conn.submit(GenerateRequest("r", [1, 2, 3], {"max_tokens": 1})).get(timeout=30)
+        assert isinstance(error, NodeLost) and "cluster token" in str(error)
+    finally:
+        conn.close()
+        endpoint.close()
+
+
 # ---- etcd values and credentials ----------------------------------------------------------------------
 @pytest.mark.parametrize("backend", ["etcd", "memory"])
 def test_values_without_the_cluster_mac_do_not_exist_for_readers(backend, open_etcd):
