@@ -15,6 +15,7 @@ import grpc
 from kvmesh.auth import derive_key
 
 ETCD_USER = "root"
+AUTHENTICATE_TIMEOUT_S = 15.0  # etcd checks the password with bcrypt: slow on a loaded machine, once per client
 
 
 def etcd_password(token: str) -> str:
@@ -43,7 +44,7 @@ def authenticate(client, token: str, timeout_s: float) -> bool:
 
     try:
         reply = client.authstub.Authenticate(pb.AuthenticateRequest(name=ETCD_USER, password=etcd_password(token)),
-                                             timeout_s)
+                                             max(timeout_s, AUTHENTICATE_TIMEOUT_S))
     except grpc.RpcError as e:
         if is_auth_disabled(e):
             return False

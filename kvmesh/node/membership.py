@@ -9,6 +9,7 @@ Construction connects nothing; ``start`` syncs the mirrors and registers.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 
 from kvmesh.metadata.block_index import BlockIndex, BlockPublisher
@@ -59,8 +60,16 @@ class ClusterMembership:
             if not mirror.wait_healthy(sync_timeout_s):
                 log.warning("%s: %s not synced with etcd yet; starting with local caches only",
                             self.node_id, mirror.prefix)
-        self.registry.register(record)
-        return self
+        deadline = time.monotonic() + sync_timeout_s
+        while True:  # etcd slow to answer (a loaded machine, a restart): keep trying for the sync time
+            try:
+                self.registry.register(record)
+                return self
+            except StoreUnavailable:
+                if time.monotonic() > deadline:
+                    raise
+                log.warning("%s: etcd did not answer the registration; trying again", self.node_id)
+                time.sleep(0.5)
 
     def _on_event(self, kind: str, node_id: str, record: NodeRecord | None) -> None:
         """A departure, or a restart under the same id (new endpoints): the old incarnation is gone."""
