@@ -48,10 +48,14 @@ mutate: $(STAMP)
 test-gpu: $(STAMP)
 	$(PY) -m pytest -q $(PYTEST_ARGS) tests/gpu tests/test_kernels.py
 
-# The whole GPU check (docs/gpu.md): the GPU suite, then the kernel and model benchmarks on the device.
+# The whole GPU check (docs/gpu.md): the GPU suite, then the kernel and model benchmarks on the device
+# (SmolLM2-135M and the Llama-3.1-8B shape with dummy weights, each against transformers eager and static).
 gpu-check: test-gpu
 	$(VENV)/bin/kvmesh bench kernels --json docs/results/kernels_gpu.json
-	$(VENV)/bin/kvmesh bench model --device cuda --batch 32 --dtype bfloat16 --json docs/results/model_gpu.json
+	$(VENV)/bin/kvmesh bench model --device cuda --batches 1,32,128 --decode-tokens 128 --dtype bfloat16 \
+	  --json docs/results/model_gpu.json
+	$(VENV)/bin/kvmesh bench model --model llama3-8b-dummy --device cuda --dtype bfloat16 --prefill-lens 512,4096,16384 \
+	  --batches 1,16,64 --context 1024 --decode-tokens 64 --json docs/results/model_gpu_8b.json
 
 generate: $(STAMP)
 	$(VENV)/bin/kvmesh generate --model smollm2-135m --prompt "The capital of France is" --max-tokens 8

@@ -17,6 +17,9 @@ def add_node_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto",
                    help="auto (bfloat16 on CPUs with AMX or AVX512-BF16, else float32), float32, bfloat16, float16; "
                         "every node of a cluster must resolve to the same dtype")
+    p.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
+                   help="auto: the model's weights; dummy: seeded weights of its shape drawn on the device at start-up, nothing "
+                        "read but the config (speed at real sizes; the *-dummy presets always load this way)")
     p.add_argument("--device", default="auto",
                    help="auto (the first visible CUDA device, else the CPU), cpu, cuda or cuda:N: where the model "
                         "and the KV buffer live (dtype auto is bfloat16 there)")
@@ -93,7 +96,7 @@ def run_node(role: str, args: argparse.Namespace) -> int:
 
         torch.set_num_threads(args.threads)
     cfg = NodeConfig(node_id=args.node_id, role=role, etcd=args.etcd, cluster=args.cluster, model=args.model,
-                     dtype=args.dtype, device=args.device, kv_transfer_memory=args.kv_transfer_memory,
+                     load_format=args.load_format, dtype=args.dtype, device=args.device, kv_transfer_memory=args.kv_transfer_memory,
                      num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
                      max_num_batched_tokens=args.max_num_batched_tokens,
                      host=args.host, advertise_host=args.advertise_host, transfer_backend=args.transfer_backend,

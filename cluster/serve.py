@@ -44,6 +44,9 @@ def add_node_share_arguments(p: argparse.ArgumentParser) -> None:
                         "cuda:N; every node of this machine shares it")
     p.add_argument("--threads", type=int, default=0,
                    help="compute threads per node (0: this machine's cores split evenly among the nodes)")
+    p.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
+                   help="auto: the model's weights; dummy: seeded weights of its shape drawn on the device at start-up, nothing "
+                        "read but the config (speed at real sizes; the *-dummy presets always load this way)")
     p.add_argument("--speculative", default="off", choices=["off", "ngram", "self-draft"],
                    help="speculative decoding on the decode nodes (prompt lookup, or the model's first layers)")
     p.add_argument("--enforce-eager", action="store_true",
@@ -58,7 +61,7 @@ def add_node_share_arguments(p: argparse.ArgumentParser) -> None:
 
 def node_share_args(args: argparse.Namespace) -> list[str]:
     """The node arguments ``add_node_share_arguments`` adds beyond dtype and threads."""
-    out = ["--device", args.device, "--speculative", args.speculative, "--host-kv-gib", repr(args.host_kv_gib),
+    out = ["--device", args.device, "--load-format", args.load_format, "--speculative", args.speculative, "--host-kv-gib", repr(args.host_kv_gib),
            "--disk-kv-gib", repr(args.disk_kv_gib)]
     return out + (["--disk-kv-path", args.disk_kv_path] if args.disk_kv_path else []) + \
         (["--enforce-eager"] if args.enforce_eager else [])

@@ -22,7 +22,9 @@ from kvmesh.errors import KvmeshError
 def _add_generate(sub) -> None:
     p = sub.add_parser("generate", help="generate a completion offline on this machine")
     p.add_argument("--model", default="smollm2-135m",
-                   help="preset (tiny-llama, tiny-qwen3, smollm2-135m), HF directory or .gguf file")
+                   help="preset (tiny-llama, tiny-qwen3, smollm2-135m, *-dummy shapes), HF directory or .gguf file")
+    p.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
+                   help="dummy: seeded weights of the model's shape made on the device (nothing read but its config)")
     p.add_argument("--prompt", required=True, action="append", help="prompt text (repeat for a batch)")
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
@@ -42,7 +44,8 @@ def _run_generate(args: argparse.Namespace) -> int:
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed)
-    llm = LLM(model=args.model, dtype=args.dtype, device=args.device, progress=sys.stderr.isatty())
+    llm = LLM(model=args.model, dtype=args.dtype, device=args.device, progress=sys.stderr.isatty(),
+              load_format=args.load_format)
     start = time.perf_counter()
     outputs = llm.generate(args.prompt, params, use_tqdm=sys.stderr.isatty())
     elapsed = time.perf_counter() - start
@@ -68,8 +71,15 @@ def _add_bench(sub) -> None:
     m = which.add_parser("model", help="prefill latency and batched decode throughput vs transformers")
     m.add_argument("--model", default="smollm2-135m")
     m.add_argument("--json", default=None)
-    m.add_argument("--batch", type=int, default=16)
+    m.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
+                   help="dummy: seeded weights of the model's shape (the *-dummy presets always are)")
+    m.add_argument("--batches", default="16", help="comma-separated decode batch sizes (--batch: one)")
+    m.add_argument("--batch", type=int, default=None, help=argparse.SUPPRESS)
+    m.add_argument("--context", type=int, default=32, help="prompt tokens of each decoding sequence")
     m.add_argument("--decode-tokens", type=int, default=64)
+    m.add_argument("--repeat", type=int, default=3)
+    m.add_argument("--static", action=argparse.BooleanOptionalAction, default=None,
+                   help="also transformers with a static cache (compiled forward; default: on CUDA only)")
     m.add_argument("--prefill-lens", default="512,2048", help="comma-separated prompt lengths")
     m.add_argument("--dtype", default="auto", help="both implementations run in this dtype (auto: see generate)")
     m.add_argument("--device", default="cpu", help="both run here: cpu, cuda or cuda:N (auto: CUDA when visible)")
@@ -254,8 +264,10 @@ def _run_bench_model(args: argparse.Namespace) -> int:
     from kvmesh.bench import model
 
     lens = tuple(int(x) for x in args.prefill_lens.split(",") if x)
-    model.run(args.model, args.json, prefill_lens=lens, batch=args.batch, decode_tokens=args.decode_tokens,
-              dtype=args.dtype, device=args.device)
+    batches = (args.batch,) if args.batch else tuple(int(x) for x in args.batches.split(",") if x)
+    model.run(args.model, args.json, prefill_lens=lens, batches=batches, context=args.context,
+              decode_tokens=args.decode_tokens, repeat=args.repeat, dtype=args.dtype, device=args.device,
+              load_format=args.load_format, static=args.static)
     return 0
 
 

@@ -25,12 +25,13 @@ def plain_chat_template(messages: list[dict]) -> str:
 class ByteTokenizer:
     """UTF-8 bytes are ids 0..255; ``bos`` and ``eos`` follow. Decoding drops the specials."""
 
-    def __init__(self, vocab_size: int = 320):
+    def __init__(self, vocab_size: int = 320, eos_token_ids: tuple[int, ...] = (257,)):
+        """``eos_token_ids``: a model's own end tokens where it has a real vocabulary but no tokenizer (dummy weights)."""
         if vocab_size < 258:
             raise ValueError("ByteTokenizer needs vocab_size >= 258")
         self.vocab_size = vocab_size
         self.bos_token_id = 256
-        self.eos_token_ids = (257,)
+        self.eos_token_ids = tuple(eos_token_ids)
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))

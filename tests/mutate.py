@@ -35,6 +35,10 @@ MUTATIONS = (
              "outcome = self.agent.requester.push(node_id, seq.block_ids[got:length][::-1], "
              "seq.block_hashes[got:length],",
              ("tests/test_cluster.py", "-k", "cross_node")),
+    Mutation("blocks promoted from a lower tier land in reversed slots", "kvmesh/kv/tiers/tiered_cache.py",
+             "        for h, block in zip(block_hashes, block_ids):",
+             "        for h, block in zip(block_hashes, list(block_ids)[::-1]):",
+             ("tests/test_tiers_cluster.py", "-k", "host_tier")),
     Mutation("an integrity failure inside a worker thread", "kvmesh/kv/block_pool.py",
              "    def check_integrity(self) -> None:\n",
              "    def check_integrity(self) -> None:\n"

@@ -1,4 +1,4 @@
-"""``kvmesh bench prefix-cache`` runs end to end and reports every figure (no timing asserted)."""
+"""Benchmarks run end to end from the command line and report every figure (no timing asserted)."""
 from __future__ import annotations
 
 import json
@@ -55,3 +55,19 @@ def test_bench_metadata_against_a_private_etcd(tmp_path):
     assert res["publish_to_visible_ms"]["p50"] > 0
     memory = res["etcd_memory"]  # the keys went in; the db file may not grow for 4,096 of them (bbolt grows in steps)
     assert memory["keys"] == memory["keys_visible"] == 4096 and memory["db_bytes_per_key"] >= 0
+
+
+def test_bench_model_rows_per_batch_with_the_static_baseline(tmp_path, capsys):
+    """A dummy-weights shape (``--load-format dummy`` on a preset's config), two decode batches, static cache on."""
+    path = tmp_path / "model.json"
+    assert main(["bench", "model", "--model", "tiny-qwen3", "--load-format", "dummy", "--prefill-lens", "64",
+                 "--batches", "1,4", "--context", "48", "--decode-tokens", "24", "--repeat", "1", "--static",
+                 "--dtype", "float32", "--json", str(path)]) == 0
+    res = json.loads(path.read_text())
+    assert res["load_format"] == "dummy" and res["shape"]["num_layers"] == 3
+    assert [r["tokens"] for r in res["prefill"]] == [64]
+    assert [(r["batch"], r["context"]) for r in res["decode_batches"]] == [(1, 48), (4, 48)]
+    for r in res["decode_batches"]:
+        assert r["kvmesh_tok_s"] > 0 and r["transformers_tok_s"] > 0 and r["transformers_static_tok_s"] > 0
+        assert r["speedup_vs_static"] == r["kvmesh_tok_s"] / r["transformers_static_tok_s"]
+    assert "decode batch 4 x 24 (context 48)" in capsys.readouterr().out

@@ -4,6 +4,7 @@ Runs where root and ``ip netns`` exist; elsewhere each test is skipped with the 
 """
 from __future__ import annotations
 
+import functools
 import glob
 import json
 import os
@@ -26,6 +27,7 @@ from kvmesh.cluster.local_launcher import LocalCluster
 from kvmesh.metadata.sealed_store import open_store
 from kvmesh.metadata.keys import KeyLayout
 from kvmesh.transfer.engine import mooncake_available
+from tests.conftest import assert_same_kv
 
 BACKEND = "mooncake" if mooncake_available() else "zmq"
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
@@ -47,9 +49,14 @@ def prompt(seed: int, length: int) -> list[int]:
     return [rng.randrange(256) for _ in range(length)]
 
 
+@functools.cache
+def reference_llm() -> LLM:
+    """The single-node engine on the same weights; its cached KV is the KV-level oracle's reference."""
+    return LLM("tiny-llama", num_kv_blocks=1024, progress=False)
+
+
 def reference(prompts: list[list[int]]) -> list[list[int]]:
-    llm = LLM("tiny-llama", num_kv_blocks=1024, progress=False)
-    return [o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+    return [o.token_ids for o in reference_llm().generate(prompts, GREEDY, use_tqdm=False)]
 
 
 def processes_matching(*parts: str) -> list[int]:
@@ -137,6 +144,8 @@ def _three_hosts(hosts, endpoint: str, placement: dict, args: list[str], token: 
         assert [c.error for c in out] == [""] * 3
         assert [c.token_ids for c in out] == reference(prompts)
         assert all(c.stats["tokens_from_prefill_node"] > 0 for c in out)  # KV came from host 2
+        for p in prompts:  # ... into the right slots of decode-0's block tables
+            assert_same_kv(cluster.client("decode-0"), reference_llm().engine, p, min_blocks=(len(p) - 1) // 16)
         prefill_stats = cluster.client("prefill-0").stats(check=True)
         decode_stats = cluster.client("decode-0").stats(check=True)
         assert prefill_stats["bytes_sent"] > 0 and decode_stats["bytes_received"] == prefill_stats["bytes_sent"]
@@ -193,6 +202,8 @@ def test_a_host_link_going_down_and_coming_back(hosts):
         wait_until(lambda: "prefill-0" in registered(), 60, "host 2 to re-join")
         out = client.generate_many(prompts[8:], GREEDY, timeout_s=60)
         assert [c.token_ids for c in out] == want[8:]
+        for p in prompts[8:]:  # host 2's KV again, in the right slots
+            assert_same_kv(client, reference_llm().engine, p, min_blocks=4)
         wait_until(lambda: held_by_prefill() > 0, 30, "host 2 to publish again")
         for node_id in ("prefill-0", "decode-0"):
             cluster.client(node_id).stats(check=True)
@@ -293,5 +304,6 @@ def test_a_push_that_outlives_its_requester_never_lands_in_reused_blocks(hosts, 
     monkeypatch.setenv("MC_TRANSFER_TIMEOUT", "5")
     r = run_one(hosts, backend, path, TINY_LATE)
     assert r["given_up"] >= 2, r  # the pushes really were given up (else this proves nothing)
-    assert (r["differ"], r["failed"]) == (0, 0), r
+    assert (r["differ"], r["failed"], r["kv_mismatched"]) == (0, 0, 0), r
+    assert r["kv_checked"] >= TINY_LATE.num_kv_blocks // 4, r  # the oracle read back much of what the pool caches
     assert r["requests"] >= TINY_LATE.num_requests and r["tokens_reused_local"] > 0

@@ -21,7 +21,10 @@ that KV crosses veth links, and two more faults join the mix:
     flap      host 2's link (prefill-0) down for FLAP_S, then up
 
 and then checks what must never happen: a request without a final event (lost),
-a greedy output that differs from the single-node engine (corrupted), blocks
+a greedy output that differs from the single-node engine (corrupted), KV cached for a
+completed prompt that differs position by position from the single-node engine's, read
+through the decode node's block table (kv_mismatched: blocks in the wrong slots leave
+greedy tokens unchanged; ``kvmesh/engine/kv_probe.py``), blocks
 still referenced once everything is over (leaked), a forged message that got
 anything but a refusal (forged_accepted). JSON: ``{"backends": {name: {...}}}``.
 """
@@ -260,7 +263,8 @@ class _Run:
             faults.join()
             self.log("traffic done")
             stats, leaked = self.settle()
-        reference = _reference(self.prompts)
+            probes = self.probe_kv(results)
+        reference, kv_checked, kv_mismatched = _reference(self.prompts, probes)
         aborted = [r for r in results if r["aborted"]]
         finished = [r for r in results if not r["aborted"] and r["final"] is not None]
         completed = [r for r in finished if not r["final"].error]
@@ -268,11 +272,22 @@ class _Run:
         return {"requests": len(results), "completed": len(completed),
                 "failed_with_error": len(finished) - len(completed), "aborted": len(aborted),
                 "lost": len(results) - len(aborted) - len(finished), "corrupted": len(corrupted),
+                "kv_checked": kv_checked, "kv_mismatched": len(kv_mismatched),
                 "leaked_blocks": leaked, "forged_sent": self.forged["sent"],
                 "forged_accepted": self.forged["accepted"], "flood": self.flood,
                 "errors": sorted({r["final"].error[:80] for r in finished if r["final"].error}),
                 "nodes": stats, "events": self.events,
-                "corrupted_detail": [(r["index"], r["node"], round(r["t"], 2), r["final"].stats) for r in corrupted]}
+                "corrupted_detail": [(r["index"], r["node"], round(r["t"], 2), r["final"].stats) for r in corrupted],
+                "kv_mismatched_detail": kv_mismatched}
+
+    def probe_kv(self, results: list[dict]) -> dict[int, tuple[str, dict]]:
+        """Prompt index -> (decode node, its KV fingerprint of the prompt) for every completed request."""
+        probes = {}
+        for r in results:
+            if r["final"] is not None and not r["final"].error and not r["aborted"]:
+                prompt = self.prompts[r["index"]]
+                probes[r["index"]] = (r["node"], self.cluster.client(r["node"]).stats(kv_probe=prompt)["kv_probe"])
+        return probes
 
     def settle(self, timeout_s: float = 30.0) -> tuple[dict, int]:
         """Wait until no node holds a referenced block (quarantines lifted); integrity checked on each."""
@@ -306,12 +321,18 @@ def _run_on_hosts(backend: str, num_requests: int, abort_every: int, seed: int, 
             os.environ["MC_TRANSFER_TIMEOUT"] = saved
 
 
-def _reference(prompts: list[list[int]]) -> list[list[int]]:
-    """Greedy outputs of the single-node engine on the same weights (the independent reference)."""
+def _reference(prompts: list[list[int]], probes: dict[int, tuple[str, dict]]
+               ) -> tuple[list[list[int]], int, list[tuple[int, str, list[int]]]]:
+    """The single-node engine on the same weights (the independent reference): its greedy outputs, how many
+    probed blocks it compared, and the (prompt, node, positions) whose KV on the node differs from its own."""
     from kvmesh import LLM
+    from kvmesh.engine.kv_probe import compare_with_engine
 
     llm = LLM("tiny-llama", num_kv_blocks=4096, progress=False)
-    return [o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+    outputs = [o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+    order = sorted(probes)
+    checked, bad = compare_with_engine(llm, [(prompts[i], probes[i][1]) for i in order])
+    return outputs, checked, [(order[i], probes[order[i]][0], positions) for i, positions in bad]
 
 
 def msgpack_push(request_id: str, wait_ms: int) -> bytes:
@@ -335,9 +356,10 @@ def run(json_path: str | None, backends: list[str] | None = None, num_requests: 
                 out["backends"][backend] = _run_on_hosts(backend, num_requests, abort_every, seed, bar)
             else:
                 out["backends"][backend] = _Run(backend, num_requests, abort_every, seed).run(bar)
-    cols = ["requests", "completed", "failed_with_error", "aborted", "lost", "corrupted", "leaked_blocks",
-            "forged_accepted"]
-    print_table("chaos: faults during serving (must be 0: lost, corrupted, leaked_blocks, forged_accepted)",
+    cols = ["requests", "completed", "failed_with_error", "aborted", "lost", "corrupted", "kv_checked",
+            "kv_mismatched", "leaked_blocks", "forged_accepted"]
+    print_table("chaos: faults during serving (must be 0: lost, corrupted, kv_mismatched, leaked_blocks, "
+                "forged_accepted)",
                 ["backend", *cols], [[b, *(r[c] for c in cols)] for b, r in out["backends"].items()])
     for backend, r in out["backends"].items():
         print(f"{backend}: " + "; ".join(r["events"]))

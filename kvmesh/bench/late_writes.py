@@ -106,10 +106,15 @@ def run_one(hosts: Hosts, backend: str, path: str, cfg: LateWritesConfig, bar: t
             hosts.set_rate(3, None)
         stats = _settle(requester)
         source.stats(check=True)
-    want = _reference(cfg.model, sent)
+        # The KV-level oracle: whatever the requester still caches of every prompt, read through its block
+        # table once every late push has drained (a late write into a cached block changes no answer until
+        # a later request reuses the block).
+        probes = [(p, requester.stats(kv_probe=p)["kv_probe"]) for p in sent]
+    want, kv_checked, kv_mismatched = _reference(cfg.model, sent, probes)
     differ = [i for i, (o, w) in enumerate(zip(outs, want)) if not o.error and o.token_ids != w]
     failed = [i for i, o in enumerate(outs) if o.error]
     return {"backend": backend, "path": path, "requests": len(outs), "differ": len(differ), "failed": len(failed),
+            "kv_checked": kv_checked, "kv_mismatched": len(kv_mismatched), "kv_mismatched_at": kv_mismatched[:10],
             "given_up": given_up, "far": far, "differ_at": differ[:20], "errors": sorted({o.error[:100] for o in outs if o.error}),
             "num_checksum_failures": stats["num_checksum_failures"], "num_fallbacks": stats.get("num_fallbacks", 0),
             "landing": stats.get("landing", {}), "num_quarantined_total": stats["num_quarantined_total"],
@@ -154,11 +159,15 @@ def _settle(client, timeout_s: float = 120.0) -> dict:
         time.sleep(0.2)
 
 
-def _reference(model: str, prompts: list[list[int]]) -> list[list[int]]:
+def _reference(model: str, prompts: list[list[int]], probes: list[tuple[list[int], dict]]
+               ) -> tuple[list[list[int]], int, list[tuple[int, list[int]]]]:
+    """The single-node engine's greedy outputs, and its KV compared with the requester's (``compare_with_engine``)."""
     from kvmesh import LLM
+    from kvmesh.engine.kv_probe import compare_with_engine
 
     llm = LLM(model, num_kv_blocks=max(1024, 2 * max(len(p) for p in prompts) // 16), progress=False)
-    return [o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+    outputs = [o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+    return (outputs, *compare_with_engine(llm, probes))
 
 
 def run(json_path: str | None, cfg: LateWritesConfig, backends: list[str] | None = None,
@@ -176,9 +185,9 @@ def run(json_path: str | None, cfg: LateWritesConfig, backends: list[str] | None
             for path in paths or PATHS:
                 bar.reset()
                 out["runs"].append(run_one(hosts, backend, path, cfg, bar))
-    cols = ["requests", "given_up", "differ", "failed", "num_checksum_failures"]
+    cols = ["requests", "given_up", "differ", "failed", "kv_checked", "kv_mismatched", "num_checksum_failures"]
     print_table(f"late writes: {cfg.model}, {cfg.prefix_tokens}-token pushes over {cfg.link_mbit} Mbit/s, "
-                f"given up after {cfg.timeout_s} s (differ and failed must be 0)",
+                f"given up after {cfg.timeout_s} s (differ, failed and kv_mismatched must be 0)",
                 ["backend", "path", *cols], [[r["backend"], r["path"], *(r[c] for c in cols)] for r in out["runs"]])
     write_json(json_path, out)
     return out
@@ -202,4 +211,4 @@ def main(args) -> int:
     cfg = LateWritesConfig(args.model, args.prefix_tokens, args.local_tokens, args.link_mbit, args.timeout,
                            args.requests, num_kv_blocks=args.num_kv_blocks)
     out = run(args.json, cfg, args.backend, args.path)
-    return 1 if any(r["differ"] or r["failed"] for r in out["runs"]) else 0
+    return 1 if any(r["differ"] or r["failed"] or r["kv_mismatched"] for r in out["runs"]) else 0

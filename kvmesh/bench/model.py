@@ -1,9 +1,15 @@
 """``kvmesh bench model``: kvmesh's prefill and batched decode against transformers, same weights, same run.
 
-transformers gets kvmesh's own weights (built from the same config), so the two differ only
-in the implementation. Prefill: one prompt of N tokens, time to first-token logits. Decode:
-a batch of prompts, greedy, tokens generated per second (transformers ``generate`` with its
-KV cache; kvmesh's engine with the paged buffer), median of alternated runs on fresh prompts.
+transformers gets kvmesh's own weights (built from the same config), so the two differ only in the
+implementation. Prefill: one prompt of N tokens, time to first-token logits (transformers: one
+forward, its SDPA attention). Decode, per batch size: a batch of ``context``-token prompts, greedy;
+decode tokens per second are ``batch * (N - 1)`` over the time of generating N tokens minus the time
+of generating one (the prefill cancels out, so long contexts measure decoding only). Baselines:
+transformers ``generate`` with its default cache and, on request (default on CUDA), with a static
+cache (``cache_implementation="static"``: a compiled forward). On CUDA each row also reports
+``gpu_busy`` (device time of a decode step's graph replay over the step's wall time) and the
+kernels one decode step launches per layer (profiler, eager step). Runs alternate between the
+implementations and report medians: a noisy neighbour hits both alike.
 """
 from __future__ import annotations
 
@@ -25,21 +31,152 @@ def _hf_twin(loaded):
     return hf.eval()
 
 
-def run(model: str, json_path: str | None, prefill_lens: tuple[int, ...] = (512, 2048), batch: int = 16,
-        decode_tokens: int = 64, repeat: int = 3, dtype: str = "auto", device: str = "cpu") -> dict:
+def kv_blocks_for(config, num_tokens: int, block_size: int = 16) -> int:
+    """KV blocks that hold ``num_tokens`` tokens of sequences, with room for one partial block each."""
+    return -(-num_tokens // block_size) + 64
+
+
+def gpu_busy(llm, prompts: list[list[int]], steps: int = 20) -> tuple[float, float]:
+    """Graph replay GPU time over engine step wall time at one batch: (busy fraction, step ms). CUDA graphs only."""
+    from kvmesh.engine.sampling_params import SamplingParams
+
+    engine, graphs = llm.engine, llm.engine.runner.graphs
+    for p in prompts:
+        engine.add_request(p, SamplingParams(max_tokens=steps + 8, temperature=0.0, ignore_eos=True))
+    for _ in range(3):
+        engine.step()  # prefill, then decodes
+    walls, gpus = [], []
+    start_ev, end_ev = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    replay = graphs.run
+
+    def timed_run(*args):
+        start_ev.record()
+        out = replay(*args)
+        end_ev.record()
+        return out
+
+    graphs.run = timed_run
+    try:
+        for _ in range(steps):
+            t = time.perf_counter()
+            engine.step()
+            walls.append(time.perf_counter() - t)
+            gpus.append(start_ev.elapsed_time(end_ev) / 1e3)
+    finally:
+        graphs.run = replay
+    while engine.has_unfinished():
+        engine.step()
+    return statistics.median(gpus) / statistics.median(walls), statistics.median(walls) * 1e3
+
+
+def kernels_per_layer(llm, prompts: list[list[int]], steps: int = 4) -> float:
+    """CUDA kernels one eager decode step launches, per layer (torch profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from kvmesh.engine.sampling_params import SamplingParams
+
+    engine = llm.engine
+    for p in prompts:
+        engine.add_request(p, SamplingParams(max_tokens=steps + 4, temperature=0.0, ignore_eos=True))
+    engine.step()
+    engine.step()
+    graphs, engine.runner.graphs = engine.runner.graphs, None  # eager: the profiler sees every launch
+    try:
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(steps):
+                engine.step()
+            torch.cuda.synchronize()
+    finally:
+        engine.runner.graphs = graphs
+    while engine.has_unfinished():
+        engine.step()
+    num_kernels = sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+    return num_kernels / steps / llm.loaded.config.num_layers
+
+
+class _DecodeRow:
+    """One batch size: kvmesh and the baselines, each timed as t(N tokens) - t(1 token), alternated."""
+
+    def __init__(self, llm, hf, batch: int, context: int, new_tokens: int, static: bool, seed: int):
+        from kvmesh.device import synchronize
+
+        self.llm, self.hf, self.batch, self.new_tokens, self.static = llm, hf, batch, new_tokens, static
+        self.vocab, self.dev, self.sync = llm.loaded.config.vocab_size, llm.loaded.device, synchronize
+        gen = torch.Generator().manual_seed(seed)
+        self.prompts = torch.randint(0, self.vocab, (batch, context), generator=gen).tolist()
+        self.shift = 0
+
+    def ours(self, n: int) -> float:
+        from kvmesh.engine.sampling_params import SamplingParams
+
+        self.shift += 1  # fresh prompts every call: no prefix-cache hits
+        prompts = [[(t + self.shift) % self.vocab for t in p] for p in self.prompts]
+        start = time.perf_counter()
+        self.llm.generate(prompts, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True), use_tqdm=False)
+        self.sync(self.dev)
+        return time.perf_counter() - start
+
+    def theirs(self, n: int, **kw) -> float:
+        ids = torch.tensor(self.prompts, device=self.dev)
+        start = time.perf_counter()
+        with torch.inference_mode():
+            self.hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                             do_sample=False, pad_token_id=0, **kw)
+        self.sync(self.dev)
+        return time.perf_counter() - start
+
+    def measure(self, repeat: int) -> dict:
+        sides = {"kvmesh": self.ours, "transformers": self.theirs}
+        if self.static:
+            sides["transformers_static"] = lambda n: self.theirs(n, cache_implementation="static")
+        for fn in sides.values():  # warm-up: allocator, graphs, compilation for these shapes
+            fn(4)
+            fn(1)
+        full: dict[str, list[float]] = {name: [] for name in sides}
+        first: dict[str, list[float]] = {name: [] for name in sides}
+        for _ in range(repeat):
+            for name, fn in sides.items():
+                full[name].append(fn(self.new_tokens))
+                first[name].append(fn(1))
+        decoded = self.batch * (self.new_tokens - 1)
+        row = {"batch": self.batch, "context": len(self.prompts[0]), "new_tokens": self.new_tokens}
+        for name in sides:
+            decode_s = statistics.median(full[name]) - statistics.median(first[name])
+            if decode_s <= 0.05 * statistics.median(full[name]):
+                raise RuntimeError(f"{name}: decoding {self.new_tokens} tokens took no measurable time beyond the "
+                                   "prefill; raise --decode-tokens")
+            row[f"{name}_tok_s"] = decoded / decode_s
+        row["speedup"] = row["kvmesh_tok_s"] / row["transformers_tok_s"]
+        if self.static:
+            row["speedup_vs_static"] = row["kvmesh_tok_s"] / row["transformers_static_tok_s"]
+        return row
+
+
+def run(model: str, json_path: str | None, prefill_lens: tuple[int, ...] = (512, 2048),
+        batches: tuple[int, ...] = (16,), context: int = 32, decode_tokens: int = 64, repeat: int = 3,
+        dtype: str = "auto", device: str = "cpu", load_format: str = "auto", static: bool | None = None) -> dict:
+    """``static``: the static-cache baseline too (default: on CUDA only, where transformers compiles it)."""
     from kvmesh import LLM, SamplingParams
-    from kvmesh.device import device_name, synchronize
-    from kvmesh.device import cpu_features
+    from kvmesh.device import cpu_features, device_name, synchronize
+    from kvmesh.model.card import load_tokenizer
 
     torch.manual_seed(0)
-    llm = LLM(model, dtype=dtype, device=device, num_kv_blocks=None, kv_cache_memory_gib=1.0,
-              max_num_seqs=max(batch, 16), progress=False)
+    card = load_tokenizer(model)
+    num_tokens = max(max(prefill_lens, default=0), max(batches) * (context + decode_tokens + 16))
+    llm = LLM(model, dtype=dtype, device=device, num_kv_blocks=kv_blocks_for(card.config, num_tokens),
+              max_num_seqs=max(*batches, 16), max_num_batched_tokens=max(2048, max(prefill_lens, default=0)),
+              progress=False, load_format=load_format)
     dev = llm.loaded.device
+    static = dev.type == "cuda" if static is None else static
     hf = _hf_twin(llm.loaded).to(dev)  # in the same dtype, on the same device
     vocab = llm.loaded.config.vocab_size
-    res: dict = {"machine": machine(), "model": model, "dtype": str(llm.loaded.dtype).removeprefix("torch."),
-                 "device": device_name(dev), "cpu_features": cpu_features(), "threads": torch.get_num_threads(),
-                 "prefill": [], "decode": {}}
+    res: dict = {"machine": machine(), "model": model, "load_format": load_format,
+                 "dtype": str(llm.loaded.dtype).removeprefix("torch."), "device": device_name(dev),
+                 "cpu_features": cpu_features(), "threads": torch.get_num_threads(),
+                 "shape": {k: getattr(llm.loaded.config, k) for k in (
+                     "num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim", "intermediate_size",
+                     "vocab_size")},
+                 "prefill": [], "decode_batches": []}
     one = SamplingParams(max_tokens=1, temperature=0.0)
     for n in prefill_lens:
         if n >= llm.engine.max_model_len:
@@ -47,43 +184,34 @@ def run(model: str, json_path: str | None, prefill_lens: tuple[int, ...] = (512,
         ids = torch.randint(0, vocab, (n,)).tolist()
         # Fresh prompts each round, so kvmesh's prefix cache cannot help.
         prompts = iter([[(t + r) % vocab for t in ids] for r in range(repeat + 2)])
-        t_ours = time_call(lambda: llm.generate(next(prompts), one, use_tqdm=False), repeat)
+        t_ours = time_call(lambda: (llm.generate(next(prompts), one, use_tqdm=False), synchronize(dev)), repeat)
         with torch.inference_mode():
             t_hf = time_call(lambda: (hf(torch.tensor([ids], device=dev)), synchronize(dev)), repeat)
         res["prefill"].append({"tokens": n, "kvmesh_s": t_ours, "transformers_s": t_hf, "speedup": t_hf / t_ours})
-    prompt_ids = [torch.randint(0, vocab, (32,)).tolist() for _ in range(batch)]
-
-    def ours(n: int, shift: int = 0) -> None:  # a new shift per call: fresh prompts, no prefix-cache hits
-        llm.generate([[(t + n + shift) % vocab for t in p] for p in prompt_ids],
-                     SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True), use_tqdm=False)
-
-    def theirs(n: int) -> None:
-        with torch.inference_mode():
-            hf.generate(torch.tensor(prompt_ids, device=dev),
-                        attention_mask=torch.ones(batch, 32, dtype=torch.long, device=dev),
-                        max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
-        synchronize(dev)
-
-    ours(4), theirs(4)  # warm-up: allocator, oneDNN primitives for these shapes
-    ours_s, theirs_s = [], []
-    for r in range(repeat):  # alternated, median of each: a noisy neighbour hits both sides alike
-        start = time.perf_counter()
-        ours(decode_tokens, shift=1000 * (r + 1))
-        ours_s.append(time.perf_counter() - start)
-        start = time.perf_counter()
-        theirs(decode_tokens)
-        theirs_s.append(time.perf_counter() - start)
-    t_ours, t_hf = statistics.median(ours_s), statistics.median(theirs_s)
-    total = batch * decode_tokens
-    res["decode"] = {"batch": batch, "new_tokens": decode_tokens, "kvmesh_tok_s": total / t_ours,
-                     "transformers_tok_s": total / t_hf, "speedup": t_hf / t_ours}
-    rows = [[f"prefill {p['tokens']} tokens", f"{p['kvmesh_s'] * 1e3:.0f} ms", f"{p['transformers_s'] * 1e3:.0f} ms",
-             f"{p['speedup']:.2f}x"] for p in res["prefill"]]
-    d = res["decode"]
-    rows.append([f"decode batch {batch} x {decode_tokens}", f"{d['kvmesh_tok_s']:.0f} tok/s",
-                 f"{d['transformers_tok_s']:.0f} tok/s", f"{d['speedup']:.2f}x"])
-    title = (f"{model} ({res['dtype']}, {res['device']}, {res['threads']} threads, "
-             f"CPU: {' '.join(res['cpu_features']) or '?'})")
-    print_table(title, ["work", "kvmesh", "transformers", "speedup"], rows)
-    write_json(json_path, res)
+        write_json(json_path, res)  # a run cut short still reports what it measured
+    for i, batch in enumerate(batches):
+        row_run = _DecodeRow(llm, hf, batch, context, decode_tokens, static, seed=i)
+        row = row_run.measure(repeat)
+        if dev.type == "cuda":
+            fresh = [[(t + 7919) % vocab for t in p] for p in row_run.prompts]
+            if llm.engine.runner.graphs is not None:
+                row["gpu_busy"], row["step_ms"] = gpu_busy(llm, fresh)
+            row["kernels_per_layer"] = kernels_per_layer(llm, [[(t + 1) % vocab for t in p] for p in fresh])
+        res["decode_batches"].append(row)
+        write_json(json_path, res)
+    _print(res, static)
     return res
+
+
+def _print(res: dict, static: bool) -> None:
+    rows = [[f"prefill {p['tokens']} tokens", f"{p['kvmesh_s'] * 1e3:.0f} ms", f"{p['transformers_s'] * 1e3:.0f} ms",
+             "", f"{p['speedup']:.2f}x", ""] for p in res["prefill"]]
+    for d in res["decode_batches"]:
+        rows.append([f"decode batch {d['batch']} x {d['new_tokens']} (context {d['context']})",
+                     f"{d['kvmesh_tok_s']:.0f} tok/s", f"{d['transformers_tok_s']:.0f} tok/s",
+                     f"{d['transformers_static_tok_s']:.0f} tok/s" if static else "-", f"{d['speedup']:.2f}x",
+                     f"{d['speedup_vs_static']:.2f}x" if static else "-"])
+    s = res["shape"]
+    title = (f"{res['model']} ({s['num_layers']} layers x {s['hidden_size']}, {res['dtype']}, {res['device']}, "
+             f"{res['threads']} threads, CPU: {' '.join(res['cpu_features']) or '?'})")
+    print_table(title, ["work", "kvmesh", "transformers", "transformers static", "speedup", "vs static"], rows)

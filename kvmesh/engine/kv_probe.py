@@ -34,3 +34,25 @@ def mismatched_positions(got: dict, want: dict, num_layers: int, rtol: float = 1
     positions = n * a.shape[0] // got["num_blocks"]
     bad = ~torch.isclose(a[:positions], b[:positions], rtol=rtol, atol=atol)
     return bad.any(dim=(1, 2)).nonzero().flatten().tolist()
+
+
+def compare_with_engine(llm, probes: list[tuple[list[int], dict]]) -> tuple[int, list[tuple[int, list[int]]]]:
+    """Node fingerprints (prompt, ``StatsRequest.kv_probe`` answer) against ``llm``'s own KV of the same prompts.
+
+    A prompt ``llm`` no longer caches is prefilled again first. Returns (blocks compared, [(index into
+    ``probes``, the first mismatched positions)]).
+    """
+    from kvmesh.engine.sampling_params import SamplingParams
+
+    num_layers = llm.loaded.config.num_layers
+    compared, mismatched = 0, []
+    for i, (token_ids, got) in enumerate(probes):
+        want = prompt_kv_sums(llm.engine, token_ids)
+        if want["num_blocks"] < got["num_blocks"]:
+            llm.generate([list(token_ids)], SamplingParams(max_tokens=1, temperature=0.0), use_tqdm=False)
+            want = prompt_kv_sums(llm.engine, token_ids)
+        compared += min(got["num_blocks"], want["num_blocks"])
+        bad = mismatched_positions(got, want, num_layers)
+        if bad:
+            mismatched.append((i, bad[:8]))
+    return compared, mismatched

@@ -25,9 +25,11 @@ class LLM:
                  max_num_batched_tokens: int = 2048, max_num_seqs: int = 64, max_model_len: int | None = None,
                  enable_prefix_caching: bool = True, long_prefill_token_threshold: int = 0,
                  max_num_partial_prefills: int = 4, eviction_policy: str = "tail-first-lru",
-                 speculative: SpeculativeConfig | None = None, progress: bool = True, enforce_eager: bool = False):
-        """``enforce_eager``: on CUDA, decode without CUDA graphs (``kvmesh/engine/cuda_graphs.py``)."""
-        self.loaded = load_model(model, dtype=dtype, device=device, progress=progress)
+                 speculative: SpeculativeConfig | None = None, progress: bool = True, enforce_eager: bool = False,
+                 load_format: str = "auto"):
+        """``enforce_eager``: on CUDA, decode without CUDA graphs (``kvmesh/engine/cuda_graphs.py``).
+        ``load_format="dummy"``: seeded weights of the model's shape, made on the device (``model/dummy_weights.py``)."""
+        self.loaded = load_model(model, dtype=dtype, device=device, progress=progress, load_format=load_format)
         scheduler = SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
                                     long_prefill_token_threshold=long_prefill_token_threshold,
                                     max_num_partial_prefills=max_num_partial_prefills)

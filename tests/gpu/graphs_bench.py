@@ -14,6 +14,7 @@ import time
 import torch
 
 from kvmesh import LLM, SamplingParams
+from kvmesh.bench.model import gpu_busy
 
 
 def decode_tok_s(fn, batch: int, new_tokens: int, repeat: int = 3) -> float:
@@ -26,37 +27,6 @@ def decode_tok_s(fn, batch: int, new_tokens: int, repeat: int = 3) -> float:
         torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
     return batch * new_tokens / statistics.median(times)
-
-
-def gpu_busy(llm: LLM, prompts: list[list[int]], steps: int = 20) -> tuple[float, float]:
-    """Replay GPU time over engine step wall time, at one batch (graphs only): (busy fraction, step ms)."""
-    engine, graphs = llm.engine, llm.engine.runner.graphs
-    for p in prompts:
-        engine.add_request(p, SamplingParams(max_tokens=steps + 8, temperature=0.0, ignore_eos=True))
-    for _ in range(3):
-        engine.step()  # prefill, then decodes
-    walls, gpus = [], []
-    start_ev, end_ev = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    replay = graphs.run
-
-    def timed_run(*args):
-        start_ev.record()
-        out = replay(*args)
-        end_ev.record()
-        return out
-
-    graphs.run = timed_run
-    try:
-        for _ in range(steps):
-            t = time.perf_counter()
-            engine.step()
-            walls.append(time.perf_counter() - t)
-            gpus.append(start_ev.elapsed_time(end_ev) / 1e3)
-    finally:
-        graphs.run = replay
-    while engine.has_unfinished():
-        engine.step()
-    return statistics.median(gpus) / statistics.median(walls), statistics.median(walls) * 1e3
 
 
 def main() -> None:
