@@ -33,6 +33,7 @@ from kvmesh.metadata.registry import NodeDirectory
 from kvmesh.auth import ClusterAuth
 from kvmesh.model.card import load_tokenizer
 from kvmesh.node import messages as nm
+from kvmesh.node.planner import PRIOR_BYTES_PER_S, PRIOR_RTT_S, HolderOption
 
 
 log = logging.getLogger("kvmesh.router")
@@ -335,7 +336,10 @@ class Router:
             queued = dict(self._queued_tokens)
         candidates = [Candidate(n, held.get(n, 0) * self.cfg.block_size,
                                 self._connections[n].num_open if n in self._connections else 0, len(prompt_ids),
-                                queued.get(n, 0), r.probe.prefill_tokens_per_s, r.probe.decode_step_s)
+                                queued.get(n, 0), r.probe.prefill_tokens_per_s, r.probe.decode_step_s,
+                                tuple(HolderOption(m, blocks, PRIOR_BYTES_PER_S, PRIOR_RTT_S)
+                                      for m, blocks in held.items() if m != n and blocks > held.get(n, 0)),
+                                self.cfg.block_size, r.kv_layout.bytes_per_block)
                       for n, r in sorted(decode_nodes.items())]
         chosen_id = self.policy.choose(candidates, session_id)
         chosen = next(c for c in candidates if c.node_id == chosen_id)

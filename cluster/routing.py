@@ -6,7 +6,11 @@ there and the node's measured compute (a decode step, a marginal prefill rate
 per token), and picks one. ``cache-aware`` predicts the time to
 first token on each node and takes the soonest:
 
-    load x step cost  +  (queued tokens + this prompt's uncached tokens) / rate
+    load x step cost  +  the node's own plan for the prompt  +  its last tokens / rate
+
+where the plan is what that decode node's planner (``kvmesh/node/planner.py``) would estimate
+for it: its queued tokens, then its uncached blocks computed there or fetched from the nodes the
+index says hold them (links priced at the nodes' prior until they measure them),
 
 (every request in flight there delays a new one by about one decode step: measured,
 a hit's first token comes ~0.6 ms later per request in flight on the tiny preset,
@@ -23,6 +27,8 @@ import random
 from collections import OrderedDict
 from typing import NamedTuple, Protocol
 
+from kvmesh.node.planner import HolderOption, PlanRequest, plan_fetch
+
 
 class Candidate(NamedTuple):
     node_id: str
@@ -32,12 +38,22 @@ class Candidate(NamedTuple):
     queued_tokens: int = 0  # uncached prompt tokens routed to the node whose first token has not come back
     prefill_tokens_per_s: float = 0.0  # the node's measured marginal prefill rate (its registry record); 0: unknown
     step_s: float = 0.0  # the node's measured decode step of one sequence (its registry record); 0: unknown
+    holders: tuple[HolderOption, ...] = ()  # other nodes holding a prefix of this prompt (blocks), to fetch from
+    block_size: int = 16
+    bytes_per_block: int = 0  # the node's KV bytes per block (its record); 0: unknown, no fetch is priced
 
     def predicted_ttft_s(self) -> float:
-        """Seconds until this prompt's first token here, beyond one step: a step per request in flight, the
-        queued tokens, then its uncached tokens (rate known)."""
-        uncached = max(0, self.prompt_tokens - self.cached_tokens)
-        return self.load * self.step_s + (self.queued_tokens + uncached) / self.prefill_tokens_per_s
+        """Seconds until this prompt's first token here, beyond one step: a step per request in flight, then
+        the node's own plan for the prompt (its queue, fetches, computing), then its last tokens (rate known)."""
+        rate, bs = self.prefill_tokens_per_s, self.block_size
+        queue_s = self.queued_tokens / rate
+        end = max(0, (self.prompt_tokens - 1) // bs)  # the blocks a decode node plans (the last token: computed)
+        num_local = min(self.cached_tokens // bs, end)
+        if not self.holders or self.bytes_per_block <= 0 or end <= num_local:
+            return self.load * self.step_s + queue_s + max(0, self.prompt_tokens - self.cached_tokens) / rate
+        plan = plan_fetch(PlanRequest(num_local, end, bs, self.bytes_per_block // bs, rate, queue_s,
+                                      holders=self.holders))
+        return self.load * self.step_s + plan.seconds + (self.prompt_tokens - end * bs) / rate
 
 
 class RoutingPolicy(Protocol):

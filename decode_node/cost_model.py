@@ -1,91 +1,14 @@
-"""Where should a decode node's uncached prompt blocks come from? (docs/design.md §2)
+"""What moving KV to this decode node costs, as measured: links, their bandwidth and round trips.
 
-Three sources beyond the node's own lower tiers (whose blocks the decode node promotes when
-reading them back is faster than computing them, at their measured read rate), priced in
-seconds with measured rates:
-
-    local     compute them here                       the queue here + tokens / local prefill rate
-    holders   peers that already cache a prefix       round trip + bytes / bandwidth (while the queue
-                                                      here drains), then the rest here
-    prefill   a prefill node computes and streams     its fixed cost + its queue + max(tokens / its rate,
-              the part no holder has                  bytes / bandwidth) (chunks are sent as computed)
-
-Holders and the prefill node work at the same time; whatever is not fetched is computed
-here once the prefix has arrived. The queue here is the prompt tokens already waiting on
-this node, so a busy decode node sends work out that an idle one computes itself.
-``plan_fetch`` picks the cheapest plan, so the cluster never chooses to be slower
-than computing locally (by its estimates, all measured: ``TransferRateEstimator`` for the
-links, this node's marginal prefill rate (``CostFit``: a step's fixed cost is paid whether
-or not more tokens join it), each prefill node's conversations as this node sees them (a
-``CostFit`` too: a fixed part for the messaging, that node's step and the writes, plus the
-tokens at its rate)). A prompt whose local estimate is below one round
-trip never looks further (``worth_a_lookup``): no remote plan can beat it.
+``TransferRateEstimator`` learns each peer's bandwidth and each link class's round trip from real
+transfers (timed by the writer inside its transfer engine, so a prefill node's compute is not
+counted); ``PeerLinks`` says which link a peer's pushes take (one copy into this node's
+shared-memory KV buffer for a writer on this host, else the transfer engine) and prices it. The
+planner (``planner.py``) turns these rates into plans; it never measures anything itself.
 """
 from __future__ import annotations
 
-from typing import NamedTuple
-
-
-class FetchPlan(NamedTuple):
-    holders_end: int  # fetch blocks [num_local, holders_end) from holders (== num_local: none)
-    use_prefill: bool  # a prefill node computes and sends [holders_end, end)
-    seconds: float  # the estimate of the plan
-    local_seconds: float  # the estimate of computing everything here
-    promote_end: int = -1  # blocks [num_local, promote_end) come back from this node's lower tiers (-1: none)
-
-
-def worth_a_lookup(num_tokens: int, local_tokens_per_s: float, rtt_s: float, local_queue_s: float = 0.0) -> bool:
-    """False when computing ``num_tokens`` here (after the queue here) takes less than one round trip, so no
-    fetch can win."""
-    return local_queue_s + num_tokens / max(local_tokens_per_s, 1e-9) > rtt_s
-
-
-def plan_fetch(num_local: int, held_end: int, end: int, block_size: int, bytes_per_token: int, *,
-               local_tokens_per_s: float, remote_tokens_per_s: float, bytes_per_s: float, rtt_s: float,
-               have_prefill_node: bool, prefill_queue_s: float = 0.0,
-               prefill_bytes_per_s: float | None = None, prefill_rtt_s: float | None = None,
-               local_queue_s: float = 0.0, prefill_holds_prefix: bool = False) -> FetchPlan:
-    """The cheapest way to get blocks ``[num_local, end)``; peers hold ``[num_local, held_end)``.
-
-    ``bytes_per_s``, ``rtt_s``: the holder's link; ``prefill_bytes_per_s``, ``prefill_rtt_s``: the chosen
-    prefill node's (default: the same). ``prefill_queue_s``: how long that prefill node needs for the work
-    already sent to it; ``prefill_holds_prefix``: it caches ``[num_local, held_end)`` itself (else it pulls
-    that from the holders first, as this node would); ``local_queue_s``: how long this node needs for the
-    prompt tokens already queued here, which a fetch waits out meanwhile:
-
-        local      queue here ─────────> compute [num_local, end)
-        holders    fetch [num_local, held_end) ─┐
-                   queue here ──────────────────┴─> compute [held_end, end)   (it attends to the prefix)
-        prefill    fetch from holders ──────────┐
-                   the prefill node: the prefix, then [held_end, end) ─┤
-                   queue here ──────────────────┴─> done
-    """
-    prefill_bytes_per_s = prefill_bytes_per_s or bytes_per_s
-    prefill_rtt_s = rtt_s if prefill_rtt_s is None else prefill_rtt_s
-    if local_tokens_per_s <= 0 or bytes_per_s <= 0 or prefill_bytes_per_s <= 0:
-        raise ValueError("rates must be positive")
-    held_end = max(num_local, min(held_end, end))
-
-    def compute_here(blocks: int) -> float:
-        return blocks * block_size / local_tokens_per_s
-
-    def move(blocks: int, rate: float = bytes_per_s) -> float:
-        return blocks * block_size * bytes_per_token / rate
-
-    local = local_queue_s + compute_here(end - num_local)
-    plans = [FetchPlan(num_local, False, local, local)]
-    from_holders = rtt_s + move(held_end - num_local) if held_end > num_local else 0.0
-    if held_end > num_local:
-        plans.append(FetchPlan(held_end, False, max(from_holders, local_queue_s) + compute_here(end - held_end),
-                               local))
-    if have_prefill_node and remote_tokens_per_s > 0 and held_end < end:
-        rest = end - held_end
-        its_prefix = 0.0 if prefill_holds_prefix else from_holders
-        remote = prefill_rtt_s + prefill_queue_s + its_prefix + max(rest * block_size / remote_tokens_per_s,
-                                                                    move(rest, prefill_bytes_per_s))
-        plans.append(FetchPlan(held_end, True, max(from_holders, remote, local_queue_s), local))
-    return min(plans, key=lambda p: p.seconds)
-
+from kvmesh.transfer.shared_memory import same_host_region
 
 NETWORK = "network"  # link classes: pushes through the transfer engine ...
 SHARED_MEMORY = "shared-memory"  # ... or by one copy into our memfd KV buffer (a writer on this host)
@@ -168,3 +91,31 @@ class TransferRateEstimator:
                 old = table.get(key)
                 table[key] = rate if old is None else old + self.weight * (rate - old)
         self.num_samples += 1
+
+
+class PeerLinks:
+    """Which link each peer's pushes take to this node, and what it costs (the estimator's rates)."""
+
+    def __init__(self, rates: TransferRateEstimator, membership, shared_region, block_bytes: int):
+        """``shared_region``: this node's shared-memory KV buffer (None: every peer is over the network)."""
+        self.rates = rates
+        self._membership = membership
+        self._shared_region = shared_region
+        self._block_bytes = block_bytes
+
+    def link(self, node_id: str) -> str:
+        """How ``node_id``'s pushes reach us: by one copy into our shared-memory KV buffer (a writer on this host)
+        or through the transfer engine."""
+        ours = self._shared_region
+        if ours is None or same_host_region(self._membership.peer(node_id), ours.host) is None:
+            return NETWORK
+        return SHARED_MEMORY
+
+    def bytes_per_s(self, node_id: str) -> float:
+        return self.rates.bytes_per_s_to(node_id, self.link(node_id))
+
+    def rtt_s(self, node_id: str) -> float:
+        return self.rates.rtt_s_for(self.link(node_id))
+
+    def record_transfer(self, node_id: str, num_blocks: int, write_s: float) -> None:
+        self.rates.record_transfer(num_blocks * self._block_bytes, write_s, node_id, self.link(node_id))

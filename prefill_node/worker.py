@@ -2,9 +2,11 @@
 
 It serves ComputeAndPush conversations on its side channel (its holder calls
 ``admit``): the prompt is validated and accepted or refused at once; then, on a
-worker thread, its local prefix hits are referenced, what its lower KV tiers hold
-next is promoted, a longer prefix held by a peer is pulled into this node's pool, and the engine computes the rest with
-chunked prefill. Every full block is cached as soon as it is computed, and the
+worker thread, its local prefix hits are referenced and the rest of the prefix is
+planned with the cluster's planner (``kvmesh/node/planner.py``, no prefill option):
+what its lower KV tiers hold next is promoted and a longer prefix held by a peer is
+pulled into this node's pool where that beats computing them; the engine computes the
+rest with chunked prefill. Every full block is cached as soon as it is computed, and the
 holder writes the granted blocks into the decode node chunk by chunk. When the
 conversation ends (all blocks written, aborted, expired) ``release`` aborts what
 is left of the engine request and drops the references this node held.
@@ -15,6 +17,7 @@ import logging
 import threading
 from dataclasses import dataclass, field
 
+from kvmesh.node.planner import FetchPlan, HolderOption, PlanRequest, forced_plan, plan_fetch
 from kvmesh.engine.sampling_params import SamplingParams
 from kvmesh.engine.sequence import Sequence
 from kvmesh.kv.block_hash import BlockHash
@@ -85,14 +88,34 @@ class PrefillWorker(NodeRuntime):
     def _finish_estimate_s(self, num_new_tokens: int) -> float:
         """When a prompt of ``num_new_tokens`` uncached tokens accepted now would be computed: after every
         accepted conversation's tokens still to compute (caller holds ``_lock``), at this node's fitted cost."""
+        return self.prefill_cost.fixed_s + (self._backlog_tokens() + max(0, num_new_tokens)) / self.prefill_tokens_per_s
+
+    def _backlog_tokens(self, but: _Prefill | None = None) -> int:
+        """Prompt tokens of accepted conversations (``but`` one) still to compute (caller holds ``_lock``)."""
         backlog = 0
         for prefill in self._prefills.values():
             seq = prefill.seq
+            if prefill is but:
+                continue
             if seq is None:  # still being prepared (pulling a prefix): its whole prompt, at most
                 backlog += len(prefill.prompt_token_ids)
             elif not seq.is_finished:
                 backlog += max(0, seq.num_prompt_tokens - seq.num_computed_tokens)
-        return self.prefill_cost.fixed_s + (backlog + max(0, num_new_tokens)) / self.prefill_tokens_per_s
+        return backlog
+
+    def _plan_prefix(self, prefill: _Prefill, num_local: int, lower: list[int], hits: dict[str, int]) -> FetchPlan:
+        """The planner the decode nodes use, for this node's own prefix: promote, pull, or compute (no prefill option).
+        Links are priced at the configured prior: a prefill node pulls too rarely to learn them."""
+        bs, end = self.cfg.block_size, len(prefill.hashes)
+        bytes_per_s, rtt_s = self.cfg.transfer_gib_per_s * 2**30, self.cfg.transfer_rtt_s
+        with self._lock:
+            queue_s = self._backlog_tokens(but=prefill) / self.prefill_tokens_per_s
+        request = PlanRequest(num_local, end, bs, self.engine.layout.bytes_per_token, self.prefill_tokens_per_s,
+                              queue_s, len(lower), self.tiers.read_seconds(lower) if lower else 0.0,
+                              tuple(HolderOption(n, length, bytes_per_s, rtt_s) for n, length in hits.items()))
+        if self.cfg.local_prefill_tokens >= 0:  # forced (tests, benchmarks): as the decode nodes are
+            return forced_plan(request, self.cfg.local_prefill_tokens)
+        return plan_fetch(request)
 
     def release(self, request_id: str) -> None:
         with self._lock:
@@ -110,13 +133,19 @@ class PrefillWorker(NodeRuntime):
             return
         hashes = prefill.hashes
         held = self.pool.match_and_touch(hashes)  # referenced: a concurrent allocation cannot take them
-        if len(held) < len(hashes) and self.tiers is not None:  # our own lower tiers before any peer
-            promoted = self.tiers.promote(hashes[len(held):], held[-1] if held else NO_BLOCK).block_ids
+        if len(held) >= len(hashes):
+            prefill.held = held
+            self.call_soon(lambda: self._start(request_id, prefill))
+            return
+        lower = self.tiers.lower_run(hashes, len(held)) if self.tiers is not None else []
+        hits = self.lookup_holders(hashes) if len(held) + len(lower) < len(hashes) else {}
+        plan = self._plan_prefix(prefill, len(held), lower, hits)
+        if plan.promote_end > len(held):  # our own lower tiers before any peer
+            promoted = self.tiers.promote(hashes[len(held):plan.promote_end], held[-1] if held else NO_BLOCK).block_ids
             self.tokens_promoted += len(promoted) * self.cfg.block_size
             held += promoted
-        if len(held) < len(hashes):
-            hits = self.lookup_holders(hashes)
-            for node_id, length in sorted(hits.items(), key=lambda kv: -kv[1]):
+        if plan.holder:  # the planned holder first; after a failure, the next longest
+            for node_id, length in sorted(hits.items(), key=lambda kv: (kv[0] != plan.holder, -kv[1])):
                 if length <= len(held) or prefill.released:
                     continue
                 try:

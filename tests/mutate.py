@@ -30,10 +30,9 @@ MUTATIONS = (
              "        self._send(encode(nm.AbortRequest(request_id)))",
              "        pass  # mutation: the abort never leaves",
              ("tests/test_router.py", "-k", "goes_away or stop_strings")),
-    Mutation("received blocks land in reversed slots", "decode_node/worker.py",
-             "outcome = self.agent.requester.push(node_id, seq.block_ids[got:length], seq.block_hashes[got:length],",
-             "outcome = self.agent.requester.push(node_id, seq.block_ids[got:length][::-1], "
-             "seq.block_hashes[got:length],",
+    Mutation("received blocks land in reversed slots", "decode_node/fetcher.py",
+             "pushed = self._requester.push(node_id, seq.block_ids[got:length], seq.block_hashes[got:length],",
+             "pushed = self._requester.push(node_id, seq.block_ids[got:length][::-1], seq.block_hashes[got:length],",
              ("tests/test_cluster.py", "-k", "cross_node")),
     Mutation("blocks promoted from a lower tier land in reversed slots", "kvmesh/kv/tiers/tiered_cache.py",
              "        for h, block in zip(block_hashes, block_ids):",

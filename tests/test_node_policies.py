@@ -5,12 +5,26 @@ import time
 
 import pytest
 
-from kvmesh.decode_node.cost_model import plan_fetch
+from kvmesh.node import planner
 from kvmesh.metadata.block_index import BlockIndex, BlockPublisher
 from kvmesh.metadata.memory_store import MemoryStore
 from kvmesh.metadata.records import NodeRecord
 from kvmesh.metadata.registry import NodeRegistry
 from tests.metadata_node import chain
+
+
+def plan_fetch(num_local: int, held_end: int, end: int, block_size: int, bytes_per_token: int, *,
+               local_tokens_per_s: float, remote_tokens_per_s: float, bytes_per_s: float, rtt_s: float = 0.010,
+               have_prefill_node: bool, prefill_queue_s: float = 0.0, prefill_bytes_per_s: float | None = None,
+               prefill_rtt_s: float | None = None, local_queue_s: float = 0.0,
+               prefill_holds_prefix: bool = False) -> planner.FetchPlan:
+    """One holder of blocks [0, held_end) and one prefill node, described as the decode node sees them."""
+    holders = (planner.HolderOption("holder", held_end, bytes_per_s, rtt_s),) if held_end > num_local else ()
+    prefill = planner.PrefillOption(
+        "prefill", remote_tokens_per_s, prefill_queue_s, rtt_s if prefill_rtt_s is None else prefill_rtt_s,
+        prefill_bytes_per_s or bytes_per_s, held_end if prefill_holds_prefix else 0) if have_prefill_node else None
+    return planner.plan_fetch(planner.PlanRequest(num_local, end, block_size, bytes_per_token, local_tokens_per_s,
+                                                  local_queue_s, holders=holders, prefill=prefill))
 
 
 def test_fetch_plan_picks_the_cheapest_source():
@@ -33,7 +47,7 @@ def test_fetch_plan_picks_the_cheapest_source():
                       **{**rates, "remote_tokens_per_s": 4000.0, "have_prefill_node": False})
     assert not plan.use_prefill
     with pytest.raises(ValueError):
-        plan_fetch(0, 0, 1, bs, bpt, bytes_per_s=0, **rates)
+        plan_fetch(0, 0, 1, bs, bpt, bytes_per_s=1e9, **{**rates, "local_tokens_per_s": 0.0})
 
 
 def test_publisher_queue_is_bounded_and_counts_what_it_drops():
@@ -108,6 +122,19 @@ def test_cache_aware_policy_predicts_time_to_first_token_when_rates_are_known():
     assert busy(4, 0.015) == "b"
     assert busy(1, 0.015) == "a"  # one in flight: 162 ms there, still sooner
     assert busy(4, 0.0) == "a"  # the decode step unknown (an older node record): the queue and cache alone
+    # The router prices each node with that node's planner: a node without the prefix fetches it from the node
+    # that holds it (64 blocks of SmolLM2 fp32 KV, 47 MB: ~55 ms at the 1 GiB/s prior) rather than computing
+    # 1,056 tokens (~1 s); the holder itself is busy (10 requests of 50 ms in flight).
+    from kvmesh.node.planner import HolderOption
+
+    held_by_a = (HolderOption("a", 64, 2**30, 0.010),)
+    a = Candidate("a", 1024, 10, 1056, 0, 1_000.0, 0.05, (), 16, 16 * 46_080)
+    b_blind = Candidate("b", 0, 0, 1056, 0, 1_000.0, 0.05, (), 16, 16 * 46_080)
+    assert b_blind.predicted_ttft_s() == pytest.approx(1.056)  # no holder known: all of it computed there
+    assert policy.choose([a, b_blind]) == "a"
+    b = b_blind._replace(holders=held_by_a)
+    assert b.predicted_ttft_s() < 0.1 and policy.choose([a, b]) == "b"
+    assert policy.choose([a, b._replace(holders=(HolderOption("a", 64, 1e6, 0.010),))]) == "a"  # a 1 MB/s link
     # A node whose rate is unknown: the token score (cached tokens against load) decides.
     assert policy.choose([Candidate("a", 512, 1, 600, 5_000, 0.0), Candidate("b", 0, 0, 600, 0, 1e4)]) == "a"
 
@@ -272,7 +299,7 @@ def test_round_trips_are_per_link_and_seeded():
 def test_a_busy_node_sends_out_what_an_idle_one_computes():
     """The prompt tokens already queued on the decode node delay a prompt computed there; a fetch runs while
     that queue drains, so under load fetching (or a prefill node) wins where an idle node computes."""
-    from kvmesh.decode_node.cost_model import worth_a_lookup
+    from kvmesh.node.planner import worth_a_lookup
 
     tiny = dict(local_tokens_per_s=100_000.0, remote_tokens_per_s=100_000.0, bytes_per_s=6e9, rtt_s=0.010,
                 have_prefill_node=False)

@@ -1,0 +1,150 @@
+"""The prefill nodes as one decode node sees them: what a conversation with each costs, and the conversation.
+
+Each prefill node's cost is fitted to this node's own conversations with it (``CostFit``: a fixed part
+for the messaging, that node's step and the writes, plus the tokens at its rate), seeded from the
+rate and decode step it published. ``best`` prices every registered prefill node for a number of
+tokens, its work in flight from this node included, and returns the planner's ``PrefillOption``;
+``compute_and_push`` runs one ``ComputeAndPush`` conversation at a time, the planned node first,
+moving on to the next candidate after a refusal or failure. Thread-safe: admissions (engine
+thread) price while fetch threads converse.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+
+from kvmesh.decode_node.cost_model import PeerLinks
+from kvmesh.node.planner import PrefillOption
+from kvmesh.engine.sequence import Sequence
+from kvmesh.rate_meter import CostFit
+from kvmesh.transfer.errors import TransferRefused
+
+log = logging.getLogger("kvmesh.decode")
+
+MAX_CANDIDATES = 3  # prefill nodes one request tries before computing the rest here
+
+
+class PrefillNodes:
+    def __init__(self, node_id: str, membership, requester, links: PeerLinks, block_size: int,
+                 prior_rtt_s: float, timeout_s: float):
+        self._node_id = node_id
+        self._membership = membership
+        self._requester = requester
+        self._links = links
+        self._block_size = block_size
+        self._prior_rtt_s = prior_rtt_s
+        self._timeout_s = timeout_s
+        self._lock = threading.Lock()
+        self._turn = 0  # rotation among prefill nodes that rank equal
+        self._in_flight: Counter[str] = Counter()  # conversations per prefill node
+        self._tokens_in_flight: Counter[str] = Counter()  # ... and the prompt tokens they ask for
+        self._costs: dict[str, CostFit] = {}
+        self.num_refusals = 0
+        self.num_fallbacks = 0
+
+    def node_ids(self) -> list[str]:
+        return sorted(self._membership.nodes("prefill"))
+
+    def _cost(self, node_id: str, published_per_s: float, step_s: float) -> CostFit:
+        """A conversation with ``node_id`` end to end, as this node sees it. Seeded with the rate the node
+        published (its start-up probe) and, as the fixed part, the prior round trip plus one engine step there
+        (a conversation costs that node at least one step of its own); refitted to every conversation that
+        succeeded (caller holds ``_lock``)."""
+        fit = self._costs.get(node_id)
+        if fit is None:
+            fixed = self._prior_rtt_s + step_s
+            fit = self._costs[node_id] = CostFit([(n, fixed + n / published_per_s) for n in (64, 512)])
+        return fit
+
+    def best(self, num_tokens: int, hits: dict[str, int]) -> PrefillOption | None:
+        """The prefill node that would finish ``num_tokens`` soonest (None: none registered with a rate)."""
+        best, best_s = None, float("inf")
+        with self._lock:
+            for node_id, record in self._membership.nodes("prefill").items():
+                published, step_s = record.probe.prefill_tokens_per_s, record.probe.decode_step_s
+                if not published > 0:
+                    continue
+                fit = self._cost(node_id, published, step_s)
+                # Never faster than the node measured itself computing: a quicker conversation found the
+                # prompt cached there (an index not yet updated), which says nothing about the next one.
+                rate = min(fit.per_s, published)
+                queue_s = self._tokens_in_flight[node_id] / rate
+                finish_s = queue_s + fit.fixed_s + num_tokens / rate
+                if finish_s < best_s:
+                    best_s = finish_s
+                    best = PrefillOption(node_id, rate, queue_s, fit.fixed_s, self._links.bytes_per_s(node_id),
+                                         hits.get(node_id, 0))
+        return best
+
+    def any_option(self, hits: dict[str, int]) -> PrefillOption | None:
+        """The candidate the next conversation would ask first, unpriced (forced plans: any will do)."""
+        first = next(iter(self.candidates(hits, rotate=False)), None)
+        return None if first is None else PrefillOption(first, 0.0, 0.0, 0.0, 0.0, hits.get(first, 0))
+
+    def candidates(self, hits: dict[str, int], *first: str, rotate: bool = True) -> list[str]:
+        """Prefill nodes, best first: ``first`` (the caller's choice, the plan's), the longest cached prefix,
+        the fewest prompts this node has in flight there, then rotation (advanced by each call that ``rotate``s)."""
+        nodes = self.node_ids()
+        if not nodes:
+            return []
+        rank = {n: i for i, n in enumerate(f for f in first if f)}
+        with self._lock:
+            load = dict(self._in_flight)
+            turn = self._turn % len(nodes)
+            self._turn += rotate
+        rotation = {n: (i - turn) % len(nodes) for i, n in enumerate(nodes)}
+        return sorted(nodes, key=lambda n: (rank.get(n, len(rank)), -hits.get(n, 0), load.get(n, 0), rotation[n]))
+
+    def compute_and_push(self, seq: Sequence, start: int, end: int, order: list[str], local_s: float,
+                         aborting: Callable[[], bool]) -> tuple[int, list[int]]:
+        """Blocks ``[start, end)`` of ``seq`` computed by prefill nodes in ``order`` (at most MAX_CANDIDATES)
+        and pushed into its blocks; returns (the first block not received, block ids a writer may still write).
+
+        ``local_s``: the plan's estimate without peers (0: forced, no limit): a prefill node that cannot deliver
+        sooner, its backlog from every decode node included, refuses (BUSY)."""
+        asked, got, tainted = time.perf_counter(), start, []
+        for node_id in order[:MAX_CANDIDATES]:
+            if aborting():
+                break
+            wanted_within_s = max(1e-3, local_s - (time.perf_counter() - asked)) if local_s > 0 else 0.0
+            num_tokens = (end - got) * self._block_size
+            with self._lock:
+                self._in_flight[node_id] += 1
+                self._tokens_in_flight[node_id] += num_tokens
+            started = time.perf_counter()
+            try:
+                outcome = self._requester.compute_and_push(
+                    node_id, seq.block_ids[got:end], list(seq.prompt_token_ids), got,
+                    request_id=f"{seq.request_id}/prefill", timeout_s=self._timeout_s,
+                    wanted_within_s=wanted_within_s, cache_salt=seq.params.cache_salt or "")
+            finally:
+                with self._lock:
+                    self._in_flight[node_id] -= 1
+                    self._tokens_in_flight[node_id] -= num_tokens
+            if outcome.error is None and node_id in self._costs:
+                with self._lock:  # the whole conversation: its queueing and the transfer included
+                    self._costs[node_id].record(num_tokens, time.perf_counter() - started)
+            self._links.record_transfer(node_id, outcome.num_written, outcome.write_s)
+            tainted += outcome.tainted_block_ids
+            got += outcome.num_written
+            if outcome.error is None:
+                break
+            if isinstance(outcome.error, TransferRefused):
+                self.num_refusals += 1
+            else:
+                self.num_fallbacks += 1
+            log.warning("%s: prefill node %s for %s: %s", self._node_id, node_id, seq.request_id, outcome.error)
+            if got >= end or outcome.tainted_block_ids:
+                break  # tainted blocks cannot be granted again: compute the rest here
+        return got, tainted
+
+    def stats(self) -> dict:
+        with self._lock:
+            rates = {n: f.per_s for n, f in self._costs.items()}
+            fixed_ms = {n: f.fixed_s * 1e3 for n, f in self._costs.items()}
+        return {"prefill_node_tokens_per_s": rates, "prefill_node_fixed_ms": fixed_ms,
+                "prefill_node_ids": self.node_ids(),  # what this node can send work to
+                "num_fallbacks": self.num_fallbacks, "num_prefill_refusals": self.num_refusals}

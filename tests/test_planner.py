@@ -1,0 +1,123 @@
+"""The KV placement planner (node/planner.py): golden plans, and properties over random situations."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from kvmesh.node.planner import (FetchPlan, HolderOption, PlanRequest, PrefillOption, forced_plan,
+                                        plan_fetch, worth_a_lookup)
+
+BS, BPT = 16, 4096  # tokens per block, KV bytes per token
+GIB = 2**30
+
+
+def req(**kw) -> PlanRequest:
+    """A 64-block prompt, nothing cached, computed here at 1,000 tokens/s (about 1 s for all of it)."""
+    base = dict(num_local=0, end=64, block_size=BS, bytes_per_token=BPT, local_tokens_per_s=1000.0)
+    return PlanRequest(**{**base, **kw})
+
+
+def holder(node_id: str, end: int, gib_per_s: float = 1.0, rtt_s: float = 0.005) -> HolderOption:
+    return HolderOption(node_id, end, gib_per_s * GIB, rtt_s)
+
+
+def prefill(node_id: str = "p0", tokens_per_s: float = 20000.0, queue_s: float = 0.0, holds: int = 0,
+            gib_per_s: float = 1.0) -> PrefillOption:
+    return PrefillOption(node_id, tokens_per_s, queue_s, fixed_s=0.01, bytes_per_s=gib_per_s * GIB, holds=holds)
+
+
+def shape(plan: FetchPlan) -> tuple[int, str, int, str]:
+    return plan.promote_end, plan.holder, plan.holders_end, plan.prefill_node
+
+
+GOLDEN = [  # (situation, request, (promote_end, holder, holders_end, prefill_node))
+    ("nothing anywhere: compute here", req(), (0, "", 0, "")),
+    ("a peer holds 48 blocks on a fast link", req(holders=(holder("d1", 48),)), (0, "d1", 48, "")),
+    ("the same peer behind a 1 MB/s link", req(holders=(holder("d1", 48, gib_per_s=0.001),)), (0, "", 0, "")),
+    ("a prefill node 20x faster", req(prefill=prefill()), (0, "", 0, "p0")),
+    ("that prefill node with 5 s of work queued", req(prefill=prefill(queue_s=5.0)), (0, "", 0, "")),
+    ("holder for the prefix, prefill node for the rest",
+     req(holders=(holder("d1", 40),), prefill=prefill()), (0, "d1", 40, "p0")),
+    ("a longer prefix on a slow link loses to a shorter one on a fast link",
+     req(holders=(holder("slow", 60, gib_per_s=0.005), holder("fast", 50, gib_per_s=2.0))), (0, "fast", 50, "")),
+    ("this node's host tier reads back faster than it computes",
+     req(num_local=8, num_lower=16, lower_read_s=0.01), (24, "", 24, "")),
+    ("... a disk tier slower than computing is left alone",
+     req(num_local=8, num_lower=16, lower_read_s=5.0), (8, "", 8, "")),
+    ("a queue here makes a slowish holder worth it",
+     req(local_queue_s=2.0, holders=(holder("d1", 60, gib_per_s=0.01, rtt_s=0.5),)), (0, "d1", 60, "")),
+    ("everything already cached: nothing to do", req(num_local=64), (64, "", 64, "")),
+]
+
+
+@pytest.mark.parametrize("situation,request_,expected", GOLDEN, ids=[g[0] for g in GOLDEN])
+def test_golden_plans(situation, request_, expected):
+    plan = plan_fetch(request_)
+    assert shape(plan) == expected, (situation, plan)
+    assert plan.seconds <= plan.local_seconds
+
+
+def test_a_plan_names_its_parts_and_their_estimates():
+    plan = plan_fetch(req(num_local=4, num_lower=4, lower_read_s=0.01, holders=(holder("d1", 40),),
+                          prefill=prefill(holds=40)))
+    assert shape(plan) == (8, "d1", 40, "p0") and plan.compute_from == 64 and plan.needs_fetch
+    moved = (40 - 8) * BS * BPT / GIB
+    assert plan.holders_s == pytest.approx(0.005 + moved)
+    # The prefill node caches the prefix itself: it starts at once, in parallel with the holder.
+    assert plan.prefill_s == pytest.approx(0.01 + max(24 * BS / 20000.0, 24 * BS * BPT / GIB))
+    assert plan.ready_s == pytest.approx(max(plan.holders_s, plan.prefill_s))
+    assert plan.seconds == pytest.approx(plan.promote_s + plan.ready_s)
+    assert plan.local_seconds == pytest.approx(0.01 + 56 * BS / 1000.0)
+
+
+def test_a_prefill_node_without_the_prefix_waits_for_it():
+    alone = plan_fetch(req(holders=(holder("d1", 40, gib_per_s=0.05),), prefill=prefill(holds=40)))
+    fetching = plan_fetch(req(holders=(holder("d1", 40, gib_per_s=0.05),), prefill=prefill(holds=0)))
+    assert alone.prefill_s < fetching.prefill_s
+
+
+def test_forced_plans_fetch_above_the_limit_only():
+    r = req(num_local=2, num_lower=3, holders=(holder("a", 20), holder("b", 30)), prefill=prefill())
+    assert shape(forced_plan(r, fetch_above_tokens=0)) == (5, "b", 30, "p0")
+    assert shape(forced_plan(r, fetch_above_tokens=10_000)) == (5, "", 5, "")
+    assert shape(forced_plan(req(), fetch_above_tokens=0)) == (0, "", 0, "")
+
+
+def test_lookups_are_skipped_only_when_computing_beats_any_round_trip():
+    assert not worth_a_lookup(10, 1000.0, rtt_s=0.02)
+    assert worth_a_lookup(30, 1000.0, rtt_s=0.02)
+    assert worth_a_lookup(10, 1000.0, rtt_s=0.02, local_queue_s=0.02)
+
+
+def _random_request(rng: random.Random) -> PlanRequest:
+    end = rng.randrange(1, 200)
+    num_local = rng.randrange(0, end + 1)
+    num_lower = rng.randrange(0, end - num_local + 1)
+    holders = tuple(HolderOption(f"h{i}", rng.randrange(0, end + 20), rng.choice([0.0, 10 ** rng.uniform(5, 10)]),
+                                 rng.uniform(0, 0.2)) for i in range(rng.randrange(0, 4)))
+    pf = None if rng.random() < 0.3 else PrefillOption(
+        "p", rng.choice([0.0, 10 ** rng.uniform(2, 5)]), rng.uniform(0, 3), rng.uniform(0, 0.1),
+        rng.choice([0.0, 10 ** rng.uniform(5, 10)]), rng.randrange(0, end + 1))
+    return PlanRequest(num_local, end, rng.choice([1, 16]), rng.randrange(1, 8192), 10 ** rng.uniform(1, 5),
+                       rng.uniform(0, 2) * (rng.random() < 0.5), num_lower, rng.uniform(0, 1), holders, pf)
+
+
+def test_no_plan_is_estimated_slower_than_computing_here():
+    rng = random.Random(7)
+    for _ in range(5000):
+        r = _random_request(rng)
+        plan = plan_fetch(r)
+        compute_all_here = r.local_queue_s + (r.end - r.num_local) * r.block_size / r.local_tokens_per_s
+        assert plan.seconds <= plan.local_seconds <= compute_all_here + 1e-12, (r, plan)
+        assert r.num_local <= plan.promote_end <= plan.holders_end <= plan.end == r.end, (r, plan)
+        assert bool(plan.holder) == (plan.holders_end > plan.promote_end), (r, plan)
+        assert plan.seconds == pytest.approx(plan.promote_s + plan.ready_s)
+        if plan.holder:  # it really holds what the plan asks of it
+            assert next(h for h in r.holders if h.node_id == plan.holder).end >= plan.holders_end
+        assert plan.is_local == (plan.holders_end == r.num_local and not plan.prefill_node)
+
+
+def test_a_local_rate_that_is_not_positive_is_an_error():
+    with pytest.raises(ValueError):
+        plan_fetch(req(local_tokens_per_s=0.0))
