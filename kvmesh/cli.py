@@ -104,6 +104,7 @@ def _add_bench(sub) -> None:
     ru.add_argument("--prompt-tokens", type=int, default=2048)
     ru.add_argument("--suffix-tokens", type=int, default=32)
     ru.add_argument("--rounds", type=int, default=3)
+    ru.add_argument("--dtype", default="float32", help="the nodes' dtype (auto: bfloat16 where the CPU has it)")
     ru.add_argument("--paths", default="shared-memory,engine",
                     help="transfer paths to measure, each on its own cluster: shared-memory (same-host copies), "
                          "engine (every push through the transfer engine, as between hosts); the first is the "
@@ -239,7 +240,7 @@ def _run_bench_reuse(args: argparse.Namespace) -> int:
 
     try:
         reuse.run(args.json, args.model, args.prompt_tokens, args.suffix_tokens, args.rounds,
-                  paths=tuple(p.strip() for p in args.paths.split(",") if p.strip()))
+                  paths=tuple(p.strip() for p in args.paths.split(",") if p.strip()), dtype=args.dtype)
     except ValueError as e:
         raise SystemExit(f"kvmesh bench reuse: {e}") from None
     return 0

@@ -72,7 +72,7 @@ def test_smollm2_greedy_streams_match_transformers(smollm2_hf):
     llm.engine.check_integrity()
 
 
-def test_smollm2_bfloat16_matches_transformers_in_bfloat16():
+def test_smollm2_bfloat16_matches_transformers_in_bfloat16(smollm2_hf):
     """The dtype ``--dtype auto`` picks on CPUs with native bf16: same logits and greedy streams as
     transformers run in bf16 on the same GGUF (prefill and the batched decode path both checked).
 
@@ -82,13 +82,14 @@ def test_smollm2_bfloat16_matches_transformers_in_bfloat16():
     flip to every later row (our native RMSNorm sums in another order than torch's). There both are
     held to the float32 model instead, and ours must be as close to it as transformers-bf16 is.
     """
-    from transformers import AutoModelForCausalLM
+    import copy
 
-    from kvmesh.model.presets import PRESETS
-
-    path = PRESETS["smollm2-135m"].gguf_path()
-    hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.bfloat16,
-                                              attn_implementation="eager").eval()
+    hf32 = smollm2_hf  # transformers' own load of the GGUF, in float32; its bf16 twin rounds the same weights
+    hf = copy.deepcopy(hf32)
+    for param in hf.parameters():  # the weights only: RoPE's frequencies stay float32, as a bf16 load keeps them
+        param.data = param.data.to(torch.bfloat16)
+    hf.set_attn_implementation("eager")
+    assert hf.config._attn_implementation == "eager"
     llm = LLM("smollm2-135m", dtype="bfloat16", num_kv_blocks=64, progress=False)
     for prompt in PROMPTS:
         ids = llm.tokenizer.encode(prompt)
@@ -100,7 +101,6 @@ def test_smollm2_bfloat16_matches_transformers_in_bfloat16():
         assert row_err.mean().item() < 0.05, prompt
         assert torch.equal(ours.argmax(-1), ref.argmax(-1)), prompt
     # The long prompt spans several chunks of the bf16 prefill attention.
-    hf32 = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
     ids = llm.tokenizer.encode(LONG_PROMPT)
     ours, _, _ = run_prefill(llm.loaded, ids)
     with torch.inference_mode():
