@@ -48,9 +48,10 @@ class FetchOutcome:
 
 class Fetcher:
     def __init__(self, tiers, requester, links: PeerLinks, prefill_nodes: PrefillNodes, holder_timeout_s: float,
-                 conversations: Executor):
+                 conversations: Executor, block_size: int):
         """``conversations``: where prefill conversations run beside the fetch that waits for them (never the
         fetch's own pool: no deadlock)."""
+        self._block_size = block_size
         self._tiers = tiers
         self._requester = requester
         self._links = links
@@ -61,7 +62,9 @@ class Fetcher:
     def fetch(self, seq: Sequence, plan: FetchPlan, hits: dict[str, int], preferred: str,
               aborting: Callable[[], bool]) -> FetchOutcome:
         """Worker thread. ``hits``: index hits by node (blocks from the prompt's start); ``preferred``: the
-        caller's prefill node, asked first. Never raises for a peer's failure: what did not arrive is computed."""
+        caller's prefill node, asked first. The planned prefill conversation must have been ``reserve``d with
+        ``PrefillNodes`` when it was planned (it is released here). Never raises for a peer's failure: what did
+        not arrive is computed."""
         start, split, end = plan.num_local, plan.holders_end, plan.end
         outcome = FetchOutcome.nothing(start)
         computing = None
@@ -69,7 +72,8 @@ class Fetcher:
             outcome.asked_prefill = True
             order = self._prefill_nodes.candidates(hits, preferred, plan.prefill_node)
             computing = self._conversations.submit(self._prefill_nodes.compute_and_push, seq, split, end, order,
-                                                   plan.local_seconds, aborting)
+                                                   plan.local_seconds, aborting,
+                                                   (plan.prefill_node, (end - split) * self._block_size))
         if plan.promote_end > start:  # our own lower tiers (while the prefill node computes)
             restored = self._tiers.restore(seq.block_hashes[start:plan.promote_end],
                                            seq.block_ids[start:plan.promote_end])

@@ -80,31 +80,51 @@ class PrefillNodes:
         return best
 
     def any_option(self, hits: dict[str, int]) -> PrefillOption | None:
-        """The candidate the next conversation would ask first, unpriced (forced plans: any will do)."""
-        first = next(iter(self.candidates(hits, rotate=False)), None)
+        """The first candidate, unpriced (forced plans: any will do; the rotation moves on)."""
+        first = next(iter(self.candidates(hits)), None)
         return None if first is None else PrefillOption(first, 0.0, 0.0, 0.0, 0.0, hits.get(first, 0))
 
-    def candidates(self, hits: dict[str, int], *first: str, rotate: bool = True) -> list[str]:
+    def reserve(self, node_id: str, num_tokens: int) -> None:
+        """Count a planned conversation as in flight from the moment it is planned (engine thread), so that the
+        next admission prices ``node_id`` with it; ``compute_and_push`` takes the reservation over."""
+        with self._lock:
+            self._in_flight[node_id] += 1
+            self._tokens_in_flight[node_id] += num_tokens
+
+    def release(self, node_id: str, num_tokens: int) -> None:
+        """Undo ``reserve`` (a planned conversation that will not run, or one that has ended)."""
+        with self._lock:
+            self._in_flight[node_id] -= 1
+            self._tokens_in_flight[node_id] -= num_tokens
+
+    def candidates(self, hits: dict[str, int], *first: str) -> list[str]:
         """Prefill nodes, best first: ``first`` (the caller's choice, the plan's), the longest cached prefix,
-        the fewest prompts this node has in flight there, then rotation (advanced by each call that ``rotate``s)."""
+        the fewest prompts this node has in flight there, then rotation (advanced by each call)."""
         nodes = self.node_ids()
         if not nodes:
             return []
-        rank = {n: i for i, n in enumerate(f for f in first if f)}
+        rank: dict[str, int] = {}
+        for node_id in first:
+            if node_id and node_id not in rank:  # the first mention ranks
+                rank[node_id] = len(rank)
         with self._lock:
             load = dict(self._in_flight)
             turn = self._turn % len(nodes)
-            self._turn += rotate
+            self._turn += 1
         rotation = {n: (i - turn) % len(nodes) for i, n in enumerate(nodes)}
         return sorted(nodes, key=lambda n: (rank.get(n, len(rank)), -hits.get(n, 0), load.get(n, 0), rotation[n]))
 
     def compute_and_push(self, seq: Sequence, start: int, end: int, order: list[str], local_s: float,
-                         aborting: Callable[[], bool]) -> tuple[int, list[int]]:
+                         aborting: Callable[[], bool], reserved: tuple[str, int] | None = None
+                         ) -> tuple[int, list[int]]:
         """Blocks ``[start, end)`` of ``seq`` computed by prefill nodes in ``order`` (at most MAX_CANDIDATES)
         and pushed into its blocks; returns (the first block not received, block ids a writer may still write).
 
         ``local_s``: the plan's estimate without peers (0: forced, no limit): a prefill node that cannot deliver
-        sooner, its backlog from every decode node included, refuses (BUSY)."""
+        sooner, its backlog from every decode node included, refuses (BUSY). ``reserved``: the (node, tokens)
+        ``reserve``d when this conversation was planned, released here as each conversation counts its own."""
+        if reserved is not None:
+            self.release(*reserved)
         asked, got, tainted = time.perf_counter(), start, []
         for node_id in order[:MAX_CANDIDATES]:
             if aborting():

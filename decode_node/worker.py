@@ -82,7 +82,7 @@ class DecodeWorker(NodeRuntime):
         # Prefill conversations run beside the fetch that waits for them (never in its pool: no deadlock).
         self._conversations = ThreadPoolExecutor(16, thread_name_prefix=f"kvmesh-{cfg.node_id}-prefill")
         self.fetcher = Fetcher(self.tiers, self.agent.requester, self.links, self.prefill_nodes,
-                               cfg.holder_timeout_s, self._conversations)
+                               cfg.holder_timeout_s, self._conversations, cfg.block_size)
 
     def before_serving(self) -> None:
         """Seed the shared-memory link's round trip (``link_probe.py``); network links keep ``--transfer-rtt-ms``."""
@@ -177,6 +177,8 @@ class DecodeWorker(NodeRuntime):
             return
         with self._lock:
             self.num_remote += 1
+        if plan.prefill_node:  # the next admission prices that node with this conversation in its queue
+            self.prefill_nodes.reserve(plan.prefill_node, (plan.end - plan.holders_end) * bs)
         request.fetching, request.fetch_started = True, time.perf_counter()
         self.workers.submit(self._fetch, seq, plan._replace(num_local=seq.num_prefix_hit_tokens // bs), hits,
                             msg.prefill_node)

@@ -121,3 +121,22 @@ def test_no_plan_is_estimated_slower_than_computing_here():
 def test_a_local_rate_that_is_not_positive_is_an_error():
     with pytest.raises(ValueError):
         plan_fetch(req(local_tokens_per_s=0.0))
+
+
+def test_prefill_candidates_put_the_named_nodes_first_whatever_their_load():
+    from kvmesh.decode_node.prefill_nodes import PrefillNodes
+
+    class Membership:
+        def nodes(self, role):
+            return {"p0": None, "p1": None, "p2": None}
+
+    nodes = PrefillNodes("d0", Membership(), requester=None, links=None, block_size=16, prior_rtt_s=0.01,
+                         timeout_s=1.0)
+    nodes.reserve("p0", 512)  # a conversation planned on p0 is in flight
+    assert nodes.candidates({}, "p0", "p0")[0] == "p0"  # the caller's choice and the plan's: the same node
+    assert nodes.candidates({}, "", "p2")[0] == "p2"
+    assert nodes.candidates({"p1": 3}, "")[0] == "p1"  # none named: the longest cached prefix
+    assert nodes.candidates({}, "")[-1] == "p0"  # ... then the least loaded
+    nodes.release("p0", 512)
+    firsts = {nodes.candidates({}, "")[0] for _ in range(3)}
+    assert firsts == {"p0", "p1", "p2"}  # equal nodes take turns
