@@ -70,10 +70,14 @@ class Fetcher:
         computing = None
         if plan.prefill_node:
             outcome.asked_prefill = True
-            order = self._prefill_nodes.candidates(hits, preferred, plan.prefill_node)
-            computing = self._conversations.submit(self._prefill_nodes.compute_and_push, seq, split, end, order,
-                                                   plan.local_seconds, aborting,
-                                                   (plan.prefill_node, (end - split) * self._block_size))
+            reserved = (plan.prefill_node, (end - split) * self._block_size)
+            try:
+                order = self._prefill_nodes.candidates(hits, preferred, plan.prefill_node)
+                computing = self._conversations.submit(self._prefill_nodes.compute_and_push, seq, split, end,
+                                                       order, plan.local_seconds, aborting, reserved)
+            except BaseException:
+                self._prefill_nodes.release(*reserved)  # the conversation never starts: nor does its count
+                raise
         if plan.promote_end > start:  # our own lower tiers (while the prefill node computes)
             restored = self._tiers.restore(seq.block_hashes[start:plan.promote_end],
                                            seq.block_ids[start:plan.promote_end])
