@@ -44,11 +44,21 @@ def _chain(salt: str, n: int) -> list[bytes]:
     return hash_blocks(root_hash(salt.encode()), list(range(n * 16)), 16)
 
 
-def _etcd_usage(server: EmbeddedEtcd, store: EtcdStore) -> tuple[int, int]:
-    rss = 0
-    for line in Path(f"/proc/{server._proc.pid}/status").read_text().splitlines():
+def _rss_bytes(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
-            rss = int(line.split()[1]) * 1024
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def _etcd_usage(server: EmbeddedEtcd, store: EtcdStore) -> tuple[int, int]:
+    """(etcd's resident memory, its database size). etcd runs under its keeper (``metadata/etcd_keeper.py``):
+    the server is the keeper's child, whose memory is what grows with the keys."""
+    keeper = server.pid
+    children = Path(f"/proc/{keeper}/task/{keeper}/children").read_text().split()
+    rss = sum(_rss_bytes(int(pid)) for pid in children)
+    if not children:
+        raise RuntimeError(f"etcd's keeper (pid {keeper}) has no child process to measure")
     return rss, store._client.status().db_size
 
 
