@@ -76,14 +76,13 @@ def run_prefill(loaded: LoadedModel, token_ids: list[int], block_size: int = 16,
     return logits, kv, block_ids
 
 
-def assert_same_kv(client, reference_engine, token_ids: list[int], min_blocks: int) -> None:
+def assert_same_kv(client, reference_llm, token_ids: list[int], min_blocks: int) -> None:
     """The KV-level oracle: a node's cached KV of ``token_ids`` (read through its block table, a debug call)
-    equals the single-node reference engine's position by position, over at least ``min_blocks`` blocks.
-    The reference must have run the prompt (its cache is read)."""
-    from kvmesh.engine.kv_probe import mismatched_positions, prompt_kv_sums
+    equals the single-node reference ``LLM``'s position by position, over at least ``min_blocks`` blocks
+    (``kvmesh/engine/kv_probe.py`` ``compare_with_engine``, what the benchmarks use too)."""
+    from kvmesh.engine.kv_probe import compare_with_engine
 
     got = client.stats(kv_probe=list(token_ids))["kv_probe"]
-    want = prompt_kv_sums(reference_engine, list(token_ids))
-    assert min(got["num_blocks"], want["num_blocks"]) >= min_blocks, (got["num_blocks"], want["num_blocks"])
-    num_layers = reference_engine.runner.kv_buffer.shape[1]
-    assert mismatched_positions(got, want, num_layers=num_layers) == []
+    compared, mismatched = compare_with_engine(reference_llm, [(list(token_ids), got)])
+    assert compared >= min_blocks, (got["num_blocks"], compared)
+    assert mismatched == []

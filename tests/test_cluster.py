@@ -29,7 +29,7 @@ def reference():
     def run(prompts: list[list[int]]) -> list[list[int]]:
         return [o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
 
-    run.engine = llm.engine  # its cached KV is the KV-level oracle's reference
+    run.llm = llm  # its cached KV is the KV-level oracle's reference
     return run
 
 
@@ -119,7 +119,7 @@ def test_cross_node_prefix_reuse_by_counters(cluster, reference):
     # decode-1 got the prefix from a holder (decode-0 or prefill-0); prefill-1 had at most the suffix to do.
     assert out2.stats["tokens_reused_remote"] >= 96
     # The KV itself, position by position: received blocks in the wrong slots leave greedy tokens unchanged.
-    assert_same_kv(cluster.client("decode-1"), reference.engine, second, min_blocks=(len(second) - 1) // 16)
+    assert_same_kv(cluster.client("decode-1"), reference.llm, second, min_blocks=(len(second) - 1) // 16)
     assert after["tokens_computed"] - before["tokens_computed"] <= len(second) - 96
     assert after["bytes_received"] > before["bytes_received"] and after["tokens_pulled"] >= 96
     shared_bytes = sum(cluster.client(n).stats()["bytes_sent_shared_memory"] for n in cluster.nodes)

@@ -145,7 +145,7 @@ def _three_hosts(hosts, endpoint: str, placement: dict, args: list[str], token: 
         assert [c.token_ids for c in out] == reference(prompts)
         assert all(c.stats["tokens_from_prefill_node"] > 0 for c in out)  # KV came from host 2
         for p in prompts:  # ... into the right slots of decode-0's block tables
-            assert_same_kv(cluster.client("decode-0"), reference_llm().engine, p, min_blocks=(len(p) - 1) // 16)
+            assert_same_kv(cluster.client("decode-0"), reference_llm(), p, min_blocks=(len(p) - 1) // 16)
         prefill_stats = cluster.client("prefill-0").stats(check=True)
         decode_stats = cluster.client("decode-0").stats(check=True)
         assert prefill_stats["bytes_sent"] > 0 and decode_stats["bytes_received"] == prefill_stats["bytes_sent"]
@@ -203,7 +203,7 @@ def test_a_host_link_going_down_and_coming_back(hosts):
         out = client.generate_many(prompts[8:], GREEDY, timeout_s=60)
         assert [c.token_ids for c in out] == want[8:]
         for p in prompts[8:]:  # host 2's KV again, in the right slots
-            assert_same_kv(client, reference_llm().engine, p, min_blocks=4)
+            assert_same_kv(client, reference_llm(), p, min_blocks=4)
         wait_until(lambda: held_by_prefill() > 0, 30, "host 2 to publish again")
         for node_id in ("prefill-0", "decode-0"):
             cluster.client(node_id).stats(check=True)

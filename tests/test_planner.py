@@ -115,7 +115,6 @@ def test_no_plan_is_estimated_slower_than_computing_here():
         assert plan.seconds == pytest.approx(plan.promote_s + plan.ready_s)
         if plan.holder:  # it really holds what the plan asks of it
             assert next(h for h in r.holders if h.node_id == plan.holder).end >= plan.holders_end
-        assert plan.is_local == (plan.holders_end == r.num_local and not plan.prefill_node)
 
 
 def test_a_local_rate_that_is_not_positive_is_an_error():

@@ -31,7 +31,7 @@ def _hf_twin(loaded):
     return hf.eval()
 
 
-def kv_blocks_for(config, num_tokens: int, block_size: int = 16) -> int:
+def kv_blocks_for(num_tokens: int, block_size: int = 16) -> int:
     """KV blocks that hold ``num_tokens`` tokens of sequences, with room for one partial block each."""
     return -(-num_tokens // block_size) + 64
 
@@ -158,12 +158,10 @@ def run(model: str, json_path: str | None, prefill_lens: tuple[int, ...] = (512,
     """``static``: the static-cache baseline too (default: on CUDA only, where transformers compiles it)."""
     from kvmesh import LLM, SamplingParams
     from kvmesh.device import cpu_features, device_name, synchronize
-    from kvmesh.model.card import load_tokenizer
 
     torch.manual_seed(0)
-    card = load_tokenizer(model)
     num_tokens = max(max(prefill_lens, default=0), max(batches) * (context + decode_tokens + 16))
-    llm = LLM(model, dtype=dtype, device=device, num_kv_blocks=kv_blocks_for(card.config, num_tokens),
+    llm = LLM(model, dtype=dtype, device=device, num_kv_blocks=kv_blocks_for(num_tokens),
               max_num_seqs=max(*batches, 16), max_num_batched_tokens=max(2048, max(prefill_lens, default=0)),
               progress=False, load_format=load_format)
     dev = llm.loaded.device

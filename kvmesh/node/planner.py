@@ -93,11 +93,6 @@ class FetchPlan(NamedTuple):
         return self.end if self.prefill_node else self.holders_end
 
     @property
-    def is_local(self) -> bool:
-        """Nothing to fetch or promote: the request joins the scheduler at once."""
-        return self.holders_end == self.num_local and not self.prefill_node
-
-    @property
     def needs_fetch(self) -> bool:
         """Peers are involved (a fetch thread); a plan that only promotes runs on the engine thread."""
         return self.holders_end > self.promote_end or bool(self.prefill_node)
