@@ -36,7 +36,7 @@ class NodeClient:
         self._conn = NodeConnection(endpoint, endpoint, liveness_s, auth)
 
     def generate_many(self, prompts: list[list[int]], params: SamplingParams, timeout_s: float = 120.0,
-                      prefill_node: str = "", liveness_s: float | None = None) -> list[Completion]:
+                      liveness_s: float | None = None) -> list[Completion]:
         """Send every prompt, collect every stream; raises RequestFailed when the node goes quiet.
 
         After ``liveness_s`` without a message the node is pinged; no answer within another
@@ -50,7 +50,7 @@ class NodeClient:
         for prompt in prompts:
             rid = uuid.uuid4().hex
             completions[rid] = Completion(rid)
-            self._conn.submit(nm.GenerateRequest(rid, list(prompt), to_wire(params), prefill_node), events)
+            self._conn.submit(nm.GenerateRequest(rid, list(prompt), to_wire(params)), events)
         pending = set(completions)
         deadline = time.monotonic() + timeout_s
         while pending:

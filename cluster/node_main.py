@@ -53,8 +53,10 @@ def add_node_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--landing-slots", type=int, default=-1,
                    help="one-sided backends (Mooncake): blocks of host memory where pushes land before a checked "
                         "copy into the KV buffer (-1: a quarter of the KV blocks, at most 1 GiB)")
-    p.add_argument("--local-prefill-tokens", type=int, default=-1,
-                   help="decode nodes compute uncached suffixes up to this many tokens (-1: cost model)")
+    p.add_argument("--placement", default="cost", metavar="cost|threshold:N",
+                   help="where a request's uncached KV comes from: 'cost' takes the cheapest plan (never slower, by "
+                        "measured rates, than computing here); 'threshold:N' fetches from holders and prefill nodes "
+                        "whenever more than N uncached tokens remain (0: always disaggregate)")
     p.add_argument("--transfer-gib-per-s", type=float, default=1.0,
                    help="the cost model's bandwidth before it has measured real transfers")
     p.add_argument("--transfer-rtt-ms", type=float, default=10.0,
@@ -104,7 +106,8 @@ def run_node(role: str, args: argparse.Namespace) -> int:
                      lease_ttl_s=args.lease_ttl, transfer_gib_per_s=args.transfer_gib_per_s,
                      transfer_rtt_s=args.transfer_rtt_ms / 1e3,
                      prefill_timeout_s=args.prefill_timeout, holder_timeout_s=args.holder_timeout,
-                     num_landing_slots=args.landing_slots, enforce_eager=args.enforce_eager, local_prefill_tokens=args.local_prefill_tokens,
+                     num_landing_slots=args.landing_slots, enforce_eager=args.enforce_eager,
+                     placement=args.placement,
                      enable_prefix_caching=not args.no_prefix_cache, use_global_pool=not args.no_global_pool,
                      speculative=args.speculative, num_speculative_tokens=args.num_speculative_tokens,
                      host_kv_bytes=_gib_to_bytes("--host-kv-gib", args.host_kv_gib),

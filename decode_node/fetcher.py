@@ -59,11 +59,10 @@ class Fetcher:
         self._holder_timeout_s = holder_timeout_s
         self._conversations = conversations
 
-    def fetch(self, seq: Sequence, plan: FetchPlan, hits: dict[str, int], preferred: str,
-              aborting: Callable[[], bool]) -> FetchOutcome:
-        """Worker thread. ``hits``: index hits by node (blocks from the prompt's start); ``preferred``: the
-        caller's prefill node, asked first. The planned prefill conversation must have been ``reserve``d with
-        ``PrefillNodes`` when it was planned (it is released here). Never raises for a peer's failure: what did
+    def fetch(self, seq: Sequence, plan: FetchPlan, hits: dict[str, int], aborting: Callable[[], bool]
+              ) -> FetchOutcome:
+        """Worker thread. ``hits``: index hits by node (blocks from the prompt's start). The planned prefill
+        conversation must have been ``reserve``d with ``PrefillNodes`` when it was planned (it is released here). Never raises for a peer's failure: what did
         not arrive is computed."""
         start, split, end = plan.num_local, plan.holders_end, plan.end
         outcome = FetchOutcome.nothing(start)
@@ -72,7 +71,7 @@ class Fetcher:
             outcome.asked_prefill = True
             reserved = (plan.prefill_node, (end - split) * self._block_size)
             try:
-                order = self._prefill_nodes.candidates(hits, preferred, plan.prefill_node)
+                order = self._prefill_nodes.candidates(hits, plan.prefill_node)
                 computing = self._conversations.submit(self._prefill_nodes.compute_and_push, seq, split, end,
                                                        order, plan.local_seconds, aborting, reserved)
             except BaseException:

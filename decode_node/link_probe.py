@@ -44,7 +44,7 @@ def probe_shared_memory_round_trip(node_id: str, engine, agent) -> float | None:
             break
         best = min(best, took)
     pool.evict(pool.num_blocks)  # as after the compute probe: nothing of this is published
-    pool.take_cached(), pool.take_evicted()
+    pool.take_changes()
     engine.kv.stats = PrefixCacheStats()
     agent.reset_counters()
     return best

@@ -80,7 +80,8 @@ class PrefillNodes:
         return best
 
     def any_option(self, hits: dict[str, int]) -> PrefillOption | None:
-        """The first candidate, unpriced (forced plans: any will do; the rotation moves on)."""
+        """The first candidate, unpriced (placements that do not price: any will do; ``reserve`` moves the
+        rotation on, so consecutive conversations from here take turns among equals)."""
         first = next(iter(self.candidates(hits)), None)
         return None if first is None else PrefillOption(first, 0.0, 0.0, 0.0, 0.0, hits.get(first, 0))
 
@@ -90,6 +91,7 @@ class PrefillNodes:
         with self._lock:
             self._in_flight[node_id] += 1
             self._tokens_in_flight[node_id] += num_tokens
+            self._turn += 1
 
     def release(self, node_id: str, num_tokens: int) -> None:
         """Undo ``reserve`` (a planned conversation that will not run, or one that has ended)."""
@@ -98,8 +100,8 @@ class PrefillNodes:
             self._tokens_in_flight[node_id] -= num_tokens
 
     def candidates(self, hits: dict[str, int], *first: str) -> list[str]:
-        """Prefill nodes, best first: ``first`` (the caller's choice, the plan's), the longest cached prefix,
-        the fewest prompts this node has in flight there, then rotation (advanced by each call)."""
+        """Prefill nodes, best first: ``first`` (the plan's choice), the longest cached prefix, the fewest
+        prompts this node has in flight there, then rotation (advanced by each ``reserve``)."""
         nodes = self.node_ids()
         if not nodes:
             return []
@@ -110,7 +112,6 @@ class PrefillNodes:
         with self._lock:
             load = dict(self._in_flight)
             turn = self._turn % len(nodes)
-            self._turn += 1
         rotation = {n: (i - turn) % len(nodes) for i, n in enumerate(nodes)}
         return sorted(nodes, key=lambda n: (rank.get(n, len(rank)), -hits.get(n, 0), load.get(n, 0), rotation[n]))
 

@@ -28,8 +28,7 @@ from dataclasses import dataclass
 from kvmesh.decode_node.cost_model import SHARED_MEMORY, PeerLinks, TransferRateEstimator
 from kvmesh.decode_node.fetcher import Fetcher, FetchOutcome
 from kvmesh.decode_node.link_probe import probe_shared_memory_round_trip
-from kvmesh.node.planner import FetchPlan, HolderOption, PlanRequest, forced_plan, plan_fetch, \
-    worth_a_lookup
+from kvmesh.node.planner import FetchPlan, HolderOption, PlanRequest
 from kvmesh.decode_node.prefill_nodes import PrefillNodes
 from kvmesh.engine.sequence import Sequence
 from kvmesh.errors import KvmeshError, OutOfBlocksError
@@ -116,13 +115,14 @@ class DecodeWorker(NodeRuntime):
                                      self.links.rtt_s(node_id))
                         for node_id, length in hits.items() if length > start)
         held_end = max([start, *(min(h.end, end) for h in holders)])
-        forced = self.cfg.local_prefill_tokens >= 0
-        prefill = (self.prefill_nodes.any_option(hits) if forced else
-                   self.prefill_nodes.best((end - held_end) * bs, hits)) if lookup else None
+        prefill = None
+        if lookup:
+            prefill = (self.prefill_nodes.best((end - held_end) * bs, hits) if self.placement.prices_prefill_nodes
+                       else self.prefill_nodes.any_option(hits))
         request = PlanRequest(num_local, end, bs, self.engine.layout.bytes_per_token, self.prefill_tokens_per_s,
                               local_queue_s, len(lower), self.tiers.read_seconds(lower) if lower else 0.0,
                               holders, prefill)
-        return (forced_plan(request, self.cfg.local_prefill_tokens) if forced else plan_fetch(request)), hits
+        return self.placement.plan(request), hits
 
     def _holder_bytes_per_s(self, seq: Sequence, node_id: str, start: int, end: int) -> float:
         """A holder's link rate, or its disk's read rate where the blocks asked of it are on its disk tier."""
@@ -156,10 +156,8 @@ class DecodeWorker(NodeRuntime):
         end = (seq.num_prompt_tokens - 1) // bs  # the last token is always computed here
         local_queue_s = self._queued_prompt_tokens() / self.prefill_tokens_per_s
         uncached = seq.num_prompt_tokens - num_local * bs
-        if self.cfg.local_prefill_tokens >= 0:
-            lookup = uncached > self.cfg.local_prefill_tokens
-        else:  # cheaper here than any round trip: not even a lookup
-            lookup = worth_a_lookup(uncached, self.prefill_tokens_per_s, self.links.rates.min_rtt_s, local_queue_s)
+        lookup = self.placement.worth_a_lookup(uncached, self.prefill_tokens_per_s, self.links.rates.min_rtt_s,
+                                               local_queue_s)
         plan = None
         if end > num_local:
             # Planned here, on the engine thread (the index lookup reads the in-memory mirror): a request that
@@ -180,8 +178,7 @@ class DecodeWorker(NodeRuntime):
         if plan.prefill_node:  # the next admission prices that node with this conversation in its queue
             self.prefill_nodes.reserve(plan.prefill_node, (plan.end - plan.holders_end) * bs)
         request.fetching, request.fetch_started = True, time.perf_counter()
-        self.workers.submit(self._fetch, seq, plan._replace(num_local=seq.num_prefix_hit_tokens // bs), hits,
-                            msg.prefill_node)
+        self.workers.submit(self._fetch, seq, plan._replace(num_local=seq.num_prefix_hit_tokens // bs), hits)
 
     def _add_local(self, seq: Sequence) -> None:
         with self._lock:
@@ -192,7 +189,7 @@ class DecodeWorker(NodeRuntime):
         """Engine thread: restore blocks [num_local, end) from this node's lower tiers into tier 0 (cached, free),
         where the scheduler's prefix match finds them; cheaper than computing them, by the plan."""
         seq = request.seq
-        held = self.pool.match_and_touch(seq.block_hashes[:num_local])  # the parent must outlive the allocation
+        held = self.pool.match(seq.block_hashes[:num_local], hold="ref")  # the parent must outlive the allocation
         if len(held) == num_local:
             promotion = self.tiers.promote(seq.block_hashes[num_local:end], held[-1] if held else NO_BLOCK)
             self.pool.free(promotion.block_ids)
@@ -203,10 +200,10 @@ class DecodeWorker(NodeRuntime):
         self.pool.free(held)
 
     # ---- fetching (worker thread) -----------------------------------------------------------------------
-    def _fetch(self, seq: Sequence, plan: FetchPlan, hits: dict[str, int], preferred: str) -> None:
+    def _fetch(self, seq: Sequence, plan: FetchPlan, hits: dict[str, int]) -> None:
         outcome = FetchOutcome.nothing(plan.num_local)
         try:
-            outcome = self.fetcher.fetch(seq, plan, hits, preferred, lambda: self._aborting(seq))
+            outcome = self.fetcher.fetch(seq, plan, hits, lambda: self._aborting(seq))
         except Exception:
             log.exception("%s: fetching KV for %s failed", self.cfg.node_id, seq.request_id)
         finally:

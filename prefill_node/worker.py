@@ -17,7 +17,7 @@ import logging
 import threading
 from dataclasses import dataclass, field
 
-from kvmesh.node.planner import FetchPlan, HolderOption, PlanRequest, forced_plan, plan_fetch
+from kvmesh.node.planner import FetchPlan, HolderOption, PlanRequest
 from kvmesh.engine.sampling_params import SamplingParams
 from kvmesh.engine.sequence import Sequence
 from kvmesh.kv.block_hash import BlockHash
@@ -113,9 +113,7 @@ class PrefillWorker(NodeRuntime):
         request = PlanRequest(num_local, end, bs, self.engine.layout.bytes_per_token, self.prefill_tokens_per_s,
                               queue_s, len(lower), self.tiers.read_seconds(lower) if lower else 0.0,
                               tuple(HolderOption(n, length, bytes_per_s, rtt_s) for n, length in hits.items()))
-        if self.cfg.local_prefill_tokens >= 0:  # forced (tests, benchmarks): as the decode nodes are
-            return forced_plan(request, self.cfg.local_prefill_tokens)
-        return plan_fetch(request)
+        return self.placement.plan(request)
 
     def release(self, request_id: str) -> None:
         with self._lock:
@@ -132,7 +130,7 @@ class PrefillWorker(NodeRuntime):
         if prefill is None:
             return
         hashes = prefill.hashes
-        held = self.pool.match_and_touch(hashes)  # referenced: a concurrent allocation cannot take them
+        held = self.pool.match(hashes, hold="ref")  # referenced: a concurrent allocation cannot take them
         if len(held) >= len(hashes):
             prefill.held = held
             self.call_soon(lambda: self._start(request_id, prefill))

@@ -29,7 +29,7 @@ def free_queue(pool: BlockPool) -> list[int]:
 def cache_chain(pool: BlockPool, blocks: list[int], hashes: list[bytes]) -> None:
     parent = NO_BLOCK
     for b, h in zip(blocks, hashes):
-        assert pool.cache_block(b, h, parent) == b
+        assert pool.cache([b], [h], parent) == [b]
         parent = b
 
 
@@ -41,7 +41,7 @@ def test_allocate_free_order_and_counts():
     assert b == [4, 5, 6]
     pool.free(a)  # tail first: 3, 2, 1, 0 join the queue's tail
     assert free_queue(pool) == [7, 8, 9, 10, 3, 2, 1, 0]
-    assert pool.usage() == (3, 0, 8)
+    assert pool.usage() == (3, 0, 8, 0)
     with pytest.raises(OutOfBlocksError):
         pool.allocate(9)
     with pytest.raises(ValueError):
@@ -56,30 +56,31 @@ def test_freed_blocks_stay_matchable_until_reused():
     blocks = pool.allocate(3)
     cache_chain(pool, blocks, hashes)
     pool.free(blocks)
-    assert pool.usage() == (0, 3, 8)
+    assert pool.usage() == (0, 3, 8, 0)
     assert pool.match(hashes) == [0, 1, 2]
     assert pool.match(hashes[:2] + [b"x" * 16]) == [0, 1]
     # A hit takes the blocks out of the queue.
     pool.touch(pool.match(hashes[:2]))
-    assert pool.ref_count(0) == 1 and 0 not in free_queue(pool) and 2 in free_queue(pool)
+    assert pool.block_state(0).ref_count == 1 and 0 not in free_queue(pool) and 2 in free_queue(pool)
     pool.free([0, 1])
     # Allocating 8 takes the 8 never-used blocks; 9 takes the chain's tail (block 2) before its head.
     pool.allocate(8)
     assert pool.match(hashes) == [0, 1, 2]
     pool.allocate(1)
     assert pool.match(hashes) == [0, 1]
-    assert pool.take_evicted() == [hashes[2]]
-    assert pool.take_cached() == hashes and pool.take_cached() == []
+    assert pool.take_changes() == (hashes, [hashes[2]])
+    assert pool.take_changes() == ([], [])
     pool.check_integrity()
 
 
-def test_duplicate_hash_returns_the_holder():
+def test_duplicate_hash_moves_the_reference_to_the_holder():
     pool = BlockPool(6)
     h = hash_blocks(ROOT, list(range(16)), 16)[0]
     x, y = pool.allocate(2)
-    assert pool.cache_block(x, h) == x
-    assert pool.cache_block(y, h) == x  # the caller switches to x and frees y
-    assert pool.block_hash(y) is None
+    assert pool.cache([x], [h]) == [x]
+    assert pool.cache([y], [h]) == [x]  # x holds the hash: the caller's reference moves to x, y is freed
+    assert pool.block_state(y) == (0, 0, None, 1) and pool.block_state(x) == (2, 0, h, 1)
+    assert y in free_queue(pool)
     pool.check_integrity()
 
 
@@ -108,10 +109,10 @@ def test_evict_takes_leaves_lru_first():
     cache_chain(pool, b, b_hashes)
     pool.free(a)
     pool.free(b)
-    assert pool.evict(2) == 2
+    assert pool.evict(2) == [a[2], a[1]]
     assert len(pool.match(a_hashes)) == 1 and len(pool.match(b_hashes)) == 2
-    assert pool.evict(10) == 3
-    assert pool.usage() == (0, 0, 11)
+    assert len(pool.evict(10)) == 3
+    assert pool.usage() == (0, 0, 11, 0)
     pool.check_integrity()
 
 
@@ -152,9 +153,9 @@ def test_concurrent_match_allocate_free_keep_integrity():
         rng = random.Random(seed)
         for i in range(1000):
             hashes = chains[rng.randrange(len(chains))]
-            held = pool.match_and_touch(hashes)
+            held = pool.match(hashes, hold="ref")
             for b, h in zip(held, hashes):
-                if pool.block_hash(b) != h:
+                if pool.block_state(b).block_hash != h:
                     errors.append(f"block {b} lost its hash while referenced")
             try:
                 new = pool.allocate(rng.randrange(1, 6))
@@ -162,9 +163,9 @@ def test_concurrent_match_allocate_free_keep_integrity():
                 new = []
             if len(held) < len(hashes) and new:  # "computed" the next blocks of the chain
                 n = min(len(new), len(hashes) - len(held))
-                kept = pool.cache_and_dedupe(new[:n], hashes[len(held):len(held) + n], held[-1] if held else NO_BLOCK)
+                kept = pool.cache(new[:n], hashes[len(held):len(held) + n], held[-1] if held else NO_BLOCK)
                 new = kept + new[n:]
-            pins = pool.match_and_pin(hashes)
+            pins = pool.match(hashes, hold="pin")
             pool.unpin(pins)
             pool.free(held + new)
             if i % 10 == 0:  # while the other workers are mid-way
@@ -213,7 +214,7 @@ def test_match_memo_and_run_inserts_agree_with_a_naive_match(seed):
     for _ in range(400):
         hashes = chains[rng.randrange(len(chains))][: rng.randrange(1, 21)]
         assert pool.match(hashes) == _naive_match(pool, hashes)
-        held = pool.match_and_touch(hashes)
+        held = pool.match(hashes, hold="ref")
         want = rng.randrange(0, len(hashes) - len(held) + 1)
         try:
             new = pool.allocate(want)
@@ -224,10 +225,10 @@ def test_match_memo_and_run_inserts_agree_with_a_naive_match(seed):
         parent = held[-1] if held else NO_BLOCK
         if new and rng.random() < 0.3:  # one block at a time, as decode fills blocks
             for i, b in enumerate(new):
-                parent = pool.cache_and_dedupe([b], hashes[len(held) + i: len(held) + i + 1], parent)[0]
+                parent = pool.cache([b], hashes[len(held) + i: len(held) + i + 1], parent)[0]
                 new[i] = parent
         elif new:
-            new = pool.cache_and_dedupe(new, hashes[len(held): len(held) + len(new)], parent)
+            new = pool.cache(new, hashes[len(held): len(held) + len(new)], parent)
         assert pool.match(hashes) == _naive_match(pool, hashes)
         pool.free(held + new)
         if rng.random() < 0.2:
@@ -239,9 +240,9 @@ def test_caching_the_same_blocks_again_returns_them():
     pool = BlockPool(8)
     hashes = hash_blocks(ROOT, list(range(64)), 16)
     blocks = pool.allocate(4)
-    assert pool.cache_blocks(blocks, hashes) == blocks
-    assert pool.cache_blocks(blocks, hashes) == blocks  # every block already holds its own hash
-    assert pool.cache_blocks(blocks[2:], hashes[2:], blocks[1]) == blocks[2:]
+    assert pool.cache(blocks, hashes) == blocks
+    assert pool.cache(blocks, hashes) == blocks  # every block already holds its own hash
+    assert pool.cache(blocks[2:], hashes[2:], blocks[1]) == blocks[2:]
     pool.free(blocks)
     pool.check_integrity()
 
@@ -250,33 +251,34 @@ def test_inserting_over_a_hashed_block_is_refused_on_both_paths():
     pool = BlockPool(8)
     hashes = hash_blocks(ROOT, list(range(64)), 16)
     blocks = pool.allocate(4)
-    pool.cache_blocks(blocks[:2], hashes[:2])
+    pool.cache(blocks[:2], hashes[:2])
     other = hash_blocks(root_hash(b"other"), list(range(64)), 16)
     with pytest.raises(ValueError, match="already holds a hash"):
-        pool.cache_blocks(blocks[:2], other[:2])  # consecutive ids
+        pool.cache(blocks[:2], other[:2])  # consecutive ids
     with pytest.raises(ValueError, match="already holds a hash"):
-        pool.cache_blocks([blocks[1], blocks[0]], other[2:4])  # scattered ids
+        pool.cache([blocks[1], blocks[0]], other[2:4])  # scattered ids
     pool.check_integrity()
 
 
-def test_the_pool_keeps_the_prefix_cache_contract():
-    from kvmesh.kv.prefix_cache import PrefixCache
-
+def test_match_holds_what_it_matched_and_evict_names_its_victims():
     pool = BlockPool(8)
-    assert isinstance(pool, PrefixCache) and pool.capacity == 8
     hashes = hash_blocks(ROOT, list(range(80)), 16)  # 5 blocks
     blocks = pool.allocate(3)
-    assert pool.insert(blocks, hashes[:3], pin=True) == blocks
-    match = pool.match_prefix(hashes)
-    assert match.block_ids == blocks and match.num_matched_blocks == 3 and match.num_remaining_blocks == 2
-    assert pool.match_prefix(hash_blocks(root_hash(b"other"), list(range(16)), 16)).block_ids == []
-    stats = pool.match_stats(16)
-    assert (stats.num_lookups, stats.num_hits, stats.hit_rate, stats.average_match_tokens) == (2, 1, 0.5, 24.0)
+    assert pool.cache(blocks, hashes[:3]) == blocks
     pool.free(blocks)
-    assert pool.evict_blocks(8) == []  # pinned: never evicted
-    pool.unpin(blocks)
-    assert pool.evict_blocks(2) == [blocks[2], blocks[1]]  # leaves first: the chain's tail, then its parent
-    assert pool.match_prefix(hashes).block_ids == blocks[:1]
+    assert pool.match(hashes) == blocks and pool.usage() == (0, 3, 5, 0)  # no hold: nothing taken
+    assert pool.match(hash_blocks(root_hash(b"other"), list(range(16)), 16), hold="ref") == []
+    pinned = pool.match(hashes, hold="pin", skip=1)
+    assert pinned == blocks[1:] and pool.usage() == (2, 1, 5, 2)
+    assert pool.evict(8) == []  # block 0 has a cached child; its children are pinned
+    pool.unpin(pinned)
+    assert pool.match(hashes, hold="ref") == blocks and pool.usage().num_used == 3
+    pool.free(blocks)
+    assert pool.evict(2) == [blocks[2], blocks[1]]  # leaves first: the chain's tail, then its parent
+    assert pool.match(hashes) == blocks[:1]
+    with pytest.raises(ValueError, match="hold must be"):
+        pool.match(hashes, hold="touch")
+    assert pool.can_allocate(8) and not pool.can_allocate(8, reusing=blocks[:1])
     pool.check_integrity()
 
 
@@ -289,7 +291,7 @@ def test_allocation_is_sorted_so_a_request_freed_tail_first_comes_back_as_one_ru
     again = pool.allocate(6)
     assert again == first == list(range(6))  # one run again: a single transfer descriptor, slice writes
     hashes = hash_blocks(ROOT, list(range(96)), 16)
-    assert pool.cache_blocks(again, hashes) == again and pool.match(hashes) == again
+    assert pool.cache(again, hashes) == again and pool.match(hashes) == again
     pool.free(again + rest)
     pool.check_integrity()
 

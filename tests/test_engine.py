@@ -124,7 +124,7 @@ def test_remote_kv_hooks_ready_and_failed(reference):
     tainted = list(seq2.block_ids[:2])
     engine.pool.touch(tainted)  # the grant table's reference
     engine.kv.replace_blocks(seq2, tainted)
-    assert not set(tainted) & set(seq2.block_ids) and [engine.pool.ref_count(b) for b in tainted] == [1, 1]
+    assert not set(tainted) & set(seq2.block_ids) and [engine.pool.block_state(b).ref_count for b in tainted] == [1, 1]
     engine.scheduler.remote_kv_ready("remote-2", 0)
     while engine.has_unfinished():
         engine.step()

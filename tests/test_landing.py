@@ -118,7 +118,7 @@ def test_process_and_refusable_fences_keep_their_rules():
     tainted = table.revoke(grant.grant_id)
     assert tainted == blocks[1:] and table.num_quarantined_blocks == 3
     pool.free(blocks)
-    assert all(pool.ref_count(b) == 1 for b in tainted)  # the table's own reference
+    assert all(pool.block_state(b).ref_count == 1 for b in tainted)  # the table's own reference
     table.acknowledge(grant.grant_id)
     assert pool.num_free_blocks == pool.num_blocks
     refusing = GrantTable(pool, kv.data_ptr(), zone.block_bytes, writes_refusable=True)

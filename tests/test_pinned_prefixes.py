@@ -23,13 +23,13 @@ def test_a_pinned_prefix_survives_an_eviction_storm_and_an_unpinned_one_does_not
     assert engine.pins.status() == {pin.prefix_id: (0, 4)}  # nothing cached yet: pinned when computed
     llm.generate(SYSTEM + [5, 6, 7], ONE, use_tqdm=False)
     assert engine.pins.status() == {pin.prefix_id: (4, 4)}
-    assert engine.pool.num_pinned() == 4 and engine.pool.num_free_blocks == 24 - 4  # pinned is never free
+    assert engine.pool.usage().num_pinned == 4 and engine.pool.num_free_blocks == 24 - 4  # pinned is never free
     _storm(llm, 40, seed=1)
     out = llm.generate(SYSTEM + [8, 9], ONE, use_tqdm=False)[0]
     assert out.num_cached_tokens == 64  # the whole system prompt was still there
     engine.check_integrity()
     assert engine.unpin_prefix(pin.prefix_id) and not engine.unpin_prefix(pin.prefix_id)
-    assert engine.pool.num_pinned() == 0
+    assert engine.pool.usage().num_pinned == 0
     _storm(llm, 40, seed=2)
     assert llm.generate(SYSTEM + [8, 9], ONE, use_tqdm=False)[0].num_cached_tokens == 0  # gone once unpinned
     engine.check_integrity()
@@ -40,7 +40,7 @@ def test_pinning_is_idempotent_and_refuses_what_cannot_be_pinned():
     llm.generate(SYSTEM, ONE, use_tqdm=False)
     first = llm.engine.pin_prefix(SYSTEM)
     again = llm.engine.pin_prefix(SYSTEM + [1, 2])  # the same full blocks: the same pin
-    assert first is again and llm.engine.pool.num_pinned() == 4
+    assert first is again and llm.engine.pool.usage().num_pinned == 4
     with pytest.raises(InvalidRequestError, match="one full block"):
         llm.engine.pin_prefix([1, 2, 3])
     with pytest.raises(InvalidRequestError, match="outside the vocabulary"):

@@ -5,8 +5,8 @@ import random
 
 import pytest
 
-from kvmesh.node.planner import (FetchPlan, HolderOption, PlanRequest, PrefillOption, forced_plan,
-                                        plan_fetch, worth_a_lookup)
+from kvmesh.node.placement import CostPlacement, ThresholdPlacement, make_placement
+from kvmesh.node.planner import FetchPlan, HolderOption, PlanRequest, PrefillOption, plan_fetch, worth_a_lookup
 
 BS, BPT = 16, 4096  # tokens per block, KV bytes per token
 GIB = 2**30
@@ -77,11 +77,21 @@ def test_a_prefill_node_without_the_prefix_waits_for_it():
     assert alone.prefill_s < fetching.prefill_s
 
 
-def test_forced_plans_fetch_above_the_limit_only():
+def test_threshold_placement_fetches_above_the_limit_only():
     r = req(num_local=2, num_lower=3, holders=(holder("a", 20), holder("b", 30)), prefill=prefill())
-    assert shape(forced_plan(r, fetch_above_tokens=0)) == (5, "b", 30, "p0")
-    assert shape(forced_plan(r, fetch_above_tokens=10_000)) == (5, "", 5, "")
-    assert shape(forced_plan(req(), fetch_above_tokens=0)) == (0, "", 0, "")
+    assert shape(make_placement("threshold:0").plan(r)) == (5, "b", 30, "p0")
+    assert shape(ThresholdPlacement(10_000).plan(r)) == (5, "", 5, "")
+    assert shape(ThresholdPlacement(0).plan(req())) == (0, "", 0, "")
+    assert ThresholdPlacement(100).worth_a_lookup(101, 1e9, 1.0, 0.0)
+    assert not ThresholdPlacement(100).worth_a_lookup(100, 1.0, 0.0, 0.0)
+
+
+def test_cost_placement_is_the_planner_and_bad_specs_are_refused():
+    r = req(num_local=2, num_lower=3, holders=(holder("a", 20), holder("b", 30)), prefill=prefill())
+    assert make_placement("cost") == CostPlacement() and CostPlacement().plan(r) == plan_fetch(r)
+    for bad in ("threshold", "threshold:-1", "threshold:x", "fixed:3", ""):
+        with pytest.raises(ValueError, match="expected 'cost' or 'threshold:N'"):
+            make_placement(bad)
 
 
 def test_lookups_are_skipped_only_when_computing_beats_any_round_trip():
@@ -132,10 +142,15 @@ def test_prefill_candidates_put_the_named_nodes_first_whatever_their_load():
     nodes = PrefillNodes("d0", Membership(), requester=None, links=None, block_size=16, prior_rtt_s=0.01,
                          timeout_s=1.0)
     nodes.reserve("p0", 512)  # a conversation planned on p0 is in flight
-    assert nodes.candidates({}, "p0", "p0")[0] == "p0"  # the caller's choice and the plan's: the same node
-    assert nodes.candidates({}, "", "p2")[0] == "p2"
-    assert nodes.candidates({"p1": 3}, "")[0] == "p1"  # none named: the longest cached prefix
-    assert nodes.candidates({}, "")[-1] == "p0"  # ... then the least loaded
+    assert nodes.candidates({}, "p0")[0] == "p0"  # the plan's choice
+    assert nodes.candidates({}, "p2")[0] == "p2"
+    assert nodes.candidates({"p1": 3})[0] == "p1"  # none named: the longest cached prefix
+    assert nodes.candidates({})[-1] == "p0"  # ... then the least loaded
     nodes.release("p0", 512)
-    firsts = {nodes.candidates({}, "")[0] for _ in range(3)}
-    assert firsts == {"p0", "p1", "p2"}  # equal nodes take turns
+    assert len({nodes.candidates({})[0] for _ in range(3)}) == 1  # asking alone does not move the rotation
+    firsts = []
+    for _ in range(3):  # each planned conversation does: equal nodes take turns
+        firsts.append(nodes.any_option({}).node_id)
+        nodes.reserve(firsts[-1], 64)
+        nodes.release(firsts[-1], 64)
+    assert sorted(firsts) == ["p0", "p1", "p2"]

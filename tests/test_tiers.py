@@ -35,14 +35,14 @@ class Node:
 
     def compute(self, hashes: list[bytes]) -> None:
         """Hold the cached prefix, 'compute' the rest (deterministic bytes per hash), cache, free."""
-        held = self.pool.match_and_touch(hashes)
+        held = self.pool.match(hashes, hold="ref")
         held += self.tiers.promote(hashes[len(held):], held[-1] if held else NO_BLOCK).block_ids
         start = len(held)
         new = self.pool.allocate(len(hashes) - start)
         for b, h in zip(new, hashes[start:]):
             self.kv[b] = self.expected(h)
         if new:
-            held += self.pool.cache_and_dedupe(new, hashes[start:], held[-1] if held else NO_BLOCK)
+            held += self.pool.cache(new, hashes[start:], held[-1] if held else NO_BLOCK)
         for b, h in zip(held, hashes):
             assert torch.equal(self.kv[b], self.expected(h)), "a block's KV is not what was computed"
         self.pool.free(held)

@@ -165,7 +165,7 @@ def test_holder_shutdown_reaches_the_requester(requester):
         assert outcome.num_written == 0 and requester.grants.num_open == 0
         requester.pool.free(ids)
         holder.pool.check_integrity()
-        assert holder.pool.num_pinned() == 0
+        assert holder.pool.usage().num_pinned == 0
     finally:
         holder.close()
 

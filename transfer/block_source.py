@@ -36,7 +36,7 @@ class PoolSource:
         return len(self.pool.match(block_hashes))
 
     def acquire(self, block_hashes: Sequence[BlockHash], skip: int, max_blocks: int) -> SendBlocks:
-        pinned = self.pool.match_and_pin(block_hashes[:skip + max_blocks], skip=skip)
+        pinned = self.pool.match(block_hashes[:skip + max_blocks], hold="pin", skip=skip)
         if pinned and self.stage_out is not None:
             try:
                 self.stage_out(pinned)

@@ -241,7 +241,7 @@ class GrantTable:
                     assert all(0 <= s < self.landing.num_slots for s in g.quarantined), "fenced slot out of range"
                     continue
                 for b in g.quarantined:
-                    assert self.pool.ref_count(b) >= 1, f"quarantined block {b} has no reference"
+                    assert self.pool.block_state(b).ref_count >= 1, f"quarantined block {b} has no reference"
         if self.landing is not None:
             self.landing.check_integrity()
 

@@ -155,7 +155,7 @@ class KVHolder:
         elif is_compute:
             self._workers.submit(self._admit, push, msg)
         else:
-            self.pool.notify_change()
+            self.pool.changes.notify()
 
     def _authorise(self, msg) -> tuple[m.ErrorCode, str, PeerRecord | None]:
         requester = self.directory.get(msg.requester_id)
@@ -203,7 +203,7 @@ class KVHolder:
         push.block_hashes = hashes
         self._reply(push.identity, m.Accepted(push.request_id))
         push.ready = True
-        self.pool.notify_change()
+        self.pool.changes.notify()
 
     def _abort(self, identity: bytes, msg: m.Abort) -> None:
         with self._lock:
@@ -213,13 +213,13 @@ class KVHolder:
         if push is None:  # nothing running: say so, so the requester can release a quarantine
             self._reply(identity, m.PushResult(msg.request_id, [], final=True, code=m.ErrorCode.ABORTED.value))
         else:
-            self.pool.notify_change()
+            self.pool.changes.notify()
 
     # ---- the watcher: decides, never writes ------------------------------------------------------------------
     def _watch(self) -> None:
         seen = -1
         while not self._stop.is_set():
-            seen = self.pool.wait_for_change(seen, 0.25)
+            seen = self.pool.changes.wait(seen, 0.25)
             now = time.monotonic()
             with self._lock:
                 pushes = [p for p in self._pushes.values() if not p.busy and p.ready]
@@ -311,16 +311,16 @@ class KVHolder:
             finally:
                 if not keep_busy:
                     push.busy = False
-                    self.pool.notify_change()
+                    self.pool.changes.notify()
 
     def _write_ended(self, push: _Push, release: Callable[[], None]) -> None:
         release()
         push.busy = False
-        self.pool.notify_change()
+        self.pool.changes.notify()
 
     def close(self) -> None:
         self._stop.set()
-        self.pool.notify_change()
+        self.pool.changes.notify()
         if self._watcher.is_alive():
             self._watcher.join(timeout=2)
         self._workers.shutdown(wait=True, cancel_futures=True)

@@ -8,7 +8,7 @@
     SharedMemoryWriter                                    ... or one copy, to a peer on this host
 
 The holder and the requester change the pool only through BlockPool's own
-atomic operations (``match_and_pin``, ``cache_and_dedupe``). Construction
+atomic operations (``match(..., hold="pin")``, ``cache``). Construction
 registers the KV buffer and binds the side channel; ``start`` starts the threads.
 """
 from __future__ import annotations
@@ -203,7 +203,7 @@ class TransferAgent:
             raise outcome.error
         if outcome.error is not None:
             log.warning("%s: pull from %s ended early: %s", self.node_id, peer_id, outcome.error)
-        return self.pool.cache_and_dedupe(kept, block_hashes[:len(kept)], parent_block_id)
+        return self.pool.cache(kept, block_hashes[:len(kept)], parent_block_id)
 
     def close(self) -> None:
         """Stop serving (pushes in progress end with SHUTTING_DOWN), then the requester and the engine."""

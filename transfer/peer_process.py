@@ -74,13 +74,13 @@ def main() -> None:
     for block, h in zip(chain_ids, hashes):
         if args.delay_ms:
             time.sleep(args.delay_ms / 1000)
-        parent = pool.cache_block(block, h, parent)
+        parent = pool.cache([block], [h], parent)[0]
     pool.free(chain_ids)  # cached and free: matchable, evictable only when unpinned
     for line in sys.stdin:
         cmd = line.strip()
         if cmd == "check":
             pool.check_integrity()
-            print(json.dumps({"ok": True, "num_pinned": pool.num_pinned(),
+            print(json.dumps({"ok": True, "num_pinned": pool.usage().num_pinned,
                               "num_malformed": agent.num_malformed, "num_cached": len(pool.match(hashes)),
                               "bytes_sent_shared_memory": agent.bytes_sent_shared_memory}), flush=True)
         elif cmd == "quit":

@@ -50,7 +50,7 @@ def _scattered_blocks(pool: BlockPool, num_blocks: int) -> list[int]:
 def _filled_pool(hashes: list[bytes], spare: int = 64, scattered: bool = False) -> BlockPool:
     pool = BlockPool(2 * len(hashes) if scattered else len(hashes) + spare)
     blocks = _scattered_blocks(pool, len(hashes)) if scattered else pool.allocate(len(hashes))
-    pool.cache_blocks(blocks, hashes)
+    pool.cache(blocks, hashes)
     pool.free(blocks)
     return pool
 
@@ -90,7 +90,7 @@ def bench_structures(repeat: int) -> dict:
         state["blocks"] = _scattered_blocks(p, len(hashes)) if scattered else p.allocate(len(hashes))
 
     def do_insert():
-        state["pool"].cache_blocks(state["blocks"], hashes)
+        state["pool"].cache(state["blocks"], hashes)
 
     res["insert_us"] = {
         "pool": time_call(do_insert, repeat, setup=lambda: setup_insert(False)) * 1e6,
@@ -130,7 +130,7 @@ def bench_memory(num_prefixes: int = 1000, blocks_per_prefix: int = 4) -> dict:
         pool = BlockPool(num_blocks)
         for chain in chains:
             blocks = pool.allocate(len(chain))
-            pool.cache_blocks(blocks, chain)
+            pool.cache(blocks, chain)
             pool.free(blocks)
         return pool
 

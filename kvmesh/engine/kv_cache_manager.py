@@ -66,7 +66,7 @@ class KVCacheManager:
 
     def can_fit(self, seq: Sequence, num_tokens: int, cached_block_ids: Seq[int] = ()) -> bool:
         need = -(-num_tokens // self.block_size) - len(seq.block_ids) - len(cached_block_ids)
-        return need <= self.pool.num_free_blocks - self.pool.num_free_among(cached_block_ids)
+        return self.pool.can_allocate(need, reusing=cached_block_ids)
 
     def allocate(self, seq: Sequence, num_tokens: int, cached_block_ids: Seq[int] = ()) -> bool:
         """Make ``seq``'s blocks cover ``num_tokens`` tokens, first adopting ``cached_block_ids``.
@@ -103,7 +103,7 @@ class KVCacheManager:
         self.update_hashes(seq)
         start = seq.num_cached_blocks
         own = seq.block_ids[start:num_full]
-        holders = self.pool.cache_and_dedupe(own, seq.block_hashes[start:num_full],
+        holders = self.pool.cache(own, seq.block_hashes[start:num_full],
                                              seq.block_ids[start - 1] if start else NO_BLOCK)
         if holders != own:  # some tokens were computed twice: one copy of each block is kept
             seq.block_ids[start:num_full] = holders

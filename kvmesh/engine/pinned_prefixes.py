@@ -85,4 +85,4 @@ class PinnedPrefixes:
     def check_integrity(self) -> None:
         for entry in self._pins.values():
             for block, h in zip(entry.pinned_block_ids, entry.block_hashes):
-                assert self.pool.block_hash(block) == h, f"pinned block {block} of {entry.prefix_id} lost its hash"
+                assert self.pool.block_state(block).block_hash == h, f"pinned block {block} of {entry.prefix_id} lost its hash"

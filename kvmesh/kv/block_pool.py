@@ -28,35 +28,63 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from typing import NamedTuple
+from typing import Literal, NamedTuple
 
 from kvmesh.errors import OutOfBlocksError
 from kvmesh.kv.block_hash import BlockHash
 from kvmesh.kv.block_index import ADDED, NO_BLOCK, make_block_index
+from kvmesh.kv.change_signal import ChangeSignal
 from kvmesh.kv.eviction import EvictionPolicy, TailFirstLRU
-from kvmesh.kv.prefix_cache import MatchStats, PrefixMatch
 
-__all__ = ["NO_BLOCK", "BlockPool", "PoolUsage"]
+__all__ = ["NO_BLOCK", "BlockPool", "BlockState", "PoolChanges", "PoolUsage", "Victim"]
+
+Hold = Literal["ref", "pin"] | None
 
 
 class PoolUsage(NamedTuple):
     num_used: int
     num_cached: int
     num_free: int  # free and holding no hash
+    num_pinned: int  # among the used: pinned right now (a holder mid-push, a pinned system prompt)
+
+
+class BlockState(NamedTuple):
+    ref_count: int
+    num_pins: int
+    block_hash: BlockHash | None  # None while the block holds no hash
+    epoch: int  # times the block was allocated: a cached block's bytes are immutable while this holds
+
+
+class Victim(NamedTuple):
+    """A cached free block allocation will take soon (``next_victims``)."""
+    block_id: int
+    block_hash: BlockHash
+    parent_hash: BlockHash | None
+    epoch: int
+
+
+class PoolChanges(NamedTuple):
+    """Hashes that became matchable and hashes that were dropped since the last ``take_changes``."""
+    cached: list[BlockHash]
+    evicted: list[BlockHash]
 
 
 class BlockPool:
+    """Public verbs: queries ``match``, ``cached_block``, ``block_state``, ``next_victims``, ``usage``,
+    ``can_allocate``; references ``allocate``/``free``, ``touch``, ``pin``/``unpin``; the prefix cache
+    ``cache``, ``hold_if_cached``, ``evict``, ``take_changes``; and ``check_integrity``."""
+
     def __init__(self, num_blocks: int, policy: EvictionPolicy | None = None, track_changes: bool = False,
                  max_memo_chains: int = 1024):
-        """``track_changes``: log cached / evicted hashes for ``take_cached`` / ``take_evicted``
-        (nodes that publish to the global index drain them; a lone engine leaves it off)."""
+        """``track_changes``: log cached / evicted hashes for ``take_changes`` (nodes that publish to the
+        global index drain them; a lone engine leaves it off)."""
         if num_blocks < 1:
             raise ValueError("a block pool needs at least one block")
         self.num_blocks = num_blocks
         self.policy = policy or TailFirstLRU()
         self._lock = threading.RLock()
-        self._cached_cond = threading.Condition(self._lock)  # notified when blocks become matchable
-        self._generation = 0  # bumped with every notification, so a waiter never misses one
+        # Bumped when blocks become matchable; a holder's sender waits on it (kvmesh.kv.change_signal).
+        self.changes = ChangeSignal(self._lock)
         self._ref = [0] * num_blocks
         self._pins = [0] * num_blocks
         # Which hash each block holds, the chains and hash -> block: the index's (kvmesh.kv.block_index),
@@ -68,9 +96,7 @@ class BlockPool:
         # last block of a chain -> the chain's block ids from its root block (see the module docstring)
         self._chains: OrderedDict[int, list[int]] = OrderedDict()
         self._max_memo_chains = max_memo_chains
-        self._num_lookups = self._num_hits = self._num_matched_blocks = 0  # match_prefix's counters
         self.num_evicted = 0  # cached blocks that lost their hash (allocation or evict), ever
-        self._last_evicted_ids: list[int] | None = None  # collects evict()'s victims for evict_blocks
         self.track_changes = track_changes
         self._evicted: list[BlockHash] = []
         self._newly_cached: list[BlockHash] = []
@@ -92,33 +118,46 @@ class BlockPool:
         """The pool's re-entrant lock: hold it to make several calls one atomic operation."""
         return self._lock
 
-    # ---- queries (no side effects) ----------------------------------------------------------
     @property
     def num_free_blocks(self) -> int:
         """Blocks allocation may take: free plus cached."""
         return self._num_queued
 
-    def can_allocate(self, num_blocks: int) -> bool:
-        return num_blocks <= self._num_queued
+    # ---- queries (no side effects but the match memo) ------------------------------------------
+    def match(self, block_hashes: Sequence[BlockHash], hold: Hold = None, skip: int = 0) -> list[int]:
+        """Block ids of the longest cached prefix of ``block_hashes``, from block ``skip`` on.
 
-    def ref_count(self, block_id: int) -> int:
-        return self._ref[block_id]
-
-    def block_hash(self, block_id: int) -> BlockHash | None:
+        ``hold=None`` takes nothing: the ids may be reallocated once the caller lets go of the
+        lock. ``hold="ref"`` takes a reference on each (the caller ``free``s them), ``hold="pin"``
+        pins them (the caller ``unpin``s them: a holder whose bytes are in flight); both atomically
+        with the match, so no concurrent allocation can take a matched block. No cached block is
+        ever an orphaned tail, so a chain's cached blocks form a prefix and the length is a binary search.
+        """
         with self._lock:
-            return self._index.hash_of(block_id)
+            found = self._match(block_hashes)
+            if skip:
+                found = found[skip:]
+            if hold == "ref":
+                self.touch(found)
+            elif hold == "pin":
+                self.pin(found)
+            elif hold is not None:
+                raise ValueError(f"hold must be None, 'ref' or 'pin', not {hold!r}")
+            return found
 
     def cached_block(self, block_hash: BlockHash) -> int | None:
+        """The block holding ``block_hash``, or None."""
         with self._lock:
             return self._index.get(block_hash)
 
-    def block_epoch(self, block_id: int) -> int:
-        """How many times ``block_id`` was allocated: a cached block's bytes are immutable while this holds."""
-        return self._epoch[block_id]
+    def block_state(self, block_id: int) -> BlockState:
+        with self._lock:
+            return BlockState(self._ref[block_id], self._pins[block_id], self._index.hash_of(block_id),
+                              self._epoch[block_id])
 
-    def cached_free_blocks(self, max_blocks: int) -> list[tuple[int, BlockHash, BlockHash | None, int]]:
-        """Cached blocks among the next ``max_blocks`` of the free queue (the next victims, soonest first), as
-        (block id, hash, parent hash or None, epoch); for copying them out before they are evicted."""
+    def next_victims(self, max_blocks: int) -> list[Victim]:
+        """Cached blocks among the next ``max_blocks`` of the free queue, soonest first: for copying them
+        out (to a lower tier) before allocation takes them."""
         with self._lock:
             out, sentinel, scanned = [], self.num_blocks, 0
             block = self._next[sentinel]
@@ -126,19 +165,154 @@ class BlockPool:
                 scanned += 1
                 if self._slot[block] >= 0:
                     parent, hash_of = self._parent[block], self._index.hash_of
-                    out.append((block, hash_of(block), hash_of(parent) if parent != NO_BLOCK else None,
-                                self._epoch[block]))
+                    out.append(Victim(block, hash_of(block), hash_of(parent) if parent != NO_BLOCK else None,
+                                      self._epoch[block]))
                 block = self._next[block]
             return out
 
-    def match(self, block_hashes: Sequence[BlockHash]) -> list[int]:
-        """Block ids of the longest cached prefix of ``block_hashes`` (takes no reference; updates the memo).
+    def usage(self) -> PoolUsage:
+        with self._lock:
+            slots, queued = self._slot, self._is_queued
+            num_cached = sum(1 for b in range(self.num_blocks) if slots[b] >= 0 and queued(b))
+            return PoolUsage(self.num_blocks - self._num_queued, num_cached, self._num_queued - num_cached,
+                             sum(1 for p in self._pins if p))
 
-        No cached block is ever an orphaned tail, so the cached blocks of a chain
-        form a prefix of it and the match length is a binary search.
+    def can_allocate(self, num_blocks: int, reusing: Sequence[int] = ()) -> bool:
+        """Whether ``num_blocks`` fresh blocks can be allocated after ``touch(reusing)`` (cached blocks a
+        request adopts leave the free queue if they sit in it)."""
+        ref, pins = self._ref, self._pins
+        return num_blocks <= self._num_queued - sum(1 for b in reusing if ref[b] == 0 and pins[b] == 0)
+
+    # ---- references ------------------------------------------------------------------------
+    def allocate(self, num_blocks: int) -> list[int]:
+        """Take ``num_blocks`` blocks (ref count 1) from the head of the free queue, in ascending id order.
+
+        A cached block taken loses its hash (its digest goes to ``take_changes``).
+        The caller owns the references and gives them back with ``free``. Sorted, the blocks of a
+        request freed tail first come back as one run of consecutive ids: one transfer descriptor
+        (block-major buffer) and one slice write when they are cached.
         """
         with self._lock:
-            return self._match(block_hashes)
+            if num_blocks > self._num_queued:
+                raise OutOfBlocksError(f"asked for {num_blocks} blocks, {self._num_queued} free of {self.num_blocks}")
+            out = []
+            for _ in range(num_blocks):
+                block = self._pop_evictable()
+                self._uncache(block)
+                self._ref[block] = 1
+                self._epoch[block] += 1
+                out.append(block)
+            out.sort()
+            return out
+
+    def free(self, block_ids: Sequence[int]) -> None:
+        """Drop one reference on each block; blocks reaching zero join the free queue in policy order."""
+        with self._lock:
+            ref, pins = self._ref, self._pins
+            for b in self.policy.order_for_free(block_ids):
+                if ref[b] <= 0:
+                    raise ValueError(f"block {b} freed with ref count {ref[b]}")
+                ref[b] -= 1
+                if ref[b] == 0 and pins[b] == 0:
+                    self._append(b)
+
+    def touch(self, block_ids: Sequence[int]) -> None:
+        """Take one more reference on each block (prefix hits); free ones leave the queue. ``free`` them."""
+        with self._lock:
+            ref, pins = self._ref, self._pins
+            for b in block_ids:
+                if ref[b] == 0 and pins[b] == 0:
+                    self._unlink(b)
+                ref[b] += 1
+
+    def pin(self, block_ids: Sequence[int]) -> None:
+        """Keep blocks (a system prompt, a push's source) out of eviction until ``unpin``."""
+        with self._lock:
+            for b in block_ids:
+                if self._ref[b] == 0 and self._pins[b] == 0:
+                    self._unlink(b)
+                self._pins[b] += 1
+
+    def unpin(self, block_ids: Sequence[int]) -> None:
+        with self._lock:
+            for b in reversed(block_ids):
+                if self._pins[b] <= 0:
+                    raise ValueError(f"block {b} is not pinned")
+                self._pins[b] -= 1
+                if self._ref[b] == 0 and self._pins[b] == 0:
+                    self._append(b)
+
+    # ---- the prefix cache --------------------------------------------------------------------
+    def cache(self, block_ids: Sequence[int], block_hashes: Sequence[BlockHash],
+              parent_block_id: int = NO_BLOCK) -> list[int]:
+        """Make full, computed blocks matchable: ``block_hashes[i]`` in ``block_ids[i]``, a run of one chain
+        whose first block's parent is ``parent_block_id``. Returns the block ids the caller now references.
+
+        Where another block already holds a hash, that block wins (every hash lives in one block and
+        chains stay single): the caller's reference moves to it and its own copy is freed. The caller
+        holds a reference on each of ``block_ids`` (or a pin, for a block already holding its own hash).
+        """
+        with self._lock:
+            holders = None
+            if block_ids and len(block_ids) == len(block_hashes):
+                holders = self._cache_new_run(block_ids, block_hashes, parent_block_id)
+            if holders is None:
+                holders = []
+                parent, cache_one = parent_block_id, self._cache_one
+                for block, h in zip(block_ids, block_hashes):
+                    parent = cache_one(block, h, parent)
+                    holders.append(parent)
+            if holders:
+                if parent_block_id == NO_BLOCK:
+                    self._remember_chain(list(holders))
+                elif parent_block_id in self._chains:  # the chain grows: its memo moves to the new last block
+                    chain = self._chains.pop(parent_block_id)
+                    chain.extend(holders)
+                    self._remember_chain(chain)
+                duplicates = [(own, h) for own, h in zip(block_ids, holders) if own != h]
+                if duplicates:
+                    self.touch([h for _, h in duplicates])
+                    self.free([own for own, _ in duplicates])
+            self.changes.notify()
+            return holders
+
+    def hold_if_cached(self, block_ids: Sequence[int], block_hashes: Sequence[BlockHash]) -> int:
+        """Touch the leading ``block_ids`` that still hold ``block_hashes``, atomically; returns how many.
+
+        For callers that matched earlier without a reference (the engine's admission):
+        whatever was reallocated in between is not adopted.
+        """
+        with self._lock:
+            num = self._index.count_held(block_ids, block_hashes)
+            self.touch(block_ids[:num])
+            return num
+
+    def evict(self, num_blocks: int) -> list[int]:
+        """Drop the hashes of up to ``num_blocks`` cached free blocks, LRU first; returns their ids.
+
+        Only leaves of the cached chains go (a parent once its children are gone);
+        the blocks stay free for allocation.
+        """
+        with self._lock:
+            sentinel, evicted, progress = self.num_blocks, [], True
+            slot, num_children = self._slot, self._num_children
+            while len(evicted) < num_blocks and progress:  # another pass only if a parent became a leaf
+                progress = False
+                block = self._next[sentinel]
+                while len(evicted) < num_blocks and block != sentinel:
+                    if slot[block] >= 0 and num_children[block] == 0:
+                        self._uncache(block)
+                        evicted.append(block)
+                        progress = True
+                    block = self._next[block]
+            return evicted
+
+    def take_changes(self) -> PoolChanges:
+        """Hashes made matchable and hashes dropped since the last call (for the global index)."""
+        with self._lock:
+            out = PoolChanges(self._newly_cached, self._evicted)
+            self._newly_cached, self._evicted = [], []
+            return out
 
     def _match(self, block_hashes: Sequence[BlockHash]) -> list[int]:
         get = self._index.get
@@ -166,253 +340,10 @@ class BlockPool:
             self._remember_chain(found.copy())
         return found
 
-    # ---- the PrefixCache contract (kvmesh.kv.prefix_cache) ------------------------------------
-    @property
-    def capacity(self) -> int:
-        return self.num_blocks
-
-    def match_prefix(self, block_hashes: Sequence[BlockHash]) -> PrefixMatch:
-        """``match``, counted in ``match_stats``, with the number of blocks left to compute."""
-        found = self.match(block_hashes)
-        with self._lock:
-            self._num_lookups += 1
-            self._num_hits += bool(found)
-            self._num_matched_blocks += len(found)
-        return PrefixMatch(found, len(block_hashes) - len(found))
-
-    def insert(self, block_ids: Sequence[int], block_hashes: Sequence[BlockHash], parent_block_id: int = NO_BLOCK,
-               pin: bool = False) -> list[int]:
-        """``cache_blocks`` (existing holders win), then pin the holders when asked."""
-        with self._lock:
-            holders = self.cache_blocks(block_ids, block_hashes, parent_block_id)
-            if pin:
-                self.pin(holders)
-            return holders
-
-    def evict_blocks(self, num_blocks: int) -> list[int]:
-        """``evict``, returning the ids of the blocks that lost their hashes."""
-        with self._lock:
-            self._last_evicted_ids = []
-            self.evict(num_blocks)
-            out, self._last_evicted_ids = self._last_evicted_ids, None
-            return out
-
-    def match_stats(self, block_size: int) -> MatchStats:
-        return MatchStats(self._num_lookups, self._num_hits, self._num_matched_blocks, block_size)
-
-    def num_pinned(self) -> int:
-        """Blocks pinned right now (a holder mid-push, a pinned system prompt)."""
-        return sum(1 for p in self._pins if p)
-
-    def num_free_among(self, block_ids: Sequence[int]) -> int:
-        """How many of ``block_ids`` sit in the free queue (touching them would take them out)."""
-        ref, pins = self._ref, self._pins
-        return sum(1 for b in block_ids if ref[b] == 0 and pins[b] == 0)
-
-    def usage(self) -> PoolUsage:
-        slots = self._slot
-        num_cached = sum(1 for b in range(self.num_blocks) if slots[b] >= 0 and self._is_queued(b))
-        return PoolUsage(self.num_blocks - self._num_queued, num_cached, self._num_queued - num_cached)
-
-    # ---- references ------------------------------------------------------------------------
-    def allocate(self, num_blocks: int) -> list[int]:
-        """Take ``num_blocks`` blocks (ref count 1) from the head of the free queue, in ascending id order.
-
-        A cached block taken loses its hash (its digest goes to ``take_evicted``).
-        The caller owns the references and gives them back with ``free``. Sorted, the blocks of a
-        request freed tail first come back as one run of consecutive ids: one transfer descriptor
-        (block-major buffer) and one slice write when they are cached.
-        """
-        with self._lock:
-            if num_blocks > self._num_queued:
-                raise OutOfBlocksError(f"asked for {num_blocks} blocks, {self._num_queued} free of {self.num_blocks}")
-            out = []
-            for _ in range(num_blocks):
-                block = self._pop_evictable()
-                self._uncache(block)
-                self._ref[block] = 1
-                self._epoch[block] += 1
-                out.append(block)
-            out.sort()
-            return out
-
-    def touch(self, block_ids: Sequence[int]) -> None:
-        """Take one more reference on each block (prefix hits); free ones leave the queue."""
-        with self._lock:
-            ref, pins = self._ref, self._pins
-            for b in block_ids:
-                if ref[b] == 0 and pins[b] == 0:
-                    self._unlink(b)
-                ref[b] += 1
-
-    def free(self, block_ids: Sequence[int]) -> None:
-        """Drop one reference on each block; blocks reaching zero join the free queue in policy order."""
-        with self._lock:
-            ref, pins = self._ref, self._pins
-            for b in self.policy.order_for_free(block_ids):
-                if ref[b] <= 0:
-                    raise ValueError(f"block {b} freed with ref count {ref[b]}")
-                ref[b] -= 1
-                if ref[b] == 0 and pins[b] == 0:
-                    self._append(b)
-
-    def pin(self, block_ids: Sequence[int]) -> None:
-        """Keep blocks (a system prompt) out of eviction until ``unpin``."""
-        with self._lock:
-            for b in block_ids:
-                if self._ref[b] == 0 and self._pins[b] == 0:
-                    self._unlink(b)
-                self._pins[b] += 1
-
-    def unpin(self, block_ids: Sequence[int]) -> None:
-        with self._lock:
-            for b in reversed(block_ids):
-                if self._pins[b] <= 0:
-                    raise ValueError(f"block {b} is not pinned")
-                self._pins[b] -= 1
-                if self._ref[b] == 0 and self._pins[b] == 0:
-                    self._append(b)
-
-    # ---- the prefix cache --------------------------------------------------------------------
-    def cache_block(self, block_id: int, block_hash: BlockHash, parent_block_id: int = NO_BLOCK) -> int:
-        """Make a full, computed block matchable under ``block_hash``; returns the block holding it.
-
-        If another block already holds the hash, nothing changes and that block's id
-        is returned: the caller should switch to it (same KV) and free its own copy,
-        so every hash lives in one block and chains stay single.
-        """
-        with self._lock:
-            holder = self._cache_one(block_id, block_hash, parent_block_id)
-            self._notify()
-            return holder
-
-    def cache_blocks(self, block_ids: Sequence[int], block_hashes: Sequence[BlockHash],
-                     parent_block_id: int = NO_BLOCK) -> list[int]:
-        """``cache_block`` for a run of consecutive chain blocks under one lock; returns the holders.
-
-        Each block's parent is the holder of the previous hash (``parent_block_id`` for the first).
-        """
-        with self._lock:
-            holders = None
-            if block_ids and len(block_ids) == len(block_hashes):
-                holders = self._cache_new_run(block_ids, block_hashes, parent_block_id)
-            if holders is None:
-                holders = []
-                parent, cache_one = parent_block_id, self._cache_one
-                for block, h in zip(block_ids, block_hashes):
-                    parent = cache_one(block, h, parent)
-                    holders.append(parent)
-            if holders:
-                if parent_block_id == NO_BLOCK:
-                    self._remember_chain(list(holders))
-                elif parent_block_id in self._chains:  # the chain grows: its memo moves to the new last block
-                    chain = self._chains.pop(parent_block_id)
-                    chain.extend(holders)
-                    self._remember_chain(chain)
-            self._notify()
-            return holders
-
-    def cache_and_dedupe(self, block_ids: Sequence[int], block_hashes: Sequence[BlockHash],
-                         parent_block_id: int = NO_BLOCK) -> list[int]:
-        """``cache_blocks``, then adopt existing copies: returns the block ids the caller now references.
-
-        Where another block already held a hash, the caller's reference moves to that block
-        and its own copy is freed, so every hash lives in one block.
-        """
-        with self._lock:
-            holders = self.cache_blocks(block_ids, block_hashes, parent_block_id)
-            duplicates = [(own, h) for own, h in zip(block_ids, holders) if own != h]
-            if duplicates:
-                self.touch([h for _, h in duplicates])
-                self.free([own for own, _ in duplicates])
-            return holders
-
-    def match_and_pin(self, block_hashes: Sequence[BlockHash], skip: int = 0) -> list[int]:
-        """Atomically match the cached prefix of ``block_hashes`` and pin its blocks from index ``skip`` on.
-
-        Returns the pinned block ids (``unpin`` them when done). Used by a holder that
-        pushes blocks: pinned blocks cannot be evicted while their bytes are in flight.
-        """
-        with self._lock:
-            found = self.match(block_hashes)[skip:]
-            self.pin(found)
-            return found
-
-    def match_and_touch(self, block_hashes: Sequence[BlockHash]) -> list[int]:
-        """Atomically match the cached prefix of ``block_hashes`` and take a reference on each block.
-
-        The caller owns the references (``free`` them). Without the lock between match and
-        touch, another thread's ``allocate`` could take a matched block and reuse it.
-        """
-        with self._lock:
-            found = self.match(block_hashes)
-            self.touch(found)
-            return found
-
-    def hold_if_cached(self, block_ids: Sequence[int], block_hashes: Sequence[BlockHash]) -> int:
-        """Touch the leading ``block_ids`` that still hold ``block_hashes``, atomically; returns how many.
-
-        For callers that matched earlier without a reference (the engine's admission):
-        whatever was reallocated in between is not adopted.
-        """
-        with self._lock:
-            num = self._index.count_held(block_ids, block_hashes)
-            self.touch(block_ids[:num])
-            return num
-
-    def notify_change(self) -> None:
-        """Wake ``wait_for_change`` callers (holders waiting for new work use the same wait)."""
-        with self._lock:
-            self._notify()
-
-    def wait_for_change(self, seen_generation: int, timeout_s: float) -> int:
-        """Block until the change counter (bumped when blocks become matchable or on ``notify_change``)
-        differs from ``seen_generation``, or ``timeout_s`` passes; returns the counter."""
-        with self._cached_cond:
-            self._cached_cond.wait_for(lambda: self._generation != seen_generation, timeout_s)
-            return self._generation
-
-    def _notify(self) -> None:
-        self._generation += 1
-        self._cached_cond.notify_all()
-
-    def evict(self, num_blocks: int) -> int:
-        """Drop the hashes of up to ``num_blocks`` cached free blocks, LRU first; returns how many.
-
-        Only leaves of the cached chains go (a parent once its children are gone);
-        the blocks stay free for allocation.
-        """
-        with self._lock:
-            sentinel, evicted, progress = self.num_blocks, 0, True
-            while evicted < num_blocks and progress:  # another pass only if a parent became a leaf
-                progress = False
-                block = self._next[sentinel]
-                while evicted < num_blocks and block != sentinel:
-                    if self._slot[block] >= 0 and self._num_children[block] == 0:
-                        self._uncache(block)
-                        evicted += 1
-                        if self._last_evicted_ids is not None:
-                            self._last_evicted_ids.append(block)
-                        progress = True
-                    block = self._next[block]
-            return evicted
-
-    def take_evicted(self) -> list[BlockHash]:
-        """Hashes evicted since the last call (for unpublishing from the global index)."""
-        with self._lock:
-            out, self._evicted = self._evicted, []
-            return out
-
-    def take_cached(self) -> list[BlockHash]:
-        """Hashes made matchable since the last call (for publishing to the global index)."""
-        with self._lock:
-            out, self._newly_cached = self._newly_cached, []
-            return out
-
     # ---- internals -----------------------------------------------------------------------------
     def _cache_new_run(self, block_ids: Sequence[int], block_hashes: Sequence[BlockHash], parent_block_id: int
                        ) -> list[int] | None:
-        """``cache_blocks`` where no hash is cached yet and no block holds one: the index records the run
+        """``cache`` where no hash is cached yet and no block holds one: the index records the run
         in one call. None (nothing done) otherwise."""
         block_ids = list(block_ids)
         first, n = block_ids[0], len(block_ids)
@@ -494,7 +425,7 @@ class BlockPool:
             for b in range(n):
                 assert self._ref[b] >= 0 and self._pins[b] >= 0, f"block {b}: negative count"
                 assert (b in queued) == self._is_queued(b), f"block {b}: queue membership != ref/pin state"
-            used, cached, free = self.usage()
+            used, cached, free, _ = self.usage()
             assert used + cached + free == n, "used + cached + free != total"
             self._index.check_integrity()
             hash_of = self._index.hash_of

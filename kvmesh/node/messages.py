@@ -16,7 +16,6 @@ class GenerateRequest:
     request_id: str
     prompt_token_ids: list[int]
     sampling: dict = field(default_factory=dict)  # SamplingParams fields
-    prefill_node: str = ""  # "" lets the decode node choose
 
     def validate(self) -> None:
         if not self.request_id:

@@ -144,19 +144,6 @@ def plan_fetch(req: PlanRequest) -> FetchPlan:
     return best
 
 
-def forced_plan(req: PlanRequest, fetch_above_tokens: int) -> FetchPlan:
-    """The plan of ``--local-prefill-tokens N`` (tests, benchmarks): promote what the lower tiers hold, then
-    fetch from the longest holder and a prefill node whenever more than N tokens are left, else compute."""
-    bs, start = req.block_size, req.num_local
-    promote_end = start + req.num_lower
-    fetch = (req.end - promote_end) * bs > fetch_above_tokens
-    holder = max(req.holders, key=lambda h: (h.end, h.node_id), default=None)
-    held_end = max(promote_end, min(holder.end, req.end)) if holder is not None and fetch else promote_end
-    return FetchPlan(start, promote_end, holder.node_id if held_end > promote_end else "", held_end,
-                     req.prefill.node_id if fetch and req.prefill is not None else "", req.end,
-                     0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
-
-
 def _move(blocks: int, block_size: int, bytes_per_token: int, bytes_per_s: float) -> float:
     return blocks * block_size * bytes_per_token / bytes_per_s
 

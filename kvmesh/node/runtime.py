@@ -35,6 +35,7 @@ from kvmesh.engine.kv_probe import prompt_kv_sums
 from kvmesh.kv.tiers.tiered_cache import TierConfig, TieredCache
 from kvmesh.metadata.records import ComputeProbe, KVLayoutRecord, ModelCard, NodeRecord
 from kvmesh.model.loader import load_model
+from kvmesh.node.placement import make_placement
 from kvmesh.node import messages as nm
 from kvmesh.node.engine_loop import EngineLoop
 from kvmesh.netaddr import advertise_address
@@ -81,7 +82,7 @@ class NodeConfig:
     prefill_timeout_s: float = 10.0
     holder_timeout_s: float = 5.0  # decode: a holder's push of blocks it already has
     num_landing_slots: int = -1  # one-sided backends: where pushes land before a checked copy (-1: auto)
-    local_prefill_tokens: int = -1  # decode: uncached suffixes up to this are computed locally; -1: cost model
+    placement: str = "cost"  # where uncached KV comes from (kvmesh.node.placement): cost, threshold:N
     transfer_gib_per_s: float = 1.0  # assumed by the cost model until it measures transfers
     transfer_rtt_s: float = 0.010  # ... and its fetch overhead beyond the bytes, until it measures fetches
     enable_prefix_caching: bool = True  # off: every prompt is computed in full (a benchmark baseline)
@@ -105,6 +106,7 @@ def index_namespace(namespace: HashNamespace) -> str:
 class NodeRuntime:
     def __init__(self, cfg: NodeConfig):
         self.cfg = cfg
+        self.placement = make_placement(cfg.placement)  # which plan a request's uncached KV follows
         require_secret(f"node {cfg.node_id}", [cfg.host], cfg.cluster_token, cfg.insecure)
         self.auth = ClusterAuth(cfg.cluster_token)
         self.advertise_host = advertise_address(cfg.host, cfg.advertise_host, cfg.etcd)
@@ -237,7 +239,7 @@ class NodeRuntime:
                 self.engine.step()
                 decode_step_s = min(decode_step_s, time.perf_counter() - start)
         self.pool.evict(self.pool.num_blocks)  # the probe's blocks are not worth publishing
-        self.pool.take_cached(), self.pool.take_evicted()
+        self.pool.take_changes()
         self.engine.kv.reset_stats()  # counters start with the first real request
         return ProbeMeasurement(list(best.items()), decode_step_s)
 
@@ -246,7 +248,7 @@ class NodeRuntime:
         publisher = self.membership.publisher
         if publisher is None:
             return
-        cached, evicted = self.pool.take_cached(), self.pool.take_evicted()
+        cached, evicted = self.pool.take_changes()
         if self.tiers is None:
             publisher.publish(cached)
             publisher.unpublish(evicted)
@@ -307,7 +309,7 @@ class NodeRuntime:
         stats = {**self.engine.kv.stats_dict(), "bytes_received": self.agent.bytes_received,
                  "bytes_sent": self.agent.bytes_sent, "bytes_sent_shared_memory": self.agent.bytes_sent_shared_memory,
                  "num_used_blocks": usage.num_used,
-                 "num_cached_blocks": usage.num_cached, "num_pinned": self.pool.num_pinned(),
+                 "num_cached_blocks": usage.num_cached, "num_pinned": usage.num_pinned,
                  "num_running": len(self.engine.scheduler.running), "prefill_tokens_per_s": self.prefill_tokens_per_s,
                  "num_unauthenticated": self.endpoint.num_refused + self.agent.num_unauthenticated,
                  "num_transfers_refused": sum(self.agent.holder.num_refused.values()),

@@ -80,9 +80,9 @@ def test_one_prefill_one_decode_on_one_gpu_match_the_single_node_engine():
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     single = LLM("tiny-llama", device="cuda", num_kv_blocks=256, progress=False)
     want = [o.token_ids for o in single.generate(prompts, params, use_tqdm=False)]
-    args = ["--device", "cuda", "--num-kv-blocks", "256", "--local-prefill-tokens", "0"]
+    args = ["--device", "cuda", "--num-kv-blocks", "256", "--placement", "threshold:0"]
     with LocalCluster(num_prefill=1, num_decode=1, node_args=args, cluster="gpu-1p1d") as cluster:
-        out = cluster.client("decode-0").generate_many(prompts, params, prefill_node="prefill-0")
+        out = cluster.client("decode-0").generate_many(prompts, params)
         assert [c.error for c in out] == [""] * len(prompts)
         assert [c.token_ids for c in out] == want
         assert all(c.stats["tokens_from_prefill_node"] > 0 for c, p in zip(out, prompts) if len(p) > 32)

@@ -12,7 +12,7 @@ Movement (one demoter thread does every write below tier 0, so no tier has two w
 
 The demoter copies the cached blocks at the head of tier 0's free queue (the next
 victims) before allocation takes them; a copy is kept only if the block still holds
-the same hash and was not reallocated meanwhile (``BlockPool.block_epoch``). A
+the same hash and was not reallocated meanwhile (``BlockPool.block_state``: its epoch). A
 block evicted from tier 0 before it was copied is dropped and counted: demotion never
 blocks a step. Chains stay whole across tiers: a lower-tier block's parent is always
 somewhere on this node (tier 0 included); when a block leaves the node, its
@@ -237,7 +237,7 @@ class TieredCache:
         self.pool.free(block_ids[result.num_blocks:])
         kept = block_ids[:result.num_blocks]
         if kept:
-            kept = self.pool.cache_and_dedupe(kept, block_hashes[:len(kept)], parent_block_id)
+            kept = self.pool.cache(kept, block_hashes[:len(kept)], parent_block_id)
         return Promotion(kept, result)
 
     def _read(self, store: TierStore, entry: TierEntry, out: torch.Tensor) -> bool:
@@ -313,9 +313,9 @@ class TieredCache:
             return 0
         with self._demote_lock:
             first = self.stores[0]
-            next_victims = self.pool.cached_free_blocks(self.cfg.demote_window)  # pool lock first, never inside ours
+            next_victims = self.pool.next_victims(self.cfg.demote_window)  # pool lock first, never inside ours
             with self._lock:
-                candidates = [c for c in next_victims if c[1] not in self._where]
+                candidates = [v for v in next_victims if v.block_hash not in self._where]
             copied = 0
             scratch = torch.empty(self.block_bytes, dtype=torch.uint8)
             for block, h, parent, epoch in candidates:
@@ -333,7 +333,8 @@ class TieredCache:
                     self._release(first, slot)
                     break
                 with self.pool.lock, self._lock:
-                    fresh = self.pool.block_hash(block) == h and self.pool.block_epoch(block) == epoch
+                    state = self.pool.block_state(block)
+                    fresh = state.block_hash == h and state.epoch == epoch
                     if fresh and h not in self._where and (parent is None or self._on_node(parent)):
                         self._commit(first, slot, h, parent, checksum)
                         self.counters[f"demoted_{first.name}"] += 1
