@@ -96,8 +96,22 @@ def _add_bench(sub) -> None:
     md = which.add_parser("metadata", help="global block index on etcd: publish, lookup, visibility, memory")
     md.add_argument("--json", default=None)
     md.add_argument("--etcd", default=None, help="host:port of an etcd to use (default: start a private one)")
-    md.add_argument("--keys", type=int, default=100_000, help="keys written to measure etcd's memory")
     md.set_defaults(func=_run_bench_metadata)
+    ix = which.add_parser("index", help="the global block index at fleet scale: etcd memory and database per "
+                                        "cached block, publish and churn rates, lookups, catch-up, dead nodes")
+    ix.add_argument("--json", default=None)
+    ix.add_argument("--nodes", type=int, default=256, help="publishers (simulated nodes, each on its own lease)")
+    ix.add_argument("--blocks", default="1000000,3000000,10000000",
+                    help="comma-separated fleet sizes: cached (block, holder) pairs in all")
+    ix.add_argument("--baseline-blocks", default="100000,300000",
+                    help="comma-separated sizes for the one-key-per-block baseline ('' for none)")
+    ix.add_argument("--mirrors", type=int, default=2, help="mirror processes following the index")
+    ix.add_argument("--churn", type=float, default=0.25, help="share of each node's chains replaced after the fill")
+    ix.add_argument("--lookups", type=int, default=1000, help="lookups of 2,048-block chains timed")
+    ix.add_argument("--lease-ttl", type=int, default=5, help="the lease of the publisher that dies (seconds)")
+    ix.add_argument("--extrapolate-to", type=int, default=100_000_000,
+                    help="per-block costs fitted to this many blocks past the largest size measured")
+    ix.set_defaults(func=_run_bench_index)
     ru = which.add_parser("reuse", help="TTFT with the prefix on another node vs a full recompute (local cluster)")
     ru.add_argument("--json", default=None)
     ru.add_argument("--model", default="smollm2-135m")
@@ -249,7 +263,22 @@ def _run_bench_reuse(args: argparse.Namespace) -> int:
 def _run_bench_metadata(args: argparse.Namespace) -> int:
     from kvmesh.bench import metadata
 
-    metadata.run(args.json, args.etcd, num_keys=args.keys)
+    metadata.run(args.json, args.etcd)
+    return 0
+
+
+def _run_bench_index(args: argparse.Namespace) -> int:
+    from kvmesh.bench import index
+
+    def sizes(text: str) -> list[int]:
+        return [int(float(x)) for x in text.split(",") if x.strip()]
+
+    blocks = sizes(args.blocks)
+    if not blocks or args.nodes < 1 or args.mirrors < 1 or args.lookups < 1:
+        raise SystemExit("kvmesh bench index: --blocks needs a size; --nodes, --mirrors and --lookups at least 1")
+    index.run(args.json, args.nodes, blocks, sizes(args.baseline_blocks), num_mirrors=args.mirrors,
+              churn=args.churn, num_lookups=args.lookups, lease_ttl_s=args.lease_ttl,
+              extrapolate_to=args.extrapolate_to)
     return 0
 
 

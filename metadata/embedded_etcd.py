@@ -77,9 +77,10 @@ def _port_in_use(log_path: Path, offset: int, ports: tuple[int, ...]) -> int | N
 class EmbeddedEtcd:
     def __init__(self, data_dir: str | None = None, name: str = "kvmesh", host: str = "127.0.0.1",
                  port: int = 0, advertise: str | None = None, command_prefix: list[str] | None = None,
-                 token: str = ""):
+                 token: str = "", extra_args: tuple[str, ...] = ()):
         """``token``: the cluster secret; when given, etcd runs with authentication and the credentials
-        derived from it (``metadata/etcd_auth.py``)."""
+        derived from it (``metadata/etcd_auth.py``). ``extra_args``: more etcd flags (a benchmark's quota)."""
+        self.extra_args = tuple(extra_args)
         self._own_dir = data_dir is None
         self._token = token
         self.data_dir = Path(data_dir or tempfile.mkdtemp(prefix="kvmesh-etcd-"))
@@ -131,7 +132,7 @@ class EmbeddedEtcd:
              "--data-dir", str(self.data_dir / "data"),
              "--listen-client-urls", client, "--advertise-client-urls", advertised,
              "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
-             "--initial-cluster", f"{self.name}={peer}", "--log-level", "warn"],
+             "--initial-cluster", f"{self.name}={peer}", "--log-level", "warn", *self.extra_args],
             stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:

@@ -1,7 +1,10 @@
 """The etcd key layout of docs/design.md §5 (``<c>`` = cluster name):
 
     /kvmesh/<c>/nodes/<node_id>                          -> NodeRecord (msgpack), on the node's lease
-    /kvmesh/<c>/blocks/<ns>/<hash_hex>/<node_id>         -> BlockEntry (msgpack), on the holder's lease
+    /kvmesh/<c>/holdings/<ns>/<node_id>/l/<seq>          -> a log record of the blocks the node holds (added,
+                                                            with their tier, or gone), on the holder's lease
+    /kvmesh/<c>/holdings/<ns>/<node_id>/s/<seq>/<part>-<num_parts>
+                                                         -> a part of a snapshot of them (metadata/holdings.py)
     /kvmesh/<c>/pins/<ns>/<prefix_id>                    -> PinRecord (msgpack), no lease (until unpinned)
 
 Every name that becomes a key segment is checked, so a ``/`` can never shift the layout.
@@ -15,6 +18,8 @@ from kvmesh.errors import KvmeshError
 
 _SAFE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
 _HASH_HEX = re.compile(r"[0-9a-f]{32}")
+_SEQ_HEX = re.compile(r"[0-9a-f]{16}")
+_PART = re.compile(r"([0-9a-f]{4})-([0-9a-f]{4})")
 
 
 class InvalidNameError(KvmeshError, ValueError):
@@ -28,10 +33,13 @@ def check_name(kind: str, name: str) -> str:
     return name
 
 
-class BlockKey(NamedTuple):
+class HoldingsKey(NamedTuple):
     namespace: str
-    block_hash: bytes
     node_id: str
+    kind: str  # "l": a log record, "s": a snapshot part
+    seq: int
+    part: int = 0  # snapshot parts only
+    num_parts: int = 1
 
 
 DEFAULT_CLUSTER = "kvmesh"  # every command's default --cluster
@@ -42,7 +50,7 @@ class KeyLayout:
         self.cluster = check_name("cluster", cluster)
         self.root = f"/kvmesh/{cluster}/"
         self.nodes_prefix = f"{self.root}nodes/"
-        self.blocks_prefix = f"{self.root}blocks/"
+        self.holdings_prefix = f"{self.root}holdings/"
         self.pins_prefix = f"{self.root}pins/"
 
     def pins_of_namespace(self, namespace: str) -> str:
@@ -62,11 +70,17 @@ class KeyLayout:
     def node(self, node_id: str) -> str:
         return self.nodes_prefix + check_name("node", node_id)
 
-    def blocks_of_namespace(self, namespace: str) -> str:
-        return f"{self.blocks_prefix}{check_name('namespace', namespace)}/"
+    def holdings_of_namespace(self, namespace: str) -> str:
+        return f"{self.holdings_prefix}{check_name('namespace', namespace)}/"
 
-    def block(self, namespace: str, block_hash: bytes, node_id: str) -> str:
-        return f"{self.blocks_of_namespace(namespace)}{block_hash.hex()}/{check_name('node', node_id)}"
+    def holdings_log(self, namespace: str, node_id: str, seq: int) -> str:
+        return f"{self.holdings_of_namespace(namespace)}{check_name('node', node_id)}/l/{seq:016x}"
+
+    def holdings_snapshot(self, namespace: str, node_id: str, seq: int, part: int, num_parts: int) -> str:
+        if not 0 <= part < num_parts <= 0xFFFF:
+            raise ValueError(f"snapshot part {part} of {num_parts}: at most 65,535 parts")
+        return f"{self.holdings_of_namespace(namespace)}{check_name('node', node_id)}/s/{seq:016x}/" \
+               f"{part:04x}-{num_parts:04x}"
 
     def parse_node(self, key: str) -> str | None:
         """The node id of a node key, or None if the key does not fit the layout."""
@@ -75,12 +89,20 @@ class KeyLayout:
         node_id = key[len(self.nodes_prefix):]
         return node_id if _SAFE.fullmatch(node_id) else None
 
-    def parse_block(self, key: str) -> BlockKey | None:
-        """The parts of a block key, or None if the key does not fit the layout."""
-        if not key.startswith(self.blocks_prefix):
+    def parse_holdings(self, key: str) -> HoldingsKey | None:
+        """The parts of a holdings key, or None if the key does not fit the layout."""
+        if not key.startswith(self.holdings_prefix):
             return None
-        parts = key[len(self.blocks_prefix):].split("/")
-        if len(parts) != 3 or not _SAFE.fullmatch(parts[0]) or not _HASH_HEX.fullmatch(parts[1]) \
-                or not _SAFE.fullmatch(parts[2]):
+        parts = key[len(self.holdings_prefix):].split("/")
+        if len(parts) < 4 or not _SAFE.fullmatch(parts[0]) or not _SAFE.fullmatch(parts[1]) \
+                or not _SEQ_HEX.fullmatch(parts[3]):
             return None
-        return BlockKey(parts[0], bytes.fromhex(parts[1]), parts[2])
+        if parts[2] == "l" and len(parts) == 4:
+            return HoldingsKey(parts[0], parts[1], "l", int(parts[3], 16))
+        match = _PART.fullmatch(parts[4]) if parts[2] == "s" and len(parts) == 5 else None
+        if match is None:
+            return None
+        part, num_parts = int(match.group(1), 16), int(match.group(2), 16)
+        if not part < num_parts:
+            return None
+        return HoldingsKey(parts[0], parts[1], "s", int(parts[3], 16), part, num_parts)

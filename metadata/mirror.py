@@ -23,10 +23,13 @@ ChangeCallback = Callable[[str, str, bytes, int], None]
 
 class PrefixMirror:
     def __init__(self, store: MetadataStore, prefix: str, on_change: ChangeCallback,
-                 retry_interval_s: float = 0.5):
+                 retry_interval_s: float = 0.5, on_synced: Callable[[], None] | None = None):
+        """``on_synced``: called (under the mirror's lock) after a listing was replayed through ``on_change``,
+        before the watch's first event: for readers that resolve a listing as a whole."""
         self.store = store
         self.prefix = prefix
         self._on_change = on_change
+        self._on_synced = on_synced
         self._retry = retry_interval_s
         self._lock = threading.Lock()
         self._healthy = threading.Event()
@@ -67,6 +70,8 @@ class PrefixMirror:
             self._on_change("reset", "", b"", 0)
             for kv in items:
                 self._on_change("put", kv.key, kv.value, kv.lease)
+            if self._on_synced is not None:
+                self._on_synced()
         self._cancel_watch = self.store.watch_prefix(
             self.prefix, revision + 1, lambda batch: self._on_watch(generation, batch))
         self.num_resyncs += 1

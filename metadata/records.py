@@ -125,28 +125,6 @@ def is_endpoint(text: str) -> bool:
     return match is not None and 0 < int(match.group(1)) < 65536
 
 
-@dataclass(frozen=True)
-class BlockEntry:
-    published_at: float  # unix time
-    tier: int = 0  # the fastest tier of the holder that has the block: 0 compute buffer, 1 host memory, 2 disk
-
-    def encode(self) -> bytes:
-        return msgpack.packb([self.published_at, self.tier] if self.tier else [self.published_at])
-
-    @classmethod
-    def decode(cls, data: bytes) -> BlockEntry:
-        try:
-            value = msgpack.unpackb(data)
-        except Exception as e:
-            raise RecordError(f"block entry: not msgpack ({e})") from None
-        if not (isinstance(value, list) and len(value) in (1, 2) and isinstance(value[0], (int, float))):
-            raise RecordError("block entry: expected [published_at] or [published_at, tier]")
-        tier = value[1] if len(value) == 2 else 0
-        if not (isinstance(tier, int) and not isinstance(tier, bool) and 0 <= tier <= 2):
-            raise RecordError(f"block entry: tier must be 0, 1 or 2, got {tier!r}")
-        return cls(float(value[0]), tier)
-
-
 def _from_map(cls, data: bytes, what: str):
     """A record dataclass from a msgpack map of its fields (RecordError naming ``what`` otherwise)."""
     try:

@@ -47,14 +47,30 @@ def test_bench_reuse_measures_both_transfer_paths(tmp_path):
 
 def test_bench_metadata_against_a_private_etcd(tmp_path):
     path = tmp_path / "md.json"
-    assert main(["bench", "metadata", "--json", str(path), "--keys", "4096"]) == 0
+    assert main(["bench", "metadata", "--json", str(path)]) == 0
     res = json.loads(path.read_text())
     assert res["publish_blocks_per_s"]["batched"] > 0 and res["publish_blocks_per_s"]["one_by_one"] > 0
     assert set(res["lookup_us"]) == {"128", "2048"}
     assert res["lookup_us"]["2048"]["mirror"] > 0 and res["lookup_us"]["2048"]["direct"] > 0
     assert res["publish_to_visible_ms"]["p50"] > 0
-    memory = res["etcd_memory"]  # the keys went in; the db file may not grow for 4,096 of them (bbolt grows in steps)
-    assert memory["keys"] == memory["keys_visible"] == 4096 and memory["db_bytes_per_key"] >= 0
+
+
+def test_bench_index_measures_both_designs_on_one_fleet(tmp_path):
+    """A small fleet: every field the issue names, exact lookups, the dead publisher gone within its lease."""
+    path = tmp_path / "index.json"
+    assert main(["bench", "index", "--nodes", "8", "--blocks", "12000,24000", "--baseline-blocks", "12000",
+                 "--mirrors", "1", "--lookups", "60", "--lease-ttl", "2", "--json", str(path)]) == 0
+    res = json.loads(path.read_text())
+    fields = ("nodes", "blocks", "etcd_rss_bytes_per_block", "etcd_db_bytes_per_block", "publish_blocks_per_s",
+              "lookup_p50_us", "lookup_p99_us", "promised_not_held_blocks", "dead_publisher_cleared_s")
+    for row in (res, res["baseline"]):
+        assert all(f in row for f in fields) and row["nodes"] == 8
+        assert row["promised_not_held_blocks"] == row["held_not_promised_blocks"] == 0  # settled: exact
+        assert 0 < row["dead_publisher_cleared_s"] < 2 + 10  # its lease (2 s) plus etcd's expiry rounds
+        assert row["publish_blocks_per_s"] > 0 and row["churn_changes_per_s"] > 0 and row["lookups"] == 60
+    assert res["design"] == "holdings" and res["baseline"]["design"] == "baseline"
+    assert [r["blocks"] for r in res["sizes"]] == [res["sizes"][0]["blocks"], res["blocks"]]
+    assert res["extrapolated"]["blocks"] == 100_000_000 and set(res["ratios"]) >= {"publish", "etcd_rss_per_block"}
 
 
 def test_bench_model_rows_per_batch_with_the_static_baseline(tmp_path, capsys):

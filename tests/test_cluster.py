@@ -18,7 +18,7 @@ from tests.conftest import assert_same_kv
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 # Force the remote path: decode nodes compute nothing but the prompt's last partial block.
-REMOTE_ONLY = ["--local-prefill-tokens", "0", "--prefill-timeout", "4"]
+REMOTE_ONLY = ["--placement", "threshold:0", "--prefill-timeout", "4"]
 BACKENDS = ["zmq"] + (["mooncake"] if mooncake_available() else [])
 
 
@@ -35,9 +35,10 @@ def reference():
 
 @pytest.fixture(scope="module", params=BACKENDS)
 def cluster(request):
-    """2 prefill + 2 decode nodes moving KV over each transfer backend (every test runs on both).
+    """2 prefill + 3 decode nodes moving KV over each transfer backend (every test runs on both).
 
-    prefill-1 and decode-1 register a host mirror of their KV buffer (what nodes on a GPU without
+    decode-2 computes every prompt itself (``--placement threshold:100000``): what it caches is held by no
+    prefill node, so a prefill node asked to extend it must pull it first. prefill-1 and decode-1 register a host mirror of their KV buffer (what nodes on a GPU without
     GPUDirect do), so pushes run direct -> direct, direct <-> staged and staged -> staged. With zmq, nodes
     keep their (direct) KV buffers in shared memory, so pushes into decode-0 and prefill-0 are same-host copies;
     with Mooncake every push goes through the engine (--no-shared-memory-transfers)."""
@@ -47,8 +48,9 @@ def cluster(request):
     if request.param == "mooncake":
         args.append("--no-shared-memory-transfers")
     staged = ["--kv-transfer-memory", "host-staging"]
-    with LocalCluster(num_prefill=2, num_decode=2, node_args=args, cluster=f"t2x2{request.param}",
-                      per_node_args={"prefill-1": staged, "decode-1": staged}) as c:
+    local = ["--placement", "threshold:100000"]
+    with LocalCluster(num_prefill=2, num_decode=3, node_args=args, cluster=f"t2x2{request.param}",
+                      per_node_args={"prefill-1": staged, "decode-1": staged, "decode-2": local}) as c:
         yield c
 
 
@@ -66,7 +68,7 @@ def check_all(cluster: LocalCluster) -> None:
 
 def test_one_prefill_one_decode_matches_the_single_node_engine(cluster, reference):
     prompts = [prompt(i, n) for i, n in enumerate((70, 33, 100, 17, 48))]
-    out = cluster.client("decode-0").generate_many(prompts, GREEDY, prefill_node="prefill-0")
+    out = cluster.client("decode-0").generate_many(prompts, GREEDY)
     assert [c.error for c in out] == [""] * 5
     assert [c.token_ids for c in out] == reference(prompts)
     assert all(c.stats["tokens_from_prefill_node"] > 0 for c, p in zip(out, prompts) if len(p) > 32)
@@ -79,11 +81,13 @@ def test_host_staged_nodes_compute_what_the_single_node_engine_does(cluster, ref
     staged_in, staged_out = (cluster.client(n).stats()["kv_memory"] for n in ("decode-1", "prefill-1"))
     assert staged_in["mode"] == staged_out["mode"] == "host-staging"
     assert cluster.client("decode-0").stats()["kv_memory"]["mode"] == "direct"
-    for decode_id, prefill_id in [("decode-1", "prefill-0"), ("decode-0", "prefill-1"), ("decode-1", "prefill-1")]:
-        out = cluster.client(decode_id).generate_many(prompts, GREEDY, prefill_node=prefill_id)
+    # Fresh prompts each round: the decode node's prefill conversations take turns between the prefill nodes
+    # (each plan's reservation moves the rotation on), so every pair of host-staged and direct nodes is used.
+    for round_, decode_id in enumerate(["decode-1", "decode-0", "decode-1"]):
+        out = cluster.client(decode_id).generate_many(prompts, GREEDY)
         assert [c.error for c in out] == [""] * 3 and [c.token_ids for c in out] == reference(prompts)
         assert all(c.stats["tokens_from_prefill_node"] > 0 for c in out)
-        prompts = [p + prompt(50 + len(p), 17) for p in prompts]  # new blocks for the next pair
+        prompts = [prompt(60 + 3 * round_ + i, n) for i, n in enumerate((70, 100, 48))]
     after_in, after_out = (cluster.client(n).stats()["kv_memory"] for n in ("decode-1", "prefill-1"))
     landing = cluster.client("decode-1").stats()["landing"]
     if landing:  # one-sided writes land in slots and are copied out checked, past the mirror
@@ -109,24 +113,31 @@ def test_the_shared_memory_round_trip_is_measured_at_start(cluster):
 def test_cross_node_prefix_reuse_by_counters(cluster, reference):
     prefix = prompt(100, 96)  # 6 blocks
     first, second = prefix + prompt(101, 20), prefix + prompt(102, 25)
-    b = cluster.client("prefill-1")
-    before = b.stats()
-    out1 = cluster.client("decode-0").generate(first, GREEDY, prefill_node="prefill-0")
+    prefill_ids = ("prefill-0", "prefill-1")
+
+    def prefill_totals() -> dict[str, int]:
+        stats = [cluster.client(n).stats() for n in prefill_ids]
+        return {k: sum(s[k] for s in stats) for k in ("tokens_computed", "bytes_received", "tokens_pulled")}
+
+    before = prefill_totals()
+    out1 = cluster.client("decode-2").generate(first, GREEDY)  # computed there: no prefill node holds it
     wait_until_published(cluster, prefix, 6)  # publication to the global index is asynchronous
-    out2 = cluster.client("decode-1").generate(second, GREEDY, prefill_node="prefill-1")
+    out2 = cluster.client("decode-1").generate(second, GREEDY)
     assert [out1.token_ids, out2.token_ids] == reference([first, second])
-    after = b.stats()
-    # decode-1 got the prefix from a holder (decode-0 or prefill-0); prefill-1 had at most the suffix to do.
-    assert out2.stats["tokens_reused_remote"] >= 96
+    after = prefill_totals()
+    # decode-1 got the prefix from its holder (decode-2); the prefill node had the suffix to do, after pulling
+    # the prefix it attends to from that holder.
+    assert out1.stats["tokens_from_prefill_node"] == 0 and out2.stats["tokens_reused_remote"] >= 96
     # The KV itself, position by position: received blocks in the wrong slots leave greedy tokens unchanged.
     assert_same_kv(cluster.client("decode-1"), reference.llm, second, min_blocks=(len(second) - 1) // 16)
-    assert after["tokens_computed"] - before["tokens_computed"] <= len(second) - 96
-    assert after["bytes_received"] > before["bytes_received"] and after["tokens_pulled"] >= 96
+    assert 0 < after["tokens_computed"] - before["tokens_computed"] <= len(second) - 96
+    assert after["bytes_received"] > before["bytes_received"]
+    assert after["tokens_pulled"] - before["tokens_pulled"] >= 96
     shared_bytes = sum(cluster.client(n).stats()["bytes_sent_shared_memory"] for n in cluster.nodes)
     assert (shared_bytes > 0) == (cluster.node_args.count("--no-shared-memory-transfers") == 0), shared_bytes
     # A conversation's next turn on the same decode node asks only for the new blocks.
     turn2 = first + out1.token_ids + prompt(103, 30)
-    out3 = cluster.client("decode-0").generate(turn2, GREEDY, prefill_node="prefill-0")
+    out3 = cluster.client("decode-2").generate(turn2, GREEDY)
     assert out3.token_ids == reference([turn2])[0]
     assert out3.stats["tokens_reused_local"] >= (len(first) + len(out1.token_ids)) // 16 * 16 - 16
     check_all(cluster)
@@ -180,9 +191,11 @@ def test_dead_prefill_node_and_etcd_outage_do_not_lose_requests(reference):
         long_prompt = prompt(1999, 900)
         d0 = c.client("decode-0")
         events = d0.submit(GenerateRequest("mid-kill", long_prompt, {"max_tokens": 10, "temperature": 0.0,
-                                                                     "ignore_eos": True}, "prefill-0"))
-        wait_until(lambda: c.client("prefill-0").stats()["num_running"] >= 1)
-        c.nodes["prefill-0"].kill()  # killed mid-prefill, still registered (30 s lease)
+                                                                     "ignore_eos": True}))
+        busy: list[str] = []
+        wait_until(lambda: busy.extend(n for n in ("prefill-0", "prefill-1")
+                                       if c.client(n).stats()["num_running"] >= 1) or busy)
+        c.nodes[busy[0]].kill()  # killed mid-prefill, still registered (30 s lease)
         tokens, event = [], None
         while event is None or not event.finished:
             event = events.get(timeout=60)  # queue.Empty here: the request was lost
@@ -190,7 +203,7 @@ def test_dead_prefill_node_and_etcd_outage_do_not_lose_requests(reference):
             tokens += event.token_ids
         assert event.error == "" and tokens == reference([long_prompt])[0]
         prompts = [prompt(2000 + i, 60) for i in range(3)]
-        out = d0.generate_many(prompts, GREEDY, prefill_node="prefill-0", timeout_s=120)
+        out = d0.generate_many(prompts, GREEDY, timeout_s=120)  # turns between the prefill nodes: one is dead
         assert [o.token_ids for o in out] == reference(prompts)
         assert d0.stats(check=True)["num_fallbacks"] >= 2
         check_all(c)

@@ -24,6 +24,7 @@ from kvmesh.auth import TOKEN_ENV, generate_token
 from kvmesh.bench.late_writes import PATHS, LateWritesConfig, run_one
 from kvmesh.cluster.hosts import Hosts, can_create
 from kvmesh.cluster.local_launcher import LocalCluster
+from kvmesh.metadata.block_index import read_holdings
 from kvmesh.metadata.sealed_store import open_store
 from kvmesh.metadata.keys import KeyLayout
 from kvmesh.transfer.engine import mooncake_available
@@ -115,7 +116,7 @@ def test_three_hosts_parity_and_cross_host_reuse(hosts):
     """etcd + router on host 1 (each run alone, as on separate machines), a prefill node on host 2, a decode
     node on host 3; etcd stops cleanly on SIGTERM."""
     placement = {"prefill-0": 2, "decode-0": 3}
-    args = ["--transfer-backend", BACKEND, "--local-prefill-tokens", "0"]
+    args = ["--transfer-backend", BACKEND, "--placement", "threshold:0"]
     data_dirs = set(glob.glob(os.path.join(tempfile.gettempdir(), "kvmesh-etcd-*")))
     token = generate_token()
     etcd, endpoint = start_etcd(hosts[1], token)
@@ -170,7 +171,7 @@ def _three_hosts(hosts, endpoint: str, placement: dict, args: list[str], token: 
 def test_a_host_link_going_down_and_coming_back(hosts):
     """Host 2's link goes down mid-run: nothing hangs, its index entries vanish with its lease, it re-joins."""
     placement = {"etcd": 1, "prefill-0": 2, "decode-0": 3}
-    args = ["--transfer-backend", BACKEND, "--local-prefill-tokens", "0", "--lease-ttl", "3",
+    args = ["--transfer-backend", BACKEND, "--placement", "threshold:0", "--lease-ttl", "3",
             "--prefill-timeout", "2"]
     with LocalCluster(1, 1, hosts=hosts, placement=placement, node_args=args, cluster="linkdown") as cluster:
         client = cluster.client("decode-0")
@@ -181,8 +182,8 @@ def test_a_host_link_going_down_and_coming_back(hosts):
         keys = KeyLayout("linkdown")
 
         def held_by_prefill() -> int:
-            entries, _ = store.get_prefix(keys.blocks_prefix)
-            return sum(1 for kv in entries if kv.key.endswith("/prefill-0"))
+            nodes = read_holdings(store, keys).table.nodes
+            return len(nodes["prefill-0"].blocks) if "prefill-0" in nodes else 0
 
         def registered() -> set[str]:
             records, _ = store.get_prefix(keys.nodes_prefix)

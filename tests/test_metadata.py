@@ -60,11 +60,17 @@ def test_unsafe_names_are_refused():
     keys = KeyLayout("prod-1")
     with pytest.raises(InvalidNameError):
         keys.node("n/1")
-    h = bytes(range(16))
-    key = keys.block("ns", h, "node-a")
-    assert key == f"/kvmesh/prod-1/blocks/ns/{h.hex()}/node-a"
-    assert keys.parse_block(key) == ("ns", h, "node-a")
-    assert keys.parse_block("/kvmesh/prod-1/blocks/ns/zz/node-a") is None
+    log_key = keys.holdings_log("ns", "node-a", 0x1234)
+    assert log_key == "/kvmesh/prod-1/holdings/ns/node-a/l/0000000000001234"
+    assert keys.parse_holdings(log_key) == ("ns", "node-a", "l", 0x1234, 0, 1)
+    part = keys.holdings_snapshot("ns", "node-a", 7, 2, 3)
+    assert part == "/kvmesh/prod-1/holdings/ns/node-a/s/0000000000000007/0002-0003"
+    assert keys.parse_holdings(part) == ("ns", "node-a", "s", 7, 2, 3)
+    for bad in ("/kvmesh/prod-1/holdings/ns/node-a/l/12", "/kvmesh/prod-1/holdings/ns/node-a/s/0000000000000007/0003-0003",
+                "/kvmesh/prod-1/holdings/ns/node-a/x/0000000000000007", "/kvmesh/prod-1/holdings/ns/a/b/l/0000000000000007"):
+        assert keys.parse_holdings(bad) is None, bad
+    with pytest.raises(InvalidNameError):
+        keys.holdings_log("ns", "n/1", 0)
 
 
 def test_batches_respect_etcd_limits():
@@ -236,9 +242,8 @@ def test_hand_written_garbage_is_skipped_with_a_warning(etcd, caplog):
     store = EtcdStore(etcd.endpoint)
     registry, publisher = node(store, "junk", "node-a")
     etcdctl = str(etcd_binary().with_name("etcdctl"))
-    h = chain("junk", 1)[0].hex()
-    for key, value in ((f"/kvmesh/junk/blocks/ns/{h}/node-b", "not-msgpack\xc1"),
-                       ("/kvmesh/junk/blocks/ns/nothex/node-b", "x"),
+    for key, value in (("/kvmesh/junk/holdings/ns/node-b/l/0000000000000001", "not-a-record"),
+                       ("/kvmesh/junk/holdings/ns/node-b/l/nothex", "x"),
                        ("/kvmesh/junk/nodes/node-z", "garbage")):
         subprocess.run([etcdctl, f"--endpoints={etcd.endpoint}", "put", key, value], check=True,
                        capture_output=True)

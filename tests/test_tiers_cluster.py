@@ -13,7 +13,8 @@ from kvmesh.kv.block_hash import hash_blocks
 from kvmesh.kv.tiers.media import DiskLayout, DiskMedium
 from kvmesh.metadata.sealed_store import open_store
 from kvmesh.metadata.keys import KeyLayout
-from kvmesh.metadata.records import BlockEntry, NodeRecord
+from kvmesh.metadata.block_index import read_holdings
+from kvmesh.metadata.records import NodeRecord
 from tests.conftest import assert_same_kv
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
@@ -68,20 +69,14 @@ def run_each(cluster: LocalCluster, node_id: str, prompts: list[list[int]], coun
         wait_until(lambda n=5 * (i + 1): cluster.client(node_id).stats()[counter] >= n, what=counter)
 
 
-def index_of(cluster: LocalCluster, node_id: str) -> dict[bytes, int]:
-    """What etcd's global index lists for ``node_id``: block hash -> tier."""
-    keys = KeyLayout(cluster.cluster)
+def index_of(cluster: LocalCluster, node_id: str) -> dict[int, int]:
+    """What etcd's global index lists for ``node_id``: block key (``holdings.block_key``) -> tier."""
     store = open_store(cluster.etcd_endpoint, cluster.token)
     try:
-        items, _ = store.get_prefix(keys.blocks_prefix)
+        nodes = read_holdings(store, KeyLayout(cluster.cluster)).table.nodes
     finally:
         store.close()
-    out = {}
-    for kv in items:
-        parsed = keys.parse_block(kv.key)
-        if parsed is not None and parsed.node_id == node_id:
-            out[parsed.block_hash] = BlockEntry.decode(kv.value).tier
-    return out
+    return dict(nodes[node_id].blocks) if node_id in nodes else {}
 
 
 def record_of(cluster: LocalCluster, node_id: str) -> NodeRecord:
@@ -94,7 +89,7 @@ def record_of(cluster: LocalCluster, node_id: str) -> NodeRecord:
 
 
 def test_host_tier_promotes_locally_and_serves_peers(reference):
-    args = TIER0 + ["--host-kv-gib", gib(48), "--local-prefill-tokens", "0"]
+    args = TIER0 + ["--host-kv-gib", gib(48), "--placement", "threshold:0"]
     with LocalCluster(num_prefill=0, num_decode=2, node_args=args, cluster="tiers-host") as c:
         prompts = [prompt(i) for i in range(4)]  # 6 blocks each with the answer: 24 > tier 0's 12
         run_each(c, "decode-0", prompts, "tier_demoted_host")
@@ -116,7 +111,7 @@ def test_host_tier_promotes_locally_and_serves_peers(reference):
 
 def test_disk_tier_corruption_is_recomputed_and_a_restart_re_adopts(reference, tmp_path):
     args = TIER0 + ["--disk-kv-gib", gib(64), "--disk-kv-path", str(tmp_path), "--no-global-pool",
-                    "--local-prefill-tokens", "0"]
+                    "--placement", "threshold:0"]
     with LocalCluster(num_prefill=0, num_decode=1, node_args=args, cluster="tiers-disk") as c:
         prompts = [prompt(10 + i) for i in range(4)]
         run_each(c, "decode-0", prompts, "tier_demoted_disk")

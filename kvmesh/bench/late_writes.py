@@ -10,7 +10,7 @@ decode node on host 3 with a small KV pool and its link capped with tbf. Per bac
 Mooncake's own bound on a batch is shortened (MC_TRANSFER_TIMEOUT=5), so the writer's part
 ends while bytes are still on their way: exactly the case where a writer's "I stopped" is
 no proof (docs/design.md §6). Between given-up pushes the requester keeps serving requests that
-cache a new prefix Y (shorter than ``--local-prefill-tokens``, so computed there) and reuse
+cache a new prefix Y (shorter than the ``--placement threshold:N``, so computed there) and reuse
 it, reusing the blocks of the pool while the late bytes drain into its host; it goes on
 until the writer has nothing pending. Every answer is compared with the single-node engine
 on the same weights. JSON: ``{"runs": [{"backend", "path", "requests", "differ", "failed",
@@ -60,7 +60,7 @@ def run_one(hosts: Hosts, backend: str, path: str, cfg: LateWritesConfig, bar: t
     writer, requester_id = ("decode-0", "decode-1") if path == "holder" else ("prefill-0", "decode-0")
     limit = (cfg.prefix_tokens + cfg.local_tokens) // 2  # the requester computes Y itself, never X
     args = ["--transfer-backend", backend, "--holder-timeout", str(cfg.timeout_s), "--prefill-timeout",
-            str(cfg.timeout_s), "--local-prefill-tokens", str(limit)]
+            str(cfg.timeout_s), "--placement", f"threshold:{limit}"]
     num_far = -(-cfg.num_requests // (2 * cfg.far_every + 1))  # the given-up pushes (the rest: local requests)
     blocks_per_x = (cfg.prefix_tokens - 1) // 16
     cluster = LocalCluster(int(path == "prefill"), 1 + int(path == "holder"), model=cfg.model, node_args=args,
@@ -123,15 +123,16 @@ def run_one(hosts: Hosts, backend: str, path: str, cfg: LateWritesConfig, bar: t
 
 def _published_revision(cluster: LocalCluster, num_blocks: int, timeout_s: float = 60.0) -> int:
     """Once decode-0 (the holder) has ``num_blocks`` entries in the index: etcd's revision then."""
-    from kvmesh.metadata.sealed_store import open_store
+    from kvmesh.metadata.block_index import read_holdings
     from kvmesh.metadata.keys import KeyLayout
+    from kvmesh.metadata.sealed_store import open_store
 
     store = open_store(cluster.etcd_endpoint, cluster.token)
     try:
         deadline = time.monotonic() + timeout_s
         while True:  # publication is asynchronous: read again
-            entries, revision = store.get_prefix(KeyLayout(cluster.cluster).blocks_prefix)
-            if sum(1 for kv in entries if kv.key.endswith("/decode-0")) >= num_blocks:
+            table, revision = read_holdings(store, KeyLayout(cluster.cluster))
+            if "decode-0" in table.nodes and len(table.nodes["decode-0"].blocks) >= num_blocks:
                 return revision
             if time.monotonic() > deadline:
                 raise TimeoutError("the holder's blocks did not reach the index")

@@ -1,9 +1,9 @@
 """``kvmesh bench metadata``: the global block index against a real etcd.
 
-Publish throughput (batched transactions vs one put per block), lookup latency of
+Publish throughput (holdings records vs one transaction per block, the old index's worst case), lookup latency of
 128- and 2,048-block chains through the mirror and through direct reads,
-publish-to-visible latency on another process's mirror, and etcd's memory and
-database size per million block keys (extrapolated from ``--keys`` keys).
+and publish-to-visible latency on another process's mirror. etcd's memory and database
+size per cached block, at fleet scale, are ``kvmesh bench index``'s.
 """
 from __future__ import annotations
 
@@ -12,16 +12,13 @@ import statistics
 import subprocess
 import sys
 import time
-from pathlib import Path
 
-from tqdm import tqdm
-
+from kvmesh.bench.index_baseline import KeyPerBlockPublisher
 from kvmesh.bench.report import machine, print_table, time_call, write_json
 from kvmesh.kv.block_hash import hash_blocks, root_hash
 from kvmesh.metadata.block_index import BlockIndex, BlockPublisher
 from kvmesh.metadata.embedded_etcd import EmbeddedEtcd
 from kvmesh.metadata.etcd_store import EtcdStore
-from kvmesh.metadata.store import KeyValue
 
 _WATCHER = """
 import json, sys, time
@@ -44,25 +41,7 @@ def _chain(salt: str, n: int) -> list[bytes]:
     return hash_blocks(root_hash(salt.encode()), list(range(n * 16)), 16)
 
 
-def _rss_bytes(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    return 0
-
-
-def _etcd_usage(server: EmbeddedEtcd, store: EtcdStore) -> tuple[int, int]:
-    """(etcd's resident memory, its database size). etcd runs under its keeper (``metadata/etcd_keeper.py``):
-    the server is the keeper's child, whose memory is what grows with the keys."""
-    keeper = server.pid
-    children = Path(f"/proc/{keeper}/task/{keeper}/children").read_text().split()
-    rss = sum(_rss_bytes(int(pid)) for pid in children)
-    if not children:
-        raise RuntimeError(f"etcd's keeper (pid {keeper}) has no child process to measure")
-    return rss, store._client.status().db_size
-
-
-def run(json_path: str | None, etcd_endpoint: str | None = None, num_keys: int = 100_000) -> dict:
+def run(json_path: str | None, etcd_endpoint: str | None = None) -> dict:
     server = None if etcd_endpoint else EmbeddedEtcd().start()
     endpoint = etcd_endpoint or server.endpoint
     store = EtcdStore(endpoint, timeout_s=30)
@@ -81,9 +60,12 @@ def run(json_path: str | None, etcd_endpoint: str | None = None, num_keys: int =
             pass
         batched = len(hashes) / (time.perf_counter() - start)
         singles = _chain("single", 300)
+        single = KeyPerBlockPublisher(store, "bench", "other-ns", "node-b")
+        single.set_lease(lease)
         start = time.perf_counter()
-        for h in singles:
-            store.put_many([KeyValue(publisher.keys.block("ns", h, "node-b"), b"\x91\x00")], lease)
+        for h in singles:  # the worst case of the one-key-per-block index it replaced: one transaction each
+            single.update_hashes([(h, 0)])
+            single.flush()
         one_by_one = len(singles) / (time.perf_counter() - start)
         res["publish_blocks_per_s"] = {"batched": batched, "one_by_one": one_by_one, "ratio": batched / one_by_one}
 
@@ -118,22 +100,6 @@ def run(json_path: str | None, etcd_endpoint: str | None = None, num_keys: int =
             watcher.kill()
             watcher.wait()
 
-        # etcd's memory per million keys.
-        if server is not None:
-            rss0, db0 = _etcd_usage(server, store)
-            keys_hashes = _chain("mem", num_keys)
-            for i in tqdm(range(0, num_keys, 4096), desc="filling etcd", leave=False):
-                publisher.publish(keys_hashes[i : i + 4096])
-                while not publisher.flush():
-                    pass
-            rss1, db1 = _etcd_usage(server, store)
-            scale = 1_000_000 / num_keys
-            # bbolt grows its file in steps: a few thousand keys may fit in space it already has (0 per key)
-            res["etcd_memory"] = {"keys": num_keys, "keys_visible": index.lookup_direct(keys_hashes).get("node-a", 0),
-                                  "rss_bytes_per_key": (rss1 - rss0) / num_keys,
-                                  "db_bytes_per_key": (db1 - db0) / num_keys,
-                                  "rss_mb_per_million_keys": (rss1 - rss0) * scale / 2**20,
-                                  "db_mb_per_million_keys": (db1 - db0) * scale / 2**20}
     finally:
         publisher.close()
         index.close()
@@ -149,11 +115,6 @@ def run(json_path: str | None, etcd_endpoint: str | None = None, num_keys: int =
         rows.append([f"lookup {n}-block chain, direct", f"{v['direct'] / 1e3:.2f} ms", ""])
     v = res["publish_to_visible_ms"]
     rows.append(["publish -> visible in another process", f"{v['p50']:.1f} ms p50", f"max {v['max']:.1f} ms"])
-    if "etcd_memory" in res:
-        mem = res["etcd_memory"]
-        rows.append(["etcd RSS per million block keys", f"{mem['rss_mb_per_million_keys']:.0f} MB",
-                     f"from {mem['keys']:,} keys"])
-        rows.append(["etcd db size per million block keys", f"{mem['db_mb_per_million_keys']:.0f} MB", ""])
     print_table("global block index on etcd", ["measure", "value", "note"], rows)
     write_json(json_path, res)
     return res
