@@ -18,6 +18,8 @@ from kvmesh.metadata.store import CompactedError, KeyValue, StoreUnavailable, Wa
 
 MAX_TXN_OPS = 128
 MAX_TXN_BYTES = 1 << 20
+PAGE_KEYS = 256  # a prefix is listed in pages of this many keys, all at the first page's revision
+MAX_RECEIVE_BYTES = 64 << 20  # a page of large values (holdings records) or a watch response stays under this
 
 
 def split_batches(items: Sequence, size_of=lambda x: 0) -> list[list]:
@@ -43,7 +45,8 @@ class EtcdStore:
         host, _, port = endpoint.rpartition(":")
         self.endpoint = endpoint
         self.timeout_s = timeout_s
-        self._client = pyetcd.client(host=host or "127.0.0.1", port=int(port), timeout=timeout_s)
+        self._client = pyetcd.client(host=host or "127.0.0.1", port=int(port), timeout=timeout_s,
+                                     grpc_options=[("grpc.max_receive_message_length", MAX_RECEIVE_BYTES)])
         # The client refuses an endpoint for 300 s after one failure; retry it after a moment instead.
         for endpoint in self._client.endpoints.values():
             endpoint.time_retry = 0.2
@@ -116,9 +119,29 @@ class EtcdStore:
             self._call(self._client.transaction, compare=[], success=[tx.delete(k) for k in batch], failure=[])
 
     def get_prefix(self, prefix: str) -> tuple[list[KeyValue], int]:
-        response = self._call(self._client.get_prefix_response, prefix)
-        items = [KeyValue(kv.key.decode(), bytes(kv.value), kv.lease) for kv in response.kvs]
-        return items, response.header.revision
+        """Every key under ``prefix``, read in pages of at most ``PAGE_KEYS`` at one revision (a consistent
+        listing of any size; a page over ``MAX_RECEIVE_BYTES`` is asked again smaller; a revision compacted
+        between pages raises CompactedError)."""
+        from pyetcd.utils import prefix_range_end
+
+        items: list[KeyValue] = []
+        start, end, revision, limit = prefix.encode(), prefix_range_end(prefix.encode()), None, PAGE_KEYS
+        while True:
+            try:
+                response = self._call(self._client.get_range_response, start, end, limit=limit, revision=revision)
+            except grpc.RpcError as e:
+                if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and limit > 1:
+                    limit = max(1, limit // 4)  # large values: fewer per page
+                    continue
+                if revision is not None and "compacted" in str(e.details()).lower():
+                    raise CompactedError(f"revision {revision} was compacted while {prefix} was listed") from None
+                raise
+            if revision is None:
+                revision = response.header.revision
+            items += [KeyValue(kv.key.decode(), bytes(kv.value), kv.lease) for kv in response.kvs]
+            if not response.more or not response.kvs:
+                return items, revision
+            start = response.kvs[-1].key + b"\0"
 
     def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
         return [kv.value if kv is not None else None for kv in self.get_entries(keys)]

@@ -29,7 +29,7 @@ from kvmesh.metadata.records import RecordError
 
 GONE = 255  # a log entry's code for "no longer held"; 0, 1, 2 are tiers (compute buffer, host memory, disk)
 LOG, SNAPSHOT = "l", "s"
-MAX_RECORD_ENTRIES = 65_536  # 9 bytes each: ~576 KiB per record, inside etcd's request limit
+MAX_RECORD_ENTRIES = 16_384  # 9 bytes each: ~144 KiB per record, well inside etcd's request and a listing page's limits
 _HEADER = struct.Struct("<4sI")
 _MAGIC = b"KVH1"
 

@@ -80,6 +80,24 @@ def test_batches_respect_etcd_limits():
     assert all(sum(map(len, b)) <= 1 << 20 for b in big) and sum(map(len, big)) == 5
 
 
+def test_listings_come_in_pages_at_one_revision(etcd):
+    """More keys than a page, more bytes than gRPC's default 4 MiB message: one consistent listing."""
+    from kvmesh.metadata import etcd_store
+
+    store = EtcdStore(etcd.endpoint)
+    try:
+        starts = range(0, 2 * etcd_store.PAGE_KEYS + 10, 64)
+        for start in starts:
+            store.put_many([KeyValue(f"/paged/{i:05d}", bytes([i % 251]) * 20_000) for i in range(start, start + 64)])
+        items, revision = store.get_prefix("/paged/")
+        assert [kv.key for kv in items] == [f"/paged/{i:05d}" for i in range(64 * len(starts))]
+        assert all(kv.value == bytes([i % 251]) * 20_000 for i, kv in enumerate(items))
+        store.put_many([KeyValue("/paged/zzz", b"later")])
+        assert store.get_prefix("/paged/")[1] > revision
+    finally:
+        store.close()
+
+
 def test_publish_lookup_unpublish_round_trip(store):
     registry, publisher = node(store, "rt", "node-a")
     index = BlockIndex(store, "rt", "ns")
