@@ -18,7 +18,9 @@ from kvmesh.metadata.store import CompactedError, KeyValue, StoreUnavailable, Wa
 
 MAX_TXN_OPS = 128
 MAX_TXN_BYTES = 1 << 20
-PAGE_KEYS = 256  # a prefix is listed in pages of this many keys, all at the first page's revision
+PAGE_KEYS = 64  # a listing's first page; the next ones are sized to ~PAGE_BYTES from what the first weighed
+MAX_PAGE_KEYS = 8192
+PAGE_BYTES = 16 << 20
 MAX_RECEIVE_BYTES = 64 << 20  # a page of large values (holdings records) or a watch response stays under this
 
 
@@ -119,9 +121,10 @@ class EtcdStore:
             self._call(self._client.transaction, compare=[], success=[tx.delete(k) for k in batch], failure=[])
 
     def get_prefix(self, prefix: str) -> tuple[list[KeyValue], int]:
-        """Every key under ``prefix``, read in pages of at most ``PAGE_KEYS`` at one revision (a consistent
-        listing of any size; a page over ``MAX_RECEIVE_BYTES`` is asked again smaller; a revision compacted
-        between pages raises CompactedError)."""
+        """Every key under ``prefix``, read in pages at one revision: a consistent listing of any size. Pages
+        hold about ``PAGE_BYTES`` (sized from the pages before; etcd counts the whole range for every page, so
+        small keys come thousands at a time); one over ``MAX_RECEIVE_BYTES`` is asked again smaller; a revision
+        compacted between pages raises CompactedError."""
         from pyetcd.utils import prefix_range_end
 
         items: list[KeyValue] = []
@@ -138,9 +141,12 @@ class EtcdStore:
                 raise
             if revision is None:
                 revision = response.header.revision
-            items += [KeyValue(kv.key.decode(), bytes(kv.value), kv.lease) for kv in response.kvs]
-            if not response.more or not response.kvs:
+            page = [KeyValue(kv.key.decode(), bytes(kv.value), kv.lease) for kv in response.kvs]
+            items += page
+            if not response.more or not page:
                 return items, revision
+            weight = sum(len(kv.key) + len(kv.value) for kv in page) / len(page)
+            limit = max(1, min(MAX_PAGE_KEYS, int(PAGE_BYTES / max(weight, 1.0))))
             start = response.kvs[-1].key + b"\0"
 
     def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
