@@ -29,6 +29,7 @@ from kvmesh.metadata.records import RecordError
 
 GONE = 255  # a log entry's code for "no longer held"; 0, 1, 2 are tiers (compute buffer, host memory, disk)
 LOG, SNAPSHOT = "l", "s"
+MAX_HINTS = 1 << 16  # remembered lookup lengths (cleared when full)
 MAX_RECORD_ENTRIES = 16_384  # 9 bytes each: ~144 KiB per record, well inside etcd's request and a listing page's limits
 _HEADER = struct.Struct("<4sI")
 _MAGIC = b"KVH1"
@@ -138,6 +139,8 @@ class HoldingsTable:
         self._slot_of: dict[str, int] = {}
         self._node_at: list[str | None] = []
         self._holders: dict[int, int] = {}  # block key -> bitmask of node slots
+        # (first block key, node bit) -> the length a lookup found last: tried first, with two probes
+        self._hints: dict[tuple[int, int], int] = {}
 
     def __len__(self) -> int:
         """(block, holder) pairs listed."""
@@ -183,33 +186,55 @@ class HoldingsTable:
         What a node holds of a chain is a prefix (nodes publish whole chains and evict tails first; where the
         index is stale the answer is advisory anyway), so each holder of the first block gets a binary search;
         the searches run together, each probe (one dict read: the bitmask of the block's holders) narrowing
-        every search it falls inside, so holders of the same length share all their probes.
+        every search it falls inside, so holders of the same length share all their probes. A search first
+        tries the length found last time for the same first block and node (a shared system prompt's, mostly):
+        two probes confirm it, or narrow the search.
         """
         n = len(block_hashes)
         if not n:
             return {}
-        holders, unpack = self._holders, _KEY.unpack_from
-        first = holders.get(unpack(block_hashes[0])[0], 0)
+        holders, unpack, hints = self._holders, _KEY.unpack_from, self._hints
+        first_key = unpack(block_hashes[0])[0]
+        first = holders.get(first_key, 0)
         if not first:
             return {}
-        last = holders.get(unpack(block_hashes[n - 1])[0], 0) if n > 1 else first
+        probed = {0: first, n - 1: holders.get(unpack(block_hashes[n - 1])[0], 0)}
+
+        def nodes_at(i: int) -> int:
+            v = probed.get(i)
+            if v is None:
+                v = probed[i] = holders.get(unpack(block_hashes[i])[0], 0)
+            return v
+
         searches = []  # [lo (held), hi (not held), bit]
         out, node_at = {}, self._node_at
         while first:
             bit = first & -first
             first ^= bit
-            if last & bit:
+            if probed[n - 1] & bit:
                 out[bit] = n
-            else:
-                searches.append([0, n - 1, bit])
+                continue
+            search = [0, n - 1, bit]
+            hint = hints.get((first_key, bit), 0)
+            if 0 < hint < n - 1:
+                if nodes_at(hint - 1) & bit:
+                    search[0] = hint - 1
+                    if not nodes_at(hint) & bit:
+                        search[1] = hint
+                else:
+                    search[1] = hint - 1
+            searches.append(search)
         for search in searches:
             while search[1] - search[0] > 1:
                 mid = (search[0] + search[1]) // 2
-                at = holders.get(unpack(block_hashes[mid])[0], 0)
+                at = nodes_at(mid)
                 for other in searches:  # this probe narrows every search it falls inside
                     if other[0] < mid < other[1]:
                         other[0 if at & other[2] else 1] = mid
             out[search[2]] = search[0] + 1
+            if len(hints) >= MAX_HINTS:
+                hints.clear()
+            hints[first_key, search[2]] = search[0] + 1
         named = {}
         for bit, length in out.items():
             slot = bit.bit_length() - 1
