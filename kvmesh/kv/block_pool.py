@@ -256,6 +256,7 @@ class BlockPool:
             holders = None
             if block_ids and len(block_ids) == len(block_hashes):
                 holders = self._cache_new_run(block_ids, block_hashes, parent_block_id)
+            all_new = holders is not None  # every block holds its own new hash: no holder to move to
             if holders is None:
                 holders = []
                 parent, cache_one = parent_block_id, self._cache_one
@@ -269,7 +270,7 @@ class BlockPool:
                     chain = self._chains.pop(parent_block_id)
                     chain.extend(holders)
                     self._remember_chain(chain)
-                duplicates = [(own, h) for own, h in zip(block_ids, holders) if own != h]
+                duplicates = [] if all_new else [(own, h) for own, h in zip(block_ids, holders) if own != h]
                 if duplicates:
                     self.touch([h for _, h in duplicates])
                     self.free([own for own, _ in duplicates])
