@@ -104,7 +104,8 @@ class BlockPublisher:
                 if k in pending:
                     del pending[k]  # the newest intent wins, in the order of its arrival
                 elif code != hd.GONE and len(pending) >= self.max_pending:
-                    self.num_dropped += 1  # full: keep what is queued (chain heads first); the next snapshot has it
+                    self.num_dropped += 1  # full: keep what is queued (chain heads first) ...
+                    self._snapshot_due = True  # ... and let the next flush write everything held
                     continue
                 pending[k] = code
                 queued = True

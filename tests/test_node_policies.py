@@ -54,7 +54,7 @@ def test_fetch_plan_picks_the_cheapest_source():
 
 def test_publisher_queue_is_bounded_and_counts_what_it_drops():
     store = MemoryStore()
-    publisher = BlockPublisher(store, "c", "ns", "n1", max_pending=5)  # no lease yet: everything waits
+    publisher = BlockPublisher(store, "c", "ns", "n1", max_pending=5, start=False)  # no lease yet: all waits
     try:
         hashes = chain("bound", 8)
         publisher.publish(hashes)
@@ -67,6 +67,11 @@ def test_publisher_queue_is_bounded_and_counts_what_it_drops():
         # The first record on a lease is a snapshot of everything held: what the full queue dropped is in it.
         assert set(listed) == {block_key(h) for h in hashes[1:]} and publisher.num_pending == 0
         assert publisher.num_dropped == 3
+        more = chain("bound-more", 9)
+        publisher.publish(more)  # on a lease now: 5 queued, 4 dropped, and a snapshot made due
+        assert publisher.num_dropped == 3 + 4 and publisher.flush()
+        listed = read_holdings(store, KeyLayout("c"), "ns").table.nodes["n1"].blocks
+        assert set(listed) == {block_key(h) for h in hashes[1:] + more}  # nothing the queue dropped is missing
     finally:
         publisher.close()
 
