@@ -53,7 +53,7 @@ def add_node_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--landing-slots", type=int, default=-1,
                    help="one-sided backends (Mooncake): blocks of host memory where pushes land before a checked "
                         "copy into the KV buffer (-1: a quarter of the KV blocks, at most 1 GiB)")
-    p.add_argument("--placement", default="cost", metavar="cost|threshold:N",
+    p.add_argument("--kv-placement", default="cost", metavar="cost|threshold:N",
                    help="where a request's uncached KV comes from: 'cost' takes the cheapest plan (never slower, by "
                         "measured rates, than computing here); 'threshold:N' fetches from holders and prefill nodes "
                         "whenever more than N uncached tokens remain (0: always disaggregate)")
@@ -107,7 +107,7 @@ def run_node(role: str, args: argparse.Namespace) -> int:
                      transfer_rtt_s=args.transfer_rtt_ms / 1e3,
                      prefill_timeout_s=args.prefill_timeout, holder_timeout_s=args.holder_timeout,
                      num_landing_slots=args.landing_slots, enforce_eager=args.enforce_eager,
-                     placement=args.placement,
+                     kv_placement=args.kv_placement,
                      enable_prefix_caching=not args.no_prefix_cache, use_global_pool=not args.no_global_pool,
                      speculative=args.speculative, num_speculative_tokens=args.num_speculative_tokens,
                      host_kv_bytes=_gib_to_bytes("--host-kv-gib", args.host_kv_gib),

@@ -38,9 +38,9 @@ def test_multi_turn_reuses_earlier_turns_across_nodes(tmp_path):
     path = tmp_path / "mt.json"
     # Round-robin spreads a conversation's turns over the decode nodes: later turns find the
     # earlier turns' blocks on another node through the global pool.
-    # --placement threshold:0: fetch whatever a peer holds (the cost model would compute the tiny preset here).
+    # --kv-placement threshold:0: fetch whatever a peer holds (the cost model would compute the tiny preset here).
     assert main(["bench", "cluster", "--workload", "multi-turn", "--quick", "--modes", "kvmesh",
-                 "--routing", "round-robin", "--concurrency", "1", "--decode", "2", "--placement", "threshold:0",
+                 "--routing", "round-robin", "--concurrency", "1", "--decode", "2", "--kv-placement", "threshold:0",
                  "--json", str(path)]) == 0
     kvmesh = json.loads(path.read_text())["modes"]["kvmesh"]
     assert kvmesh["tokens_reused_remote"] > 0 and kvmesh["hit_rate_global"] > 0

@@ -18,7 +18,7 @@ from tests.conftest import assert_same_kv
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 # Force the remote path: decode nodes compute nothing but the prompt's last partial block.
-REMOTE_ONLY = ["--placement", "threshold:0", "--prefill-timeout", "4"]
+REMOTE_ONLY = ["--kv-placement", "threshold:0", "--prefill-timeout", "4"]
 BACKENDS = ["zmq"] + (["mooncake"] if mooncake_available() else [])
 
 
@@ -37,7 +37,7 @@ def reference():
 def cluster(request):
     """2 prefill + 3 decode nodes moving KV over each transfer backend (every test runs on both).
 
-    decode-2 computes every prompt itself (``--placement threshold:100000``): what it caches is held by no
+    decode-2 computes every prompt itself (``--kv-placement threshold:100000``): what it caches is held by no
     prefill node, so a prefill node asked to extend it must pull it first. prefill-1 and decode-1 register a host mirror of their KV buffer (what nodes on a GPU without
     GPUDirect do), so pushes run direct -> direct, direct <-> staged and staged -> staged. With zmq, nodes
     keep their (direct) KV buffers in shared memory, so pushes into decode-0 and prefill-0 are same-host copies;
@@ -48,7 +48,7 @@ def cluster(request):
     if request.param == "mooncake":
         args.append("--no-shared-memory-transfers")
     staged = ["--kv-transfer-memory", "host-staging"]
-    local = ["--placement", "threshold:100000"]
+    local = ["--kv-placement", "threshold:100000"]
     with LocalCluster(num_prefill=2, num_decode=3, node_args=args, cluster=f"t2x2{request.param}",
                       per_node_args={"prefill-1": staged, "decode-1": staged, "decode-2": local}) as c:
         yield c

@@ -116,7 +116,7 @@ def test_three_hosts_parity_and_cross_host_reuse(hosts):
     """etcd + router on host 1 (each run alone, as on separate machines), a prefill node on host 2, a decode
     node on host 3; etcd stops cleanly on SIGTERM."""
     placement = {"prefill-0": 2, "decode-0": 3}
-    args = ["--transfer-backend", BACKEND, "--placement", "threshold:0"]
+    args = ["--transfer-backend", BACKEND, "--kv-placement", "threshold:0"]
     data_dirs = set(glob.glob(os.path.join(tempfile.gettempdir(), "kvmesh-etcd-*")))
     token = generate_token()
     etcd, endpoint = start_etcd(hosts[1], token)
@@ -171,7 +171,7 @@ def _three_hosts(hosts, endpoint: str, placement: dict, args: list[str], token: 
 def test_a_host_link_going_down_and_coming_back(hosts):
     """Host 2's link goes down mid-run: nothing hangs, its index entries vanish with its lease, it re-joins."""
     placement = {"etcd": 1, "prefill-0": 2, "decode-0": 3}
-    args = ["--transfer-backend", BACKEND, "--placement", "threshold:0", "--lease-ttl", "3",
+    args = ["--transfer-backend", BACKEND, "--kv-placement", "threshold:0", "--lease-ttl", "3",
             "--prefill-timeout", "2"]
     with LocalCluster(1, 1, hosts=hosts, placement=placement, node_args=args, cluster="linkdown") as cluster:
         client = cluster.client("decode-0")

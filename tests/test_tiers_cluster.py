@@ -89,7 +89,7 @@ def record_of(cluster: LocalCluster, node_id: str) -> NodeRecord:
 
 
 def test_host_tier_promotes_locally_and_serves_peers(reference):
-    args = TIER0 + ["--host-kv-gib", gib(48), "--placement", "threshold:0"]
+    args = TIER0 + ["--host-kv-gib", gib(48), "--kv-placement", "threshold:0"]
     with LocalCluster(num_prefill=0, num_decode=2, node_args=args, cluster="tiers-host") as c:
         prompts = [prompt(i) for i in range(4)]  # 6 blocks each with the answer: 24 > tier 0's 12
         run_each(c, "decode-0", prompts, "tier_demoted_host")
@@ -111,7 +111,7 @@ def test_host_tier_promotes_locally_and_serves_peers(reference):
 
 def test_disk_tier_corruption_is_recomputed_and_a_restart_re_adopts(reference, tmp_path):
     args = TIER0 + ["--disk-kv-gib", gib(64), "--disk-kv-path", str(tmp_path), "--no-global-pool",
-                    "--placement", "threshold:0"]
+                    "--kv-placement", "threshold:0"]
     with LocalCluster(num_prefill=0, num_decode=1, node_args=args, cluster="tiers-disk") as c:
         prompts = [prompt(10 + i) for i in range(4)]
         run_each(c, "decode-0", prompts, "tier_demoted_disk")

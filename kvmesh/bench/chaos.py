@@ -93,7 +93,7 @@ class _Run:
         self.forged = {"sent": 0, "accepted": 0}
         self.flood = {"sent": 0, "refused_busy_or_capped": 0}
         self.cluster = LocalCluster(2, 2, cluster=f"chaos-{backend}", node_args=[
-            "--transfer-backend", backend, "--placement", "threshold:0", "--prefill-timeout", str(PREFILL_TIMEOUT_S),
+            "--transfer-backend", backend, "--kv-placement", "threshold:0", "--prefill-timeout", str(PREFILL_TIMEOUT_S),
             "--holder-timeout", str(PREFILL_TIMEOUT_S), "--lease-ttl", str(LEASE_TTL_S), "--num-kv-blocks", "512"],
             hosts=hosts, placement=dict(HOST_PLACEMENT) if hosts is not None else None)
 

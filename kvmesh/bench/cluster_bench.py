@@ -46,12 +46,12 @@ def modes(num_prefill: int, placement: str = "cost") -> dict[str, Mode]:
     # "cost" (default): the decode nodes' planner decides per request, as in production; "threshold:N" computes
     # uncached suffixes up to N tokens here and fetches longer ones (to exercise the remote path).
     # colocated is defined by never fetching.
-    disaggregated = ("--placement", placement)
+    disaggregated = ("--kv-placement", placement)
     return {
         "kvmesh": Mode("kvmesh", num_prefill, disaggregated, "cache-aware"),
         "local-rr": Mode("local-rr", num_prefill, disaggregated + ("--no-global-pool",), "round-robin"),
         "no-cache": Mode("no-cache", num_prefill, disaggregated + ("--no-prefix-cache",), "round-robin"),
-        "colocated": Mode("colocated", 0, ("--placement", "threshold:100000000", "--no-global-pool"),
+        "colocated": Mode("colocated", 0, ("--kv-placement", "threshold:100000000", "--no-global-pool"),
                           "round-robin"),
     }
 
@@ -277,13 +277,13 @@ def run(args) -> dict:
     requests = build_workload(args, vocab, tokenize)
     if args.rate and args.workload not in ("multi-turn", "mooncake"):
         wl.poisson_arrivals(requests, args.rate, args.seed)
-    chosen = modes(args.prefill, args.placement)
+    chosen = modes(args.prefill, args.kv_placement)
     names = [m for m in args.modes.split(",") if m] if args.modes else list(chosen)
     num = sum(len(c) for c in requests) if args.workload == "multi-turn" else len(requests)
     res: dict = {"machine": machine(), "model": args.model, "workload": args.workload, "num_requests": num,
                  "prefill_nodes": args.prefill, "decode_nodes": args.decode, "concurrency": args.concurrency,
                  "rate": args.rate, "slo": {"ttft_ms": args.slo_ttft_ms, "tpot_ms": args.slo_tpot_ms},
-                 "placement": args.placement, "hosts": args.hosts, "repeat": args.repeat, "modes": {}}
+                 "kv_placement": args.kv_placement, "hosts": args.hosts, "repeat": args.repeat, "modes": {}}
     caps = [float(x) for x in args.link_gbit.split(",")] if args.link_gbit else [None]
     hosts = None
     if args.hosts:
@@ -385,7 +385,7 @@ def add_arguments(p) -> None:
     p.add_argument("--hosts", type=int, default=0,
                    help="run etcd and every node on simulated hosts (network namespaces; needs root)")
     p.add_argument("--link-gbit", default="", help="with --hosts: comma-separated link caps, every mode at each")
-    p.add_argument("--placement", default="cost", metavar="cost|threshold:N",
+    p.add_argument("--kv-placement", default="cost", metavar="cost|threshold:N",
                    help="the decode nodes' placement policy (default cost: the planner decides, as in production; "
                         "threshold:N fetches whenever more than N uncached tokens remain)")
 

@@ -10,7 +10,7 @@ decode node on host 3 with a small KV pool and its link capped with tbf. Per bac
 Mooncake's own bound on a batch is shortened (MC_TRANSFER_TIMEOUT=5), so the writer's part
 ends while bytes are still on their way: exactly the case where a writer's "I stopped" is
 no proof (docs/design.md §6). Between given-up pushes the requester keeps serving requests that
-cache a new prefix Y (shorter than the ``--placement threshold:N``, so computed there) and reuse
+cache a new prefix Y (shorter than the ``--kv-placement threshold:N``, so computed there) and reuse
 it, reusing the blocks of the pool while the late bytes drain into its host; it goes on
 until the writer has nothing pending. Every answer is compared with the single-node engine
 on the same weights. JSON: ``{"runs": [{"backend", "path", "requests", "differ", "failed",
@@ -60,7 +60,7 @@ def run_one(hosts: Hosts, backend: str, path: str, cfg: LateWritesConfig, bar: t
     writer, requester_id = ("decode-0", "decode-1") if path == "holder" else ("prefill-0", "decode-0")
     limit = (cfg.prefix_tokens + cfg.local_tokens) // 2  # the requester computes Y itself, never X
     args = ["--transfer-backend", backend, "--holder-timeout", str(cfg.timeout_s), "--prefill-timeout",
-            str(cfg.timeout_s), "--placement", f"threshold:{limit}"]
+            str(cfg.timeout_s), "--kv-placement", f"threshold:{limit}"]
     num_far = -(-cfg.num_requests // (2 * cfg.far_every + 1))  # the given-up pushes (the rest: local requests)
     blocks_per_x = (cfg.prefix_tokens - 1) // 16
     cluster = LocalCluster(int(path == "prefill"), 1 + int(path == "holder"), model=cfg.model, node_args=args,

@@ -32,7 +32,7 @@ def _measure(path: str, model: str, prompt_tokens: int, suffix_tokens: int, roun
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     rng = random.Random(0)
     lo, hi = _token_range(model)
-    args = ["--num-kv-blocks", str(num_kv_blocks), "--prefill-timeout", "120", "--placement", "cost",
+    args = ["--num-kv-blocks", str(num_kv_blocks), "--prefill-timeout", "120", "--kv-placement", "cost",
             *PATHS[path]]
     res: dict = {"rounds": []}
     with LocalCluster(1, 2, model=model, node_args=args, cluster=f"bench-reuse-{path}", start_timeout_s=600,

@@ -1,4 +1,4 @@
-"""Placement policies: which plan a node takes for a request's uncached blocks (``--placement``).
+"""Placement policies: which plan a node takes for a request's uncached blocks (``--kv-placement``).
 
 The planner (``kvmesh.node.planner``) prices; a placement policy decides, and the nodes ask it
 without knowing which one they hold:

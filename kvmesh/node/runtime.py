@@ -82,7 +82,7 @@ class NodeConfig:
     prefill_timeout_s: float = 10.0
     holder_timeout_s: float = 5.0  # decode: a holder's push of blocks it already has
     num_landing_slots: int = -1  # one-sided backends: where pushes land before a checked copy (-1: auto)
-    placement: str = "cost"  # where uncached KV comes from (kvmesh.node.placement): cost, threshold:N
+    kv_placement: str = "cost"  # where uncached KV comes from (kvmesh.node.placement): cost, threshold:N
     transfer_gib_per_s: float = 1.0  # assumed by the cost model until it measures transfers
     transfer_rtt_s: float = 0.010  # ... and its fetch overhead beyond the bytes, until it measures fetches
     enable_prefix_caching: bool = True  # off: every prompt is computed in full (a benchmark baseline)
@@ -106,7 +106,7 @@ def index_namespace(namespace: HashNamespace) -> str:
 class NodeRuntime:
     def __init__(self, cfg: NodeConfig):
         self.cfg = cfg
-        self.placement = make_placement(cfg.placement)  # which plan a request's uncached KV follows
+        self.placement = make_placement(cfg.kv_placement)  # which plan a request's uncached KV follows
         require_secret(f"node {cfg.node_id}", [cfg.host], cfg.cluster_token, cfg.insecure)
         self.auth = ClusterAuth(cfg.cluster_token)
         self.advertise_host = advertise_address(cfg.host, cfg.advertise_host, cfg.etcd)

@@ -80,7 +80,7 @@ def test_one_prefill_one_decode_on_one_gpu_match_the_single_node_engine():
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     single = LLM("tiny-llama", device="cuda", num_kv_blocks=256, progress=False)
     want = [o.token_ids for o in single.generate(prompts, params, use_tqdm=False)]
-    args = ["--device", "cuda", "--num-kv-blocks", "256", "--placement", "threshold:0"]
+    args = ["--device", "cuda", "--num-kv-blocks", "256", "--kv-placement", "threshold:0"]
     with LocalCluster(num_prefill=1, num_decode=1, node_args=args, cluster="gpu-1p1d") as cluster:
         out = cluster.client("decode-0").generate_many(prompts, params)
         assert [c.error for c in out] == [""] * len(prompts)
