@@ -175,20 +175,22 @@ class BlockPublisher:
 
     def _write_log(self, entries: list[tuple[int, int]], lease: int) -> list[str]:
         step = hd.MAX_RECORD_ENTRIES
-        items = [KeyValue(self.keys.holdings_log(self.namespace, self.node_id, self._next_seq()),
-                          hd.encode_record(entries[i : i + step])) for i in range(0, len(entries), step)]
-        self.store.put_many(items, lease)
-        self.num_records += len(items)
-        return [kv.key for kv in items]
+        return self._put([KeyValue(self.keys.holdings_log(self.namespace, self.node_id, self._next_seq()),
+                                   hd.encode_record(entries[i : i + step])) for i in range(0, len(entries), step)],
+                         lease)
 
     def _write_snapshot(self, entries: list[tuple[int, int]], lease: int) -> list[str]:
         step, seq = hd.MAX_RECORD_ENTRIES, self._next_seq()
         num_parts = max(1, -(-len(entries) // step))
-        items = [KeyValue(self.keys.holdings_snapshot(self.namespace, self.node_id, seq, part, num_parts),
-                          hd.encode_record(entries[part * step : (part + 1) * step])) for part in range(num_parts)]
-        self.store.put_many(items, lease)
-        self.num_records += len(items)
-        return [kv.key for kv in items]
+        return self._put([KeyValue(self.keys.holdings_snapshot(self.namespace, self.node_id, seq, part, num_parts),
+                                   hd.encode_record(entries[part * step : (part + 1) * step]))
+                          for part in range(num_parts)], lease)
+
+    def _put(self, records: list[KeyValue], lease: int) -> list[str]:
+        """Write ``records`` on ``lease``; their keys."""
+        self.store.put_many(records, lease)
+        self.num_records += len(records)
+        return [kv.key for kv in records]
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -230,9 +232,7 @@ class BlockIndex:
         log.warning("skipping holdings key %r: %s", key, why)
 
     def _synced(self) -> None:
-        table = self._table
-        for node_id, state in list(table.nodes.items()):
-            table.change(node_id, state.finish_replay())
+        self._table.finish_replay()
         self._replaying = False
 
     def lookup(self, block_hashes: Sequence[bytes], exclude: str = "") -> dict[str, int]:
@@ -269,11 +269,12 @@ class BlockIndex:
         self.mirror.close()
 
 
-def apply_record(table: hd.HoldingsTable, keys: KeyLayout, namespace: str, kind: str, key: str, value: bytes,
-                 replaying: bool, skip) -> None:
-    """One watched or listed change of a holdings key into ``table`` (``skip(key, why)`` for junk)."""
+def apply_record(table: hd.HoldingsTable, keys: KeyLayout, namespace: str | None, kind: str, key: str,
+                 value: bytes, replaying: bool, skip) -> None:
+    """One watched or listed change of a holdings key into ``table`` (``skip(key, why)`` for junk; ``namespace``
+    None takes every namespace's)."""
     parsed = keys.parse_holdings(key)
-    if parsed is None or parsed.namespace != namespace:
+    if parsed is None or namespace is not None and parsed.namespace != namespace:
         skip(key, "not a holdings key of this namespace")
         return
     state = table.nodes.get(parsed.node_id)
@@ -309,9 +310,6 @@ def read_holdings(store: MetadataStore, keys: KeyLayout, namespace: str | None =
     items, revision = store.get_prefix(keys.holdings_of_namespace(namespace) if namespace else keys.holdings_prefix)
     table = hd.HoldingsTable()
     for kv in items:
-        parsed = keys.parse_holdings(kv.key)
-        if parsed is not None:
-            apply_record(table, keys, parsed.namespace, "put", kv.key, kv.value, True, lambda key, why: None)
-    for node_id, state in list(table.nodes.items()):
-        table.change(node_id, state.finish_replay())
+        apply_record(table, keys, namespace, "put", kv.key, kv.value, True, lambda key, why: None)
+    table.finish_replay()
     return Listing(table, revision)

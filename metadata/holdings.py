@@ -171,6 +171,11 @@ class HoldingsTable:
             else:
                 holders.pop(k, None)
 
+    def finish_replay(self) -> None:
+        """After a listing was replayed: each node's logs past its newest whole snapshot, into the bitmasks."""
+        for node_id, state in list(self.nodes.items()):
+            self.change(node_id, state.finish_replay())
+
     def remove(self, node_id: str) -> None:
         """``node_id`` is gone (its lease ended): forget everything it held."""
         state = self.nodes.get(node_id)
@@ -250,21 +255,3 @@ class HoldingsTable:
             return 0
         get = state.blocks.get
         return max((get(block_key(h), 0) for h in block_hashes), default=0)
-
-
-def prefix_length(holds, n: int) -> int:
-    """Length of the prefix ``[0, k)`` with ``holds(i)`` true, by binary search (the caller checked block 0).
-
-    Nodes publish whole chains and evict tails first, so what a node holds of a chain is a prefix; where the
-    index is stale the answer is advisory anyway.
-    """
-    if holds(n - 1):
-        return n
-    lo, hi = 0, n - 1  # holds(lo) is true; holds(hi) is false
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if holds(mid):
-            lo = mid
-        else:
-            hi = mid
-    return lo + 1

@@ -84,7 +84,7 @@ class Mirror:
     def __init__(self, design: str, endpoint: str):
         self.proc = subprocess.Popen([sys.executable, "-c", _MIRROR, design, endpoint], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, text=True)
-        self.ask_ready = self._read()
+        self._read()  # {"ready": true} once its mirror is healthy
 
     def _read(self):
         line = self.proc.stdout.readline()

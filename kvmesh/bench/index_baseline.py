@@ -14,7 +14,7 @@ from collections.abc import Iterable, Sequence
 
 import msgpack
 
-from kvmesh.metadata.holdings import GONE, prefix_length
+from kvmesh.metadata.holdings import GONE
 from kvmesh.metadata.keys import check_name
 from kvmesh.metadata.mirror import PrefixMirror
 from kvmesh.metadata.store import KeyValue, MetadataStore
@@ -92,7 +92,7 @@ class KeyPerBlockIndex:
         first = holders.get(block_hashes[0])
         if not first:
             return {}
-        return {node: prefix_length(lambda i, n=node: n in holders.get(block_hashes[i], ()), len(block_hashes))
+        return {node: _prefix_length(lambda i, n=node: n in holders.get(block_hashes[i], ()), len(block_hashes))
                 for node in list(first) if node != exclude}
 
     def holds_any(self, node_id: str) -> bool:
@@ -100,3 +100,21 @@ class KeyPerBlockIndex:
 
     def close(self) -> None:
         self.mirror.close()
+
+
+def _prefix_length(holds, n: int) -> int:
+    """Length of the prefix ``[0, k)`` with ``holds(i)`` true, by binary search (the caller checked block 0).
+
+    Nodes publish whole chains and evict tails first, so what a node holds of a chain is a prefix; where the
+    index is stale the answer is advisory anyway.
+    """
+    if holds(n - 1):
+        return n
+    lo, hi = 0, n - 1  # holds(lo) is true; holds(hi) is false
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if holds(mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo + 1
