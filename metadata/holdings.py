@@ -24,12 +24,16 @@ from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
+
+from kvmesh.metadata.key_map import KeyMap, as_keys
 from kvmesh.metadata.keys import HoldingsKey
 from kvmesh.metadata.records import RecordError
 
 GONE = 255  # a log entry's code for "no longer held"; 0, 1, 2 are tiers (compute buffer, host memory, disk)
 LOG, SNAPSHOT = "l", "s"
 MAX_HINTS = 1 << 16  # remembered lookup lengths (cleared when full)
+_MIN_MAX_SETS = 4096  # holder sets interned before the unused ones are dropped
 MAX_RECORD_ENTRIES = 16_384  # 9 bytes each: ~144 KiB per record, well inside etcd's request and a listing page's limits
 _HEADER = struct.Struct("<4sI")
 _MAGIC = b"KVH1"
@@ -51,55 +55,62 @@ def encode_record(entries: Sequence[tuple[int, int]]) -> bytes:
     return _HEADER.pack(_MAGIC, len(entries)) + keys.tobytes() + bytes(c for _, c in entries)
 
 
-def decode_record(data: bytes) -> tuple[list[int], bytes]:
-    """The record's keys and codes; RecordError when it is not one."""
+def decode_record(data: bytes) -> tuple[np.ndarray, np.ndarray]:
+    """The record's keys (uint64) and codes (uint8), views of ``data``; RecordError when it is not one."""
     if len(data) < _HEADER.size:
         raise RecordError("holdings record: too short")
     magic, count = _HEADER.unpack_from(data)
     if magic != _MAGIC or len(data) != _HEADER.size + 9 * count:
         raise RecordError("holdings record: bad magic or length")
-    keys = array("Q")
-    keys.frombytes(data[_HEADER.size : _HEADER.size + 8 * count])
-    if sys.byteorder != "little":  # pragma: no cover
-        keys.byteswap()
-    codes = data[_HEADER.size + 8 * count :]
-    if any(c > 2 and c != GONE for c in set(codes)):
+    keys = np.frombuffer(data, dtype="<u8", count=count, offset=_HEADER.size).astype(np.uint64, copy=False)
+    codes = np.frombuffer(data, dtype=np.uint8, offset=_HEADER.size + 8 * count)
+    if ((codes > 2) & (codes != GONE)).any():
         raise RecordError("holdings record: unknown entry code")
-    return keys.tolist(), codes
+    return keys, codes
 
 
-Diff = tuple[list[int], list[int]]  # (block keys newly held, block keys no longer held)
+Diff = tuple[np.ndarray, np.ndarray]  # (block keys newly held, block keys no longer held), KeyMap's stored form
+_NONE = np.zeros(0, dtype=np.uint64)
+
+
+def _last_wins(keys, codes) -> tuple[np.ndarray, np.ndarray]:
+    """Entries with each key once (its last code): a record from a correct publisher has no repeats, and a
+    KeyMap takes distinct keys."""
+    keys = as_keys(keys)
+    codes = np.frombuffer(codes, dtype=np.uint8) if isinstance(codes, (bytes, bytearray)) else np.asarray(codes)
+    if len(keys) < 2:
+        return keys, codes
+    unique, last = np.unique(keys[::-1], return_index=True)
+    if len(unique) == len(keys):
+        return keys, codes
+    return unique, codes[::-1][last]
 
 
 @dataclass(slots=True)
 class NodeHoldings:
     """One node's holdings as a reader knows them: block key -> fastest tier, as of record ``seq``."""
 
-    blocks: dict[int, int] = field(default_factory=dict)
+    blocks: KeyMap = field(default_factory=KeyMap)
     seq: int = -1
     keys: set[str] = field(default_factory=set)  # the node's record keys in etcd now (none left: it is gone)
     # snapshot seq -> part -> (keys, codes): parts seen of snapshots not yet whole
-    partial: dict[int, dict[int, tuple[list[int], bytes]]] = field(default_factory=dict)
-    logs: dict[int, tuple[list[int], bytes]] = field(default_factory=dict)  # while a listing is replayed
+    partial: dict[int, dict[int, tuple[np.ndarray, np.ndarray]]] = field(default_factory=dict)
+    logs: dict[int, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)  # while a listing is replayed
 
-    def apply_log(self, seq: int, keys: list[int], codes: bytes) -> Diff:
-        """A log record; one at or below ``seq`` is already folded in and is skipped."""
-        added, removed = [], []
+    def apply_log(self, seq: int, keys, codes) -> Diff:
+        """A log record (keys, codes as bytes or arrays); one at or below ``seq`` is already folded in and is
+        skipped."""
         if seq <= self.seq:
-            return added, removed
-        blocks = self.blocks
-        for k, c in zip(keys, codes):
-            if c == GONE:
-                if blocks.pop(k, None) is not None:
-                    removed.append(k)
-            else:
-                if k not in blocks:
-                    added.append(k)
-                blocks[k] = c
+            return _NONE, _NONE
+        keys, codes = _last_wins(keys, codes)
+        gone = codes == GONE
+        removed = keys[gone][self.blocks.delete_many(keys[gone])]
+        held = ~gone
+        added = keys[held][self.blocks.put_many(keys[held], codes[held])]
         self.seq = seq
         return added, removed
 
-    def add_snapshot_part(self, key: HoldingsKey, keys: list[int], codes: bytes) -> Diff | None:
+    def add_snapshot_part(self, key: HoldingsKey, keys, codes) -> Diff | None:
         """One part of snapshot ``key.seq``; once every part is in and it is newer than ``seq``, it replaces
         the blocks (returns what changed), else None."""
         if key.seq <= self.seq:
@@ -108,43 +119,54 @@ class NodeHoldings:
         parts[key.part] = (keys, codes)
         if len(parts) < key.num_parts:
             return None
-        blocks: dict[int, int] = {}
-        for part_keys, part_codes in parts.values():
-            blocks.update(zip(part_keys, part_codes))
-        old, self.blocks, self.seq = self.blocks, blocks, key.seq
+        new_keys, new_codes = _last_wins(np.concatenate([as_keys(k) for k, _ in parts.values()]),
+                                         np.concatenate([np.frombuffer(c, np.uint8) if isinstance(c, bytes)
+                                                         else c for _, c in parts.values()]))
+        new_keys, new_codes = new_keys[new_codes != GONE], new_codes[new_codes != GONE]
+        blocks = KeyMap(len(new_keys))
+        blocks.put_many(new_keys, new_codes)
+        old, old_keys = self.blocks, self.blocks.keys()
+        self.blocks, self.seq = blocks, key.seq
         self.partial = {s: p for s, p in self.partial.items() if s > key.seq}
-        return [k for k in blocks if k not in old], [k for k in old if k not in blocks]
+        return new_keys[~old.contains_many(new_keys)], old_keys[~blocks.contains_many(old_keys)]
 
     def finish_replay(self) -> Diff:
         """After a listing: the logs it held past the newest whole snapshot, in order."""
         logs, self.logs = self.logs, {}
-        added, removed = set(), set()
+        if not logs:
+            return _NONE, _NONE
+        before = self.blocks.keys().copy()
         for seq in sorted(logs):
-            a, r = self.apply_log(seq, *logs[seq])
-            added.update(a)
-            removed.difference_update(a)
-            removed.update(r)
-            added.difference_update(r)
-        return list(added), list(removed)
+            self.apply_log(seq, *logs[seq])
+        after = self.blocks.keys()
+        return np.setdiff1d(after, before, assume_unique=True), np.setdiff1d(before, after, assume_unique=True)
 
 
 class HoldingsTable:
-    """Every node's holdings and, per block key, a bitmask of the nodes holding it (one slot per node), so a
-    lookup probes one dict per step of its binary search whatever the number of nodes. Written by one
-    thread (the mirror's); lookups from others read it without a lock (each dict operation is atomic; an
+    """Every node's holdings and, per block key, the set of nodes holding it (a bitmask of node slots, interned:
+    the block's entry holds the set's number), so a lookup probes one map per step of its binary search whatever
+    the number of nodes. Written by one thread (the mirror's); lookups from others read it without a lock (an
     answer may be a moment stale, which the index tolerates)."""
 
     def __init__(self):
         self.nodes: dict[str, NodeHoldings] = {}
         self._slot_of: dict[str, int] = {}
         self._node_at: list[str | None] = []
-        self._holders: dict[int, int] = {}  # block key -> bitmask of node slots
+        self._holders = KeyMap()  # block key -> number of its holder set
+        self._sets: list[int] = [0]  # holder set number -> bitmask of node slots; 0 is the empty set
+        self._set_number: dict[int, int] = {0: 0}
+        self._max_sets = _MIN_MAX_SETS
         # (first block key, node bit) -> the length a lookup found last: tried first, with two probes
         self._hints: dict[tuple[int, int], int] = {}
 
     def __len__(self) -> int:
         """(block, holder) pairs listed."""
         return sum(len(s.blocks) for s in list(self.nodes.values()))
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held in the block maps (the Python objects around them excluded)."""
+        return self._holders.nbytes + sum(s.blocks.nbytes for s in list(self.nodes.values()))
 
     def state(self, node_id: str) -> NodeHoldings:
         state = self.nodes.get(node_id)
@@ -156,23 +178,61 @@ class HoldingsTable:
             self._node_at[free], self._slot_of[node_id] = node_id, free
         return state
 
+    def _numbers(self, old_numbers: np.ndarray, change) -> np.ndarray:
+        """The holder-set numbers of ``change(old set)`` for each old number (sets interned on first sight)."""
+        unique, inverse = np.unique(old_numbers, return_inverse=True)
+        sets, number_of = self._sets, self._set_number
+        new = np.empty(len(unique), dtype=np.int64)
+        for i, old in enumerate(unique.tolist()):
+            bits = change(sets[old])
+            number = number_of.get(bits)
+            if number is None:
+                number = number_of[bits] = len(sets)
+                sets.append(bits)
+            new[i] = number
+        return new[inverse]
+
     def change(self, node_id: str, diff: Diff | None) -> None:
-        """Reflect what ``node_id`` newly holds and no longer holds in the per-block bitmasks."""
+        """Reflect what ``node_id`` newly holds and no longer holds in the blocks' holder sets."""
         if not diff:
             return
         bit, holders = 1 << self._slot_of[node_id], self._holders
         added, removed = diff
-        for k in added:
-            holders[k] = holders.get(k, 0) | bit
-        for k in removed:
-            v = holders.get(k, 0) & ~bit
-            if v:
-                holders[k] = v
-            else:
-                holders.pop(k, None)
+        if len(added):
+            holders.put_many(added, self._numbers(holders.get_many(added, 0), lambda bits: bits | bit))
+        if len(removed):
+            numbers = self._numbers(holders.get_many(removed, 0), lambda bits: bits & ~bit)
+            empty = numbers == 0
+            holders.delete_many(removed[empty])
+            holders.put_many(removed[~empty], numbers[~empty])
+        if len(self._sets) > self._max_sets:
+            self._renumber_sets()
+
+    def _renumber_sets(self) -> None:
+        """Forget holder sets no block has any more (nodes come and go; each change interns new sets)."""
+        keys, numbers = self._holders.items()
+        live, inverse = np.unique(numbers, return_inverse=True)
+        sets = [0] + [self._sets[n] for n in live.tolist() if n]
+        renumbered = np.arange(len(live), dtype=np.uint64) + (0 if live[:1].tolist() == [0] else 1)
+        self._holders.put_many(keys, renumbered[inverse])
+        self._sets, self._set_number = sets, {bits: n for n, bits in enumerate(sets)}
+        self._max_sets = max(_MIN_MAX_SETS, 4 * len(sets))
+
+    def check_integrity(self) -> None:
+        """Raise AssertionError unless every block's holder set names exactly the nodes listing it (slow: tests)."""
+        self._holders.check_integrity()
+        expected: dict[int, int] = {}
+        for node_id, state in self.nodes.items():
+            state.blocks.check_integrity()
+            bit = 1 << self._slot_of[node_id]
+            for k in state.blocks.keys().tolist():
+                expected[k] = expected.get(k, 0) | bit
+        keys, numbers = self._holders.items()
+        assert {k: self._sets[n] for k, n in zip(keys.tolist(), numbers.tolist())} == expected, "holder sets drifted"
+        assert all(self._set_number[bits] == n for n, bits in enumerate(self._sets)), "set numbers drifted"
 
     def finish_replay(self) -> None:
-        """After a listing was replayed: each node's logs past its newest whole snapshot, into the bitmasks."""
+        """After a listing was replayed: each node's logs past its newest whole snapshot, into the holder sets."""
         for node_id, state in list(self.nodes.items()):
             self.change(node_id, state.finish_replay())
 
@@ -181,7 +241,7 @@ class HoldingsTable:
         state = self.nodes.get(node_id)
         if state is None:
             return
-        self.change(node_id, ([], list(state.blocks)))
+        self.change(node_id, (_NONE, state.blocks.keys().copy()))
         del self.nodes[node_id]
         self._node_at[self._slot_of.pop(node_id)] = None
 
@@ -190,7 +250,7 @@ class HoldingsTable:
 
         What a node holds of a chain is a prefix (nodes publish whole chains and evict tails first; where the
         index is stale the answer is advisory anyway), so each holder of the first block gets a binary search;
-        the searches run together, each probe (one dict read: the bitmask of the block's holders) narrowing
+        the searches run together, each probe (one map read: the block's holder set) narrowing
         every search it falls inside, so holders of the same length share all their probes. A search first
         tries the length found last time for the same first block and node (a shared system prompt's, mostly):
         two probes confirm it, or narrow the search.
@@ -198,17 +258,17 @@ class HoldingsTable:
         n = len(block_hashes)
         if not n:
             return {}
-        holders, unpack, hints = self._holders, _KEY.unpack_from, self._hints
+        get, sets, unpack, hints = self._holders.get, self._sets, _KEY.unpack_from, self._hints
         first_key = unpack(block_hashes[0])[0]
-        first = holders.get(first_key, 0)
+        first = sets[get(first_key, 0)]
         if not first:
             return {}
-        probed = {0: first, n - 1: holders.get(unpack(block_hashes[n - 1])[0], 0)}
+        probed = {0: first, n - 1: sets[get(unpack(block_hashes[n - 1])[0], 0)]}
 
         def nodes_at(i: int) -> int:
             v = probed.get(i)
             if v is None:
-                v = probed[i] = holders.get(unpack(block_hashes[i])[0], 0)
+                v = probed[i] = sets[get(unpack(block_hashes[i])[0], 0)]
             return v
 
         searches = []  # [lo (held), hi (not held), bit]
@@ -253,5 +313,11 @@ class HoldingsTable:
         state = self.nodes.get(node_id)
         if state is None:
             return 0
-        get = state.blocks.get
-        return max((get(block_key(h), 0) for h in block_hashes), default=0)
+        if not block_hashes:
+            return 0
+        joined = b"".join(block_hashes)
+        if len(joined) == 16 * len(block_hashes):
+            keys = np.frombuffer(joined, dtype="<u8")[::2]
+        else:
+            keys = [block_key(h) for h in block_hashes]
+        return int(state.blocks.get_many(keys, 0).max())

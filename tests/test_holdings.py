@@ -27,8 +27,8 @@ def store(request, etcd):
 def test_records_round_trip_and_junk_is_refused():
     entries = [(2**64 - 1, 0), (0, 2), (12345, hd.GONE)]
     keys, codes = hd.decode_record(hd.encode_record(entries))
-    assert list(zip(keys, codes)) == entries
-    assert hd.decode_record(hd.encode_record([])) == ([], b"")
+    assert list(zip(keys.tolist(), codes.tolist())) == entries
+    assert [len(part) for part in hd.decode_record(hd.encode_record([]))] == [0, 0]
     good = hd.encode_record(entries)
     for bad in (b"", good[:-1], b"KVH2" + good[4:], good[:-1] + bytes([7])):
         with pytest.raises(RecordError):
@@ -132,6 +132,7 @@ def test_table_lookups_agree_with_a_model():
         if rng.random() < 0.05:
             table.remove(node)
             model.pop(node)
+        table.check_integrity()
         for j in range(6):
             want = {n: held[j] for n, held in model.items() if held.get(j)}
             assert table.lookup(chains[j]) == want
