@@ -249,21 +249,22 @@ class HoldingsTable:
         """node_id -> number of leading blocks of the chain it holds (nodes holding none omitted).
 
         What a node holds of a chain is a prefix (nodes publish whole chains and evict tails first; where the
-        index is stale the answer is advisory anyway), so each holder of the first block gets a binary search;
-        the searches run together, each probe (one map read: the block's holder set) narrowing
-        every search it falls inside, so holders of the same length share all their probes. A search first
-        tries the length found last time for the same first block and node (a shared system prompt's, mostly):
-        two probes confirm it, or narrow the search.
+        index is stale the answer is advisory anyway), so the holders of the first block are found by binary
+        search, as groups: a group is the nodes still known to hold block ``lo`` and not block ``hi``, and each
+        probe (one map read: the block's holder set) splits a group into those holding the middle block and
+        those not, so nodes holding the same length share every probe. A node first tries the length found
+        last time for the same first block (a shared system prompt's, mostly): two probes confirm it, or
+        narrow its search.
         """
         n = len(block_hashes)
         if not n:
             return {}
-        get, sets, unpack, hints = self._holders.get, self._sets, _KEY.unpack_from, self._hints
+        get, sets, unpack, hints = self._holders.reader(), self._sets, _KEY.unpack_from, self._hints
         first_key = unpack(block_hashes[0])[0]
         first = sets[get(first_key, 0)]
         if not first:
             return {}
-        probed = {0: first, n - 1: sets[get(unpack(block_hashes[n - 1])[0], 0)]}
+        probed = {0: first}
 
         def nodes_at(i: int) -> int:
             v = probed.get(i)
@@ -271,41 +272,50 @@ class HoldingsTable:
                 v = probed[i] = sets[get(unpack(block_hashes[i])[0], 0)]
             return v
 
-        searches = []  # [lo (held), hi (not held), bit]
-        out, node_at = {}, self._node_at
-        while first:
-            bit = first & -first
-            first ^= bit
-            if probed[n - 1] & bit:
-                out[bit] = n
-                continue
-            search = [0, n - 1, bit]
+        lengths: dict[int, int] = {}  # bitmask of nodes -> the number of blocks each of them holds
+        full = first & nodes_at(n - 1)
+        if full:
+            lengths[full] = n
+        groups: dict[tuple[int, int], int] = {}  # (lo: held, hi: not held) -> bitmask of nodes
+        rest = first & ~full
+        while rest:
+            bit = rest & -rest
+            rest ^= bit
+            lo, hi = 0, n - 1
             hint = hints.get((first_key, bit), 0)
             if 0 < hint < n - 1:
                 if nodes_at(hint - 1) & bit:
-                    search[0] = hint - 1
+                    lo = hint - 1
                     if not nodes_at(hint) & bit:
-                        search[1] = hint
+                        hi = hint
                 else:
-                    search[1] = hint - 1
-            searches.append(search)
-        for search in searches:
-            while search[1] - search[0] > 1:
-                mid = (search[0] + search[1]) // 2
-                at = nodes_at(mid)
-                for other in searches:  # this probe narrows every search it falls inside
-                    if other[0] < mid < other[1]:
-                        other[0 if at & other[2] else 1] = mid
-            out[search[2]] = search[0] + 1
-            if len(hints) >= MAX_HINTS:
-                hints.clear()
-            hints[first_key, search[2]] = search[0] + 1
-        named = {}
-        for bit, length in out.items():
-            slot = bit.bit_length() - 1
-            node_id = node_at[slot] if slot < len(node_at) else None
-            if node_id is not None and node_id != exclude:
-                named[node_id] = length
+                    hi = hint - 1
+            groups[lo, hi] = groups.get((lo, hi), 0) | bit
+        stack = [(lo, hi, bits) for (lo, hi), bits in groups.items()]
+        while stack:
+            lo, hi, bits = stack.pop()
+            if hi - lo <= 1:
+                lengths[bits] = lo + 1
+                continue
+            mid = (lo + hi) // 2
+            held = nodes_at(mid) & bits
+            if held:
+                stack.append((mid, hi, held))
+            if held != bits:
+                stack.append((lo, mid, bits ^ held))
+        if len(hints) >= MAX_HINTS:
+            hints.clear()
+        named, node_at = {}, self._node_at
+        for bits, length in lengths.items():
+            while bits:
+                bit = bits & -bits
+                bits ^= bit
+                if length < n:
+                    hints[first_key, bit] = length
+                slot = bit.bit_length() - 1
+                node_id = node_at[slot] if slot < len(node_at) else None
+                if node_id is not None and node_id != exclude:
+                    named[node_id] = length
         return named
 
     def slowest_tier(self, block_hashes: Sequence[bytes], node_id: str) -> int:

@@ -22,6 +22,7 @@ during a rebuild): the index is advisory.
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 
 import numpy as np
 
@@ -79,19 +80,28 @@ class KeyMap:
         return self._layout.slots.nbytes
 
     def get(self, key: int, default: int = MISSING) -> int:
-        """The value of one key (``default`` when absent): a few Python steps, one memory read mostly."""
-        if key < 2:
-            key += 2
+        """The value of one key (``default`` when absent)."""
+        return self.reader()(key, default)
+
+    def reader(self) -> Callable[[int, int], int]:
+        """``get`` bound to the map as it is now, for a loop of scalar reads (a lookup's probes): a few Python
+        steps and mostly one memory read each. Stale after a rebuild (it keeps reading the old array)."""
         layout = self._layout
-        view, mask = layout.view, layout.mask
-        i = ((key * layout.multiplier) & _MASK64) >> layout.shift
-        while True:
-            found = view[2 * i]
-            if found == key:
-                return view[2 * i + 1]
-            if found == EMPTY:
-                return default
-            i = (i + 1) & mask
+        view, mask, shift, multiplier = layout.view, layout.mask, layout.shift, layout.multiplier
+
+        def get(key: int, default: int = MISSING) -> int:
+            if key < 2:
+                key += 2
+            i = ((key * multiplier) & _MASK64) >> shift
+            while True:
+                found = view[2 * i]
+                if found == key:
+                    return view[2 * i + 1]
+                if found == EMPTY:
+                    return default
+                i = (i + 1) & mask
+
+        return get
 
     def _find(self, keys: np.ndarray) -> np.ndarray:
         """Slot index of each key (``MISSING`` where absent), all keys probing at once."""
