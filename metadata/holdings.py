@@ -104,11 +104,9 @@ class NodeHoldings:
             return _NONE, _NONE
         keys, codes = _last_wins(keys, codes)
         gone = codes == GONE
-        removed = keys[gone][self.blocks.delete_many(keys[gone])]
-        held = ~gone
-        added = keys[held][self.blocks.put_many(keys[held], codes[held])]
+        held = self.blocks.transform(keys, lambda _: codes, absent=GONE)
         self.seq = seq
-        return added, removed
+        return keys[~held & ~gone], keys[held & gone]
 
     def add_snapshot_part(self, key: HoldingsKey, keys, codes) -> Diff | None:
         """One part of snapshot ``key.seq``; once every part is in and it is newer than ``seq``, it replaces
@@ -199,12 +197,9 @@ class HoldingsTable:
         bit, holders = 1 << self._slot_of[node_id], self._holders
         added, removed = diff
         if len(added):
-            holders.put_many(added, self._numbers(holders.get_many(added, 0), lambda bits: bits | bit))
+            holders.transform(added, lambda numbers: self._numbers(numbers, lambda bits: bits | bit))
         if len(removed):
-            numbers = self._numbers(holders.get_many(removed, 0), lambda bits: bits & ~bit)
-            empty = numbers == 0
-            holders.delete_many(removed[empty])
-            holders.put_many(removed[~empty], numbers[~empty])
+            holders.transform(removed, lambda numbers: self._numbers(numbers, lambda bits: bits & ~bit))
         if len(self._sets) > self._max_sets:
             self._renumber_sets()
 

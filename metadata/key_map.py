@@ -31,6 +31,7 @@ MISSING = -1
 _MASK64 = (1 << 64) - 1
 _MAX_LOAD = 0.7  # live + deleted slots over capacity before a rebuild
 _MIN_SLOTS = 16
+_SCALAR_TAIL = 24  # keys left probing when a bulk operation goes on one key at a time
 
 
 def as_keys(keys) -> np.ndarray:
@@ -104,18 +105,29 @@ class KeyMap:
         return get
 
     def _find(self, keys: np.ndarray) -> np.ndarray:
-        """Slot index of each key (``MISSING`` where absent), all keys probing at once."""
+        """Slot index of each key (``MISSING`` where absent): all keys probe at once, round after round, and the
+        last few finish one by one (a round costs a dozen numpy calls whatever its size)."""
         layout = self._layout
         slots, mask = layout.slots, layout.mask
         where = np.full(len(keys), MISSING, dtype=np.int64)
         pending = np.arange(len(keys))
         pos = layout.homes(keys)
-        while pending.size:
+        while len(pending) > _SCALAR_TAIL:
             found = slots[2 * pos]
             hit = found == keys[pending]
             where[pending[hit]] = pos[hit]
             going_on = ~hit & (found != EMPTY)
             pending, pos = pending[going_on], (pos[going_on] + 1) & mask
+        view = layout.view
+        for i, at, key in zip(pending.tolist(), pos.tolist(), keys[pending].tolist()):
+            while True:
+                found = view[2 * at]
+                if found == key:
+                    where[i] = at
+                    break
+                if found == EMPTY:
+                    break
+                at = (at + 1) & mask
         return where
 
     def get_many(self, keys, default: int = MISSING) -> np.ndarray:
@@ -130,29 +142,53 @@ class KeyMap:
     def contains_many(self, keys) -> np.ndarray:
         return self._find(as_keys(keys)) >= 0
 
-    def put_many(self, keys, values) -> np.ndarray:
-        """Set ``keys[i]`` to ``values[i]`` (the keys distinct); returns the mask of keys that were absent."""
+    def transform(self, keys, change: Callable[[np.ndarray], np.ndarray], absent: int = 0) -> np.ndarray:
+        """Give each of ``keys`` (distinct) the value ``change(old values)[i]``, one probe per key: the old value
+        of a key not held reads as ``absent``, and a new value of ``absent`` removes the key. Returns the mask
+        of keys that were held."""
         keys = as_keys(keys)
-        values = np.broadcast_to(np.asarray(values, dtype=np.uint64), keys.shape)
         where = self._find(keys)
         held = where >= 0
         slots = self._layout.slots
-        slots[2 * where[held] + 1] = values[held]
-        new = ~held
-        num_new = int(new.sum())
-        if num_new:
-            if self._num_live + self._num_dead + num_new > _MAX_LOAD * (self._layout.mask + 1):
-                self._rebuild(self._num_live + num_new)
-            self._insert(keys[new], values[new])
-        return new
+        old = np.full(len(keys), absent, dtype=np.int64)
+        old[held] = slots[2 * where[held] + 1].astype(np.int64)
+        new = np.asarray(change(old), dtype=np.int64)
+        stays = new != absent
+        kept = held & stays
+        slots[2 * where[kept] + 1] = new[kept].astype(np.uint64)
+        gone = where[held & ~stays]
+        if len(gone):
+            slots[2 * gone] = TOMB
+            self._num_live -= len(gone)
+            self._num_dead += len(gone)
+        added = ~held & stays
+        num_added = int(added.sum())
+        if num_added:
+            if self._num_live + self._num_dead + num_added > _MAX_LOAD * (self._layout.mask + 1):
+                self._rebuild(self._num_live + num_added)
+            self._insert(keys[added], new[added].astype(np.uint64))
+        elif self._num_dead > self._num_live and self._num_dead > _MIN_SLOTS:
+            self._rebuild(self._num_live)
+        return held
+
+    def put_many(self, keys, values) -> np.ndarray:
+        """Set ``keys[i]`` to ``values[i]`` (the keys distinct, the values >= 0); returns the mask of keys that
+        were absent."""
+        values = np.asarray(values, dtype=np.int64)
+        return ~self.transform(keys, lambda old: np.broadcast_to(values, old.shape), absent=-1)
+
+    def delete_many(self, keys) -> np.ndarray:
+        """Remove ``keys`` (distinct); returns the mask of those that were present."""
+        return self.transform(keys, lambda old: np.full(len(old), -1), absent=-1)
 
     def _insert(self, keys: np.ndarray, values: np.ndarray) -> None:
-        """Absent, distinct keys into free slots (empty or deleted) along their probe paths."""
+        """Absent, distinct keys into free slots (empty or deleted) along their probe paths; like ``_find``,
+        in rounds, then one by one."""
         layout = self._layout
         slots, mask = layout.slots, layout.mask
         pending = np.arange(len(keys))
         pos = layout.homes(keys)
-        while pending.size:
+        while len(pending) > _SCALAR_TAIL:
             found = slots[2 * pos]
             free = np.flatnonzero(found <= TOMB)
             # several keys may reach the same free slot this round: each writes its key there, and the key
@@ -168,19 +204,14 @@ class KeyMap:
             left = np.ones(len(pending), dtype=bool)
             left[taking] = False
             pending, pos = pending[left], (pos[left] + 1) & mask
-
-    def delete_many(self, keys) -> np.ndarray:
-        """Remove ``keys``; returns the mask of those that were present."""
-        keys = as_keys(keys)
-        where = self._find(keys)
-        held = where >= 0
-        gone = np.unique(where[held])
-        self._layout.slots[2 * gone] = TOMB
-        self._num_live -= len(gone)
-        self._num_dead += len(gone)
-        if self._num_dead > self._num_live and self._num_dead > _MIN_SLOTS:
-            self._rebuild(self._num_live)
-        return held
+        view = layout.view
+        for at, key, value in zip(pos.tolist(), keys[pending].tolist(), values[pending].tolist()):
+            while view[2 * at] > TOMB:
+                at = (at + 1) & mask
+            self._num_dead -= view[2 * at] == TOMB
+            view[2 * at + 1] = value
+            view[2 * at] = key
+            self._num_live += 1
 
     def keys(self) -> np.ndarray:
         """Every key held (the stored form: keys below 2 read as key + 2), in no order."""

@@ -85,9 +85,13 @@ class PrefixMirror:
                 log.warning("mirror %s: watch broke (%s); resyncing", self.prefix, type(batch).__name__)
                 self._healthy.clear()
                 return
-            for event in batch:
-                self.revision = max(self.revision, event.revision)
-                self._on_change(event.kind, event.key, event.value, event.lease)
+            try:
+                for event in batch:
+                    self._on_change(event.kind, event.key, event.value, event.lease)
+                    self.revision = max(self.revision, event.revision)  # after: a reader of it sees the event
+            except Exception:  # a change half applied: start over from a listing rather than drift
+                log.exception("mirror %s: applying a change failed; resyncing", self.prefix)
+                self._healthy.clear()
 
     def mark_unhealthy(self) -> None:
         """Force a resync (used when a caller learns the store was unreachable)."""

@@ -6,7 +6,7 @@ import random
 import pytest
 
 from kvmesh.kernels.cpu import library
-from kvmesh.kv.block_index import ADDED, NO_BLOCK, DictBlockIndex, NativeBlockIndex, Removed, make_block_index
+from kvmesh.kv.block_index import ADDED, NO_BLOCK, NOT_HELD, DictBlockIndex, NativeBlockIndex, Removed, make_block_index
 
 KINDS = ["native", "dict"]
 
@@ -95,10 +95,30 @@ def test_random_runs_and_removals_match_a_model(kind, seed):
             leaves = [b for b in model.blocks.values() if model.children[b] == 0]
             b = rng.choice(leaves)
             h, parent = model.hash_of(b), model.parents[b]
-            assert index.remove_block(b) == Removed(h, parent)
-            del model.blocks[h]
-            if parent != NO_BLOCK:
-                model.children[parent] -= 1
+            if rng.random() < 0.5:
+                assert index.remove_block(b) == Removed(h, parent)
+                del model.blocks[h]
+                if parent != NO_BLOCK:
+                    model.children[parent] -= 1
+            else:  # in one call: the leaf, a block holding nothing, and the parent once it is a leaf too
+                victims = [b] + [x for x in range(num_blocks) if model.hash_of(x) is None][:1]
+                if parent != NO_BLOCK and model.children[parent] == 1:
+                    victims.append(parent)
+                want = [(model.hash_of(v), model.parents[v]) for v in victims]
+                want_parent_hashes = [model.hash_of(p) if h and p != NO_BLOCK else None for h, p in want]
+                removed = index.remove_blocks(victims)
+                assert removed.num_removed == sum(h is not None for h, _ in want)
+                for i, (h, p) in enumerate(want):
+                    assert removed.parents[i] == (NOT_HELD if h is None else p)
+                    if h is not None:
+                        assert removed.hashes[16 * i : 16 * i + 16] == h
+                    if want_parent_hashes[i] is not None:
+                        assert removed.parent_hashes[16 * i : 16 * i + 16] == want_parent_hashes[i]
+                for h, p in want:
+                    if h is not None:
+                        del model.blocks[h]
+                        if p != NO_BLOCK:
+                            model.children[p] -= 1
         assert index.get(rng.randbytes(16)) is None
         if model.blocks:  # a chain from some block up to its root, and the blocks still holding it
             chain = [rng.choice(list(model.blocks.values()))]
@@ -131,7 +151,7 @@ def test_ids_outside_the_pool_are_refused_and_change_nothing(kind):
     for ids, consecutive, parent in (([3, 8], False, NO_BLOCK), ([7, 8], True, NO_BLOCK), ([2], True, 8)):
         with pytest.raises(IndexError):
             index.add_run([b"a" * 16, b"b" * 16][: len(ids)], ids, consecutive, parent)
-    for call in (index.hash_of, index.remove_block):
+    for call in (index.hash_of, index.remove_block, lambda b: index.remove_blocks([b])):
         with pytest.raises(IndexError):
             call(8)
     Model(8).check(index, 8)

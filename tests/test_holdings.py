@@ -137,3 +137,29 @@ def test_table_lookups_agree_with_a_model():
             want = {n: held[j] for n, held in model.items() if held.get(j)}
             assert table.lookup(chains[j]) == want
             assert table.lookup(chains[j][:17]) == {n: min(v, 17) for n, v in want.items()}
+
+
+def test_a_change_that_fails_to_apply_makes_the_mirror_resync(store):
+    """An exception while a watched change is applied (a bug, memory) must not leave the mirror drifting: it marks
+    itself unhealthy and starts over from a listing, which brings the change in."""
+    from kvmesh.metadata.mirror import PrefixMirror
+    from kvmesh.metadata.store import KeyValue
+
+    seen: list[str] = []
+    fail_once = [True]
+
+    def on_change(kind: str, key: str, value: bytes, lease: int = 0) -> None:
+        if kind == "put" and key.endswith("/boom") and fail_once[0]:
+            fail_once[0] = False
+            raise RuntimeError("boom")
+        if kind == "put":
+            seen.append(key)
+
+    mirror = PrefixMirror(store, "/resync-test/", on_change, retry_interval_s=0.05)
+    try:
+        assert mirror.wait_healthy(10)
+        store.put_many([KeyValue("/resync-test/boom", b"x")])
+        wait_for(lambda: "/resync-test/boom" in seen and mirror.healthy, what="the failed change, after a resync")
+        assert mirror.num_resyncs == 2 and not fail_once[0]
+    finally:
+        mirror.close()

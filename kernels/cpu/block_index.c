@@ -141,6 +141,34 @@ int64_t block_index_remove_block(block_index_t *ix, int64_t b, uint8_t *out) {
     return parent;
 }
 
+/* block_index_remove_block for ids[0..n) in order, in one call (an eviction's victims): block i's digest into
+ * digests[16 i], its parent's (as it was before any removal here) into parent_digests[16 i], and parents[i] =
+ * its parent (-1 for a root), or -2 when it held no digest (nothing written), -3 when it is no block.
+ * Returns how many held one. A block removed here may be the parent of one removed before it. */
+int64_t block_index_remove_blocks(block_index_t *ix, const int32_t *ids, int64_t n, uint8_t *digests,
+                                  uint8_t *parent_digests, int32_t *parents) {
+    int64_t num_removed = 0;
+    for (int64_t i = 0; i < n; i++) {
+        int64_t b = ids[i];
+        if (!is_block(ix, b)) {
+            parents[i] = -3;
+            continue;
+        }
+        int32_t s = ix->slot_of_block[b];
+        if (s < 0) {
+            parents[i] = -2;
+            continue;
+        }
+        memcpy(digests + 16 * i, &ix->keys[2 * s], 16);
+        int32_t parent = ix->parents[b];
+        if (parent != NO_BLOCK) memcpy(parent_digests + 16 * i, &ix->keys[2 * ix->slot_of_block[parent]], 16);
+        parents[i] = parent;
+        unlink_block(ix, b);
+        num_removed++;
+    }
+    return num_removed;
+}
+
 /* How many leading blocks ids[i] still hold digest i (n digests of 16 bytes). */
 int64_t block_index_count_held(const block_index_t *ix, const int32_t *ids, const uint8_t *digests, int64_t n) {
     for (int64_t i = 0; i < n; i++) {

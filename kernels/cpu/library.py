@@ -58,6 +58,7 @@ _BLOCK_INDEX_SIGNATURES = {  # each takes the address of a block_index_t first (
     "block_index_digest_of": [_P, _I64, _P],
     "block_index_add_run": [_P, _B, _I64, _B, _I64, _I64],
     "block_index_remove_block": [_P, _I64, _P],
+    "block_index_remove_blocks": [_P, _B, _I64, _P, _P, _P],
     "block_index_count_held": [_P, _B, _B, _I64],
     "block_index_chain": [_P, _I64, _I64, _P],
     "block_index_check": [_P],

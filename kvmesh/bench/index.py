@@ -59,9 +59,11 @@ for line in sys.stdin:
     cmd = json.loads(line)
     if cmd["op"] == "wait":
         deadline = time.monotonic() + cmd["timeout_s"]
-        while index.num_blocks != cmd["blocks"] and time.monotonic() < deadline:
+        while (index.num_blocks != cmd["blocks"] or index.mirror.revision < cmd["revision"]) \
+                and time.monotonic() < deadline:
             time.sleep(0.01)
-        print(json.dumps({"blocks": index.num_blocks, "since_start_s": time.perf_counter() - started}), flush=True)
+        print(json.dumps({"blocks": index.num_blocks, "revision": index.mirror.revision,
+                          "since_start_s": time.perf_counter() - started}), flush=True)
     elif cmd["op"] == "lookup":
         shape = FleetShape(**cmd["shape"])
         out = []
@@ -222,10 +224,12 @@ def measure(design: str, shape: FleetShape, num_mirrors: int, churn: float, num_
         _flush_all(pubs)
         churn_s = time.perf_counter() - t0
         total = fleet.num_blocks()
-        for m in mirrors:
-            got = m.ask(op="wait", blocks=total, timeout_s=600)["blocks"]
-            if got != total:
-                raise RuntimeError(f"a mirror lists {got:,} blocks, the fleet holds {total:,}")
+        _, written = store.get_prefix(f"/kvmesh/{CLUSTER}/no-such-key/")  # etcd's revision after the last write
+        for m in mirrors:  # caught up once it has seen that revision (churn leaves the count as it was)
+            got = m.ask(op="wait", blocks=total, revision=written, timeout_s=600)
+            if got["blocks"] != total or got["revision"] < written:
+                raise RuntimeError(f"a mirror lists {got['blocks']:,} blocks as of revision {got['revision']}, the "
+                                   f"fleet holds {total:,} as of {written}")
         rss1, db1 = _etcd_usage(server, store)
         rng = random.Random(shape.seed)
         sample = [fleet.random_chain(rng) for _ in range(num_lookups)]
@@ -239,7 +243,7 @@ def measure(design: str, shape: FleetShape, num_mirrors: int, churn: float, num_
                 promised_not_held += max(0, promised - held)
                 held_not_promised += max(0, held - promised)
         fresh = Mirror(design, server.endpoint)
-        caught_up = fresh.ask(op="wait", blocks=total, timeout_s=600)
+        caught_up = fresh.ask(op="wait", blocks=total, revision=written, timeout_s=600)
         mirror_rss = fresh.ask(op="rss")
         fresh.close()
         # A publisher that dies: its lease is no longer renewed.

@@ -33,6 +33,7 @@ import numpy as np
 from kvmesh.kernels.cpu import library as native
 from kvmesh.kv.block_hash import BlockHash
 
+NOT_HELD = -2  # remove_blocks: the block held no hash
 ADDED = -1  # add_run: every hash recorded; i >= 0: hash i already held; <= -2: block (-2 - result) holds one
 NO_BLOCK = -1
 
@@ -40,6 +41,16 @@ NO_BLOCK = -1
 class Removed(NamedTuple):
     block_hash: BlockHash
     parent: int  # NO_BLOCK for a root
+
+
+class RemovedBlocks(NamedTuple):
+    """What ``remove_blocks`` did, per block asked: ``parents[i]`` is NOT_HELD when block i held no hash, else
+    its parent (NO_BLOCK for a root) with its hash at ``hashes[16 i : 16 i + 16]`` and, when it had a parent,
+    the parent's at ``parent_hashes[16 i : 16 i + 16]`` (joined: sliced only by callers that need them)."""
+    parents: list[int]
+    hashes: bytes
+    parent_hashes: bytes
+    num_removed: int
 
 
 class BlockIndex(Protocol):
@@ -63,6 +74,10 @@ class BlockIndex(Protocol):
 
     def remove_block(self, block_id: int) -> Removed | None:
         """Forget ``block_id``'s hash and links (it must have no children); None if it held none."""
+
+    def remove_blocks(self, block_ids: Sequence[int]) -> RemovedBlocks:
+        """``remove_block`` for each of ``block_ids`` in order (an eviction's victims: leaves, or parents of
+        blocks removed before them in the list)."""
 
     def count_held(self, block_ids: Sequence[int], block_hashes: Sequence[BlockHash]) -> int:
         """How many leading ``block_ids`` still hold ``block_hashes``."""
@@ -96,6 +111,10 @@ def make_block_index(num_blocks: int) -> BlockIndex:
 
 def _int32s(num: int, value: int) -> array:
     return array("i", [value]) * num
+
+
+def _no_block(block_id: int, num_blocks: int):
+    raise IndexError(f"block {block_id} is not one of this pool's {num_blocks}")
 
 
 def _packed_ids(block_ids: Sequence[int]) -> bytes:
@@ -186,6 +205,22 @@ class DictBlockIndex:
         self.parents[block_id] = NO_BLOCK
         return Removed(h, parent)
 
+    def remove_blocks(self, block_ids: Sequence[int]) -> RemovedBlocks:
+        parents, hashes, parent_hashes, num_removed = [], [], [], 0
+        for b in block_ids:
+            h = self._hashes[b] if 0 <= b < len(self._hashes) else _no_block(b, len(self._hashes))
+            parent = self.parents[b]
+            parent_hash = self._hashes[parent] if h is not None and parent != NO_BLOCK else None
+            if h is None:
+                parents.append(NOT_HELD)
+            else:
+                self.remove_block(b)
+                parents.append(parent)
+                num_removed += 1
+            hashes.append(h or bytes(16))
+            parent_hashes.append(parent_hash or bytes(16))
+        return RemovedBlocks(parents, b"".join(hashes), b"".join(parent_hashes), num_removed)
+
     def count_held(self, block_ids: Sequence[int], block_hashes: Sequence[BlockHash]) -> int:
         num = 0
         for b, h in zip(block_ids, block_hashes):
@@ -223,6 +258,18 @@ class _Records(ctypes.Structure):
                 ("num_blocks", ctypes.c_int64)]
 
 
+class _RemovedBuffers:
+    """Where block_index_remove_blocks writes (reused across calls, grown when a call needs more)."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self.hashes = ctypes.create_string_buffer(16 * capacity)
+        self.parent_hashes = ctypes.create_string_buffer(16 * capacity)
+        self.parents = (ctypes.c_int32 * capacity)()
+        self.hashes_at, self.parent_hashes_at, self.parents_at = (
+            ctypes.addressof(b) for b in (self.hashes, self.parent_hashes, self.parents))
+
+
 class NativeBlockIndex:
     """See ``kernels/cpu/block_index.c``; the table is at most half full by construction."""
 
@@ -246,6 +293,8 @@ class NativeBlockIndex:
         self._find, self._digest_of, self._chain = lib.block_index_find, lib.block_index_digest_of, \
             lib.block_index_chain
         self._add_run, self._remove_block = lib.block_index_add_run, lib.block_index_remove_block
+        self._remove_blocks = lib.block_index_remove_blocks
+        self._removed = _RemovedBuffers(64)
         self._count_held, self._check = lib.block_index_count_held, lib.block_index_check
 
     def get(self, block_hash: BlockHash) -> int | None:
@@ -284,6 +333,21 @@ class NativeBlockIndex:
             return None
         self._num_entries -= 1
         return Removed(self._digest.raw, parent)
+
+    def remove_blocks(self, block_ids: Sequence[int]) -> RemovedBlocks:
+        n = len(block_ids)
+        if not n:
+            return RemovedBlocks([], b"", b"", 0)
+        if min(block_ids) < 0 or max(block_ids) >= self._num_blocks:
+            _no_block(next(b for b in block_ids if not 0 <= b < self._num_blocks), self._num_blocks)
+        if n > self._removed.capacity:
+            self._removed = _RemovedBuffers(2 * n)
+        out = self._removed
+        num_removed = self._remove_blocks(self._ix, _packed_ids(block_ids), n, out.hashes_at, out.parent_hashes_at,
+                                          out.parents_at)
+        self._num_entries -= num_removed
+        return RemovedBlocks(out.parents[:n], ctypes.string_at(out.hashes_at, 16 * n),
+                             ctypes.string_at(out.parent_hashes_at, 16 * n), num_removed)
 
     def count_held(self, block_ids: Sequence[int], block_hashes: Sequence[BlockHash]) -> int:
         n = min(len(block_ids), len(block_hashes))

@@ -32,7 +32,7 @@ from typing import Literal, NamedTuple
 
 from kvmesh.errors import OutOfBlocksError
 from kvmesh.kv.block_hash import BlockHash
-from kvmesh.kv.block_index import ADDED, NO_BLOCK, make_block_index
+from kvmesh.kv.block_index import ADDED, NO_BLOCK, NOT_HELD, make_block_index
 from kvmesh.kv.change_signal import ChangeSignal
 from kvmesh.kv.eviction import EvictionPolicy, TailFirstLRU
 
@@ -195,13 +195,12 @@ class BlockPool:
         with self._lock:
             if num_blocks > self._num_queued:
                 raise OutOfBlocksError(f"asked for {num_blocks} blocks, {self._num_queued} free of {self.num_blocks}")
-            out = []
-            for _ in range(num_blocks):
-                block = self._pop_evictable()
-                self._uncache(block)
-                self._ref[block] = 1
-                self._epoch[block] += 1
-                out.append(block)
+            out = self._take_from_queue(num_blocks)
+            self._uncache(out)
+            ref, epoch = self._ref, self._epoch
+            for block in out:
+                ref[block] = 1
+                epoch[block] += 1
             out.sort()
             return out
 
@@ -296,16 +295,22 @@ class BlockPool:
         """
         with self._lock:
             sentinel, evicted, progress = self.num_blocks, [], True
-            slot, num_children = self._slot, self._num_children
+            slot, num_children, parent_of = self._slot, self._num_children, self._parent
+            chosen: set[int] = set()
+            orphaned: dict[int, int] = {}  # children among the chosen, per block (removed at the end, in one call)
             while len(evicted) < num_blocks and progress:  # another pass only if a parent became a leaf
                 progress = False
                 block = self._next[sentinel]
                 while len(evicted) < num_blocks and block != sentinel:
-                    if slot[block] >= 0 and num_children[block] == 0:
-                        self._uncache(block)
+                    if slot[block] >= 0 and block not in chosen and num_children[block] == orphaned.get(block, 0):
+                        chosen.add(block)
                         evicted.append(block)
+                        parent = parent_of[block]
+                        if parent != NO_BLOCK:
+                            orphaned[parent] = orphaned.get(parent, 0) + 1
                         progress = True
                     block = self._next[block]
+            self._uncache(evicted)
             return evicted
 
     def take_changes(self) -> PoolChanges:
@@ -392,24 +397,55 @@ class BlockPool:
         self._prev[sentinel] = block
         self._num_queued += 1
 
-    def _pop_evictable(self) -> int:
-        """The least recently used free block that is no cached block's parent."""
-        block = self._next[self.num_blocks]
-        while self._num_children[block] > 0:
-            block = self._next[block]
-        self._unlink(block)
-        return block
+    def _take_from_queue(self, num_blocks: int) -> list[int]:
+        """Unlink the ``num_blocks`` least recently used free blocks that are no cached block's parent, counting
+        as gone the hashes of those taken before (the caller uncaches them all): what taking them one by one
+        from the head would give."""
+        sentinel, nxt, slot = self.num_blocks, self._next, self._slot
+        num_children, parent_of = self._num_children, self._parent
+        taken: list[int] = []
+        orphaned: dict[int, int] = {}
+        skipped: set[int] = set()
+        block = nxt[sentinel]
+        while len(taken) < num_blocks:
+            if block == sentinel:
+                raise AssertionError("free blocks left, but each is a cached block's parent")
+            following = nxt[block]
+            if num_children[block] > orphaned.get(block, 0):
+                skipped.add(block)
+            else:
+                self._unlink(block)
+                taken.append(block)
+                parent = parent_of[block] if slot[block] >= 0 else NO_BLOCK
+                if parent != NO_BLOCK:
+                    orphaned[parent] = orphaned.get(parent, 0) + 1
+                    if parent in skipped and num_children[parent] == orphaned[parent]:
+                        following, skipped = nxt[sentinel], set()  # a block passed over is a leaf now
+            block = following
+        return taken
 
-    def _uncache(self, block: int) -> None:
-        if self._slot[block] < 0:
+    def _uncache(self, block_ids: list[int]) -> None:
+        """Drop the hashes of those of ``block_ids`` that hold one (in order: a parent after its children)."""
+        removed = self._index.remove_blocks(block_ids)
+        if not removed.num_removed:
             return
-        self.num_evicted += 1
-        h, parent = self._index.remove_block(block)
-        self._chains.pop(block, None)
-        if self.on_uncache is not None:
-            self.on_uncache(h, self._index.hash_of(parent) if parent != NO_BLOCK else None)
-        if self.track_changes:
-            self._evicted.append(h)
+        self.num_evicted += removed.num_removed
+        parents, chains = removed.parents, self._chains
+        if chains:
+            for block, parent in zip(block_ids, parents):
+                if parent != NOT_HELD:
+                    chains.pop(block, None)
+        if self.on_uncache is None and not self.track_changes:
+            return
+        hashes, parent_hashes = removed.hashes, removed.parent_hashes
+        for i, parent in enumerate(parents):
+            if parent == NOT_HELD:
+                continue
+            h = hashes[16 * i : 16 * i + 16]
+            if self.on_uncache is not None:
+                self.on_uncache(h, parent_hashes[16 * i : 16 * i + 16] if parent != NO_BLOCK else None)
+            if self.track_changes:
+                self._evicted.append(h)
 
     def check_integrity(self) -> None:
         """Raise AssertionError unless every invariant holds."""
