@@ -257,6 +257,11 @@ class BlockIndex:
         """(block, holder) pairs the mirror lists."""
         return len(self._table)
 
+    @property
+    def table_bytes(self) -> int:
+        """Bytes of the mirror's block maps (the Python objects around them excluded)."""
+        return self._table.nbytes
+
     def lookup_direct(self, block_hashes: Sequence[bytes], exclude: str = "") -> dict[str, int]:
         """The same answer read from etcd itself (fallback and cross-check); {} when etcd is down."""
         try:

@@ -46,7 +46,7 @@ def as_keys(keys) -> np.ndarray:
 class _Layout:
     """The array and how to find a key's home in it; swapped whole on a rebuild."""
 
-    __slots__ = ("slots", "view", "mask", "shift", "multiplier")
+    __slots__ = ("slots", "view", "mask", "shift", "multiplier", "reader")
 
     def __init__(self, num_slots: int, multiplier: int):
         self.slots = np.zeros(2 * num_slots, dtype=np.uint64)
@@ -54,6 +54,7 @@ class _Layout:
         self.mask = num_slots - 1
         self.shift = 64 - (num_slots.bit_length() - 1)
         self.multiplier = multiplier
+        self.reader = None  # KeyMap.reader's function for this array, made on first use
 
     def homes(self, keys: np.ndarray) -> np.ndarray:
         with np.errstate(over="ignore"):
@@ -85,9 +86,12 @@ class KeyMap:
         return self.reader()(key, default)
 
     def reader(self) -> Callable[[int, int], int]:
-        """``get`` bound to the map as it is now, for a loop of scalar reads (a lookup's probes): a few Python
-        steps and mostly one memory read each. Stale after a rebuild (it keeps reading the old array)."""
+        """``get`` bound to the map's array as it is now (made once per array), for a loop of scalar reads (a
+        lookup's probes): a few Python steps and mostly one memory read each. Stale after a rebuild (it keeps
+        reading the old array)."""
         layout = self._layout
+        if layout.reader is not None:
+            return layout.reader
         view, mask, shift, multiplier = layout.view, layout.mask, layout.shift, layout.multiplier
 
         def get(key: int, default: int = MISSING) -> int:
@@ -102,6 +106,7 @@ class KeyMap:
                     return default
                 i = (i + 1) & mask
 
+        layout.reader = get
         return get
 
     def _find(self, keys: np.ndarray) -> np.ndarray:

@@ -44,6 +44,10 @@ started = time.perf_counter()
 from kvmesh.bench.index_fleet import FleetShape, chain_hashes
 from kvmesh.metadata.etcd_store import EtcdStore
 design, endpoint = sys.argv[1], sys.argv[2]
+def rss_now():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize()
+rss_start = rss_now()
 store = EtcdStore(endpoint, timeout_s=120)
 if design == "holdings":
     from kvmesh.metadata.block_index import BlockIndex
@@ -76,7 +80,8 @@ for line in sys.stdin:
     elif cmd["op"] == "holds":
         print(json.dumps(holds(cmd["node"])), flush=True)
     elif cmd["op"] == "rss":
-        print(json.dumps(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024), flush=True)
+        print(json.dumps({"rss": rss_now() - rss_start, "peak": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                          "table_bytes": getattr(index, "table_bytes", None)}), flush=True)
 """
 
 
@@ -119,7 +124,9 @@ class Measure:
     promised_not_held_blocks: int
     held_not_promised_blocks: int
     mirror_catch_up_s: float
-    mirror_rss_bytes_per_block: float
+    mirror_rss_bytes_per_block: float  # what following the index added to a fresh mirror's resident memory
+    mirror_peak_rss_bytes_per_block: float  # its peak resident memory (catching up included), whole process
+    mirror_table_bytes_per_block: float | None  # the mirror's block maps themselves (holdings only)
     dead_publisher_cleared_s: float
     lease_ttl_s: int
     fill_s: float
@@ -259,7 +266,9 @@ def measure(design: str, shape: FleetShape, num_mirrors: int, churn: float, num_
                        filled / fill_s, changes / churn_s,
                        statistics.median(latencies), latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))],
                        len(latencies), promised_not_held, held_not_promised, caught_up["since_start_s"],
-                       mirror_rss / total, cleared_s, lease_ttl_s, fill_s, changes)
+                       mirror_rss["rss"] / total, mirror_rss["peak"] / total,
+                       None if mirror_rss["table_bytes"] is None else mirror_rss["table_bytes"] / total,
+                       cleared_s, lease_ttl_s, fill_s, changes)
     finally:
         stop_keepalive.set()
         for m in mirrors:

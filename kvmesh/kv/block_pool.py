@@ -245,7 +245,8 @@ class BlockPool:
     def cache(self, block_ids: Sequence[int], block_hashes: Sequence[BlockHash],
               parent_block_id: int = NO_BLOCK) -> list[int]:
         """Make full, computed blocks matchable: ``block_hashes[i]`` in ``block_ids[i]``, a run of one chain
-        whose first block's parent is ``parent_block_id``. Returns the block ids the caller now references.
+        whose first block's parent is ``parent_block_id``. Returns the block ids the caller now references
+        (``block_ids`` itself, a list, when every block took its own hash).
 
         Where another block already holds a hash, that block wins (every hash lives in one block and
         chains stay single): the caller's reference moves to it and its own copy is freed. The caller
@@ -351,7 +352,8 @@ class BlockPool:
                        ) -> list[int] | None:
         """``cache`` where no hash is cached yet and no block holds one: the index records the run
         in one call. None (nothing done) otherwise."""
-        block_ids = list(block_ids)
+        if not isinstance(block_ids, list):
+            block_ids = list(block_ids)
         first, n = block_ids[0], len(block_ids)
         # a run (sorted fresh allocations): no id array to build; the span test first, gaps fail it at once
         consecutive = block_ids[-1] - first == n - 1 and block_ids == self._ids[first : first + n]
