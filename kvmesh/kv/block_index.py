@@ -75,9 +75,10 @@ class BlockIndex(Protocol):
     def remove_block(self, block_id: int) -> Removed | None:
         """Forget ``block_id``'s hash and links (it must have no children); None if it held none."""
 
-    def remove_blocks(self, block_ids: Sequence[int]) -> RemovedBlocks:
+    def remove_blocks(self, block_ids: Sequence[int], with_hashes: bool = True) -> RemovedBlocks:
         """``remove_block`` for each of ``block_ids`` in order (an eviction's victims: leaves, or parents of
-        blocks removed before them in the list)."""
+        blocks removed before them in the list); ``with_hashes`` False: the caller needs no hashes (they may
+        come back empty)."""
 
     def count_held(self, block_ids: Sequence[int], block_hashes: Sequence[BlockHash]) -> int:
         """How many leading ``block_ids`` still hold ``block_hashes``."""
@@ -205,7 +206,7 @@ class DictBlockIndex:
         self.parents[block_id] = NO_BLOCK
         return Removed(h, parent)
 
-    def remove_blocks(self, block_ids: Sequence[int]) -> RemovedBlocks:
+    def remove_blocks(self, block_ids: Sequence[int], with_hashes: bool = True) -> RemovedBlocks:
         parents, hashes, parent_hashes, num_removed = [], [], [], 0
         for b in block_ids:
             h = self._hashes[b] if 0 <= b < len(self._hashes) else _no_block(b, len(self._hashes))
@@ -334,7 +335,7 @@ class NativeBlockIndex:
         self._num_entries -= 1
         return Removed(self._digest.raw, parent)
 
-    def remove_blocks(self, block_ids: Sequence[int]) -> RemovedBlocks:
+    def remove_blocks(self, block_ids: Sequence[int], with_hashes: bool = True) -> RemovedBlocks:
         n = len(block_ids)
         if not n:
             return RemovedBlocks([], b"", b"", 0)
@@ -346,6 +347,8 @@ class NativeBlockIndex:
         num_removed = self._remove_blocks(self._ix, _packed_ids(block_ids), n, out.hashes_at, out.parent_hashes_at,
                                           out.parents_at)
         self._num_entries -= num_removed
+        if not with_hashes:
+            return RemovedBlocks(out.parents[:n], b"", b"", num_removed)
         return RemovedBlocks(out.parents[:n], ctypes.string_at(out.hashes_at, 16 * n),
                              ctypes.string_at(out.parent_hashes_at, 16 * n), num_removed)
 

@@ -403,7 +403,7 @@ class BlockPool:
         """Unlink the ``num_blocks`` least recently used free blocks that are no cached block's parent, counting
         as gone the hashes of those taken before (the caller uncaches them all): what taking them one by one
         from the head would give."""
-        sentinel, nxt, slot = self.num_blocks, self._next, self._slot
+        sentinel, nxt, prev, slot = self.num_blocks, self._next, self._prev, self._slot
         num_children, parent_of = self._num_children, self._parent
         taken: list[int] = []
         orphaned: dict[int, int] = {}
@@ -416,7 +416,9 @@ class BlockPool:
             if num_children[block] > orphaned.get(block, 0):
                 skipped.add(block)
             else:
-                self._unlink(block)
+                before = prev[block]  # unlinked here (as _unlink does): this loop is the allocation's cost
+                nxt[before] = following
+                prev[following] = before
                 taken.append(block)
                 parent = parent_of[block] if slot[block] >= 0 else NO_BLOCK
                 if parent != NO_BLOCK:
@@ -424,11 +426,13 @@ class BlockPool:
                     if parent in skipped and num_children[parent] == orphaned[parent]:
                         following, skipped = nxt[sentinel], set()  # a block passed over is a leaf now
             block = following
+        self._num_queued -= len(taken)
         return taken
 
     def _uncache(self, block_ids: list[int]) -> None:
         """Drop the hashes of those of ``block_ids`` that hold one (in order: a parent after its children)."""
-        removed = self._index.remove_blocks(block_ids)
+        report = self.on_uncache is not None or self.track_changes
+        removed = self._index.remove_blocks(block_ids, with_hashes=report)
         if not removed.num_removed:
             return
         self.num_evicted += removed.num_removed
@@ -437,7 +441,7 @@ class BlockPool:
             for block, parent in zip(block_ids, parents):
                 if parent != NOT_HELD:
                     chains.pop(block, None)
-        if self.on_uncache is None and not self.track_changes:
+        if not report:
             return
         hashes, parent_hashes = removed.hashes, removed.parent_hashes
         for i, parent in enumerate(parents):
