@@ -33,7 +33,8 @@ from kvmesh.metadata.records import RecordError
 GONE = 255  # a log entry's code for "no longer held"; 0, 1, 2 are tiers (compute buffer, host memory, disk)
 LOG, SNAPSHOT = "l", "s"
 MAX_HINTS = 1 << 16  # remembered lookup lengths (cleared when full)
-_MIN_MAX_SETS = 4096  # holder sets interned before the unused ones are dropped
+_MIN_MAX_SETS = 4096
+_NATIVE_MODULE = "kvmesh.kernels.cpu.library"  # loaded by processes that run a model (it imports torch)  # holder sets interned before the unused ones are dropped
 MAX_RECORD_ENTRIES = 16_384  # 9 bytes each: ~144 KiB per record, well inside etcd's request and a listing page's limits
 _HEADER = struct.Struct("<4sI")
 _MAGIC = b"KVH1"
@@ -71,6 +72,13 @@ def decode_record(data: bytes) -> tuple[np.ndarray, np.ndarray]:
 
 Diff = tuple[np.ndarray, np.ndarray]  # (block keys newly held, block keys no longer held), KeyMap's stored form
 _NONE = np.zeros(0, dtype=np.uint64)
+
+
+def _native_search():
+    """The native lookup search (``kernels/cpu/key_map.c``) where this process has loaded the CPU kernels (every
+    node does), else None: a router, which never imports torch, searches in Python."""
+    kernels = sys.modules.get(_NATIVE_MODULE)
+    return kernels.holder_changes() if kernels is not None else None
 
 
 def _last_wins(keys, codes) -> tuple[np.ndarray, np.ndarray]:
@@ -249,11 +257,54 @@ class HoldingsTable:
         probe (one map read: the block's holder set) splits a group into those holding the middle block and
         those not, so nodes holding the same length share every probe. A node first tries the length found
         last time for the same first block (a shared system prompt's, mostly): two probes confirm it, or
-        narrow its search.
+        narrow its search. Where the process has loaded the CPU kernels, the search is one native call
+        instead (``kernels/cpu/key_map.c``: the positions where the holder set changes along the chain, the
+        chain's digests read in place).
         """
         n = len(block_hashes)
         if not n:
             return {}
+        lengths = None
+        search = _native_search()
+        if search is not None and type(block_hashes) is list:
+            lengths = self._lengths_native(search, block_hashes)
+        if lengths is None:
+            lengths = self._lengths(block_hashes)
+        named, node_at = {}, self._node_at
+        for bits, length in lengths.items():
+            while bits:
+                bit = bits & -bits
+                bits ^= bit
+                slot = bit.bit_length() - 1
+                node_id = node_at[slot] if slot < len(node_at) else None
+                if node_id is not None and node_id != exclude:
+                    named[node_id] = length
+        return named
+
+    def _lengths_native(self, search, block_hashes: list[bytes]) -> dict[int, int] | None:
+        """``_lengths`` in one native call (kernels/cpu/key_map.c: where the holder set changes along the chain);
+        None when the chain changes holders too often for its buffers."""
+        layout = self._holders.layout  # held through the call: a rebuild frees the array it replaces
+        if layout.native is None:
+            layout.native = search.prepare(layout.address, layout.mask, layout.shift, layout.multiplier)
+        pairs = search(layout.native[1], block_hashes)
+        if pairs is None:
+            return None
+        positions, numbers = pairs[0::2], pairs[1::2]
+        sets, lengths = self._sets, {}
+        held = sets[numbers[0]]
+        for position, number in zip(positions[1:], numbers[1:]):
+            still = held & sets[number]
+            if still != held:
+                lengths[held ^ still] = position
+            held = still
+        if held:
+            lengths[held] = len(block_hashes)
+        return lengths
+
+    def _lengths(self, block_hashes: Sequence[bytes]) -> dict[int, int]:
+        """Bitmask of nodes -> the number of leading blocks each of them holds, probe by probe in Python."""
+        n = len(block_hashes)
         get, sets, unpack, hints = self._holders.reader(), self._sets, _KEY.unpack_from, self._hints
         first_key = unpack(block_hashes[0])[0]
         first = sets[get(first_key, 0)]
@@ -300,18 +351,12 @@ class HoldingsTable:
                 stack.append((lo, mid, bits ^ held))
         if len(hints) >= MAX_HINTS:
             hints.clear()
-        named, node_at = {}, self._node_at
         for bits, length in lengths.items():
-            while bits:
+            while bits and length < n:
                 bit = bits & -bits
                 bits ^= bit
-                if length < n:
-                    hints[first_key, bit] = length
-                slot = bit.bit_length() - 1
-                node_id = node_at[slot] if slot < len(node_at) else None
-                if node_id is not None and node_id != exclude:
-                    named[node_id] = length
-        return named
+                hints[first_key, bit] = length
+        return lengths
 
     def slowest_tier(self, block_hashes: Sequence[bytes], node_id: str) -> int:
         """The slowest tier ``node_id`` holds these blocks in (0 when it lists none)."""

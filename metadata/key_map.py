@@ -46,7 +46,7 @@ def as_keys(keys) -> np.ndarray:
 class _Layout:
     """The array and how to find a key's home in it; swapped whole on a rebuild."""
 
-    __slots__ = ("slots", "view", "mask", "shift", "multiplier", "reader")
+    __slots__ = ("slots", "view", "mask", "shift", "multiplier", "reader", "address", "native")
 
     def __init__(self, num_slots: int, multiplier: int):
         self.slots = np.zeros(2 * num_slots, dtype=np.uint64)
@@ -55,6 +55,8 @@ class _Layout:
         self.shift = 64 - (num_slots.bit_length() - 1)
         self.multiplier = multiplier
         self.reader = None  # KeyMap.reader's function for this array, made on first use
+        self.address = self.slots.ctypes.data  # for native readers (kernels/cpu/key_map.c)
+        self.native = None  # what a native reader prepared for this array (kept with it)
 
     def homes(self, keys: np.ndarray) -> np.ndarray:
         with np.errstate(over="ignore"):
@@ -84,6 +86,12 @@ class KeyMap:
     def get(self, key: int, default: int = MISSING) -> int:
         """The value of one key (``default`` when absent)."""
         return self.reader()(key, default)
+
+    @property
+    def layout(self) -> _Layout:
+        """The array as it is now (``slots``, ``address``, ``mask``, ``shift``, ``multiplier``), for a native
+        reader: hold on to it for the call (a rebuild swaps in a new one and frees the old)."""
+        return self._layout
 
     def reader(self) -> Callable[[int, int], int]:
         """``get`` bound to the map's array as it is now (made once per array), for a loop of scalar reads (a

@@ -114,8 +114,22 @@ def test_a_restarted_node_supersedes_its_previous_life(store):
         index.close()
 
 
-def test_table_lookups_agree_with_a_model():
-    """Random holdings of random prefixes over several nodes: every lookup equals the model's answer."""
+@pytest.fixture(params=["native", "python"])
+def search(request, monkeypatch):
+    """Lookups through the native search (as in a node, which loads the CPU kernels) or the Python one (a router)."""
+    if request.param == "native":
+        from kvmesh.kernels.cpu import library
+
+        assert library.holder_changes() is not None, "the CPU kernels did not build"
+        assert hd._native_search() is not None
+    else:
+        monkeypatch.setattr(hd, "_native_search", lambda: None)
+    return request.param
+
+
+def test_table_lookups_agree_with_a_model(search):
+    """Random holdings of random prefixes over several nodes: every lookup equals the model's answer, through
+    the native search and the Python one."""
     rng = random.Random(1)
     table = hd.HoldingsTable()
     chains = [chain(f"model-{i}", 40) for i in range(6)]

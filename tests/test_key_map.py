@@ -10,6 +10,7 @@ import pytest
 from kvmesh.metadata import holdings as hd
 from kvmesh.metadata.key_map import KeyMap
 from tests.metadata_node import chain
+from tests.test_holdings import search  # noqa: F401 (the fixture: native and Python lookups)
 
 
 def stored(key: int) -> int:
@@ -53,7 +54,7 @@ def test_key_map_grows_and_shrinks_keeping_every_key():
     m.check_integrity()
 
 
-def test_holder_sets_are_renumbered_as_nodes_come_and_go(monkeypatch):
+def test_holder_sets_are_renumbered_as_nodes_come_and_go(monkeypatch, search):
     """Many nodes holding and dropping blocks intern many holder sets; the unused ones are dropped and lookups
     still agree with a model."""
     monkeypatch.setattr(hd, "_MIN_MAX_SETS", 8)  # renumber often
