@@ -287,7 +287,10 @@ class HoldingsTable:
         layout = self._holders.layout  # held through the call: a rebuild frees the array it replaces
         if layout.native is None:
             layout.native = search.prepare(layout.address, layout.mask, layout.shift, layout.multiplier)
-        pairs = search(layout.native[1], block_hashes)
+        try:
+            pairs = search(layout.native[1], block_hashes)
+        except TypeError:  # an item is no bytes object: the Python search takes what it takes
+            return None
         if pairs is None:
             return None
         positions, numbers = pairs[0::2], pairs[1::2]

@@ -236,6 +236,11 @@ class KeyMap:
         live = stored > TOMB
         return stored[live], self._layout.slots[1::2][live]
 
+    def as_dict(self) -> dict[int, int]:
+        """Every key -> its value as a dict (stored keys: below 2 read as key + 2); for tests and tools."""
+        keys, values = self.items()
+        return dict(zip(keys.tolist(), values.tolist()))
+
     def _rebuild(self, num_keys: int) -> None:
         keys, values = self.items()
         old = self._layout

@@ -1,11 +1,18 @@
-"""In-memory MetadataStore for a single process: revisions, leases with expiry, prefix watches."""
+"""In-memory MetadataStore for a single process: revisions, leases with expiry, prefix watches.
+
+A watch starts from the revision it names, as etcd's does: the changes since then that are still in the
+bounded history are delivered first (older ones: a ``CompactedError``), so a reader that listed at R and
+watches from R + 1 misses nothing written in between."""
 from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 from collections.abc import Sequence
 
-from kvmesh.metadata.store import KeyValue, WatchCallback, WatchEvent
+from kvmesh.metadata.store import CompactedError, KeyValue, WatchCallback, WatchEvent
+
+MAX_HISTORY = 100_000  # events kept for watches that start in the past
 
 
 class MemoryStore:
@@ -17,6 +24,7 @@ class MemoryStore:
         self._next_lease = 1
         self._watches: dict[int, tuple[str, WatchCallback]] = {}
         self._next_watch = 1
+        self._history: deque[WatchEvent] = deque(maxlen=MAX_HISTORY)
 
     def grant_lease(self, ttl_s: int) -> int:
         with self._lock:
@@ -77,6 +85,12 @@ class MemoryStore:
 
     def watch_prefix(self, prefix: str, start_revision: int, callback: WatchCallback):
         with self._lock:
+            if len(self._history) == MAX_HISTORY and start_revision < self._history[0].revision:
+                callback(CompactedError(f"revision {start_revision} is compacted"))
+                return lambda: None
+            missed = [e for e in self._history if e.revision >= start_revision and e.key.startswith(prefix)]
+            if missed:
+                callback(missed)
             watch_id = self._next_watch
             self._next_watch += 1
             self._watches[watch_id] = (prefix, callback)
@@ -99,6 +113,7 @@ class MemoryStore:
             self.delete_many(keys)
 
     def _notify(self, events: list[WatchEvent]) -> None:
+        self._history.extend(events)
         for prefix, callback in list(self._watches.values()):
             mine = [e for e in events if e.key.startswith(prefix)]
             if mine:

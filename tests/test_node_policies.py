@@ -63,14 +63,14 @@ def test_publisher_queue_is_bounded_and_counts_what_it_drops():
         assert publisher.num_pending == 5
         publisher.set_lease(store.grant_lease(10))
         assert publisher.flush()
-        listed = read_holdings(store, KeyLayout("c"), "ns").table.nodes["n1"].blocks
+        listed = read_holdings(store, KeyLayout("c"), "ns").table.nodes["n1"].blocks.as_dict()
         # The first record on a lease is a snapshot of everything held: what the full queue dropped is in it.
         assert set(listed) == {block_key(h) for h in hashes[1:]} and publisher.num_pending == 0
         assert publisher.num_dropped == 3
         more = chain("bound-more", 9)
         publisher.publish(more)  # on a lease now: 5 queued, 4 dropped, and a snapshot made due
         assert publisher.num_dropped == 3 + 4 and publisher.flush()
-        listed = read_holdings(store, KeyLayout("c"), "ns").table.nodes["n1"].blocks
+        listed = read_holdings(store, KeyLayout("c"), "ns").table.nodes["n1"].blocks.as_dict()
         assert set(listed) == {block_key(h) for h in hashes[1:] + more}  # nothing the queue dropped is missing
     finally:
         publisher.close()
@@ -84,6 +84,7 @@ def test_registry_renews_an_expired_lease_and_republishes():
     registry.register(NodeRecord("n1", "decode", "h", "t:1", "s:2"))
     index = BlockIndex(store, "c", "ns")
     try:
+        assert index.mirror.wait_healthy(10)  # its first listing is in (until then it answers "nothing")
         hashes = chain("renew", 4)
         publisher.publish(hashes)
         assert publisher.flush() and index.lookup(hashes) == {"n1": 4}

@@ -76,7 +76,7 @@ def index_of(cluster: LocalCluster, node_id: str) -> dict[int, int]:
         nodes = read_holdings(store, KeyLayout(cluster.cluster)).table.nodes
     finally:
         store.close()
-    return dict(nodes[node_id].blocks) if node_id in nodes else {}
+    return nodes[node_id].blocks.as_dict() if node_id in nodes else {}
 
 
 def record_of(cluster: LocalCluster, node_id: str) -> NodeRecord:
