@@ -177,3 +177,16 @@ def test_a_change_that_fails_to_apply_makes_the_mirror_resync(store):
         assert mirror.num_resyncs == 2 and not fail_once[0]
     finally:
         mirror.close()
+
+
+def test_memory_store_watch_starts_from_the_revision_it_names():
+    """As with etcd: a reader that listed at R and watches from R + 1 gets what was written in between."""
+    from kvmesh.metadata.store import KeyValue
+
+    store = MemoryStore()
+    _, revision = store.get_prefix("/w/")
+    store.put_many([KeyValue("/w/a", b"1"), KeyValue("/elsewhere", b"x")])
+    seen: list = []
+    store.watch_prefix("/w/", revision + 1, seen.extend)
+    store.put_many([KeyValue("/w/b", b"2")])
+    assert [(e.kind, e.key) for e in seen] == [("put", "/w/a"), ("put", "/w/b")]
