@@ -127,9 +127,13 @@ def search(request, monkeypatch):
     return request.param
 
 
-def test_table_lookups_agree_with_a_model(search):
+@pytest.mark.parametrize("renumber_often", [False, True])
+def test_table_lookups_agree_with_a_model(search, renumber_often, monkeypatch):
     """Random holdings of random prefixes over several nodes: every lookup equals the model's answer, through
-    the native search and the Python one."""
+    the native search and the Python one, and with holder sets renumbered every few changes (nodes come and
+    go, and each change interns new sets)."""
+    if renumber_often:
+        monkeypatch.setattr(hd, "_MIN_MAX_SETS", 8)
     rng = random.Random(1)
     table = hd.HoldingsTable()
     chains = [chain(f"model-{i}", 40) for i in range(6)]
@@ -147,6 +151,8 @@ def test_table_lookups_agree_with_a_model(search):
             table.remove(node)
             model.pop(node)
         table.check_integrity()
+        if renumber_often:
+            assert len(table._sets) <= 4 * 4 * 9 + 9 * 2, "unused holder sets are not dropped"
         for j in range(6):
             want = {n: held[j] for n, held in model.items() if held.get(j)}
             assert table.lookup(chains[j]) == want

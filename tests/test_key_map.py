@@ -1,5 +1,6 @@
 """KeyMap (metadata/key_map.py), the global index mirror's compact map, against a dict: random puts, deletes and
-reads through the bulk and the scalar paths, across rebuilds, with keys 0 and 1 and repeats."""
+reads through the bulk and the scalar paths, across rebuilds, with keys 0 and 1. (Holder sets and lookups over
+KeyMaps: tests/test_holdings.py.)"""
 from __future__ import annotations
 
 import random
@@ -7,10 +8,7 @@ import random
 import numpy as np
 import pytest
 
-from kvmesh.metadata import holdings as hd
 from kvmesh.metadata.key_map import KeyMap
-from tests.metadata_node import chain
-from tests.test_holdings import search  # noqa: F401 (the fixture: native and Python lookups)
 
 
 def stored(key: int) -> int:
@@ -52,28 +50,3 @@ def test_key_map_grows_and_shrinks_keeping_every_key():
     assert m.nbytes < 16 * 1024, "the map did not shrink after most keys left"
     assert m.get_many(keys[-100:]).tolist() == list(range(len(keys) - 100, len(keys)))
     m.check_integrity()
-
-
-def test_holder_sets_are_renumbered_as_nodes_come_and_go(monkeypatch, search):
-    """Many nodes holding and dropping blocks intern many holder sets; the unused ones are dropped and lookups
-    still agree with a model."""
-    monkeypatch.setattr(hd, "_MIN_MAX_SETS", 8)  # renumber often
-    table = hd.HoldingsTable()
-    chains = [chain(f"sets-{i}", 12) for i in range(5)]
-    rng = random.Random(3)
-    model: dict[str, dict[int, int]] = {}
-    for step in range(200):
-        node, i, length = f"n{rng.randrange(12)}", rng.randrange(5), rng.randrange(13)
-        had = model.setdefault(node, {}).get(i, 0)
-        changes = [(hd.block_key(h), 1) for h in chains[i][had:length]] + \
-                  [(hd.block_key(h), hd.GONE) for h in chains[i][length:had]]
-        state = table.state(node)
-        table.change(node, state.apply_log(step + 1, [k for k, _ in changes], bytes(c for _, c in changes)))
-        model[node][i] = length
-        if rng.random() < 0.1:
-            table.remove(node)
-            model.pop(node)
-        table.check_integrity()
-        for j in range(5):
-            assert table.lookup(chains[j]) == {n: held[j] for n, held in model.items() if held.get(j)}
-        assert len(table._sets) <= 4 * 4 * 12 + 12 * 2, "unused holder sets are not dropped"
