@@ -33,8 +33,8 @@ from kvmesh.metadata.records import RecordError
 GONE = 255  # a log entry's code for "no longer held"; 0, 1, 2 are tiers (compute buffer, host memory, disk)
 LOG, SNAPSHOT = "l", "s"
 MAX_HINTS = 1 << 16  # remembered lookup lengths (cleared when full)
-_MIN_MAX_SETS = 4096
-_NATIVE_MODULE = "kvmesh.kernels.cpu.library"  # loaded by processes that run a model (it imports torch)  # holder sets interned before the unused ones are dropped
+_MIN_MAX_SETS = 4096  # holder sets interned before the unused ones are dropped
+_NATIVE_MODULE = "kvmesh.kernels.cpu.library"  # loaded by processes that run a model (it imports torch)
 MAX_RECORD_ENTRIES = 16_384  # 9 bytes each: ~144 KiB per record, well inside etcd's request and a listing page's limits
 _HEADER = struct.Struct("<4sI")
 _MAGIC = b"KVH1"

@@ -10,9 +10,10 @@ read (one cache line, in huge pages where the kernel gives them)::
 
 Open addressing with linear probing from a home slot that mixes the key with a per-map random odd
 multiplier (the keys are hash prefixes, but whoever chooses prompts could aim many at one run of slots
-if the home were the key's own low bits). Bulk operations (``put_many``, ``delete_many``, ``get_many``)
-are vectorised: every key probes at once, round after round, so a record of 16k entries costs a few
-numpy calls, not 16k Python steps. ``get`` is the scalar probe of a lookup.
+if the home were the key's own low bits). Bulk operations (``transform``, and ``put_many``,
+``delete_many``, ``get_many`` on it) are vectorised: every key probes at once, round after round, so a
+record of 16k entries costs some numpy calls, not 16k Python steps. ``reader()`` gives the scalar probe
+of a lookup; ``layout`` what a native reader needs (``kernels/cpu/key_map.c``).
 
 Keys 0 and 1 are EMPTY and TOMB: a block key below 2 is stored as key + 2 (two of 2^64 keys share a
 slot; the index is advisory, and its holders re-check). One writer at a time; readers on other
