@@ -25,8 +25,10 @@ from kvmesh.kv.prefix_hasher import PrefixHasher
 
 BLOCK = 16
 NUM_TOKENS = 32768
-# The targets (SGLang's radix cache on the same work, measured on a machine like this one).
-TARGETS_US = {"match": 16.0, "match_cold": 16.0, "insert": 35.0, "evict10": 100.0, "hash_and_match": 500.0}
+# Goals set against SGLang's radix cache and vLLM's block pool on the same work, on a machine like this one
+# in a quiet hour (SGLang: insert 50 us, evict 6.3 us, tokens -> matched prefix 515 us).
+TARGETS_US = {"match": 16.0, "match_cold": 16.0, "insert": 25.0, "evict10": 4.5, "hash_and_match": 500.0,
+              "first_sight": 258.0}
 TARGET_MB_PER_1000_PREFIXES = 2.0
 
 
@@ -178,7 +180,8 @@ def run(json_path: str | None, repeat: int = 7, with_engine: bool = True) -> dic
         ["hash + match, prompt seen before", f"{s['match_us']['pool_repeat_hash_and_match'] / 1e3:.2f} ms",
          _verdict(s["match_us"]["pool_repeat_hash_and_match"], TARGETS_US["hash_and_match"])],
         ["hash + match, first sight", f"{s['match_us']['pool_hash_and_match'] / 1e3:.2f} ms",
-         "every block hashed (blake2b-128 per block)"],
+         _verdict(s["match_us"]["pool_hash_and_match"], TARGETS_US["first_sight"])
+         + " (every block hashed: the sequential blake2b chain alone is >= 0.3 ms)"],
     ]
     for op, key in (("match 32K prompt", "match_us"), ("match, first time (no memo)", "match_cold_us"),
                     ("insert 2,048 blocks", "insert_us"), ("evict 10", "evict10_us")):
