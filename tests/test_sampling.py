@@ -98,6 +98,11 @@ def test_a_row_of_non_finite_logits_fails_that_request_only(monkeypatch):
     params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.8, seed=1), SamplingParams(top_k=5)]
     ids, _, _ = sample(logits, params, [None, torch.Generator().manual_seed(1), torch.Generator().manual_seed(2)])
     assert ids[1] == NON_FINITE and ids[0] == int(logits[0].argmax()) and 0 <= ids[2] < 50
+    for bad in ([float("inf")], [float("-inf")], [float("inf"), float("-inf")]):  # an infinity, or both signs
+        rows = torch.randn(2, 50)
+        rows[1, 3 : 3 + len(bad)] = torch.tensor(bad)
+        ids, _, _ = sample(rows, [SamplingParams(temperature=0.0)] * 2, [None, None])
+        assert ids == [int(rows[0].argmax()), NON_FINITE], bad
 
     def poisoned(logits, params, generators):
         logits = logits.clone()
