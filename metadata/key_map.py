@@ -68,8 +68,8 @@ class KeyMap:
     """uint64 block key -> value (0 .. 2^63); see the module docstring."""
 
     def __init__(self, capacity: int = 0, seed: int | None = None):
-        self._rng = random.Random(seed)
-        self._layout = _Layout(self._slots_for(capacity), self._rng.getrandbits(64) | 1)
+        multiplier = random.Random(seed).getrandbits(64) | 1  # seed None: from the OS's randomness
+        self._layout = _Layout(self._slots_for(capacity), multiplier)
         self._num_live = 0
         self._num_dead = 0
 
