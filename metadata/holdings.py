@@ -164,6 +164,8 @@ class HoldingsTable:
         self._max_sets = _MIN_MAX_SETS
         # (first block key, node bit) -> the length a lookup found last: tried first, with two probes
         self._hints: dict[tuple[int, int], int] = {}
+        # first block key -> where the holder set changed along the chain last time (the native search's guesses)
+        self._changes_seen: dict[int, list[int]] = {}
 
     def __len__(self) -> int:
         """(block, holder) pairs listed."""
@@ -288,12 +290,16 @@ class HoldingsTable:
         if layout.native is None:
             layout.native = search.prepare(layout.address, layout.mask, layout.shift, layout.multiplier)
         try:
-            pairs = search(layout.native[1], block_hashes)
-        except TypeError:  # an item is no bytes object: the Python search takes what it takes
+            first_key = _KEY.unpack_from(block_hashes[0])[0]
+            pairs = search(layout.native[1], block_hashes, self._changes_seen.get(first_key, ()))
+        except (TypeError, struct.error):  # an item is no digest: the Python search takes what it takes
             return None
         if pairs is None:
             return None
         positions, numbers = pairs[0::2], pairs[1::2]
+        if len(self._changes_seen) >= MAX_HINTS:
+            self._changes_seen.clear()
+        self._changes_seen[first_key] = positions[1:]
         sets, lengths = self._sets, {}
         held = sets[numbers[0]]
         for position, number in zip(positions[1:], numbers[1:]):

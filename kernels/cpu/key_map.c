@@ -19,6 +19,7 @@
 
 #define KEY_EMPTY 0
 #define MAX_DEPTH 128
+#define MAX_GUESSES 16
 
 typedef void *(*list_get_fn)(void *list, int64_t i);   /* PyList_GetItem: a borrowed reference */
 typedef char *(*bytes_data_fn)(void *bytes);           /* PyBytes_AsString */
@@ -60,21 +61,36 @@ static uint64_t holder_set(chain_t *c, int64_t position) {
 
 /* Positions where the holder set changes along the chain (a list of n digests of at least 8 bytes), as
  * pairs (position, set number) in out[2k], out[2k + 1]: position 0 with its set first, then each i with
- * set(i) != set(i - 1), ascending. Returns how many pairs were written; -1 when more than max_out (the
- * caller searches in Python), -2 when an item is not a digest. */
-int64_t key_map_holder_changes(const search_args_t *args, void *list, int64_t n, int64_t *out, int64_t max_out) {
+ * set(i) != set(i - 1), ascending. `guesses` (ascending; at most MAX_GUESSES are used) are positions where
+ * a change was found before, for the same first block: probing each and the block before it first, a
+ * staircase that has not moved is confirmed with two probes a change, and one that has is searched only
+ * where it moved. Returns how many pairs were written; -1 when more than max_out (the caller searches in
+ * Python), -2 when an item is not a digest. */
+int64_t key_map_holder_changes(const search_args_t *args, void *list, int64_t n, const int64_t *guesses,
+                               int64_t num_guesses, int64_t *out, int64_t max_out) {
     chain_t c = {args, list, 0};
     if (n <= 0 || max_out < 1) return 0;
+    int64_t points[2 * MAX_GUESSES + 2], num_points = 0;
+    uint64_t point_sets[2 * MAX_GUESSES + 2];
+    points[num_points++] = 0;
+    for (int64_t i = 0; i < num_guesses && i < MAX_GUESSES; i++) {
+        int64_t g = guesses[i];
+        if (g < 1 || g > n - 1) continue;
+        if (g - 1 > points[num_points - 1]) points[num_points++] = g - 1;
+        if (g > points[num_points - 1]) points[num_points++] = g;
+    }
+    if (n - 1 > points[num_points - 1]) points[num_points++] = n - 1;
+    for (int64_t i = 0; i < num_points; i++) point_sets[i] = holder_set(&c, points[i]);
+    if (c.failed) return -2;
     int64_t lo_at[MAX_DEPTH], hi_at[MAX_DEPTH];
     uint64_t lo_set_at[MAX_DEPTH], hi_set_at[MAX_DEPTH];
-    int64_t depth = 0, count = 0;
-    uint64_t first = holder_set(&c, 0);
+    int64_t depth = 0, count = 1;
     out[0] = 0;
-    out[1] = (int64_t)first;
-    count = 1;
-    uint64_t last = n > 1 ? holder_set(&c, n - 1) : first;
-    if (c.failed) return -2;
-    if (n > 1) lo_at[0] = 0, hi_at[0] = n - 1, lo_set_at[0] = first, hi_set_at[0] = last, depth = 1;
+    out[1] = (int64_t)point_sets[0];
+    for (int64_t i = num_points - 2; i >= 0; i--, depth++) { /* the leftmost segment on top */
+        lo_at[depth] = points[i], hi_at[depth] = points[i + 1];
+        lo_set_at[depth] = point_sets[i], hi_set_at[depth] = point_sets[i + 1];
+    }
     while (depth) { /* left halves first: the changes come out in ascending order */
         depth--;
         int64_t lo = lo_at[depth], hi = hi_at[depth];

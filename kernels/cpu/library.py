@@ -63,9 +63,9 @@ _BLOCK_INDEX_SIGNATURES = {  # each takes the address of a block_index_t first (
     "block_index_count_held": [_P, _B, _B, _I64],
     "block_index_chain": [_P, _I64, _I64, _P],
     "block_index_check": [_P],
-    # the global index mirror's lookup (key_map.c): a search_args_t, the chain (a list) and its length, the output
-    # pairs and their capacity
-    "key_map_holder_changes": [_P, ctypes.py_object, _I64, _P, _I64],
+    # the global index mirror's lookup (key_map.c): a search_args_t, the chain (a list) and its length, guessed
+    # change positions and their number, the output pairs and their capacity
+    "key_map_holder_changes": [_P, ctypes.py_object, _I64, _P, _I64, _P, _I64],
 }
 _SUFFIXES = {torch.bfloat16: "bf16", torch.float32: "f32"}
 
@@ -195,13 +195,18 @@ class HolderChanges:
         args = _SearchArgs(slots_address, mask, shift, multiplier, *self._accessors)
         return args, ctypes.addressof(args)
 
-    def __call__(self, prepared: int, chain: list) -> list[int] | None:
+    def __call__(self, prepared: int, chain: list, guesses: list[int]) -> list[int] | None:
         """Pairs (position, set number), flattened, where the holder set changes along ``chain`` (a list of
-        digests), position 0 first; None when there are more than ``max_changes``."""
-        out = getattr(self._local, "out", None)
+        digests), position 0 first; None when there are more than ``max_changes``. ``guesses``: ascending
+        positions where changes were before (probed first; a wrong guess costs two probes)."""
+        local = self._local
+        out = getattr(local, "out", None)
         if out is None:
-            out = self._local.out = (ctypes.c_int64 * (2 * self.max_changes))()
-        count = self._fn(prepared, chain, len(chain), out, self.max_changes)
+            out = local.out = (ctypes.c_int64 * (2 * self.max_changes))()
+            local.guesses = (ctypes.c_int64 * 16)()
+        num_guesses = min(len(guesses), 16)
+        local.guesses[:num_guesses] = guesses[:num_guesses]
+        count = self._fn(prepared, chain, len(chain), local.guesses, num_guesses, out, self.max_changes)
         return None if count < 0 else out[: 2 * count]
 
 
