@@ -34,7 +34,6 @@ GONE = 255  # a log entry's code for "no longer held"; 0, 1, 2 are tiers (comput
 LOG, SNAPSHOT = "l", "s"
 MAX_HINTS = 1 << 16  # remembered lookup lengths (cleared when full)
 _MIN_MAX_SETS = 4096  # holder sets interned before the unused ones are dropped
-_NATIVE_MODULE = "kvmesh.kernels.cpu.library"  # loaded by processes that run a model (it imports torch)
 MAX_RECORD_ENTRIES = 16_384  # 9 bytes each: ~144 KiB per record, well inside etcd's request and a listing page's limits
 _HEADER = struct.Struct("<4sI")
 _MAGIC = b"KVH1"
@@ -72,13 +71,6 @@ def decode_record(data: bytes) -> tuple[np.ndarray, np.ndarray]:
 
 Diff = tuple[np.ndarray, np.ndarray]  # (block keys newly held, block keys no longer held), KeyMap's stored form
 _NONE = np.zeros(0, dtype=np.uint64)
-
-
-def _native_search():
-    """The native lookup search (``kernels/cpu/key_map.c``) where this process has loaded the CPU kernels (every
-    node does), else None: a router, which never imports torch, searches in Python."""
-    kernels = sys.modules.get(_NATIVE_MODULE)
-    return kernels.holder_changes() if kernels is not None else None
 
 
 def _last_wins(keys, codes) -> tuple[np.ndarray, np.ndarray]:
@@ -164,8 +156,6 @@ class HoldingsTable:
         self._max_sets = _MIN_MAX_SETS
         # (first block key, node bit) -> the length a lookup found last: tried first, with two probes
         self._hints: dict[tuple[int, int], int] = {}
-        # first block key -> where the holder set changed along the chain last time (the native search's guesses)
-        self._changes_seen: dict[int, list[int]] = {}
 
     def __len__(self) -> int:
         """(block, holder) pairs listed."""
@@ -259,19 +249,12 @@ class HoldingsTable:
         probe (one map read: the block's holder set) splits a group into those holding the middle block and
         those not, so nodes holding the same length share every probe. A node first tries the length found
         last time for the same first block (a shared system prompt's, mostly): two probes confirm it, or
-        narrow its search. Where the process has loaded the CPU kernels, the search is one native call
-        instead (``kernels/cpu/key_map.c``: the positions where the holder set changes along the chain, the
-        chain's digests read in place).
+        narrow its search.
         """
         n = len(block_hashes)
         if not n:
             return {}
-        lengths = None
-        search = _native_search()
-        if search is not None and type(block_hashes) is list:
-            lengths = self._lengths_native(search, block_hashes)
-        if lengths is None:
-            lengths = self._lengths(block_hashes)
+        lengths = self._lengths(block_hashes)
         named, node_at = {}, self._node_at
         for bits, length in lengths.items():
             while bits:
@@ -282,34 +265,6 @@ class HoldingsTable:
                 if node_id is not None and node_id != exclude:
                     named[node_id] = length
         return named
-
-    def _lengths_native(self, search, block_hashes: list[bytes]) -> dict[int, int] | None:
-        """``_lengths`` in one native call (kernels/cpu/key_map.c: where the holder set changes along the chain);
-        None when the chain changes holders too often for its buffers."""
-        layout = self._holders.layout  # held through the call: a rebuild frees the array it replaces
-        if layout.native is None:
-            layout.native = search.prepare(layout.address, layout.mask, layout.shift, layout.multiplier)
-        try:
-            first_key = _KEY.unpack_from(block_hashes[0])[0]
-            pairs = search(layout.native[1], block_hashes, self._changes_seen.get(first_key, ()))
-        except (TypeError, struct.error):  # an item is no digest: the Python search takes what it takes
-            return None
-        if pairs is None:
-            return None
-        positions, numbers = pairs[0::2], pairs[1::2]
-        if len(self._changes_seen) >= MAX_HINTS:
-            self._changes_seen.clear()
-        self._changes_seen[first_key] = positions[1:]
-        sets, lengths = self._sets, {}
-        held = sets[numbers[0]]
-        for position, number in zip(positions[1:], numbers[1:]):
-            still = held & sets[number]
-            if still != held:
-                lengths[held ^ still] = position
-            held = still
-        if held:
-            lengths[held] = len(block_hashes)
-        return lengths
 
     def _lengths(self, block_hashes: Sequence[bytes]) -> dict[int, int]:
         """Bitmask of nodes -> the number of leading blocks each of them holds, probe by probe in Python."""

@@ -13,7 +13,7 @@ multiplier (the keys are hash prefixes, but whoever chooses prompts could aim ma
 if the home were the key's own low bits). Bulk operations (``transform``, and ``put_many``,
 ``delete_many``, ``get_many`` on it) are vectorised: every key probes at once, round after round, so a
 record of 16k entries costs some numpy calls, not 16k Python steps. ``reader()`` gives the scalar probe
-of a lookup; ``layout`` what a native reader needs (``kernels/cpu/key_map.c``).
+of a lookup.
 
 Keys 0 and 1 are EMPTY and TOMB: a block key below 2 is stored as key + 2 (two of 2^64 keys share a
 slot; the index is advisory, and its holders re-check). One writer at a time; readers on other
@@ -47,7 +47,7 @@ def as_keys(keys) -> np.ndarray:
 class _Layout:
     """The array and how to find a key's home in it; swapped whole on a rebuild."""
 
-    __slots__ = ("slots", "view", "mask", "shift", "multiplier", "reader", "address", "native")
+    __slots__ = ("slots", "view", "mask", "shift", "multiplier", "reader")
 
     def __init__(self, num_slots: int, multiplier: int):
         self.slots = np.zeros(2 * num_slots, dtype=np.uint64)
@@ -56,8 +56,6 @@ class _Layout:
         self.shift = 64 - (num_slots.bit_length() - 1)
         self.multiplier = multiplier
         self.reader = None  # KeyMap.reader's function for this array, made on first use
-        self.address = self.slots.ctypes.data  # for native readers (kernels/cpu/key_map.c)
-        self.native = None  # what a native reader prepared for this array (kept with it)
 
     def homes(self, keys: np.ndarray) -> np.ndarray:
         with np.errstate(over="ignore"):
@@ -87,12 +85,6 @@ class KeyMap:
     def get(self, key: int, default: int = MISSING) -> int:
         """The value of one key (``default`` when absent)."""
         return self.reader()(key, default)
-
-    @property
-    def layout(self) -> _Layout:
-        """The array as it is now (``slots``, ``address``, ``mask``, ``shift``, ``multiplier``), for a native
-        reader: hold on to it for the call (a rebuild swaps in a new one and frees the old)."""
-        return self._layout
 
     def reader(self) -> Callable[[int, int], int]:
         """``get`` bound to the map's array as it is now (made once per array), for a loop of scalar reads (a

@@ -70,7 +70,6 @@ def test_bench_index_measures_both_designs_on_one_fleet(tmp_path):
         assert row["publish_blocks_per_s"] > 0 and row["churn_changes_per_s"] > 0 and row["lookups"] == 60
     assert res["design"] == "holdings" and res["baseline"]["design"] == "baseline"
     assert res["mirror_table_bytes_per_block"] > 0 and res["baseline"]["mirror_table_bytes_per_block"] is None
-    assert res["lookup_python_p99_us"] > 0 and res["baseline"]["lookup_python_p99_us"] is None  # a router's search
     assert [r["blocks"] for r in res["sizes"]] == [res["sizes"][0]["blocks"], res["blocks"]]
     assert res["extrapolated"]["blocks"] == 100_000_000 and set(res["ratios"]) >= {"publish", "etcd_rss_per_block"}
 

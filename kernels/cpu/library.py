@@ -1,7 +1,7 @@
 """The native CPU kernels: compiled on first use for this machine, loaded through ctypes.
 
 ``load()`` compiles the C files beside this one (``decode_attention.c``, ``prefill_attention.c``, ``rms_norm.c``,
-``rope_store.c``, ``blake2b_chain.c``, ``block_index.c``, ``key_map.c``; helpers in ``common.h``) into one
+``rope_store.c``, ``blake2b_chain.c``, ``block_index.c``; helpers in ``common.h``) into one
 library with the system C compiler (``$CC``, else ``cc``/``gcc``) for the CPU it runs on
 (``-march=native``) into ``$KVMESH_CACHE_DIR/native/`` (the file name carries a hash of the
 sources, the flags, the compiler and the CPU's feature flags, so a changed source or another
@@ -27,7 +27,6 @@ import platform
 import shutil
 import subprocess
 import tempfile
-import threading
 from pathlib import Path
 
 import numpy as np
@@ -63,9 +62,6 @@ _BLOCK_INDEX_SIGNATURES = {  # each takes the address of a block_index_t first (
     "block_index_count_held": [_P, _B, _B, _I64],
     "block_index_chain": [_P, _I64, _I64, _P],
     "block_index_check": [_P],
-    # the global index mirror's lookup (key_map.c): a search_args_t, the chain (a list) and its length, guessed
-    # change positions and their number, the output pairs and their capacity
-    "key_map_holder_changes": [_P, ctypes.py_object, _I64, _P, _I64, _P, _I64],
 }
 _SUFFIXES = {torch.bfloat16: "bf16", torch.float32: "f32"}
 
@@ -171,55 +167,9 @@ def load_holding_gil() -> ctypes.PyDLL | None:
     return lib
 
 
-class _SearchArgs(ctypes.Structure):
-    """``search_args_t`` of key_map.c."""
-
-    _fields_ = [("slots", ctypes.c_void_p), ("mask", ctypes.c_int64), ("shift", ctypes.c_int64),
-                ("multiplier", ctypes.c_uint64), ("get", ctypes.c_void_p), ("data", ctypes.c_void_p),
-                ("size", ctypes.c_void_p)]
-
-
-class HolderChanges:
-    """``key_map_holder_changes`` with this interpreter's list and bytes accessors (see ``key_map.c``)."""
-
-    def __init__(self, lib: ctypes.PyDLL, max_changes: int = 64):
-        api = ctypes.pythonapi
-        self._fn = lib.key_map_holder_changes
-        self._accessors = tuple(ctypes.cast(f, ctypes.c_void_p).value
-                                for f in (api.PyList_GetItem, api.PyBytes_AsString, api.PyBytes_Size))
-        self.max_changes = max_changes
-        self._local = threading.local()  # each thread's output pairs
-
-    def prepare(self, slots_address: int, mask: int, shift: int, multiplier: int) -> tuple[object, int]:
-        """The arguments that name one map's array (keep the first alive; pass the second, its address)."""
-        args = _SearchArgs(slots_address, mask, shift, multiplier, *self._accessors)
-        return args, ctypes.addressof(args)
-
-    def __call__(self, prepared: int, chain: list, guesses: list[int]) -> list[int] | None:
-        """Pairs (position, set number), flattened, where the holder set changes along ``chain`` (a list of
-        digests), position 0 first; None when there are more than ``max_changes``. ``guesses``: ascending
-        positions where changes were before (probed first; a wrong guess costs two probes)."""
-        local = self._local
-        out = getattr(local, "out", None)
-        if out is None:
-            out = local.out = (ctypes.c_int64 * (2 * self.max_changes))()
-            local.guesses = (ctypes.c_int64 * 16)()
-        num_guesses = min(len(guesses), 16)
-        local.guesses[:num_guesses] = guesses[:num_guesses]
-        count = self._fn(prepared, chain, len(chain), local.guesses, num_guesses, out, self.max_changes)
-        return None if count < 0 else out[: 2 * count]
-
-
-@functools.cache
-def holder_changes() -> HolderChanges | None:
-    """The mirror's native lookup search, or None where the library cannot be had."""
-    lib = load_holding_gil()
-    return HolderChanges(lib) if lib is not None else None
-
-
 def forget() -> None:
     """Forget the loaded library and its path, so the next ``load`` looks again (tests that build variants)."""
-    for cached in (_library_path, load, load_holding_gil, holder_changes):
+    for cached in (_library_path, load, load_holding_gil):
         cached.cache_clear()
 
 

@@ -41,10 +41,6 @@ LONG_LEASE_S = 3600
 _MIRROR = """
 import json, sys, time, resource
 design, endpoint = sys.argv[1], sys.argv[2]
-if design == "holdings":  # every node process has the CPU kernels loaded (a router has not: see "python" below)
-    from kvmesh.kernels.cpu import library
-    from kvmesh.metadata import holdings
-    assert library.holder_changes() is not None, "the CPU kernels did not build"
 started = time.perf_counter()
 from kvmesh.bench.index_fleet import FleetShape, chain_hashes
 from kvmesh.metadata.etcd_store import EtcdStore
@@ -79,15 +75,7 @@ for line in sys.stdin:
             hashes = chain_hashes(shape, *chain)
             t0 = time.perf_counter_ns()
             found = index.lookup(hashes)
-            row = [(time.perf_counter_ns() - t0) / 1e3, found]
-            if design == "holdings":  # the same lookup as a router makes it, without the kernels: in Python
-                hashes = chain_hashes(shape, *chain)
-                native, holdings._native_search = holdings._native_search, lambda: None
-                t0 = time.perf_counter_ns()
-                found = index.lookup(hashes)
-                row += [(time.perf_counter_ns() - t0) / 1e3, found]
-                holdings._native_search = native
-            out.append(row)
+            out.append([(time.perf_counter_ns() - t0) / 1e3, found])
         print(json.dumps(out), flush=True)
     elif cmd["op"] == "holds":
         print(json.dumps(holds(cmd["node"])), flush=True)
@@ -131,9 +119,7 @@ class Measure:
     publish_blocks_per_s: float
     churn_changes_per_s: float
     lookup_p50_us: float
-    lookup_p99_us: float  # as a node looks up (the native search where the CPU kernels are loaded)
-    lookup_python_p50_us: float | None  # as a router looks up (no torch, no kernels: the Python search)
-    lookup_python_p99_us: float | None
+    lookup_p99_us: float
     lookups: int
     promised_not_held_blocks: int
     held_not_promised_blocks: int
@@ -256,11 +242,8 @@ def measure(design: str, shape: FleetShape, num_mirrors: int, churn: float, num_
         sample = [fleet.random_chain(rng) for _ in range(num_lookups)]
         answers = mirrors[0].ask(op="lookup", shape=asdict(shape), chains=[c[:2] for c in sample])
         latencies = sorted(a[0] for a in answers)
-        python_latencies = sorted(a[2] for a in answers if len(a) > 2)
-        if any(a[3] != a[1] for a in answers if len(a) > 2):
-            raise RuntimeError("the Python and the native lookup disagree")
         promised_not_held = held_not_promised = 0
-        for (chain_id, prefix_id, _), (_, found, *_) in zip(sample, answers):
+        for (chain_id, prefix_id, _), (_, found) in zip(sample, answers):
             truth = fleet.truth(chain_id, prefix_id)
             for node in set(truth) | set(found):
                 promised, held = found.get(node, 0), truth.get(node, 0)
@@ -281,9 +264,7 @@ def measure(design: str, shape: FleetShape, num_mirrors: int, churn: float, num_
             pub.close()
         return Measure(design, shape.nodes, total, (rss1 - rss0) / total, (db1 - db0) / total,
                        filled / fill_s, changes / churn_s,
-                       statistics.median(latencies), _p99(latencies),
-                       statistics.median(python_latencies) if python_latencies else None,
-                       _p99(python_latencies) if python_latencies else None, len(latencies), promised_not_held, held_not_promised, caught_up["since_start_s"],
+                       statistics.median(latencies), _p99(latencies), len(latencies), promised_not_held, held_not_promised, caught_up["since_start_s"],
                        mirror_rss["rss"] / total, mirror_rss["peak"] / total,
                        None if mirror_rss["table_bytes"] is None else mirror_rss["table_bytes"] / total,
                        cleared_s, lease_ttl_s, fill_s, changes)
@@ -332,14 +313,12 @@ def run(json_path: str | None, nodes: int, sizes: list[int], baseline_sizes: lis
         }
     table = [[r.design, f"{r.nodes}", f"{r.blocks:,}", f"{r.etcd_rss_bytes_per_block:,.1f} B",
               f"{r.etcd_db_bytes_per_block:,.1f} B", f"{r.publish_blocks_per_s:,.0f}/s", f"{r.churn_changes_per_s:,.0f}/s",
-              f"{r.lookup_p50_us:.1f} / {r.lookup_p99_us:.1f} us"
-              + (f" ({r.lookup_python_p50_us:.1f} / {r.lookup_python_p99_us:.1f} us)" if r.lookup_python_p50_us else ""),
-              f"{r.promised_not_held_blocks} / "
+              f"{r.lookup_p50_us:.1f} / {r.lookup_p99_us:.1f} us", f"{r.promised_not_held_blocks} / "
               f"{r.held_not_promised_blocks}", f"{r.mirror_catch_up_s:.1f} s", f"{r.mirror_rss_bytes_per_block:.0f} B",
               f"{r.dead_publisher_cleared_s:.1f} s (lease {r.lease_ttl_s} s)"] for r in rows + base]
     print_table("global block index at fleet scale (one etcd)",
                 ["index", "nodes", "cached blocks", "etcd RSS/block", "etcd db/block", "publish", "churn",
-                 "lookup p50 / p99 (2,048 blocks; in Python, as a router)", "promised-not-held / held-not-promised", "mirror catch-up",
+                 "lookup p50 / p99 (2,048 blocks)", "promised-not-held / held-not-promised", "mirror catch-up",
                  "mirror RSS/block", "dead publisher gone"], table)
     if "ratios" in res:
         r = res["ratios"]
