@@ -150,21 +150,11 @@ int64_t block_index_remove_blocks(block_index_t *ix, const int32_t *ids, int64_t
     int64_t num_removed = 0;
     for (int64_t i = 0; i < n; i++) {
         int64_t b = ids[i];
-        if (!is_block(ix, b)) {
-            parents[i] = -3;
-            continue;
-        }
-        int32_t s = ix->slot_of_block[b];
-        if (s < 0) {
-            parents[i] = -2;
-            continue;
-        }
-        memcpy(digests + 16 * i, &ix->keys[2 * s], 16);
-        int32_t parent = ix->parents[b];
-        if (parent != NO_BLOCK) memcpy(parent_digests + 16 * i, &ix->keys[2 * ix->slot_of_block[parent]], 16);
-        parents[i] = parent;
-        unlink_block(ix, b);
-        num_removed++;
+        if (is_block(ix, b) && ix->parents[b] != NO_BLOCK) /* a block holding no digest has no parent */
+            block_index_digest_of(ix, ix->parents[b], parent_digests + 16 * i);
+        int64_t parent = block_index_remove_block(ix, b, digests + 16 * i);
+        parents[i] = (int32_t)parent;
+        num_removed += parent >= NO_BLOCK;
     }
     return num_removed;
 }

@@ -264,7 +264,8 @@ def measure(design: str, shape: FleetShape, num_mirrors: int, churn: float, num_
             pub.close()
         return Measure(design, shape.nodes, total, (rss1 - rss0) / total, (db1 - db0) / total,
                        filled / fill_s, changes / churn_s,
-                       statistics.median(latencies), _p99(latencies), len(latencies), promised_not_held, held_not_promised, caught_up["since_start_s"],
+                       statistics.median(latencies), _p99(latencies), len(latencies), promised_not_held,
+                       held_not_promised, caught_up["since_start_s"],
                        mirror_rss["rss"] / total, mirror_rss["peak"] / total,
                        None if mirror_rss["table_bytes"] is None else mirror_rss["table_bytes"] / total,
                        cleared_s, lease_ttl_s, fill_s, changes)
