@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from kvmesh.auth import TOKEN_ENV, ClusterAuth, generate_token, token_from_env
 from kvmesh.cluster.client import NodeClient
 from kvmesh.cluster.hosts import Hosts
+from kvmesh.node.core_share import CoreTable
 from kvmesh.metadata.embedded_etcd import EmbeddedEtcd
 from kvmesh.metadata.registry import wait_for_nodes
 
@@ -48,9 +49,9 @@ class LocalCluster:
         """``cluster_token``: default $KVMESH_CLUSTER_TOKEN, else a fresh random one (``self.token``).
 
         ``dtype``: the nodes' model dtype ("auto" resolves on each node). ``threads_per_node``: compute threads
-        of each node; 0 splits this machine's cores evenly among the nodes (at least one each), so that node
-        processes sharing a machine do not thrash each other's caches. ``per_node_args``: node id -> arguments
-        added to that node's command line only (after ``node_args``).
+        of each node; 0: the nodes divide this machine's cores among those with work at each step (a
+        ``CoreTable``), or on simulated ``hosts`` split them evenly (at least one each). ``per_node_args``: node
+        id -> arguments added to that node's command line only (after ``node_args``).
         """
         self.num_prefill, self.num_decode = num_prefill, num_decode
         self.hosts = hosts
@@ -67,6 +68,7 @@ class LocalCluster:
         self.node_args = node_args or []
         self.per_node_args = dict(per_node_args or {})
         self.dtype = dtype
+        self.cores = CoreTable() if threads_per_node == 0 and hosts is None else None
         self.threads_per_node = threads_per_node or max(1, (os.cpu_count() or 1) // max(1, num_prefill + num_decode))
         self.start_timeout_s = start_timeout_s
         if etcd or hosts is None:
@@ -97,13 +99,13 @@ class LocalCluster:
         """Start (or restart) one node process; with ``wait``, until it is registered."""
         cmd = [sys.executable, "-m", "kvmesh.cli", f"{role}-node", "--node-id", node_id, "--etcd",
                self.etcd_endpoint, "--cluster", self.cluster, "--model", self.model, "--dtype", self.dtype,
-               "--threads", str(self.threads_per_node), *self.node_args, *self.per_node_args.get(node_id, ()),
-               *extra_args]
+               *self._thread_args(node_id), *self.node_args, *self.per_node_args.get(node_id, ()), *extra_args]
         if self.hosts is not None:
             host = self.hosts[self.placement.setdefault(node_id, self.hosts.hosts[-1].index)]
             cmd = [*host.exec_prefix, *cmd, "--host", host.address]
         env = {**os.environ, TOKEN_ENV: self.token}  # never on argv: every local user can read that
-        proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+        proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
+                                pass_fds=(self.cores.fd,) if self.cores is not None else ())
         node = self.nodes[node_id] = NodeProcess(node_id, role, proc, {})
         if wait:
             line = proc.stdout.readline()
@@ -112,6 +114,12 @@ class LocalCluster:
             node.info = json.loads(line)
             self.wait_registered({node_id})
         return node
+
+    def _thread_args(self, node_id: str) -> list[str]:
+        share = self.cores.node_argument(node_id) if self.cores is not None else None
+        if share is None:
+            return ["--threads", str(self.threads_per_node)]
+        return ["--threads", "0", "--core-share", share]
 
     def wait_registered(self, node_ids: set[str]) -> None:
         wait_for_nodes(self.etcd_endpoint, self.cluster, node_ids, self.start_timeout_s, self.token)
@@ -173,6 +181,8 @@ class LocalCluster:
                 node.kill()
         if self._etcd is not None:
             self._etcd.cleanup()
+        if self.cores is not None:
+            self.cores.close()
 
     def __enter__(self) -> LocalCluster:
         try:

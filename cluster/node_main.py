@@ -28,8 +28,11 @@ def add_node_arguments(p: argparse.ArgumentParser) -> None:
                         "memory with GPUDirect RDMA) or a pinned host mirror copied per transfer (host-staging); "
                         "auto picks and logs why")
     p.add_argument("--threads", type=int, default=0,
-                   help="compute threads of this node (0: torch's default, every core); nodes sharing a machine "
-                        "should get disjoint shares (serve and local-cluster split the cores among their nodes)")
+                   help="compute threads of this node (0: torch's default, every core, or with --core-share the "
+                        "cores the machine's other nodes leave)")
+    p.add_argument("--core-share", default="", metavar="FD:SLOT:CORES",
+                   help="set by serve and local-cluster: the inherited table through which the nodes of one machine "
+                        "divide its cores among those with work (kvmesh/node/core_share.py)")
     p.add_argument("--num-kv-blocks", type=int, default=1024)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one engine step")
@@ -107,7 +110,7 @@ def run_node(role: str, args: argparse.Namespace) -> int:
                      transfer_rtt_s=args.transfer_rtt_ms / 1e3,
                      prefill_timeout_s=args.prefill_timeout, holder_timeout_s=args.holder_timeout,
                      num_landing_slots=args.landing_slots, enforce_eager=args.enforce_eager,
-                     kv_placement=args.kv_placement,
+                     kv_placement=args.kv_placement, core_share="" if args.threads > 0 else args.core_share,
                      enable_prefix_caching=not args.no_prefix_cache, use_global_pool=not args.no_global_pool,
                      speculative=args.speculative, num_speculative_tokens=args.num_speculative_tokens,
                      host_kv_bytes=_gib_to_bytes("--host-kv-gib", args.host_kv_gib),

@@ -181,6 +181,19 @@ def _add_bench(sub) -> None:
                                         "disk tiers (hit rates, TTFT, bytes demoted / promoted)")
     add_tiers_arguments(ti)
     ti.set_defaults(func=_run_bench_tiers)
+    from kvmesh.bench.serve_bench import add_arguments as add_serve_bench_arguments
+
+    sv = which.add_parser("serve", help="OpenAI endpoints side by side under one streaming client: kvmesh serve, "
+                                        "llama.cpp's server, running URLs (TTFT, ITL, TPOT, tokens/s)")
+    add_serve_bench_arguments(sv)
+    sv.set_defaults(func=_run_bench_serve)
+
+
+def _run_bench_serve(args: argparse.Namespace) -> int:
+    from kvmesh.bench import serve_bench
+
+    serve_bench.run(args)
+    return 0
 
 
 def _run_bench_kernels(args: argparse.Namespace) -> int:

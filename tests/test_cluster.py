@@ -11,6 +11,7 @@ from kvmesh import LLM, SamplingParams
 from kvmesh.auth import REFUSED
 from kvmesh.cluster.client import RequestFailed
 from kvmesh.cluster.local_launcher import LocalCluster
+from kvmesh.node.core_share import machine_cores
 from kvmesh.node.messages import GenerateRequest, TokenEvent
 from kvmesh.transfer.engine import mooncake_available
 from kvmesh.wire import decode
@@ -72,6 +73,16 @@ def test_one_prefill_one_decode_matches_the_single_node_engine(cluster, referenc
     assert [c.error for c in out] == [""] * 5
     assert [c.token_ids for c in out] == reference(prompts)
     assert all(c.stats["tokens_from_prefill_node"] > 0 for c, p in zip(out, prompts) if len(p) > 32)
+    check_all(cluster)
+
+
+def test_a_node_computing_alone_computes_on_every_core(cluster, reference):
+    """The launcher's nodes share this machine's cores (kvmesh/node/core_share.py): decode-2 computes a prompt
+    while every other node idles, so its steps run on every core."""
+    p = prompt(99, 40)
+    out = cluster.client("decode-2").generate(p, GREEDY)
+    assert out.error == "" and out.token_ids == reference([p])[0]
+    assert cluster.client("decode-2").stats()["compute_threads"] == machine_cores()
     check_all(cluster)
 
 

@@ -4,6 +4,8 @@ Other threads hand it work with ``call_soon``; between commands it steps the
 engine while there is work, reports finished requests (``on_finish``), requests
 failed by a broken step (``on_failed``: exactly that step's batch, already
 FAILED and freed) and runs ``after_step`` (the block publisher's drain).
+With a ``CoreShare`` it marks whether the node has work and sizes the step's compute
+threads to the cores the machine's other nodes leave (``kvmesh/node/core_share.py``).
 Construction starts nothing; ``start`` starts the thread.
 """
 from __future__ import annotations
@@ -13,25 +15,31 @@ import queue
 import threading
 from collections.abc import Callable
 
+import torch
+
 from kvmesh.engine.engine import LLMEngine, StepFailed
 from kvmesh.engine.request_state import RequestStatus
 from kvmesh.engine.sequence import Sequence
+from kvmesh.node.core_share import CoreShare
 
 log = logging.getLogger("kvmesh.node")
 
 
 class EngineLoop:
     def __init__(self, engine: LLMEngine, name: str, on_finish: Callable[[Sequence], None],
-                 on_failed: Callable[[Sequence, str], None], after_step: Callable[[], None]):
+                 on_failed: Callable[[Sequence, str], None], after_step: Callable[[], None],
+                 cores: CoreShare | None = None):
         self.engine = engine
         self.name = name
         self._on_finish = on_finish
         self._on_failed = on_failed
         self._after_step = after_step
+        self._cores = cores
         self._commands: queue.Queue[Callable[[], None]] = queue.Queue()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"kvmesh-engine-{name}", daemon=True)
         self.num_failed_steps = 0
+        self.compute_threads = 0  # of the last step (0: none yet)
 
     def start(self) -> EngineLoop:
         self._thread.start()
@@ -43,6 +51,7 @@ class EngineLoop:
 
     def _run(self) -> None:
         scheduler = self.engine.scheduler
+        self.compute_threads = torch.get_num_threads()
         while not self._stop.is_set():
             busy = bool(scheduler.waiting or scheduler.running)
             try:
@@ -54,7 +63,12 @@ class EngineLoop:
                 pass
             except Exception:
                 log.exception("%s: command failed", self.name)
-            if scheduler.waiting or scheduler.running:
+            has_work = bool(scheduler.waiting or scheduler.running)
+            if self._cores is not None:
+                self._cores.set_busy(has_work)
+            if has_work:
+                if self._cores is not None:
+                    self.compute_threads = self._cores.fit_threads()
                 try:
                     for seq in self.engine.step():
                         if seq.status is RequestStatus.FAILED:
@@ -67,6 +81,8 @@ class EngineLoop:
                     for seq in e.failed:
                         self._on_failed(seq, str(e))
             self._after_step()
+        if self._cores is not None:
+            self._cores.set_busy(False)
 
     def close(self) -> None:
         self._stop.set()

@@ -37,6 +37,7 @@ from kvmesh.metadata.records import ComputeProbe, KVLayoutRecord, ModelCard, Nod
 from kvmesh.model.loader import load_model
 from kvmesh.node.placement import make_placement
 from kvmesh.node import messages as nm
+from kvmesh.node.core_share import CoreShare
 from kvmesh.node.engine_loop import EngineLoop
 from kvmesh.netaddr import advertise_address
 from kvmesh.node.membership import ClusterMembership
@@ -94,6 +95,7 @@ class NodeConfig:
     speculative: str = "off"  # decode nodes: "ngram" (prompt lookup), "self-draft" or "off"
     num_speculative_tokens: int = 4
     enforce_eager: bool = False  # on CUDA: no decode CUDA graphs
+    core_share: str = ""  # FD:SLOT:CORES of the launcher's CoreTable: compute threads shared with this machine's nodes
     cluster_token: str = field(default="", repr=False)  # authenticates every frame (kvmesh.auth)
     insecure: bool = False  # may bind beyond loopback without a cluster token
 
@@ -155,7 +157,8 @@ class NodeRuntime:
                 self.agent.engine.register(tensor)
             self.agent.holder.source = TieredSource(self.pool, self.agent.base_addr, self.agent.block_bytes,
                                                     self.tiers, self.agent.memory.stage_out)
-        self.loop = EngineLoop(self.engine, cfg.node_id, self.on_finish, self.on_failed, self._publish)
+        self.loop = EngineLoop(self.engine, cfg.node_id, self.on_finish, self.on_failed, self._publish,
+                               cores=CoreShare.from_argument(cfg.core_share) if cfg.core_share else None)
         self.workers = ThreadPoolExecutor(16, thread_name_prefix=f"kvmesh-{cfg.node_id}")
         self.endpoint = RouterEndpoint(cfg.host, self._on_request, f"requests-{cfg.node_id}", self.auth,
                                        advertise=self.advertise_host)
@@ -322,7 +325,8 @@ class NodeRuntime:
                  "index_revision": self.membership.index.mirror.revision if self.membership.index else 0,
                  "landing": self.agent.landing.describe() if self.agent.landing is not None else {},
                  "device": device_name(self.device), "kv_memory": self.agent.memory.describe(),
-                 "num_failed_steps": self.loop.num_failed_steps, **self.role_stats(),
+                 "num_failed_steps": self.loop.num_failed_steps, "compute_threads": self.loop.compute_threads,
+                 **self.role_stats(),
                  **(self.tiers.stats() if self.tiers is not None else {}),
                  "pinned_prefixes": {pin_id: list(counts) for pin_id, counts in self.engine.pins.status().items()},
                  **(self.engine.speculator.stats() if self.engine.speculator is not None else {})}

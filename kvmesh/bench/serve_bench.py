@@ -1,0 +1,289 @@
+"""``kvmesh bench serve``: OpenAI endpoints under one streaming client, side by side.
+
+Drives ``/v1/completions`` (token-id prompts, greedy, ``ignore_eos``, streamed) of each target
+with the same shared-prefix workload at a fixed concurrency, targets taking turns per round,
+and reports TTFT, ITL and TPOT percentiles and throughput per target, with each target's
+ratio to the first. Targets:
+
+- ``kvmesh``: ``kvmesh serve`` started here (``--serve-args`` added to its command line);
+- ``llama.cpp``: llama.cpp's ``llama-server`` started here (``--llama-server``, ``--gguf``,
+  ``--slots``, ``--llama-threads``), the peer measured on the same weights;
+- ``NAME=URL``: an endpoint already running (its base URL, ending in ``/v1``).
+
+Every process this starts is stopped when it ends, however it ends.
+"""
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import random
+import shlex
+import signal
+import subprocess
+import sys
+import time
+import urllib.parse
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack, contextmanager
+from typing import NamedTuple
+
+from kvmesh.bench import workloads as wl
+
+
+class Stream(NamedTuple):
+    ttft_s: float
+    e2e_s: float
+    itl_s: list[float]  # between successive chunks that carried tokens
+    num_tokens: int
+
+
+class Target(NamedTuple):
+    name: str
+    base_url: str  # http://host:port/v1
+
+
+def _post_stream(base_url: str, body: dict, timeout_s: float) -> Stream:
+    """One streamed completion; raises RuntimeError on an HTTP error or an error event."""
+    url = urllib.parse.urlsplit(base_url)
+    conn = http.client.HTTPConnection(url.hostname, url.port, timeout=timeout_s)
+    start = time.perf_counter()
+    try:
+        conn.request("POST", url.path.rstrip("/") + "/completions", json.dumps(body),
+                     {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        if resp.status != 200:
+            raise RuntimeError(f"{base_url}: HTTP {resp.status}: {resp.read(500)!r}")
+        ttft, last, itl, num_chunks, usage = None, start, [], 0, None
+        for raw in resp:
+            line = raw.strip()
+            if not line.startswith(b"data:"):
+                continue
+            data = line[5:].strip()
+            if data == b"[DONE]":
+                break
+            event = json.loads(data)
+            if "error" in event:
+                raise RuntimeError(f"{base_url}: {event['error']}")
+            usage = event.get("usage") or usage
+            if not event.get("choices"):
+                continue
+            now = time.perf_counter()
+            if ttft is None:
+                ttft = now - start
+            else:
+                itl.append(now - last)
+            last = now
+            num_chunks += 1
+        num_tokens = (usage or {}).get("completion_tokens") or num_chunks
+        return Stream(ttft or 0.0, time.perf_counter() - start, itl, num_tokens)
+    finally:
+        conn.close()
+
+
+def _percentile(values: list[float], q: float) -> float:
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * (len(ordered) - 1) + 0.5))]
+
+
+def drive(target: Target, model: str, requests: list[wl.BenchRequest], concurrency: int,
+          timeout_s: float = 600.0) -> tuple[list[Stream], float]:
+    """Send every request, ``concurrency`` at a time; returns the streams and the wall seconds."""
+    def one(req: wl.BenchRequest) -> Stream:
+        return _post_stream(target.base_url, {"model": model, "prompt": req.prompt_ids, "max_tokens": req.max_tokens,
+                                              "temperature": 0.0, "stream": True, "ignore_eos": True,
+                                              "stream_options": {"include_usage": True}}, timeout_s)
+
+    start = time.perf_counter()
+    with ThreadPoolExecutor(concurrency) as pool:
+        streams = list(pool.map(one, requests))
+    return streams, time.perf_counter() - start
+
+
+def summarize(streams: list[Stream], seconds: float) -> dict:
+    ttft = [s.ttft_s * 1e3 for s in streams]
+    itl = [x * 1e3 for s in streams for x in s.itl_s]
+    tpot = [(s.e2e_s - s.ttft_s) / (s.num_tokens - 1) * 1e3 for s in streams if s.num_tokens > 1]
+    out = {"requests": len(streams), "seconds": seconds,
+           "output_tok_s": sum(s.num_tokens for s in streams) / seconds if seconds else 0.0}
+    for name, values in (("ttft", ttft), ("itl", itl), ("tpot", tpot)):
+        for q in (50, 90, 99):
+            out[f"{name}_p{q}_ms"] = _percentile(values, q / 100)
+    return out
+
+
+def _wait_http(base_url: str, path: str, timeout_s: float, proc: subprocess.Popen) -> None:
+    """Until GET ``path`` answers 200 (the server loaded its model), or the process died."""
+    url = urllib.parse.urlsplit(base_url)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{proc.args[0]} exited ({proc.returncode}) before it was ready")
+        conn = http.client.HTTPConnection(url.hostname, url.port, timeout=5)
+        try:
+            conn.request("GET", path)
+            if conn.getresponse().status == 200:
+                return
+        except OSError:
+            pass
+        finally:
+            conn.close()
+        time.sleep(0.2)  # the condition is polled: a model load takes what it takes
+    raise TimeoutError(f"{base_url}{path} not ready within {timeout_s:.0f} s")
+
+
+@contextmanager
+def _process(cmd: list[str], **kwargs):
+    """A child in its own process group, stopped when the block ends: SIGTERM to it (it stops its own children in
+    order), then SIGKILL to the whole group if it has not ended within a minute."""
+    proc = subprocess.Popen(cmd, start_new_session=True, **kwargs)
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                pass
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # whatever of the group is left
+        except ProcessLookupError:
+            pass
+        proc.wait()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def kvmesh_serve(model: str, extra_args: list[str], timeout_s: float):
+    cmd = [sys.executable, "-m", "kvmesh.cli", "serve", "--model", model, "--grpc-port", "0", "--http-port", "0",
+           *extra_args]
+    with _process(cmd, stdout=subprocess.PIPE, text=True) as proc:
+        line = proc.stdout.readline()  # the ready line, once the nodes registered and the front ends listen
+        if not line:
+            raise RuntimeError(f"kvmesh serve exited ({proc.wait()}) before it was ready")
+        base_url = json.loads(line)["http"]
+        _wait_http(base_url, "/ready", timeout_s, proc)
+        yield Target("kvmesh", base_url)
+
+
+@contextmanager
+def llama_server(binary: str, gguf: str, slots: int, ctx_per_slot: int, threads: int, timeout_s: float):
+    port = _free_port()
+    cmd = [binary, "-m", gguf, "--host", "127.0.0.1", "--port", str(port), "-np", str(slots),
+           "-c", str(slots * ctx_per_slot), "--no-webui", *(["-t", str(threads), "-tb", str(threads)] if threads else [])]
+    with _process(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) as proc:
+        base_url = f"http://127.0.0.1:{port}/v1"
+        _wait_http(base_url, "/health", timeout_s, proc)
+        yield Target("llama.cpp", base_url)
+
+
+def workload(args, vocab: int) -> list[wl.BenchRequest]:
+    """Shared-prefix prompts of ordinary token ids (the lowest and highest ids, special tokens among them, left out)."""
+    margin = min(256, vocab // 8)
+    requests = wl.shared_prefix(args.groups, args.per_group, args.system_len, args.question_len, args.output_len,
+                                vocab - 2 * margin, args.seed)
+    for req in requests:
+        req.prompt_ids = [t + margin for t in req.prompt_ids]
+    random.Random(args.seed).shuffle(requests)
+    return requests
+
+
+def run(args) -> dict:
+    from kvmesh.bench.report import machine, print_table, write_json
+    from kvmesh.model.card import load_tokenizer
+
+    vocab = load_tokenizer(args.model).config.vocab_size
+    # Each round its own prompts (a repeated prompt would be a full cache hit); the warm-up's are never used again.
+    rounds = [workload(_with(args, seed=args.seed + 1 + r), vocab) for r in range(args.rounds)]
+    warmup = workload(_with(args, seed=args.seed, groups=1, per_group=args.concurrency), vocab)
+    names = [t for t in args.targets.split(",") if t]
+    res: dict = {"machine": machine(), "model": args.model, "concurrency": args.concurrency,
+                 "workload": {"groups": args.groups, "per_group": args.per_group, "system_len": args.system_len,
+                              "question_len": args.question_len, "output_len": args.output_len},
+                 "rounds": args.rounds, "targets": {}}
+    ctx_per_slot = args.system_len + args.question_len + args.output_len + 64
+    with ExitStack() as stack:
+        targets = []
+        for name in names:
+            print(f"starting {name} ...", file=sys.stderr)
+            if name == "kvmesh":
+                targets.append(stack.enter_context(kvmesh_serve(args.model, shlex.split(args.serve_args),
+                                                                args.start_timeout)))
+                res["targets"]["kvmesh"] = {"command": f"kvmesh serve --model {args.model} {args.serve_args}".strip()}
+            elif name == "llama.cpp":
+                if not args.llama_server or not args.gguf:
+                    raise SystemExit("kvmesh bench serve: the llama.cpp target needs --llama-server and --gguf")
+                targets.append(stack.enter_context(llama_server(args.llama_server, args.gguf, args.slots,
+                                                                ctx_per_slot, args.llama_threads, args.start_timeout)))
+                res["targets"]["llama.cpp"] = {"gguf": os.path.basename(args.gguf), "slots": args.slots,
+                                               "threads": args.llama_threads or "default"}
+            elif "=" in name:
+                label, url = name.split("=", 1)
+                targets.append(Target(label, url))
+                res["targets"][label] = {"url": url}
+            else:
+                raise SystemExit(f"kvmesh bench serve: unknown target {name!r} (kvmesh, llama.cpp or NAME=URL)")
+        streams = {t.name: [] for t in targets}
+        seconds = {t.name: 0.0 for t in targets}
+        for target in targets:
+            drive(target, args.model, warmup, args.concurrency)  # first-request costs and the warm-up prefix
+        for r, requests in enumerate(rounds):
+            for target in targets if r % 2 == 0 else targets[::-1]:
+                print(f"round {r + 1}/{args.rounds}: {target.name} ...", file=sys.stderr)
+                got, secs = drive(target, args.model, requests, args.concurrency)
+                streams[target.name] += got
+                seconds[target.name] += secs
+    for name, got in streams.items():
+        res["targets"][name].update(summarize(got, seconds[name]))
+    first = next(iter(streams))
+    rows = []
+    for name in streams:
+        t, base = res["targets"][name], res["targets"][first]
+        ratios = {f"{k}_vs_{first}": t[k] / base[k] if base[k] else 0.0
+                  for k in ("ttft_p50_ms", "itl_p50_ms", "tpot_p50_ms", "output_tok_s")}
+        t.update(ratios)
+        rows.append([name, f"{t['ttft_p50_ms']:.0f}", f"{t['ttft_p99_ms']:.0f}", f"{t['itl_p50_ms']:.1f}",
+                     f"{t['itl_p99_ms']:.1f}", f"{t['tpot_p50_ms']:.1f}", f"{t['output_tok_s']:.0f}",
+                     f"{ratios[f'ttft_p50_ms_vs_{first}']:.2f}x", f"{ratios[f'itl_p50_ms_vs_{first}']:.2f}x"])
+    print_table(f"{args.model}, concurrency {args.concurrency}, {len(rounds[0])} requests x {args.rounds} rounds "
+                f"({args.groups} prefixes of {args.system_len} tokens)",
+                ["target", "TTFT p50 ms", "p99", "ITL p50 ms", "p99", "TPOT p50 ms", "out tok/s",
+                 f"TTFT vs {first}", f"ITL vs {first}"], rows)
+    write_json(args.json, res)
+    return res
+
+
+def _with(args, **changes):
+    return type(args)(**{**vars(args), **changes})
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--json", default=None)
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--targets", default="kvmesh",
+                   help="comma-separated: kvmesh (kvmesh serve started here), llama.cpp (llama-server started "
+                        "here), NAME=URL (a running endpoint's base URL); ratios are to the first")
+    p.add_argument("--serve-args", default="", help="added to the kvmesh serve command line")
+    p.add_argument("--llama-server", default=None, help="path of llama.cpp's llama-server binary")
+    p.add_argument("--gguf", default=None, help="the GGUF file llama-server loads (the same weights as --model)")
+    p.add_argument("--slots", type=int, default=4, help="llama-server's parallel slots (-np)")
+    p.add_argument("--llama-threads", type=int, default=0, help="llama-server's threads (0: its default)")
+    p.add_argument("--concurrency", type=int, default=4)
+    p.add_argument("--groups", type=int, default=4, help="distinct shared prefixes")
+    p.add_argument("--per-group", type=int, default=8, help="prompts per prefix")
+    p.add_argument("--system-len", type=int, default=512, help="tokens of each shared prefix")
+    p.add_argument("--question-len", type=int, default=32, help="tokens after it, different per prompt")
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--rounds", type=int, default=2, help="every target runs the workload this many times, in turns")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--start-timeout", type=float, default=600.0, help="seconds a target may take to start")

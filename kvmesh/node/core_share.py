@@ -1,0 +1,109 @@
+"""CoreShare: the compute threads of the nodes that share one machine's cores.
+
+A launcher that starts several nodes on one machine (``kvmesh serve``, ``local-cluster``)
+makes one small shared table (``CoreTable``: an unlinked file, its descriptor inherited by
+the nodes, so nothing is left behind however the launcher ends) with a byte per node.
+Each node's engine thread marks its byte while it has work and, before every step, sizes
+its compute threads to the machine's cores divided among the nodes that have work right
+then (``CoreShare.fit_threads``): a decode node decodes on every core while the prefill
+node waits for prompts, and both get half when both compute. A node that starts while
+another is mid-step oversubscribes the cores for at most that one step.
+
+A node that dies with its byte marked leaves it marked until its restart clears it (the
+others meanwhile compute on fewer threads, never on more).
+"""
+from __future__ import annotations
+
+import mmap
+import os
+import tempfile
+
+MAX_NODES = 64  # slots of one table; nodes started beyond it compute on fixed threads
+
+
+def machine_cores() -> int:
+    """The cores this process may run on (its affinity mask, not the machine's total)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+class CoreTable:
+    """The launcher's side: creates the table and hands out slots; ``close`` releases it."""
+
+    def __init__(self, num_cores: int = 0):
+        self.num_cores = num_cores or machine_cores()
+        folder = "/dev/shm" if os.path.isdir("/dev/shm") else None
+        fd, path = tempfile.mkstemp(prefix="kvmesh-cores-", dir=folder)
+        os.unlink(path)  # reachable only through the descriptor, which dies with the last process holding it
+        os.ftruncate(fd, MAX_NODES)
+        self.fd = fd
+        self._slots: dict[str, int] = {}
+
+    def slot_of(self, node_id: str) -> int | None:
+        """The node's slot (the same one across restarts); None when the table is full."""
+        if node_id not in self._slots and len(self._slots) < MAX_NODES:
+            self._slots[node_id] = len(self._slots)
+        return self._slots.get(node_id)
+
+    def node_argument(self, node_id: str) -> str | None:
+        """``--core-share``'s value for a node process that inherits ``fd`` (None: table full)."""
+        slot = self.slot_of(node_id)
+        return None if slot is None else f"{self.fd}:{slot}:{self.num_cores}"
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+class CoreShare:
+    """A node's side, used by its engine thread only."""
+
+    def __init__(self, fd: int, slot: int, num_cores: int):
+        if not 0 <= slot < MAX_NODES or num_cores < 1:
+            raise ValueError(f"core share slot {slot} of {MAX_NODES}, {num_cores} cores: out of range")
+        self._map = mmap.mmap(fd, MAX_NODES)
+        self.slot = slot
+        self.num_cores = num_cores
+        self._busy = False
+        self._map[slot] = 0  # a restart clears what a dead predecessor left marked
+        self.num_threads = 0  # what this thread computes on now (0: not set yet)
+
+    @classmethod
+    def from_argument(cls, value: str) -> CoreShare:
+        """From ``FD:SLOT:CORES`` (``CoreTable.node_argument``)."""
+        try:
+            fd, slot, cores = (int(x) for x in value.split(":"))
+        except ValueError:
+            raise ValueError(f"--core-share takes FD:SLOT:CORES, not {value!r}") from None
+        return cls(fd, slot, cores)
+
+    def set_busy(self, busy: bool) -> None:
+        """Mark whether this node has work (written only when it changes)."""
+        if busy != self._busy:
+            self._map[self.slot] = 1 if busy else 0
+            self._busy = busy
+
+    def num_busy(self) -> int:
+        """Nodes with work now, this one counted if it has."""
+        return self._map[:].count(1)
+
+    def threads_now(self) -> int:
+        """The cores divided among the nodes with work (at least 1)."""
+        return max(1, self.num_cores // max(1, self.num_busy()))
+
+    def fit_threads(self) -> int:
+        """Before a step: set this thread's compute threads to ``threads_now()``; returns it."""
+        n = self.threads_now()
+        if n != self.num_threads:
+            import torch
+
+            torch.set_num_threads(n)
+            self.num_threads = n
+        return n
+
+    def close(self) -> None:
+        self.set_busy(False)
+        self._map.close()
