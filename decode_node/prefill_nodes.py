@@ -20,6 +20,7 @@ from kvmesh.decode_node.cost_model import PeerLinks
 from kvmesh.node.planner import PrefillOption
 from kvmesh.engine.sequence import Sequence
 from kvmesh.rate_meter import CostFit
+from kvmesh.transfer import messages as m
 from kvmesh.transfer.errors import TransferRefused
 
 log = logging.getLogger("kvmesh.decode")
@@ -157,7 +158,9 @@ class PrefillNodes:
                 self.num_refusals += 1
             else:
                 self.num_fallbacks += 1
-            log.warning("%s: prefill node %s for %s: %s", self._node_id, node_id, seq.request_id, outcome.error)
+            busy = isinstance(outcome.error, TransferRefused) and outcome.error.code == m.ErrorCode.BUSY.value
+            log.log(logging.INFO if busy else logging.WARNING, "%s: prefill node %s for %s: %s", self._node_id,
+                    node_id, seq.request_id, outcome.error)  # busy: a decision (computed here), not a fault
             if got >= end or outcome.tainted_block_ids:
                 break  # tainted blocks cannot be granted again: compute the rest here
         return got, tainted

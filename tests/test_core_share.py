@@ -36,6 +36,9 @@ def test_threads_follow_the_nodes_with_work(table):
     prefill.set_busy(False)
     third.set_busy(False)
     assert decode.threads_now() == 4
+    assert decode.threads_now(computes_prompts=False) == 3  # one core left to the serving machinery
+    prefill.set_busy(True)
+    assert decode.threads_now(computes_prompts=False) == 1  # 3 // 2
     for s in (prefill, decode, third):
         s.close()
 

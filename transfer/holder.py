@@ -183,7 +183,8 @@ class KVHolder:
 
     def _refuse(self, identity: bytes, request_id: str, code: m.ErrorCode, reason: str) -> None:
         self.num_refused[code.value] = self.num_refused.get(code.value, 0) + 1
-        log.warning("%s: refused transfer %s: %s (%s)", self.node_id, request_id, code.value, reason)
+        log.log(logging.INFO if code is m.ErrorCode.BUSY else logging.WARNING, "%s: refused transfer %s: %s (%s)",
+                self.node_id, request_id, code.value, reason)  # busy: the protocol's answer, counted; not a fault
         self._reply(identity, m.Refused(request_id, code.value, reason))
 
     def _admit(self, push: _Push, msg: m.ComputeAndPush) -> None:

@@ -5,9 +5,10 @@ with the same shared-prefix workload at a fixed concurrency, targets taking turn
 and reports TTFT, ITL and TPOT percentiles and throughput per target, with each target's
 ratio to the first. Targets:
 
-- ``kvmesh``: ``kvmesh serve`` started here (``--serve-args`` added to its command line);
+- ``kvmesh``: ``kvmesh serve`` started here (``--serve-args`` added to its command line; ``kvmesh ARGS``:
+  with ARGS added too, so that two configurations meet in one run);
 - ``llama.cpp``: llama.cpp's ``llama-server`` started here (``--llama-server``, ``--gguf``,
-  ``--slots``, ``--llama-threads``), the peer measured on the same weights;
+  ``--slots``; ``llama.cpp ARGS``: with ARGS added, ``-t 2`` say), the peer on the same weights;
 - ``NAME=URL``: an endpoint already running (its base URL, ending in ``/v1``).
 
 Every process this starts is stopped when it ends, however it ends.
@@ -89,24 +90,25 @@ def _percentile(values: list[float], q: float) -> float:
 
 
 def drive(target: Target, model: str, requests: list[wl.BenchRequest], concurrency: int,
-          timeout_s: float = 600.0) -> tuple[list[Stream], float]:
-    """Send every request, ``concurrency`` at a time; returns the streams and the wall seconds."""
+          timeout_s: float = 600.0) -> tuple[list[Stream], float, float]:
+    """Send every request, ``concurrency`` at a time; returns the streams, the wall seconds and the CPU seconds
+    this client spent (it shares the machine with what it measures)."""
     def one(req: wl.BenchRequest) -> Stream:
         return _post_stream(target.base_url, {"model": model, "prompt": req.prompt_ids, "max_tokens": req.max_tokens,
                                               "temperature": 0.0, "stream": True, "ignore_eos": True,
                                               "stream_options": {"include_usage": True}}, timeout_s)
 
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     with ThreadPoolExecutor(concurrency) as pool:
         streams = list(pool.map(one, requests))
-    return streams, time.perf_counter() - start
+    return streams, time.perf_counter() - start, time.process_time() - cpu
 
 
-def summarize(streams: list[Stream], seconds: float) -> dict:
+def summarize(streams: list[Stream], seconds: float, client_cpu_s: float = 0.0) -> dict:
     ttft = [s.ttft_s * 1e3 for s in streams]
     itl = [x * 1e3 for s in streams for x in s.itl_s]
     tpot = [(s.e2e_s - s.ttft_s) / (s.num_tokens - 1) * 1e3 for s in streams if s.num_tokens > 1]
-    out = {"requests": len(streams), "seconds": seconds,
+    out = {"requests": len(streams), "seconds": seconds, "client_cpu_share": client_cpu_s / seconds if seconds else 0.0,
            "output_tok_s": sum(s.num_tokens for s in streams) / seconds if seconds else 0.0}
     for name, values in (("ttft", ttft), ("itl", itl), ("tpot", tpot)):
         for q in (50, 90, 99):
@@ -164,7 +166,7 @@ def _free_port() -> int:
 
 
 @contextmanager
-def kvmesh_serve(model: str, extra_args: list[str], timeout_s: float):
+def kvmesh_serve(name: str, model: str, extra_args: list[str], timeout_s: float):
     cmd = [sys.executable, "-m", "kvmesh.cli", "serve", "--model", model, "--grpc-port", "0", "--http-port", "0",
            *extra_args]
     with _process(cmd, stdout=subprocess.PIPE, text=True) as proc:
@@ -173,18 +175,19 @@ def kvmesh_serve(model: str, extra_args: list[str], timeout_s: float):
             raise RuntimeError(f"kvmesh serve exited ({proc.wait()}) before it was ready")
         base_url = json.loads(line)["http"]
         _wait_http(base_url, "/ready", timeout_s, proc)
-        yield Target("kvmesh", base_url)
+        yield Target(name, base_url)
 
 
 @contextmanager
-def llama_server(binary: str, gguf: str, slots: int, ctx_per_slot: int, threads: int, timeout_s: float):
+def llama_server(name: str, binary: str, gguf: str, slots: int, ctx_per_slot: int, extra_args: list[str],
+                 timeout_s: float):
     port = _free_port()
     cmd = [binary, "-m", gguf, "--host", "127.0.0.1", "--port", str(port), "-np", str(slots),
-           "-c", str(slots * ctx_per_slot), "--no-webui", *(["-t", str(threads), "-tb", str(threads)] if threads else [])]
+           "-c", str(slots * ctx_per_slot), "--no-webui", *extra_args]
     with _process(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) as proc:
         base_url = f"http://127.0.0.1:{port}/v1"
         _wait_http(base_url, "/health", timeout_s, proc)
-        yield Target("llama.cpp", base_url)
+        yield Target(name, base_url)
 
 
 def workload(args, vocab: int) -> list[wl.BenchRequest]:
@@ -216,17 +219,18 @@ def run(args) -> dict:
         targets = []
         for name in names:
             print(f"starting {name} ...", file=sys.stderr)
-            if name == "kvmesh":
-                targets.append(stack.enter_context(kvmesh_serve(args.model, shlex.split(args.serve_args),
-                                                                args.start_timeout)))
-                res["targets"]["kvmesh"] = {"command": f"kvmesh serve --model {args.model} {args.serve_args}".strip()}
-            elif name == "llama.cpp":
+            if name.split()[0] == "kvmesh":
+                extra = shlex.split(args.serve_args) + shlex.split(name)[1:]
+                targets.append(stack.enter_context(kvmesh_serve(name, args.model, extra, args.start_timeout)))
+                res["targets"][name] = {"command": shlex.join(["kvmesh", "serve", "--model", args.model, *extra])}
+            elif name.split()[0] == "llama.cpp":
                 if not args.llama_server or not args.gguf:
                     raise SystemExit("kvmesh bench serve: the llama.cpp target needs --llama-server and --gguf")
-                targets.append(stack.enter_context(llama_server(args.llama_server, args.gguf, args.slots,
-                                                                ctx_per_slot, args.llama_threads, args.start_timeout)))
-                res["targets"]["llama.cpp"] = {"gguf": os.path.basename(args.gguf), "slots": args.slots,
-                                               "threads": args.llama_threads or "default"}
+                extra = shlex.split(name)[1:]
+                targets.append(stack.enter_context(llama_server(name, args.llama_server, args.gguf, args.slots,
+                                                                ctx_per_slot, extra, args.start_timeout)))
+                res["targets"][name] = {"gguf": os.path.basename(args.gguf), "slots": args.slots,
+                                        "arguments": shlex.join(extra)}
             elif "=" in name:
                 label, url = name.split("=", 1)
                 targets.append(Target(label, url))
@@ -235,16 +239,18 @@ def run(args) -> dict:
                 raise SystemExit(f"kvmesh bench serve: unknown target {name!r} (kvmesh, llama.cpp or NAME=URL)")
         streams = {t.name: [] for t in targets}
         seconds = {t.name: 0.0 for t in targets}
+        client_cpu = {t.name: 0.0 for t in targets}
         for target in targets:
             drive(target, args.model, warmup, args.concurrency)  # first-request costs and the warm-up prefix
         for r, requests in enumerate(rounds):
             for target in targets if r % 2 == 0 else targets[::-1]:
                 print(f"round {r + 1}/{args.rounds}: {target.name} ...", file=sys.stderr)
-                got, secs = drive(target, args.model, requests, args.concurrency)
+                got, secs, cpu = drive(target, args.model, requests, args.concurrency)
                 streams[target.name] += got
                 seconds[target.name] += secs
+                client_cpu[target.name] += cpu
     for name, got in streams.items():
-        res["targets"][name].update(summarize(got, seconds[name]))
+        res["targets"][name].update(summarize(got, seconds[name], client_cpu[name]))
     first = next(iter(streams))
     rows = []
     for name in streams:
@@ -254,11 +260,12 @@ def run(args) -> dict:
         t.update(ratios)
         rows.append([name, f"{t['ttft_p50_ms']:.0f}", f"{t['ttft_p99_ms']:.0f}", f"{t['itl_p50_ms']:.1f}",
                      f"{t['itl_p99_ms']:.1f}", f"{t['tpot_p50_ms']:.1f}", f"{t['output_tok_s']:.0f}",
-                     f"{ratios[f'ttft_p50_ms_vs_{first}']:.2f}x", f"{ratios[f'itl_p50_ms_vs_{first}']:.2f}x"])
+                     f"{ratios[f'ttft_p50_ms_vs_{first}']:.2f}x", f"{ratios[f'itl_p50_ms_vs_{first}']:.2f}x",
+                     f"{t['client_cpu_share']:.2f}"])
     print_table(f"{args.model}, concurrency {args.concurrency}, {len(rounds[0])} requests x {args.rounds} rounds "
                 f"({args.groups} prefixes of {args.system_len} tokens)",
                 ["target", "TTFT p50 ms", "p99", "ITL p50 ms", "p99", "TPOT p50 ms", "out tok/s",
-                 f"TTFT vs {first}", f"ITL vs {first}"], rows)
+                 f"TTFT vs {first}", f"ITL vs {first}", "client CPU (cores)"], rows)
     write_json(args.json, res)
     return res
 
@@ -271,13 +278,13 @@ def add_arguments(p) -> None:
     p.add_argument("--json", default=None)
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--targets", default="kvmesh",
-                   help="comma-separated: kvmesh (kvmesh serve started here), llama.cpp (llama-server started "
-                        "here), NAME=URL (a running endpoint's base URL); ratios are to the first")
+                   help="comma-separated: kvmesh (kvmesh serve started here; 'kvmesh ARGS' with ARGS added), "
+                        "llama.cpp (llama-server started here; 'llama.cpp ARGS' with ARGS added), NAME=URL (a running endpoint's base URL); ratios are "
+                        "to the first")
     p.add_argument("--serve-args", default="", help="added to the kvmesh serve command line")
     p.add_argument("--llama-server", default=None, help="path of llama.cpp's llama-server binary")
     p.add_argument("--gguf", default=None, help="the GGUF file llama-server loads (the same weights as --model)")
     p.add_argument("--slots", type=int, default=4, help="llama-server's parallel slots (-np)")
-    p.add_argument("--llama-threads", type=int, default=0, help="llama-server's threads (0: its default)")
     p.add_argument("--concurrency", type=int, default=4)
     p.add_argument("--groups", type=int, default=4, help="distinct shared prefixes")
     p.add_argument("--per-group", type=int, default=8, help="prompts per prefix")

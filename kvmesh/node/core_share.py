@@ -5,9 +5,12 @@ makes one small shared table (``CoreTable``: an unlinked file, its descriptor in
 the nodes, so nothing is left behind however the launcher ends) with a byte per node.
 Each node's engine thread marks its byte while it has work and, before every step, sizes
 its compute threads to the machine's cores divided among the nodes that have work right
-then (``CoreShare.fit_threads``): a decode node decodes on every core while the prefill
-node waits for prompts, and both get half when both compute. A node that starts while
-another is mid-step oversubscribes the cores for at most that one step.
+then (``CoreShare.fit_threads``). A step that computes prompt tokens (long GEMMs) takes its
+whole share; a decode-only step leaves one core out of the division for the serving machinery
+(the router, etcd, every node's I/O threads): its OpenMP regions are short, each only as fast
+as its slowest thread, and a thread descheduled for a token's delivery stalls the whole step
+(measured on a 2-core machine: a lone decode node on both cores decoded slower than on one).
+A node that starts while another is mid-step oversubscribes the cores for at most that step.
 
 A node that dies with its byte marked leaves it marked until its restart clears it (the
 others meanwhile compute on fewer threads, never on more).
@@ -90,13 +93,15 @@ class CoreShare:
         """Nodes with work now, this one counted if it has."""
         return self._map[:].count(1)
 
-    def threads_now(self) -> int:
-        """The cores divided among the nodes with work (at least 1)."""
-        return max(1, self.num_cores // max(1, self.num_busy()))
+    def threads_now(self, computes_prompts: bool = True) -> int:
+        """The cores divided among the nodes with work, less one for the machinery in decode-only steps (at
+        least 1)."""
+        cores = self.num_cores if computes_prompts else self.num_cores - 1
+        return max(1, cores // max(1, self.num_busy()))
 
-    def fit_threads(self) -> int:
+    def fit_threads(self, computes_prompts: bool = True) -> int:
         """Before a step: set this thread's compute threads to ``threads_now()``; returns it."""
-        n = self.threads_now()
+        n = self.threads_now(computes_prompts)
         if n != self.num_threads:
             import torch
 

@@ -39,7 +39,8 @@ class EngineLoop:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"kvmesh-engine-{name}", daemon=True)
         self.num_failed_steps = 0
-        self.compute_threads = 0  # of the last step (0: none yet)
+        # Compute threads of the last step that computed prompt tokens, and of the last decode-only step.
+        self.compute_threads = {"prompt": 0, "decode": 0}
 
     def start(self) -> EngineLoop:
         self._thread.start()
@@ -51,7 +52,7 @@ class EngineLoop:
 
     def _run(self) -> None:
         scheduler = self.engine.scheduler
-        self.compute_threads = torch.get_num_threads()
+        fixed_threads = torch.get_num_threads()
         while not self._stop.is_set():
             busy = bool(scheduler.waiting or scheduler.running)
             try:
@@ -67,8 +68,9 @@ class EngineLoop:
             if self._cores is not None:
                 self._cores.set_busy(has_work)
             if has_work:
-                if self._cores is not None:
-                    self.compute_threads = self._cores.fit_threads()
+                computes_prompts = bool(scheduler.waiting) or any(s.is_prefilling for s in scheduler.running)
+                self.compute_threads["prompt" if computes_prompts else "decode"] = (
+                    self._cores.fit_threads(computes_prompts) if self._cores is not None else fixed_threads)
                 try:
                     for seq in self.engine.step():
                         if seq.status is RequestStatus.FAILED:
