@@ -519,3 +519,21 @@ def test_one_client_holds_at_most_its_share_of_the_router(served):
     finally:
         for stream in streams:
             stream.close()
+
+
+def test_the_serve_benchmark_client_times_every_streamed_token(served):
+    """``kvmesh bench serve``'s client against the real endpoint: every request streams its max_tokens, one
+    inter-token gap per token after the first, TTFT within the request's time; an error event is raised."""
+    from kvmesh.bench import serve_bench
+    from kvmesh.bench.workloads import BenchRequest
+
+    target = serve_bench.Target("kvmesh", served["http"] + "/v1")
+    requests = [BenchRequest([(5 * i + j) % 250 for j in range(20 + i)], 6 + i) for i in range(5)]
+    streams, seconds, _ = serve_bench.drive(target, "tiny-llama", requests, concurrency=3)
+    assert [s.num_tokens for s in streams] == [r.max_tokens for r in requests]
+    assert [len(s.itl_s) for s in streams] == [r.max_tokens - 1 for r in requests]  # one token per chunk
+    assert all(0 < s.ttft_s <= s.e2e_s <= seconds for s in streams)
+    summary = serve_bench.summarize(streams, seconds)
+    assert summary["requests"] == 5 and summary["output_tok_s"] == pytest.approx(sum(6 + i for i in range(5)) / seconds)
+    with pytest.raises(RuntimeError, match="HTTP 400"):
+        serve_bench.drive(target, "tiny-llama", [BenchRequest([], 4)], concurrency=1)

@@ -55,7 +55,7 @@ def _post_stream(base_url: str, body: dict, timeout_s: float) -> Stream:
         resp = conn.getresponse()
         if resp.status != 200:
             raise RuntimeError(f"{base_url}: HTTP {resp.status}: {resp.read(500)!r}")
-        ttft, last, itl, num_chunks, usage = None, start, [], 0, None
+        arrivals, usage = [], None  # when chunks that may carry tokens came
         for raw in resp:
             line = raw.strip()
             if not line.startswith(b"data:"):
@@ -67,17 +67,15 @@ def _post_stream(base_url: str, body: dict, timeout_s: float) -> Stream:
             if "error" in event:
                 raise RuntimeError(f"{base_url}: {event['error']}")
             usage = event.get("usage") or usage
-            if not event.get("choices"):
-                continue
-            now = time.perf_counter()
-            if ttft is None:
-                ttft = now - start
-            else:
-                itl.append(now - last)
-            last = now
-            num_chunks += 1
-        num_tokens = (usage or {}).get("completion_tokens") or num_chunks
-        return Stream(ttft or 0.0, time.perf_counter() - start, itl, num_tokens)
+            if any(c.get("text") or c.get("finish_reason") is None for c in event.get("choices") or ()):
+                arrivals.append(time.perf_counter())
+        end = time.perf_counter()
+        num_tokens = (usage or {}).get("completion_tokens") or len(arrivals)
+        # A closing chunk may flush text held back (incomplete UTF-8) without a token of its own: chunks beyond
+        # the token count are such flushes.
+        arrivals = arrivals[:num_tokens]
+        itl = [b - a for a, b in zip(arrivals, arrivals[1:])]
+        return Stream(arrivals[0] - start if arrivals else 0.0, end - start, itl, num_tokens)
     finally:
         conn.close()
 
