@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from kvmesh.metadata import native_search
 from kvmesh.metadata.key_map import KeyMap, as_keys
 from kvmesh.metadata.keys import HoldingsKey
 from kvmesh.metadata.records import RecordError
@@ -156,6 +157,7 @@ class HoldingsTable:
         self._max_sets = _MIN_MAX_SETS
         # (first block key, node bit) -> the length a lookup found last: tried first, with two probes
         self._hints: dict[tuple[int, int], int] = {}
+        self._native = native_search.load()  # the search in C where it builds (same answers)
 
     def __len__(self) -> int:
         """(block, holder) pairs listed."""
@@ -249,7 +251,8 @@ class HoldingsTable:
         probe (one map read: the block's holder set) splits a group into those holding the middle block and
         those not, so nodes holding the same length share every probe. A node first tries the length found
         last time for the same first block (a shared system prompt's, mostly): two probes confirm it, or
-        narrow its search.
+        narrow its search. Where the C search builds (``chain_search.c``) it finds the positions where the
+        chain's holder set changes instead (sets only shrink along a chain), with the same answers.
         """
         n = len(block_hashes)
         if not n:
@@ -267,7 +270,29 @@ class HoldingsTable:
         return named
 
     def _lengths(self, block_hashes: Sequence[bytes]) -> dict[int, int]:
-        """Bitmask of nodes -> the number of leading blocks each of them holds, probe by probe in Python."""
+        """Bitmask of nodes -> the number of leading blocks each of them holds."""
+        if self._native is not None and type(block_hashes) is list:
+            return self._lengths_native(block_hashes)
+        return self._lengths_python(block_hashes)
+
+    def _lengths_native(self, block_hashes: list[bytes]) -> dict[int, int]:
+        """The positions where the chain's holder set changes, found in C; a node's length is where it leaves."""
+        points = self._native.change_points(block_hashes, *self._holders.layout())
+        if not points:
+            return {}
+        sets, lengths = self._sets, {}
+        remaining = sets[points[0][1]]  # the holders of the first block: nobody else holds a prefix
+        for position, number in points[1:]:
+            gone = remaining & ~sets[number]
+            if gone:
+                lengths[gone] = position
+                remaining ^= gone
+        if remaining:
+            lengths[remaining] = len(block_hashes)
+        return lengths
+
+    def _lengths_python(self, block_hashes: Sequence[bytes]) -> dict[int, int]:
+        """The same search probe by probe in Python (where the C one cannot be built)."""
         n = len(block_hashes)
         get, sets, unpack, hints = self._holders.reader(), self._sets, _KEY.unpack_from, self._hints
         first_key = unpack(block_hashes[0])[0]

@@ -86,6 +86,12 @@ class KeyMap:
         """The value of one key (``default`` when absent)."""
         return self.reader()(key, default)
 
+    def layout(self) -> tuple[np.ndarray, int, int, int]:
+        """(slots, mask, shift, multiplier) of the array as it is now, for a native reader of the same layout
+        (``metadata/chain_search.c``); stale after a rebuild, like ``reader``."""
+        layout = self._layout
+        return layout.slots, layout.mask, layout.shift, layout.multiplier
+
     def reader(self) -> Callable[[int, int], int]:
         """``get`` bound to the map's array as it is now (made once per array), for a loop of scalar reads (a
         lookup's probes): a few Python steps and mostly one memory read each. Stale after a rebuild (it keeps

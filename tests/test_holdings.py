@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 
 from kvmesh.metadata import holdings as hd
 from kvmesh.metadata.block_index import BlockIndex, BlockPublisher, read_holdings
 from kvmesh.metadata.etcd_store import EtcdStore
+from kvmesh.metadata.key_map import KeyMap
 from kvmesh.metadata.keys import KeyLayout
 from kvmesh.metadata.memory_store import MemoryStore
 from kvmesh.metadata.records import RecordError
@@ -114,14 +116,20 @@ def test_a_restarted_node_supersedes_its_previous_life(store):
         index.close()
 
 
+@pytest.mark.parametrize("search", ["native", "python"])
 @pytest.mark.parametrize("renumber_often", [False, True])
-def test_table_lookups_agree_with_a_model(renumber_often, monkeypatch):
+def test_table_lookups_agree_with_a_model(renumber_often, search, monkeypatch):
     """Random holdings of random prefixes over several nodes: every lookup equals the model's answer, with
-    holder sets renumbered every few changes or not (nodes come and go, and each change interns new sets)."""
+    holder sets renumbered every few changes or not (nodes come and go, and each change interns new sets),
+    searched in C (metadata/chain_search.c, built here: CI has a compiler) and in Python."""
     if renumber_often:
         monkeypatch.setattr(hd, "_MIN_MAX_SETS", 8)
     rng = random.Random(1)
     table = hd.HoldingsTable()
+    if search == "python":
+        table._native = None
+    else:
+        assert table._native is not None, "the native chain search did not build (see the log)"
     chains = [chain(f"model-{i}", 40) for i in range(6)]
     model: dict[str, dict[int, int]] = {}
     for step in range(300):
@@ -182,3 +190,22 @@ def test_memory_store_watch_starts_from_the_revision_it_names():
     store.watch_prefix("/w/", revision + 1, seen.extend)
     store.put_many([KeyValue("/w/b", b"2")])
     assert [(e.kind, e.key) for e in seen] == [("put", "/w/a"), ("put", "/w/b")]
+
+
+def test_the_native_search_refuses_what_it_cannot_read():
+    from kvmesh.metadata import native_search
+
+    native = native_search.load()
+    assert native is not None, "the native chain search did not build (see the log)"
+    keys = KeyMap()
+    keys.put_many(np.array([5, 6], dtype=np.uint64), np.array([1, 1], dtype=np.uint64))
+    slots, mask, shift, multiplier = keys.layout()
+    with pytest.raises(TypeError, match="block hash 0"):
+        native.change_points(["not bytes"], slots, mask, shift, multiplier)
+    with pytest.raises(TypeError, match="block hash 0"):
+        native.change_points([b"short"], slots, mask, shift, multiplier)
+    with pytest.raises(ValueError, match="mask"):
+        native.change_points([bytes(16)], slots[:4], mask, shift, multiplier)
+    assert native.change_points([(5).to_bytes(8, "little"), (6).to_bytes(8, "little")], slots, mask, shift,
+                                multiplier) == [(0, 1)]
+    assert native.change_points([(7).to_bytes(8, "little")], slots, mask, shift, multiplier) == []
