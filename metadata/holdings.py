@@ -254,10 +254,12 @@ class HoldingsTable:
         narrow its search. Where the C search builds (``chain_search.c``) it finds the positions where the
         chain's holder set changes instead (sets only shrink along a chain), with the same answers.
         """
-        n = len(block_hashes)
-        if not n:
+        if not block_hashes:
             return {}
-        lengths = self._lengths(block_hashes)
+        if self._native is not None and type(block_hashes) is list:
+            lengths = self._lengths_native(block_hashes)
+        else:
+            lengths = self._lengths_python(block_hashes)
         named, node_at = {}, self._node_at
         for bits, length in lengths.items():
             while bits:
@@ -269,14 +271,9 @@ class HoldingsTable:
                     named[node_id] = length
         return named
 
-    def _lengths(self, block_hashes: Sequence[bytes]) -> dict[int, int]:
-        """Bitmask of nodes -> the number of leading blocks each of them holds."""
-        if self._native is not None and type(block_hashes) is list:
-            return self._lengths_native(block_hashes)
-        return self._lengths_python(block_hashes)
-
     def _lengths_native(self, block_hashes: list[bytes]) -> dict[int, int]:
-        """The positions where the chain's holder set changes, found in C; a node's length is where it leaves."""
+        """Bitmask of nodes -> the number of leading blocks each of them holds, from the positions where the
+        chain's holder set changes (found in C): a node's length is where it leaves the set."""
         points = self._native.change_points(block_hashes, *self._holders.layout())
         if not points:
             return {}
@@ -292,7 +289,7 @@ class HoldingsTable:
         return lengths
 
     def _lengths_python(self, block_hashes: Sequence[bytes]) -> dict[int, int]:
-        """The same search probe by probe in Python (where the C one cannot be built)."""
+        """The same answer, probe by probe in Python (where the C search cannot be built)."""
         n = len(block_hashes)
         get, sets, unpack, hints = self._holders.reader(), self._sets, _KEY.unpack_from, self._hints
         first_key = unpack(block_hashes[0])[0]
