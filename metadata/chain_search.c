@@ -7,10 +7,13 @@
  * equal between them, and a binary search finds every position where the number changes with a
  * probe per step. The GIL is held throughout: the mirror's writer cannot change the map mid-search.
  *
- * change_points(hashes: list[bytes], slots: uint64 buffer, mask: int, shift: int, multiplier: int)
+ * change_points(hashes: list[bytes], slots: uint64 buffer, mask: int, shift: int, multiplier: int,
+ *               guesses: tuple[int, ...] = ())
  *   -> [(position, set number), ...]: (0, number of block 0) first, then each position whose number
  *   differs from the one before it, in order; [] when block 0 has no holder. A digest's first 8 bytes,
- *   little-endian, are its key.
+ *   little-endian, are its key. ``guesses``: positions where a change was found last time (the same
+ *   first block: a shared prefix); a search splits there first, so a right guess costs two probes
+ *   instead of a whole binary search, and a wrong one changes nothing but the order of the probes.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -21,6 +24,8 @@ typedef struct {
     const uint64_t *slots;
     uint64_t mask, multiplier;
     int shift;
+    Py_ssize_t guesses[64];
+    Py_ssize_t num_guesses;
     PyObject *out;
 } search_t;
 
@@ -67,6 +72,17 @@ static int search(search_t *s, Py_ssize_t lo, uint64_t at_lo, Py_ssize_t hi, uin
     if (hi - lo == 1)
         return emit(s, hi, at_hi);
     Py_ssize_t mid = lo + (hi - lo) / 2;
+    for (Py_ssize_t g = 0; g < s->num_guesses; g++) {  /* a guessed change at p: split at p - 1, then at p */
+        Py_ssize_t p = s->guesses[g];
+        if (lo < p - 1 && p - 1 < hi) {
+            mid = p - 1;
+            break;
+        }
+        if (lo < p && p < hi) {
+            mid = p;
+            break;
+        }
+    }
     uint64_t at_mid;
     if (number_at(s, mid, &at_mid) < 0 || search(s, lo, at_lo, mid, at_mid) < 0)
         return -1;
@@ -75,11 +91,17 @@ static int search(search_t *s, Py_ssize_t lo, uint64_t at_lo, Py_ssize_t hi, uin
 
 static PyObject *change_points(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    if (nargs != 5 || !PyList_Check(args[0])) {
-        PyErr_SetString(PyExc_TypeError, "change_points(hashes: list, slots, mask, shift, multiplier)");
+    if (nargs < 5 || nargs > 6 || !PyList_Check(args[0]) || (nargs == 6 && !PyTuple_Check(args[5]))) {
+        PyErr_SetString(PyExc_TypeError, "change_points(hashes: list, slots, mask, shift, multiplier, guesses: tuple = ())");
         return NULL;
     }
     search_t s = {0};
+    for (Py_ssize_t g = 0; nargs == 6 && g < PyTuple_GET_SIZE(args[5]) && s.num_guesses < 64; g++) {
+        Py_ssize_t p = PyLong_AsSsize_t(PyTuple_GET_ITEM(args[5], g));
+        if (p == -1 && PyErr_Occurred())
+            return NULL;
+        s.guesses[s.num_guesses++] = p;
+    }
     s.mask = PyLong_AsUnsignedLongLong(args[2]);
     int shift = (int)PyLong_AsLong(args[3]);
     s.multiplier = PyLong_AsUnsignedLongLong(args[4]);

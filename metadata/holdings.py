@@ -158,6 +158,7 @@ class HoldingsTable:
         # (first block key, node bit) -> the length a lookup found last: tried first, with two probes
         self._hints: dict[tuple[int, int], int] = {}
         self._native = native_search.load()  # the search in C where it builds (same answers)
+        self._guesses: dict[bytes, tuple[int, ...]] = {}  # first block hash -> where its holder set changed last
 
     def __len__(self) -> int:
         """(block, holder) pairs listed."""
@@ -274,9 +275,15 @@ class HoldingsTable:
     def _lengths_native(self, block_hashes: list[bytes]) -> dict[int, int]:
         """Bitmask of nodes -> the number of leading blocks each of them holds, from the positions where the
         chain's holder set changes (found in C): a node's length is where it leaves the set."""
-        points = self._native.change_points(block_hashes, *self._holders.layout())
+        first = block_hashes[0]
+        guesses = self._guesses.get(first, ())
+        points = self._native.change_points(block_hashes, *self._holders.layout(), guesses)
         if not points:
             return {}
+        if len(points) > 1:
+            if len(self._guesses) >= MAX_HINTS:
+                self._guesses.clear()
+            self._guesses[first] = tuple(position for position, _ in points[1:])
         sets, lengths = self._sets, {}
         remaining = sets[points[0][1]]  # the holders of the first block: nobody else holds a prefix
         for position, number in points[1:]:
