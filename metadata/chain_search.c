@@ -9,8 +9,9 @@
  *
  * change_points(hashes: list[bytes], slots: uint64 buffer, mask: int, shift: int, multiplier: int,
  *               guesses: tuple[int, ...] = ())
- *   -> [(position, set number), ...]: (0, number of block 0) first, then each position whose number
- *   differs from the one before it, in order; [] when block 0 has no holder. A digest's first 8 bytes,
+ *   -> (positions, numbers), two tuples: position 0 and the number of block 0 first, then each
+ *   position whose number differs from the one before it, in order; both empty when block 0 has no
+ *   holder. A digest's first 8 bytes,
  *   little-endian, are its key. ``guesses``: positions where a change was found last time (the same
  *   first block: a shared prefix); a search splits there first, so a right guess costs two probes
  *   instead of a whole binary search, and a wrong one changes nothing but the order of the probes.
@@ -19,6 +20,8 @@
 #include <Python.h>
 #include <stdint.h>
 
+#define MAX_POINTS 1024 /* changes kept along one chain (at most one per holder); past it: OverflowError */
+
 typedef struct {
     PyObject **items;
     const uint64_t *slots;
@@ -26,7 +29,9 @@ typedef struct {
     int shift;
     Py_ssize_t guesses[64];
     Py_ssize_t num_guesses;
-    PyObject *out;
+    Py_ssize_t positions[MAX_POINTS];
+    uint64_t numbers[MAX_POINTS];
+    Py_ssize_t num_points;
 } search_t;
 
 static int number_at(search_t *s, Py_ssize_t i, uint64_t *number) {
@@ -57,12 +62,13 @@ static int number_at(search_t *s, Py_ssize_t i, uint64_t *number) {
 }
 
 static int emit(search_t *s, Py_ssize_t position, uint64_t number) {
-    PyObject *point = Py_BuildValue("(nK)", position, (unsigned long long)number);
-    if (point == NULL)
+    if (s->num_points == MAX_POINTS) {
+        PyErr_SetString(PyExc_OverflowError, "more holder-set changes along one chain than a search keeps");
         return -1;
-    int rc = PyList_Append(s->out, point);
-    Py_DECREF(point);
-    return rc;
+    }
+    s->positions[s->num_points] = position;
+    s->numbers[s->num_points++] = number;
+    return 0;
 }
 
 /* Every change in (lo, hi], given the numbers at both ends; depth is at most log2 of the chain. */
@@ -95,7 +101,8 @@ static PyObject *change_points(PyObject *self, PyObject *const *args, Py_ssize_t
         PyErr_SetString(PyExc_TypeError, "change_points(hashes: list, slots, mask, shift, multiplier, guesses: tuple = ())");
         return NULL;
     }
-    search_t s = {0};
+    search_t s; /* the point and guess arrays stay unwritten past what is used */
+    s.num_guesses = s.num_points = 0;
     for (Py_ssize_t g = 0; nargs == 6 && g < PyTuple_GET_SIZE(args[5]) && s.num_guesses < 64; g++) {
         Py_ssize_t p = PyLong_AsSsize_t(PyTuple_GET_ITEM(args[5], g));
         if (p == -1 && PyErr_Occurred())
@@ -123,10 +130,9 @@ static PyObject *change_points(PyObject *self, PyObject *const *args, Py_ssize_t
     s.slots = (const uint64_t *)view.buf;
     s.items = PySequence_Fast_ITEMS(args[0]);
     Py_ssize_t n = PyList_GET_SIZE(args[0]);
-    s.out = PyList_New(0);
     uint64_t first, last;
-    int rc = s.out == NULL ? -1 : 0;
-    if (rc == 0 && n > 0) {
+    int rc = 0;
+    if (n > 0) {
         rc = number_at(&s, 0, &first);
         if (rc == 0 && first != 0) {
             rc = emit(&s, 0, first);
@@ -137,11 +143,26 @@ static PyObject *change_points(PyObject *self, PyObject *const *args, Py_ssize_t
         }
     }
     PyBuffer_Release(&view);
-    if (rc < 0) {
-        Py_XDECREF(s.out);
+    if (rc < 0)
+        return NULL;
+    PyObject *positions = PyTuple_New(s.num_points), *numbers = PyTuple_New(s.num_points);
+    for (Py_ssize_t i = 0; positions != NULL && numbers != NULL && i < s.num_points; i++) {
+        PyObject *p = PyLong_FromSsize_t(s.positions[i]), *k = PyLong_FromUnsignedLongLong(s.numbers[i]);
+        if (p == NULL || k == NULL) {
+            Py_XDECREF(p);
+            Py_XDECREF(k);
+            Py_CLEAR(positions);
+            break;
+        }
+        PyTuple_SET_ITEM(positions, i, p);
+        PyTuple_SET_ITEM(numbers, i, k);
+    }
+    if (positions == NULL || numbers == NULL) {
+        Py_XDECREF(positions);
+        Py_XDECREF(numbers);
         return NULL;
     }
-    return s.out;
+    return Py_BuildValue("(NN)", positions, numbers);
 }
 
 static PyMethodDef methods[] = {

@@ -275,18 +275,21 @@ class HoldingsTable:
     def _lengths_native(self, block_hashes: list[bytes]) -> dict[int, int]:
         """Bitmask of nodes -> the number of leading blocks each of them holds, from the positions where the
         chain's holder set changes (found in C): a node's length is where it leaves the set."""
-        first = block_hashes[0]
-        guesses = self._guesses.get(first, ())
-        points = self._native.change_points(block_hashes, *self._holders.layout(), guesses)
-        if not points:
+        first, guesses = block_hashes[0], self._guesses
+        try:
+            positions, numbers = self._native.change_points(block_hashes, *self._holders.layout(),
+                                                            guesses.get(first, ()))
+        except OverflowError:  # more changes along the chain than the C search keeps
+            return self._lengths_python(block_hashes)
+        if not positions:
             return {}
-        if len(points) > 1:
-            if len(self._guesses) >= MAX_HINTS:
-                self._guesses.clear()
-            self._guesses[first] = tuple(position for position, _ in points[1:])
+        if len(positions) > 1:
+            if len(guesses) >= MAX_HINTS:
+                guesses.clear()
+            guesses[first] = positions[1:]
         sets, lengths = self._sets, {}
-        remaining = sets[points[0][1]]  # the holders of the first block: nobody else holds a prefix
-        for position, number in points[1:]:
+        remaining = sets[numbers[0]]  # the holders of the first block: nobody else holds a prefix
+        for position, number in zip(positions[1:], numbers[1:]):
             gone = remaining & ~sets[number]
             if gone:
                 lengths[gone] = position

@@ -207,5 +207,7 @@ def test_the_native_search_refuses_what_it_cannot_read():
     with pytest.raises(ValueError, match="mask"):
         native.change_points([bytes(16)], slots[:4], mask, shift, multiplier)
     assert native.change_points([(5).to_bytes(8, "little"), (6).to_bytes(8, "little")], slots, mask, shift,
-                                multiplier) == [(0, 1)]
-    assert native.change_points([(7).to_bytes(8, "little")], slots, mask, shift, multiplier) == []
+                                multiplier) == ((0,), (1,))
+    assert native.change_points([(7).to_bytes(8, "little")], slots, mask, shift, multiplier) == ((), ())
+    with pytest.raises(TypeError, match="guesses"):
+        native.change_points([bytes(16)], slots, mask, shift, multiplier, [3])
