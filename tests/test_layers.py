@@ -11,7 +11,7 @@ from tests.source_tree import source_modules
 # are the module itself only (the package root is the public API, above everything).
 LAYERS = [
     ("base", ["kvmesh.errors", "kvmesh.wire", "kvmesh.auth", "kvmesh.lifecycle", "kvmesh.netaddr", "kvmesh.cpu_info",
-              "kvmesh.device", "kvmesh.rate_meter", "kvmesh.router_endpoint"]),
+              "kvmesh.device", "kvmesh.rate_meter", "kvmesh.router_endpoint", "kvmesh.native_build"]),
     ("kernels", ["kvmesh.kernels"]),
     ("model", ["kvmesh.model", "kvmesh.tokenizer"]),
     ("kv", ["kvmesh.kv"]),

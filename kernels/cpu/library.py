@@ -22,17 +22,14 @@ import ctypes
 import functools
 import hashlib
 import logging
-import os
 import platform
-import shutil
-import subprocess
-import tempfile
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from kvmesh.device import cpu_flags
+from kvmesh.native_build import c_compiler, cache_dir, compile_library
 
 log = logging.getLogger(__name__)
 
@@ -70,46 +67,20 @@ class NativeKernelError(RuntimeError):
     """A native kernel refused its arguments (status -2) or ran out of memory (-1)."""
 
 
-def _cache_dir() -> Path:
-    return Path(os.environ.get("KVMESH_CACHE_DIR", Path.home() / ".cache" / "kvmesh")) / "native"
-
-
-def _compiler() -> str | None:
-    for name in (os.environ.get("CC"), "cc", "gcc"):
-        if name and shutil.which(name):
-            return shutil.which(name)
-    return None
-
-
 def _build(compiler: str, out: Path) -> str | None:
     """Compile into ``out``; returns None, or why it failed (OpenMP is dropped if it alone fails)."""
     error = ""
     for openmp in (("-fopenmp",), ()):
-        try:
-            out.parent.mkdir(parents=True, exist_ok=True)
-            with tempfile.NamedTemporaryFile(dir=out.parent, suffix=".so", delete=False) as tmp:
-                tmp_path = Path(tmp.name)
-        except OSError as exc:
-            return f"cannot write {out.parent}: {exc}"
-        cmd = [compiler, *FLAGS, *openmp, "-o", str(tmp_path), *map(str, SOURCES), "-lm"]
-        try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-        except (OSError, subprocess.TimeoutExpired) as exc:
-            tmp_path.unlink(missing_ok=True)
-            return f"{compiler} failed to run: {exc}"
-        if proc.returncode == 0:
-            os.replace(tmp_path, out)
-            return None
-        tmp_path.unlink(missing_ok=True)
-        error = proc.stderr.strip().splitlines()[-1:] or [f"exit status {proc.returncode}"]
-        error = f"{' '.join(cmd)}: {error[0]}"
+        error = compile_library(compiler, [*FLAGS, *openmp], [*map(str, SOURCES), "-lm"], out)
+        if error is None or error.startswith("cannot write"):
+            return error
     return error
 
 
 @functools.cache
 def _library_path() -> Path | None:
     """The compiled library for this machine, building it if needed; None (reason logged once) if none."""
-    compiler = _compiler()
+    compiler = c_compiler()
     if compiler is None:
         log.info("native CPU kernels off: no C compiler (set CC); using the torch kernels")
         return None
@@ -117,7 +88,7 @@ def _library_path() -> Path | None:
     for part in (*(src.read_bytes() for src in SOURCES + HEADERS), " ".join(FLAGS).encode(), compiler.encode(),
                  " ".join(cpu_flags() or [platform.processor()]).encode()):
         key.update(part)
-    path = _cache_dir() / f"kvmesh_cpu_{key.hexdigest()}.so"
+    path = cache_dir() / f"kvmesh_cpu_{key.hexdigest()}.so"
     if not path.exists():
         log.info("building the native CPU kernels for this machine into %s (once)", path.parent)
         reason = _build(compiler, path)
