@@ -23,9 +23,9 @@ from dataclasses import dataclass
 from kvmesh.auth import TOKEN_ENV, ClusterAuth, generate_token, token_from_env
 from kvmesh.cluster.client import NodeClient
 from kvmesh.cluster.hosts import Hosts
-from kvmesh.node.core_share import CoreTable
 from kvmesh.metadata.embedded_etcd import EmbeddedEtcd
 from kvmesh.metadata.registry import wait_for_nodes
+from kvmesh.node.core_share import CoreTable
 
 
 @dataclass

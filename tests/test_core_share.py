@@ -39,7 +39,10 @@ def test_threads_follow_the_nodes_with_work(table):
     assert decode.threads_now(computes_prompts=False) == 3  # one core left to the serving machinery
     prefill.set_busy(True)
     assert decode.threads_now(computes_prompts=False) == 1  # 3 // 2
-    for s in (prefill, decode, third):
+    prefill.close()
+    prefill.close()  # twice: nothing more
+    assert decode.num_busy() == 1  # a closed node is unmarked
+    for s in (decode, third):
         s.close()
 
 

@@ -110,5 +110,7 @@ class CoreShare:
         return n
 
     def close(self) -> None:
-        self.set_busy(False)
-        self._map.close()
+        """Unmark this node and unmap the table (again: nothing)."""
+        if not self._map.closed:
+            self.set_busy(False)
+            self._map.close()

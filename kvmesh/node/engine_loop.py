@@ -90,3 +90,5 @@ class EngineLoop:
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(timeout=5)
+        if self._cores is not None and not self._thread.is_alive():
+            self._cores.close()
