@@ -207,7 +207,9 @@ def run(args) -> dict:
     # Each round its own prompts (a repeated prompt would be a full cache hit); the warm-up's are never used again.
     rounds = [workload(_with(args, seed=args.seed + 1 + r), vocab) for r in range(args.rounds)]
     warmup = workload(_with(args, seed=args.seed, groups=1, per_group=args.concurrency), vocab)
-    names = [t for t in args.targets.split(",") if t]
+    names = [t.strip() for t in args.targets.split(",") if t.strip()]
+    if not names:
+        raise SystemExit("kvmesh bench serve: --targets names none")
     res: dict = {"machine": machine(), "model": args.model, "concurrency": args.concurrency,
                  "workload": {"groups": args.groups, "per_group": args.per_group, "system_len": args.system_len,
                               "question_len": args.question_len, "output_len": args.output_len},
