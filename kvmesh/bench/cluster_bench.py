@@ -29,6 +29,7 @@ from typing import NamedTuple
 from tqdm import tqdm
 
 from kvmesh.bench import workloads as wl
+from kvmesh.bench.report import percentile
 from kvmesh.cluster.local_launcher import LocalCluster
 from kvmesh.cluster.router import Router, RouterConfig
 from kvmesh.engine.sampling_params import SamplingParams
@@ -65,13 +66,6 @@ class Record:
     num_prompt: int
     cache: dict
     answer: list[int]
-
-
-def _percentile(values: list[float], q: float) -> float:
-    if not values:
-        return 0.0
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * (len(ordered) - 1) + 0.5))]
 
 
 def _one(router: Router, prompt: list[int], max_tokens: int, session: str) -> Record:
@@ -184,12 +178,12 @@ def _summarize(records: list[Record], seconds: float, node_delta: dict, slo_ttft
     fetched = [r for r in records if num_fetched(r)]
     out["fetched_requests"] = {
         "requests": len(fetched),
-        "ttft_p50_ms": _percentile([r.ttft_s * 1e3 for r in fetched], 0.5),
-        "kv_wait_p50_ms": _percentile([r.cache.get("kv_wait_ms", 0.0) for r in fetched], 0.5),
+        "ttft_p50_ms": percentile([r.ttft_s * 1e3 for r in fetched], 0.5),
+        "kv_wait_p50_ms": percentile([r.cache.get("kv_wait_ms", 0.0) for r in fetched], 0.5),
         "tokens_fetched_mean": statistics.mean(num_fetched(r) for r in fetched) if fetched else 0.0}
     for name, values in (("ttft", ttft), ("tpot", tpot), ("itl", itl), ("e2e", e2e)):
         for q in (50, 90, 99):
-            out[f"{name}_p{q}_ms"] = _percentile(values, q / 100)
+            out[f"{name}_p{q}_ms"] = percentile(values, q / 100)
     out["ttft_ms_all"] = sorted(ttft)
     return out
 
@@ -243,7 +237,7 @@ def summarize_runs(runs: list[ModeRun], slo_ttft_ms: float, slo_tpot_ms: float) 
     out = _summarize(records, sum(run.seconds for run in runs), delta, slo_ttft_ms, slo_tpot_ms)
     out["decisions"] = {"computed_locally": delta["num_local"], "fetched": delta["num_remote"]}
     out["runs"] = len(runs)
-    out["ttft_p50_ms_per_run"] = [_percentile([r.ttft_s * 1e3 for r in run.records], 0.5) for run in runs]
+    out["ttft_p50_ms_per_run"] = [percentile([r.ttft_s * 1e3 for r in run.records], 0.5) for run in runs]
     return out
 
 

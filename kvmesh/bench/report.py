@@ -9,6 +9,14 @@ from collections.abc import Callable
 from pathlib import Path
 
 
+def percentile(values: list[float], q: float) -> float:
+    """The ``q`` quantile (0..1) of ``values``: the nearest rank, 0.0 for none."""
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * (len(ordered) - 1) + 0.5))]
+
+
 def time_call(fn: Callable[[], object], repeat: int = 7, number: int = 1,
               setup: Callable[[], object] | None = None) -> float:
     """Median seconds per call of ``fn`` over ``repeat`` rounds of ``number`` calls (``setup`` untimed)."""

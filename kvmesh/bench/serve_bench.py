@@ -30,6 +30,7 @@ from contextlib import ExitStack, contextmanager
 from typing import NamedTuple
 
 from kvmesh.bench import workloads as wl
+from kvmesh.bench.report import percentile
 
 
 class Stream(NamedTuple):
@@ -80,13 +81,6 @@ def _post_stream(base_url: str, body: dict, timeout_s: float) -> Stream:
         conn.close()
 
 
-def _percentile(values: list[float], q: float) -> float:
-    if not values:
-        return 0.0
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * (len(ordered) - 1) + 0.5))]
-
-
 def drive(target: Target, model: str, requests: list[wl.BenchRequest], concurrency: int,
           timeout_s: float = 600.0) -> tuple[list[Stream], float, float]:
     """Send every request, ``concurrency`` at a time; returns the streams, the wall seconds and the CPU seconds
@@ -110,7 +104,7 @@ def summarize(streams: list[Stream], seconds: float, client_cpu_s: float = 0.0) 
            "output_tok_s": sum(s.num_tokens for s in streams) / seconds if seconds else 0.0}
     for name, values in (("ttft", ttft), ("itl", itl), ("tpot", tpot)):
         for q in (50, 90, 99):
-            out[f"{name}_p{q}_ms"] = _percentile(values, q / 100)
+            out[f"{name}_p{q}_ms"] = percentile(values, q / 100)
     return out
 
 

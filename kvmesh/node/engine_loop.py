@@ -39,7 +39,8 @@ class EngineLoop:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"kvmesh-engine-{name}", daemon=True)
         self.num_failed_steps = 0
-        # Compute threads of the last step that computed prompt tokens, and of the last decode-only step.
+        # Compute threads of the last step that computed prompt tokens and of the last decode-only step (with
+        # fixed threads: those of every step).
         self.compute_threads = {"prompt": 0, "decode": 0}
 
     def start(self) -> EngineLoop:
@@ -52,7 +53,8 @@ class EngineLoop:
 
     def _run(self) -> None:
         scheduler = self.engine.scheduler
-        fixed_threads = torch.get_num_threads()
+        if self._cores is None:  # fixed threads: what every step runs on
+            self.compute_threads = dict.fromkeys(self.compute_threads, torch.get_num_threads())
         while not self._stop.is_set():
             busy = bool(scheduler.waiting or scheduler.running)
             try:
@@ -68,9 +70,10 @@ class EngineLoop:
             if self._cores is not None:
                 self._cores.set_busy(has_work)
             if has_work:
-                computes_prompts = bool(scheduler.waiting) or any(s.is_prefilling for s in scheduler.running)
-                self.compute_threads["prompt" if computes_prompts else "decode"] = (
-                    self._cores.fit_threads(computes_prompts) if self._cores is not None else fixed_threads)
+                if self._cores is not None:
+                    computes_prompts = bool(scheduler.waiting) or any(s.is_prefilling for s in scheduler.running)
+                    self.compute_threads["prompt" if computes_prompts else "decode"] = \
+                        self._cores.fit_threads(computes_prompts)
                 try:
                     for seq in self.engine.step():
                         if seq.status is RequestStatus.FAILED:
