@@ -1,18 +1,35 @@
 """Native code compiled on first use: where it is kept and how it is built (no torch: the router loads it too).
 
-The CPU kernels (``kernels/cpu/library.py``) and the mirror's chain search (``metadata/native_search.py``)
-each hash their sources, flags and compiler into a file name under ``cache_dir()`` and build it there once
-with ``compile_library``: several processes building at once each write a temporary file and rename it
-into place, so a reader never sees half a library.
+The CPU kernels (``kernels/cpu/library.py``, through ctypes) and the CPython extensions
+(``load_extension``: the block hash chain, ``kernels/hashing``; the mirror's chain search,
+``metadata/native_search.py``) each hash their sources, flags, compiler and CPU into a file name under
+``cache_dir()`` and build it there once with ``compile_library``: several processes building at once each
+write a temporary file and rename it into place, so a reader never sees half a library.
 """
 from __future__ import annotations
 
+import hashlib
+import importlib.util
 import os
 import shutil
 import subprocess
+import sys
+import sysconfig
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
+from types import ModuleType
+
+from kvmesh.cpu_info import cpu_flags
+
+
+class NativeBuildError(RuntimeError):
+    """A native extension cannot be had here: no compiler, no Python headers (``missing_tools``), or its
+    build failed."""
+
+    def __init__(self, reason: str, missing_tools: bool = False):
+        super().__init__(reason)
+        self.missing_tools = missing_tools
 
 
 def cache_dir() -> Path:
@@ -48,3 +65,29 @@ def compile_library(compiler: str, flags: Sequence[str], inputs: Sequence[str], 
         return f"{' '.join(cmd)}: {last[0]}"
     os.replace(tmp_path, out)
     return None
+
+
+def load_extension(source: Path, module: str, flags: Sequence[str]) -> ModuleType:
+    """The CPython extension ``module`` built from the one C file ``source`` (once per machine, interpreter,
+    source and flags) and imported; raises ``NativeBuildError`` saying why it cannot be (the caller
+    keeps its Python path and logs the reason once)."""
+    compiler = c_compiler()
+    include = sysconfig.get_paths().get("include", "")
+    if compiler is None or not Path(include, "Python.h").is_file():
+        raise NativeBuildError("no C compiler or no Python headers", missing_tools=True)
+    key = hashlib.blake2b(digest_size=8)
+    for part in (source.read_bytes(), " ".join(flags).encode(), compiler.encode(), sys.version.encode(),
+                 include.encode(), " ".join(cpu_flags()).encode()):
+        key.update(part)
+    path = cache_dir() / f"{module}_{key.hexdigest()}{sysconfig.get_config_var('EXT_SUFFIX') or '.so'}"
+    if not path.exists():
+        reason = compile_library(compiler, [*flags, "-fPIC", "-shared", f"-I{include}"], [str(source)], path)
+        if reason is not None:
+            raise NativeBuildError(reason)
+    try:
+        spec = importlib.util.spec_from_file_location(module, path)
+        loaded = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(loaded)
+    except (ImportError, OSError) as exc:
+        raise NativeBuildError(str(exc)) from exc
+    return loaded

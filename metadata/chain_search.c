@@ -7,14 +7,16 @@
  * equal between them, and a binary search finds every position where the number changes with a
  * probe per step. The GIL is held throughout: the mirror's writer cannot change the map mid-search.
  *
- * change_points(hashes: list[bytes], slots: uint64 buffer, mask: int, shift: int, multiplier: int,
- *               guesses: tuple[int, ...] = ())
- *   -> (positions, numbers), two tuples: position 0 and the number of block 0 first, then each
- *   position whose number differs from the one before it, in order; both empty when block 0 has no
- *   holder. A digest's first 8 bytes,
- *   little-endian, are its key. ``guesses``: positions where a change was found last time (the same
- *   first block: a shared prefix); a search splits there first, so a right guess costs two probes
- *   instead of a whole binary search, and a wrong one changes nothing but the order of the probes.
+ * holders(hashes: list[bytes], slots: uint64 buffer, mask: int, shift: int, multiplier: int,
+ *         guesses: tuple[int, ...], set_slots: list[tuple[int, ...]], node_at: list[str | None], exclude: str)
+ *   -> (lengths, changes): lengths, a dict node id -> the number of leading blocks of the chain it holds
+ *   (nodes holding none, slots without a node and ``exclude`` left out); changes, the positions after 0
+ *   where the chain's holder-set number changes (for the next ``guesses``). A digest's first 8 bytes,
+ *   little-endian, are its key; a key's value is its holder set's number, ``set_slots[number]`` that
+ *   set's node slots in ascending order (a number past the list: no holder). ``guesses``: positions
+ *   where a change was found last time (the same first block: a shared prefix); a search splits there
+ *   first, so a right guess costs two probes instead of a whole binary search, and a wrong one changes
+ *   nothing but the order of the probes. A node's length is the position where it leaves the set.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -95,20 +97,130 @@ static int search(search_t *s, Py_ssize_t lo, uint64_t at_lo, Py_ssize_t hi, uin
     return search(s, mid, at_mid, hi, at_hi);
 }
 
-static PyObject *change_points(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+static int parse_guesses(search_t *s, PyObject *guesses) {
+    s->num_guesses = s->num_points = 0;
+    for (Py_ssize_t g = 0; g < PyTuple_GET_SIZE(guesses) && s->num_guesses < 64; g++) {
+        Py_ssize_t p = PyLong_AsSsize_t(PyTuple_GET_ITEM(guesses, g));
+        if (p == -1 && PyErr_Occurred())
+            return -1;
+        s->guesses[s->num_guesses++] = p;
+    }
+    return 0;
+}
+
+/* The change points of the chain (s->items, n of them) into s; the map's buffer is held by the caller. */
+static int find_changes(search_t *s, Py_ssize_t n) {
+    uint64_t first, last;
+    if (n == 0 || number_at(s, 0, &first) < 0)
+        return n == 0 ? 0 : -1;
+    if (first == 0)
+        return 0;
+    if (emit(s, 0, first) < 0 || number_at(s, n - 1, &last) < 0)
+        return -1;
+    return n > 1 ? search(s, 0, first, n - 1, last) : 0;
+}
+
+/* The node slots of holder set ``number`` (an empty tuple past the list: a set renumbered meanwhile). */
+static PyObject *slots_of(PyObject *set_slots, uint64_t number) {
+    static PyObject *empty = NULL;
+    if ((Py_ssize_t)number < PyList_GET_SIZE(set_slots)) {
+        PyObject *t = PyList_GET_ITEM(set_slots, (Py_ssize_t)number);
+        if (PyTuple_Check(t))
+            return t;
+    }
+    if (empty == NULL)
+        empty = PyTuple_New(0);
+    return empty;
+}
+
+/* Slot numbers of a set's tuple into out (those outside [0, limit) dropped); returns how many. */
+static Py_ssize_t read_slots(PyObject *tuple, Py_ssize_t limit, Py_ssize_t *out) {
+    Py_ssize_t num = 0;
+    if (tuple == NULL)
+        return -1;
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(tuple); i++) {
+        Py_ssize_t slot = PyLong_AsSsize_t(PyTuple_GET_ITEM(tuple, i));
+        if (slot == -1 && PyErr_Occurred())
+            return -1;
+        if (slot >= 0 && slot < limit)
+            out[num++] = slot;
+    }
+    return num;
+}
+
+/* lengths[node_at[slot]] = length, unless the slot has no node or it is ``exclude``. */
+static int name(PyObject *lengths, PyObject *node_at, Py_ssize_t slot, PyObject *exclude, Py_ssize_t length) {
+    PyObject *node = PyList_GET_ITEM(node_at, slot);
+    if (node == Py_None)
+        return 0;
+    int is_excluded = PyObject_RichCompareBool(node, exclude, Py_EQ);
+    if (is_excluded != 0)
+        return is_excluded < 0 ? -1 : 0;
+    PyObject *value = PyLong_FromSsize_t(length);
+    int rc = value == NULL ? -1 : PyDict_SetItem(lengths, node, value);
+    Py_XDECREF(value);
+    return rc;
+}
+
+/* Each node of the first block's set gets the position where it first leaves the set (the chain's length if
+ * never): the sets of the change points are read in order, as the Python search does. */
+static int name_lengths(search_t *s, Py_ssize_t n, PyObject *set_slots, PyObject *node_at, PyObject *exclude,
+                        PyObject *lengths) {
+    Py_ssize_t num_slots = PyList_GET_SIZE(node_at), *first = NULL, *current = NULL;
+    unsigned char *state = NULL; /* per slot: 1 still holding, 2 in the current set */
+    int rc = -1;
+    if (s->num_points == 0 || num_slots == 0)
+        return 0;
+    first = PyMem_Malloc(2 * sizeof(Py_ssize_t) * (size_t)num_slots);
+    state = PyMem_Calloc((size_t)num_slots, 1);
+    if (first == NULL || state == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    current = first + num_slots;
+    Py_ssize_t num_first = read_slots(slots_of(set_slots, s->numbers[0]), num_slots, first);
+    if (num_first < 0)
+        goto done;
+    for (Py_ssize_t f = 0; f < num_first; f++)
+        state[first[f]] = 1;
+    for (Py_ssize_t i = 1; i < s->num_points; i++) {
+        Py_ssize_t num_current = read_slots(slots_of(set_slots, s->numbers[i]), num_slots, current);
+        if (num_current < 0)
+            goto done;
+        for (Py_ssize_t c = 0; c < num_current; c++)
+            state[current[c]] |= 2;
+        for (Py_ssize_t f = 0; f < num_first; f++) {
+            Py_ssize_t slot = first[f];
+            if (state[slot] == 1) {
+                state[slot] = 0;
+                if (name(lengths, node_at, slot, exclude, s->positions[i]) < 0)
+                    goto done;
+            }
+        }
+        for (Py_ssize_t c = 0; c < num_current; c++)
+            state[current[c]] &= 1;
+    }
+    for (Py_ssize_t f = 0; f < num_first; f++)
+        if (state[first[f]] == 1 && name(lengths, node_at, first[f], exclude, n) < 0)
+            goto done;
+    rc = 0;
+done:
+    PyMem_Free(first);
+    PyMem_Free(state);
+    return rc;
+}
+
+static PyObject *holders(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    if (nargs < 5 || nargs > 6 || !PyList_Check(args[0]) || (nargs == 6 && !PyTuple_Check(args[5]))) {
-        PyErr_SetString(PyExc_TypeError, "change_points(hashes: list, slots, mask, shift, multiplier, guesses: tuple = ())");
+    if (nargs != 9 || !PyList_Check(args[0]) || !PyTuple_Check(args[5]) || !PyList_Check(args[6]) ||
+        !PyList_Check(args[7])) {
+        PyErr_SetString(PyExc_TypeError, "holders(hashes: list, slots, mask, shift, multiplier, guesses: tuple, "
+                                         "set_slots: list, node_at: list, exclude: str)");
         return NULL;
     }
     search_t s; /* the point and guess arrays stay unwritten past what is used */
-    s.num_guesses = s.num_points = 0;
-    for (Py_ssize_t g = 0; nargs == 6 && g < PyTuple_GET_SIZE(args[5]) && s.num_guesses < 64; g++) {
-        Py_ssize_t p = PyLong_AsSsize_t(PyTuple_GET_ITEM(args[5], g));
-        if (p == -1 && PyErr_Occurred())
-            return NULL;
-        s.guesses[s.num_guesses++] = p;
-    }
+    if (parse_guesses(&s, args[5]) < 0)
+        return NULL;
     s.mask = PyLong_AsUnsignedLongLong(args[2]);
     int shift = (int)PyLong_AsLong(args[3]);
     s.multiplier = PyLong_AsUnsignedLongLong(args[4]);
@@ -130,44 +242,31 @@ static PyObject *change_points(PyObject *self, PyObject *const *args, Py_ssize_t
     s.slots = (const uint64_t *)view.buf;
     s.items = PySequence_Fast_ITEMS(args[0]);
     Py_ssize_t n = PyList_GET_SIZE(args[0]);
-    uint64_t first, last;
-    int rc = 0;
-    if (n > 0) {
-        rc = number_at(&s, 0, &first);
-        if (rc == 0 && first != 0) {
-            rc = emit(&s, 0, first);
-            if (rc == 0)
-                rc = number_at(&s, n - 1, &last);
-            if (rc == 0 && n > 1)
-                rc = search(&s, 0, first, n - 1, last);
-        }
-    }
+    int rc = find_changes(&s, n);
     PyBuffer_Release(&view);
     if (rc < 0)
         return NULL;
-    PyObject *positions = PyTuple_New(s.num_points), *numbers = PyTuple_New(s.num_points);
-    for (Py_ssize_t i = 0; positions != NULL && numbers != NULL && i < s.num_points; i++) {
-        PyObject *p = PyLong_FromSsize_t(s.positions[i]), *k = PyLong_FromUnsignedLongLong(s.numbers[i]);
-        if (p == NULL || k == NULL) {
-            Py_XDECREF(p);
-            Py_XDECREF(k);
-            Py_CLEAR(positions);
-            break;
-        }
-        PyTuple_SET_ITEM(positions, i, p);
-        PyTuple_SET_ITEM(numbers, i, k);
+    PyObject *lengths = PyDict_New(), *changes = PyTuple_New(s.num_points > 1 ? s.num_points - 1 : 0);
+    if (lengths == NULL || changes == NULL)
+        goto fail;
+    for (Py_ssize_t i = 1; i < s.num_points; i++) {
+        PyObject *p = PyLong_FromSsize_t(s.positions[i]);
+        if (p == NULL)
+            goto fail;
+        PyTuple_SET_ITEM(changes, i - 1, p);
     }
-    if (positions == NULL || numbers == NULL) {
-        Py_XDECREF(positions);
-        Py_XDECREF(numbers);
-        return NULL;
-    }
-    return Py_BuildValue("(NN)", positions, numbers);
+    if (name_lengths(&s, n, args[6], args[7], args[8], lengths) < 0)
+        goto fail;
+    return Py_BuildValue("(NN)", lengths, changes);
+fail:
+    Py_XDECREF(lengths);
+    Py_XDECREF(changes);
+    return NULL;
 }
 
 static PyMethodDef methods[] = {
-    {"change_points", (PyCFunction)(void (*)(void))change_points, METH_FASTCALL,
-     "Positions where a chain's holder-set number changes (see the file's comment)."},
+    {"holders", (PyCFunction)(void (*)(void))holders, METH_FASTCALL,
+     "How many leading blocks of a chain each node holds (see the file's comment)."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -141,6 +141,16 @@ class NodeHoldings:
         return np.setdiff1d(after, before, assume_unique=True), np.setdiff1d(before, after, assume_unique=True)
 
 
+def _slots_of(bits: int) -> tuple[int, ...]:
+    """The node slots of a holder-set bitmask, ascending."""
+    slots = []
+    while bits:
+        bit = bits & -bits
+        bits ^= bit
+        slots.append(bit.bit_length() - 1)
+    return tuple(slots)
+
+
 class HoldingsTable:
     """Every node's holdings and, per block key, the set of nodes holding it (a bitmask of node slots, interned:
     the block's entry holds the set's number), so a lookup probes one map per step of its binary search whatever
@@ -153,6 +163,7 @@ class HoldingsTable:
         self._node_at: list[str | None] = []
         self._holders = KeyMap()  # block key -> number of its holder set
         self._sets: list[int] = [0]  # holder set number -> bitmask of node slots; 0 is the empty set
+        self._set_slots: list[tuple[int, ...]] = [()]  # the same sets as ascending slot numbers (the C search's)
         self._set_number: dict[int, int] = {0: 0}
         self._max_sets = _MIN_MAX_SETS
         # (first block key, node bit) -> the length a lookup found last: tried first, with two probes
@@ -189,6 +200,7 @@ class HoldingsTable:
             number = number_of.get(bits)
             if number is None:
                 number = number_of[bits] = len(sets)
+                self._set_slots.append(_slots_of(bits))
                 sets.append(bits)
             new[i] = number
         return new[inverse]
@@ -213,6 +225,7 @@ class HoldingsTable:
         sets = [0] + [self._sets[n] for n in live.tolist() if n]
         renumbered = np.arange(len(live), dtype=np.uint64) + (0 if live[:1].tolist() == [0] else 1)
         self._holders.put_many(keys, renumbered[inverse])
+        self._set_slots = [_slots_of(bits) for bits in sets]
         self._sets, self._set_number = sets, {bits: n for n, bits in enumerate(sets)}
         self._max_sets = max(_MIN_MAX_SETS, 4 * len(sets))
 
@@ -228,6 +241,7 @@ class HoldingsTable:
         keys, numbers = self._holders.items()
         assert {k: self._sets[n] for k, n in zip(keys.tolist(), numbers.tolist())} == expected, "holder sets drifted"
         assert all(self._set_number[bits] == n for n, bits in enumerate(self._sets)), "set numbers drifted"
+        assert self._set_slots == [_slots_of(bits) for bits in self._sets], "set slots drifted"
 
     def finish_replay(self) -> None:
         """After a listing was replayed: each node's logs past its newest whole snapshot, into the holder sets."""
@@ -252,17 +266,28 @@ class HoldingsTable:
         probe (one map read: the block's holder set) splits a group into those holding the middle block and
         those not, so nodes holding the same length share every probe. A node first tries the length found
         last time for the same first block (a shared system prompt's, mostly): two probes confirm it, or
-        narrow its search. Where the C search builds (``chain_search.c``) it finds the positions where the
-        chain's holder set changes instead (sets only shrink along a chain), with the same answers.
+        narrow its search. Where the C search builds (``chain_search.c``) one call finds the positions where
+        the chain's holder set changes instead (sets only shrink along a chain) and names each node's length,
+        with the same answers.
         """
         if not block_hashes:
             return {}
-        if self._native is not None and type(block_hashes) is list:
-            lengths = self._lengths_native(block_hashes)
-        else:
-            lengths = self._lengths_python(block_hashes)
+        native = self._native
+        if native is not None and type(block_hashes) is list:  # one C call: the search, then each node's length
+            first, guesses = block_hashes[0], self._guesses
+            try:
+                named, changes = native.holders(block_hashes, *self._holders.layout(), guesses.get(first, ()),
+                                                self._set_slots, self._node_at, exclude)
+            except OverflowError:  # more holder-set changes along the chain than the C search keeps
+                pass
+            else:
+                if changes:
+                    if len(guesses) >= MAX_HINTS:
+                        guesses.clear()
+                    guesses[first] = changes
+                return named
         named, node_at = {}, self._node_at
-        for bits, length in lengths.items():
+        for bits, length in self._lengths_python(block_hashes).items():
             while bits:
                 bit = bits & -bits
                 bits ^= bit
@@ -271,32 +296,6 @@ class HoldingsTable:
                 if node_id is not None and node_id != exclude:
                     named[node_id] = length
         return named
-
-    def _lengths_native(self, block_hashes: list[bytes]) -> dict[int, int]:
-        """Bitmask of nodes -> the number of leading blocks each of them holds, from the positions where the
-        chain's holder set changes (found in C): a node's length is where it leaves the set."""
-        first, guesses = block_hashes[0], self._guesses
-        try:
-            positions, numbers = self._native.change_points(block_hashes, *self._holders.layout(),
-                                                            guesses.get(first, ()))
-        except OverflowError:  # more changes along the chain than the C search keeps
-            return self._lengths_python(block_hashes)
-        if not positions:
-            return {}
-        if len(positions) > 1:
-            if len(guesses) >= MAX_HINTS:
-                guesses.clear()
-            guesses[first] = positions[1:]
-        sets, lengths = self._sets, {}
-        remaining = sets[numbers[0]]  # the holders of the first block: nobody else holds a prefix
-        for position, number in zip(positions[1:], numbers[1:]):
-            gone = remaining & ~sets[number]
-            if gone:
-                lengths[gone] = position
-                remaining ^= gone
-        if remaining:
-            lengths[remaining] = len(block_hashes)
-        return lengths
 
     def _lengths_python(self, block_hashes: Sequence[bytes]) -> dict[int, int]:
         """The same answer, probe by probe in Python (where the C search cannot be built)."""

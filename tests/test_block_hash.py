@@ -5,7 +5,7 @@ import hashlib
 import subprocess
 import sys
 
-import torch
+import pytest
 
 from kvmesh.kv.block_hash import HashNamespace, hash_block, hash_blocks, root_hash
 
@@ -83,22 +83,37 @@ def test_prefix_hasher_equals_hash_blocks_and_stays_bounded():
 
 
 def test_native_chain_equals_hashlib_and_falls_back_to_it(monkeypatch):
-    """The one-call C BLAKE2b chain (kernels/cpu/blake2b_chain.c) gives hashlib's digests for every message
-    length around BLAKE2b's 128-byte block; without the library, hash_blocks takes hashlib."""
+    """The one-call C BLAKE2b chain (kernels/hashing/blake2b_chain.c) gives hashlib's digests for every message
+    length around BLAKE2b's 128-byte block and from any start block; its token conversion equals array's;
+    without the extension, hash_blocks takes hashlib."""
+    import array
     import random
 
-    from kvmesh.kernels.cpu import library
+    from kvmesh.kernels.hashing import native as native_hash
     from kvmesh.kv import block_hash
 
-    assert library.load() is not None  # this machine has a compiler (see tests/test_cpu_kernels.py)
+    ext = native_hash.load()
+    assert ext is not None  # this machine has a compiler and Python's headers (tests/test_layers.py builds too)
     rng = random.Random(7)
     for step in (4, 64, 96, 112, 113, 128, 200, 256):
-        data = bytes(rng.randrange(256) for _ in range(step * 9))
+        data = bytes(rng.randrange(256) for _ in range(step * 9 + step // 2))  # and a partial block, ignored
         parent = bytes(rng.randrange(256) for _ in range(16))
         want = block_hash._hash_block_bytes_hashlib(parent, data, step)
-        assert library.blake2b_chain(parent, data, step, b"kvmesh-kv-v1") == want, step
+        assert len(want) == 9
+        assert ext.chain(parent, data, step, b"kvmesh-kv-v1") == want, step
         assert block_hash.hash_block_bytes(want[2], data, step, start_block=3) == want[3:], step
-    tokens = list(range(5000, 5000 + 16 * 40))
+        assert ext.chain(parent, data, step, b"kvmesh-kv-v1", 9) == []
+    tokens = [rng.randrange(2**32) for _ in range(16 * 40)] + [0, 2**32 - 1]
+    assert ext.tokens_bytes(tokens, 5, len(tokens)) == array.array("I", tokens[5:]).tobytes()
+    assert ext.tokens_bytes(tuple(tokens), 0, 3) == array.array("I", tokens[:3]).tobytes()
+    for bad in (-1, 2**32):
+        with pytest.raises(OverflowError):
+            block_hash.tokens_to_bytes([1, bad])
+    with pytest.raises(IndexError):
+        ext.tokens_bytes(tokens, 0, len(tokens) + 1)
+    with pytest.raises(ValueError):
+        ext.chain(b"short", b"x" * 64, 64, b"kvmesh-kv-v1")
     native = hash_blocks(root_hash(b"ns"), tokens, 16)
-    monkeypatch.setattr(library, "load", lambda: None)
+    monkeypatch.setattr(native_hash, "load", lambda: None)
     assert hash_blocks(root_hash(b"ns"), tokens, 16) == native
+    assert block_hash.tokens_to_bytes(tokens, 5) == array.array("I", tokens[5:]).tobytes()

@@ -193,21 +193,32 @@ def test_memory_store_watch_starts_from_the_revision_it_names():
 
 
 def test_the_native_search_refuses_what_it_cannot_read():
+    """Malformed arguments raise (no crash); a small map's answers are right: nodes leave where their set
+    changes, slots without a node, unknown set numbers and the excluded node are left out."""
     from kvmesh.metadata import native_search
 
     native = native_search.load()
     assert native is not None, "the native chain search did not build (see the log)"
     keys = KeyMap()
-    keys.put_many(np.array([5, 6], dtype=np.uint64), np.array([1, 1], dtype=np.uint64))
-    slots, mask, shift, multiplier = keys.layout()
+    keys.put_many(np.array([5, 6, 8, 9], dtype=np.uint64), np.array([1, 1, 2, 9], dtype=np.uint64))
+    layout = keys.layout()
+    slots, mask = layout[0], layout[1]
+    set_slots, node_at = [(), (0, 2, 3), (2,)], ["a", None, "c", "d"]
+
+    def holders(hashes, *, layout=layout, guesses=(), exclude=""):
+        return native.holders(hashes, *layout, guesses, set_slots, node_at, exclude)
+
+    key = lambda k: k.to_bytes(8, "little")  # noqa: E731
     with pytest.raises(TypeError, match="block hash 0"):
-        native.change_points(["not bytes"], slots, mask, shift, multiplier)
+        holders(["not bytes"])
     with pytest.raises(TypeError, match="block hash 0"):
-        native.change_points([b"short"], slots, mask, shift, multiplier)
+        holders([b"short"])
     with pytest.raises(ValueError, match="mask"):
-        native.change_points([bytes(16)], slots[:4], mask, shift, multiplier)
-    assert native.change_points([(5).to_bytes(8, "little"), (6).to_bytes(8, "little")], slots, mask, shift,
-                                multiplier) == ((0,), (1,))
-    assert native.change_points([(7).to_bytes(8, "little")], slots, mask, shift, multiplier) == ((), ())
+        holders([bytes(16)], layout=(slots[:4], mask, *layout[2:]))
     with pytest.raises(TypeError, match="guesses"):
-        native.change_points([bytes(16)], slots, mask, shift, multiplier, [3])
+        native.holders([bytes(16)], *layout, [3], set_slots, node_at, "")
+    assert holders([key(5), key(6)]) == ({"a": 2, "c": 2, "d": 2}, ())
+    assert holders([key(5), key(6), key(8), key(7)], exclude="d") == ({"a": 2, "c": 3}, (2, 3))
+    assert holders([key(5), key(8), key(8)], guesses=(1,)) == ({"a": 1, "c": 3, "d": 1}, (1,))
+    assert holders([key(7)]) == ({}, ())
+    assert holders([key(9), key(9)]) == ({}, ())  # set 9 is not in set_slots (renumbered meanwhile): no holder

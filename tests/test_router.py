@@ -472,7 +472,8 @@ def test_request_caps_and_cache_salt(served):
 
 def test_kvmesh_router_runs_without_torch(served):
     """``kvmesh router`` reads the model card, tokenizes, hashes and routes without the model stack: no libtorch
-    in its address space (it would be mapped the moment anything imported torch), and it serves."""
+    in its address space (it would be mapped the moment anything imported torch), and it serves; it hashes
+    with the C chain (its extension is mapped), not hashlib."""
     import subprocess
     import sys
 
@@ -485,13 +486,15 @@ def test_kvmesh_router_runs_without_torch(served):
                             env={**os.environ, TOKEN_ENV: cluster.token})
     try:
         base = json.loads(proc.stdout.readline())["http"]
-        body = json.dumps({"prompt": "no torch here", "max_tokens": 4, "temperature": 0}).encode()
+        body = json.dumps({"prompt": "no torch here, " * 5, "max_tokens": 4, "temperature": 0}).encode()
         request = urllib.request.Request(base + "/completions", body, {"Content-Type": "application/json"})
         with urllib.request.urlopen(request, timeout=60) as r:
             assert json.loads(r.read())["choices"][0]["text"]
         with open(f"/proc/{proc.pid}/maps") as f:
-            torch_maps = [line for line in f if "libtorch" in line]
+            maps = f.readlines()
+        torch_maps = [line for line in maps if "libtorch" in line]
         assert torch_maps == [], torch_maps[:3]
+        assert any("kvmesh_blake2b_chain" in line for line in maps)
     finally:
         proc.terminate()
         proc.wait(timeout=30)

@@ -1,7 +1,7 @@
 """The native CPU kernels: compiled on first use for this machine, loaded through ctypes.
 
 ``load()`` compiles the C files beside this one (``decode_attention.c``, ``prefill_attention.c``, ``rms_norm.c``,
-``rope_store.c``, ``blake2b_chain.c``, ``block_index.c``; helpers in ``common.h``) into one
+``rope_store.c``, ``block_index.c``; helpers in ``common.h``) into one
 library with the system C compiler (``$CC``, else ``cc``/``gcc``) for the CPU it runs on
 (``-march=native``) into ``$KVMESH_CACHE_DIR/native/`` (the file name carries a hash of the
 sources, the flags, the compiler and the CPU's feature flags, so a changed source or another
@@ -25,7 +25,6 @@ import logging
 import platform
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from kvmesh.device import cpu_flags
@@ -35,8 +34,8 @@ log = logging.getLogger(__name__)
 
 SOURCES = tuple(sorted(Path(__file__).parent.glob("*.c")))
 HEADERS = tuple(sorted(Path(__file__).parent.glob("*.h")))
-# -mtune=generic: GCC 12 tunes a Zen 4 as a Zen 3, which made the BLAKE2b chain 2.8x slower (0.89 vs
-# 0.31 ms for 2,048 blocks) and the other kernels no faster. -ffp-contract=off: no fused multiply-adds
+# -mtune=generic: GCC 12 tunes a Zen 4 as a Zen 3, which made C code such as the BLAKE2b chain
+# (kernels/hashing) ~2.8x slower and these kernels no faster. -ffp-contract=off: no fused multiply-adds
 # the C does not ask for, so fp32 results round as the torch references do.
 FLAGS = ("-O3", "-march=native", "-mtune=generic", "-fno-trapping-math", "-fno-math-errno", "-ffp-contract=off",
          "-fPIC", "-shared")
@@ -48,7 +47,6 @@ _SIGNATURES = {
     "rms_norm": [_P, _P, _P, _I64, _I64, _F, _P, _INT],
     "rope_store": [_P, _I64, _INT, _INT, _INT, _P, _P, _P, _P, _I64, _P, _P, _P, _INT],
 }
-_UNTYPED = {"blake2b_chain": [ctypes.c_char_p, ctypes.c_char_p, _I64, _I64, ctypes.c_char_p, _INT, ctypes.c_char_p]}
 _B = ctypes.c_char_p  # bytes: digests, packed int32 block ids
 _BLOCK_INDEX_SIGNATURES = {  # each takes the address of a block_index_t first (see block_index.c)
     "block_index_find": [_P, _B],
@@ -124,7 +122,6 @@ def load() -> ctypes.CDLL | None:
     lib = _open(ctypes.CDLL)
     if lib is not None:
         _declare(lib, _SIGNATURES, tuple(_SUFFIXES.values()))
-        _declare(lib, _UNTYPED)
     return lib
 
 
@@ -265,18 +262,3 @@ def rope_store(qkv: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, k
     if status != 0:
         raise NativeKernelError(f"rope_store returned {status} for qkv {tuple(qkv.shape)}, head_dim {head_dim}")
     return q
-
-
-def blake2b_chain(parent: bytes, data: bytes, step: int, person: bytes, digest_size: int = 16) -> list[bytes] | None:
-    """The chained BLAKE2b of ``kv.block_hash`` over every whole ``step``-byte block of ``data``:
-    ``h[i] = blake2b(h[i-1] || block i, digest_size, person)``, ``h[-1] = parent``. None where the
-    library is not loaded (the caller hashes with hashlib, which gives the same digests)."""
-    lib = load()
-    if lib is None:
-        return None
-    num_blocks = len(data) // step if step else 0
-    out = ctypes.create_string_buffer(num_blocks * digest_size)
-    status = lib.blake2b_chain(parent, data, num_blocks, step, person.ljust(16, b"\0"), digest_size, out)
-    if status != 0:
-        raise NativeKernelError(f"blake2b_chain returned {status} (step {step}, digest {digest_size})")
-    return np.frombuffer(out, dtype=f"V{digest_size}").tolist()  # bytes objects; 5x faster than slicing

@@ -16,7 +16,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-_NATIVE_MODULE = "kvmesh.kernels.cpu.library"  # loaded by processes that run the model (it needs torch)
+from kvmesh.kernels.hashing import native as native_hash
 
 BlockHash = bytes  # 16 bytes
 
@@ -62,9 +62,14 @@ def salted_root(root: BlockHash, cache_salt: str | None) -> BlockHash:
     return hashlib.blake2b(root + cache_salt.encode(), digest_size=16, person=b"kvmesh-salt-v1").digest()
 
 
-def tokens_to_bytes(token_ids: Sequence[int]) -> bytes:
-    """Little-endian uint32 bytes of the tokens, converted once in bulk."""
-    arr = array.array("I", token_ids)
+def tokens_to_bytes(token_ids: Sequence[int], start: int = 0, stop: int | None = None) -> bytes:
+    """Little-endian uint32 bytes of ``token_ids[start:stop]``, converted once in bulk (in C, reading a
+    list in place, where the native hash loads; OverflowError for a token outside [0, 2**32))."""
+    stop = len(token_ids) if stop is None else stop
+    native = native_hash.load()
+    if native is not None:
+        return native.tokens_bytes(token_ids, start, stop)
+    arr = array.array("I", token_ids[start:stop])
     if arr.itemsize != 4:  # pragma: no cover - "I" is 4 bytes on every platform we run on
         arr = array.array("L", token_ids)
     if sys.byteorder != "little":  # pragma: no cover
@@ -94,7 +99,7 @@ def hash_blocks(parent: BlockHash, token_ids: Sequence[int], block_size: int, st
     if num_full <= start_block:
         return []
     # One bulk conversion, then 64-byte slices of a bytes object (cheaper than memoryview slices here).
-    data = tokens_to_bytes(token_ids[start_block * block_size : num_full * block_size])
+    data = tokens_to_bytes(token_ids, start_block * block_size, num_full * block_size)
     if extras is None:
         return hash_block_bytes(parent, data, 4 * block_size)
     step = 4 * block_size
@@ -114,15 +119,12 @@ def hash_blocks(parent: BlockHash, token_ids: Sequence[int], block_size: int, st
 def hash_block_bytes(parent: BlockHash, data: bytes, step: int, start_block: int = 0) -> list[BlockHash]:
     """The chain over whole blocks of token bytes (``step`` bytes each) from block ``start_block`` of ``data``.
 
-    In one native call where the CPU kernels are loaded (``kernels/cpu/blake2b_chain.c``, checked
-    against hashlib in the tests: every node), else through hashlib (a router, which never imports
-    torch): the same digests either way.
+    In one native call where the extension loads (``kernels/hashing/blake2b_chain.c``, checked against
+    hashlib in the tests; nodes and routers alike), else through hashlib: the same digests either way.
     """
-    native_kernels = sys.modules.get(_NATIVE_MODULE)
-    native = native_kernels.blake2b_chain(parent, data[start_block * step:] if start_block else data, step,
-                                          _KV_PERSON) if native_kernels is not None else None
+    native = native_hash.load()
     if native is not None:
-        return native
+        return native.chain(parent, data, step, _KV_PERSON, start_block)
     return _hash_block_bytes_hashlib(parent, data, step, start_block)
 
 

@@ -45,7 +45,7 @@ class PrefixHasher:
         num_full = len(token_ids) // self.block_size
         if num_full == 0:
             return []
-        data = tokens_to_bytes(token_ids[: num_full * self.block_size])
+        data = tokens_to_bytes(token_ids, 0, num_full * self.block_size)
         key = (parent, data[:step])
         with self._lock:
             known = self._chains.get(key)
