@@ -1,7 +1,7 @@
 """Native code compiled on first use: where it is kept and how it is built (no torch: the router loads it too).
 
 The CPU kernels (``kernels/cpu/library.py``, through ctypes) and the CPython extensions
-(``load_extension``: the block hash chain, ``kernels/hashing``; the mirror's chain search,
+(``load_extension``: the block hash chain and the pool's index, ``kernels/extensions``; the mirror's chain search,
 ``metadata/native_search.py``) each hash their sources, flags, compiler and CPU into a file name under
 ``cache_dir()`` and build it there once with ``compile_library``: several processes building at once each
 write a temporary file and rename it into place, so a reader never sees half a library.

@@ -83,16 +83,16 @@ def test_prefix_hasher_equals_hash_blocks_and_stays_bounded():
 
 
 def test_native_chain_equals_hashlib_and_falls_back_to_it(monkeypatch):
-    """The one-call C BLAKE2b chain (kernels/hashing/blake2b_chain.c) gives hashlib's digests for every message
+    """The one-call C BLAKE2b chain (kernels/extensions/blake2b_chain.c) gives hashlib's digests for every message
     length around BLAKE2b's 128-byte block and from any start block; its token conversion equals array's;
     without the extension, hash_blocks takes hashlib."""
     import array
     import random
 
-    from kvmesh.kernels.hashing import native as native_hash
+    from kvmesh.kernels.extensions import loader
     from kvmesh.kv import block_hash
 
-    ext = native_hash.load()
+    ext = loader.load("blake2b_chain")
     assert ext is not None  # this machine has a compiler and Python's headers (tests/test_layers.py builds too)
     rng = random.Random(7)
     for step in (4, 64, 96, 112, 113, 128, 200, 256):
@@ -114,6 +114,6 @@ def test_native_chain_equals_hashlib_and_falls_back_to_it(monkeypatch):
     with pytest.raises(ValueError):
         ext.chain(b"short", b"x" * 64, 64, b"kvmesh-kv-v1")
     native = hash_blocks(root_hash(b"ns"), tokens, 16)
-    monkeypatch.setattr(native_hash, "load", lambda: None)
+    monkeypatch.setattr(loader, "load", lambda name: None)
     assert hash_blocks(root_hash(b"ns"), tokens, 16) == native
     assert block_hash.tokens_to_bytes(tokens, 5) == array.array("I", tokens[5:]).tobytes()

@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from kvmesh.kernels.cpu import library
+from kvmesh.kernels.extensions import loader
 from kvmesh.kv.block_index import ADDED, NO_BLOCK, NOT_HELD, DictBlockIndex, NativeBlockIndex, Removed, make_block_index
 
 KINDS = ["native", "dict"]
@@ -13,9 +13,9 @@ KINDS = ["native", "dict"]
 
 def make(kind: str, num_blocks: int):
     if kind == "native":
-        lib = library.load_holding_gil()
-        assert lib is not None, "this machine has a C compiler: the native library must build"
-        return NativeBlockIndex(num_blocks, lib)
+        ext = loader.load("block_index")
+        assert ext is not None, "this machine has a C compiler and Python's headers: the extension must build"
+        return NativeBlockIndex(num_blocks, ext)
     return DictBlockIndex(num_blocks)
 
 
@@ -177,9 +177,26 @@ def test_make_block_index_picks_and_falls_back(monkeypatch):
     monkeypatch.setenv("KVMESH_BLOCK_INDEX", "radix")
     with pytest.raises(ValueError, match="expected auto, native or dict"):
         make_block_index(4)
-    monkeypatch.setattr(library, "load_holding_gil", lambda: None)  # no compiler, or the build failed
+    monkeypatch.setattr(loader, "load", lambda name: None)  # no compiler, or the build failed
     monkeypatch.setenv("KVMESH_BLOCK_INDEX", "auto")
     assert isinstance(make_block_index(4), DictBlockIndex)
     monkeypatch.setenv("KVMESH_BLOCK_INDEX", "native")
-    with pytest.raises(RuntimeError, match="not loaded"):
+    with pytest.raises(RuntimeError, match="did not build"):
         make_block_index(4)
+
+
+def test_the_extension_refuses_malformed_arguments_and_changes_nothing():
+    """What the C reads from Python objects is checked there: a hash that is no 16-byte bytes object, ids that
+    are no ints; a lookup of anything but 16 bytes finds nothing; a chain's ids are the pool's own objects."""
+    index = make("native", 8)
+    for hashes, ids in (([b"a" * 16, b"b" * 15], [1, 2]), ([b"a" * 16, "b" * 16], [1, 2]),
+                        ([b"a" * 16, b"b" * 16], [1, "2"])):
+        with pytest.raises((ValueError, TypeError)):
+            index.add_run(hashes, ids, False, NO_BLOCK)
+        Model(8).check(index, 8)
+    with pytest.raises(TypeError):
+        index.remove_blocks([1, None])
+    assert index.get(b"short") is None and index.get("a" * 16) is None
+    assert index.add_run([b"a" * 16, b"b" * 16], [6, 3], False, NO_BLOCK) == ADDED
+    assert index.count_held([6, 3], [b"a" * 16, b"x"]) == 1
+    assert all(a is b for a, b in zip(index.chain(3, 2), (index.block_ids[6], index.block_ids[3])))

@@ -58,7 +58,7 @@ def test_the_wheel_holds_every_module_and_imports_without_the_source_tree(tmp_pa
     assert "kvmesh/cluster/proto/kvmesh.proto" in names and "kvmesh/kernels/cpu/common.h" in names
     native_sources = {f"kvmesh/{folder}/{path.relative_to(ROOT / folder).as_posix()}"
                       for folder in ("kernels", "metadata") for path in (ROOT / folder).rglob("*.[ch]")}
-    assert {"kvmesh/metadata/chain_search.c", "kvmesh/kernels/hashing/blake2b_chain.c"} <= native_sources
+    assert {"kvmesh/metadata/chain_search.c", "kvmesh/kernels/extensions/blake2b_chain.c", "kvmesh/kernels/extensions/block_index.c"} <= native_sources
     assert native_sources - set(names) == set(), "C sources (built on first use) missing from the wheel"
     deps = [p for p in site.getsitepackages() if Path(p).exists()]
     proc = subprocess.run([sys.executable, "-S", "-c", IMPORT_ALL, str(unpacked), json.dumps(deps),

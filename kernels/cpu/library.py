@@ -1,7 +1,7 @@
 """The native CPU kernels: compiled on first use for this machine, loaded through ctypes.
 
 ``load()`` compiles the C files beside this one (``decode_attention.c``, ``prefill_attention.c``, ``rms_norm.c``,
-``rope_store.c``, ``block_index.c``; helpers in ``common.h``) into one
+``rope_store.c``; helpers in ``common.h``) into one
 library with the system C compiler (``$CC``, else ``cc``/``gcc``) for the CPU it runs on
 (``-march=native``) into ``$KVMESH_CACHE_DIR/native/`` (the file name carries a hash of the
 sources, the flags, the compiler and the CPU's feature flags, so a changed source or another
@@ -11,10 +11,9 @@ so its threads are torch's pool; every call passes ``torch.get_num_threads()``, 
 ``torch.set_num_threads`` (``--threads``) bounds both, whichever thread calls.
 
 Where no compiler or no build works, ``load()`` returns None once with the reason logged, and the
-callers keep the torch reference kernels (hashlib for the block hash, a dict for the block pool's
-index): the library is a speed-up, never a requirement. ``KVMESH_KERNELS=torch`` keeps the model
-on the torch kernels (see ``kernels/ops.py``); the block hash and the block index use the library
-whenever it is loaded (same results; ``load_holding_gil()`` opens it for the index's short calls).
+callers keep the torch reference kernels: the library is a speed-up, never a requirement.
+``KVMESH_KERNELS=torch`` keeps the model on the torch kernels (see ``kernels/ops.py``). (The block
+hash and the block pool's index are CPython extensions without torch: ``kernels/extensions``.)
 """
 from __future__ import annotations
 
@@ -35,7 +34,7 @@ log = logging.getLogger(__name__)
 SOURCES = tuple(sorted(Path(__file__).parent.glob("*.c")))
 HEADERS = tuple(sorted(Path(__file__).parent.glob("*.h")))
 # -mtune=generic: GCC 12 tunes a Zen 4 as a Zen 3, which made C code such as the BLAKE2b chain
-# (kernels/hashing) ~2.8x slower and these kernels no faster. -ffp-contract=off: no fused multiply-adds
+# (kernels/extensions) ~2.8x slower and these kernels no faster. -ffp-contract=off: no fused multiply-adds
 # the C does not ask for, so fp32 results round as the torch references do.
 FLAGS = ("-O3", "-march=native", "-mtune=generic", "-fno-trapping-math", "-fno-math-errno", "-ffp-contract=off",
          "-fPIC", "-shared")
@@ -46,17 +45,6 @@ _SIGNATURES = {
     "prefill_attention": [_P, _P, _P, _I64, _P, _INT, _INT, _INT, _INT, _INT, _INT, _F, _P, _INT],
     "rms_norm": [_P, _P, _P, _I64, _I64, _F, _P, _INT],
     "rope_store": [_P, _I64, _INT, _INT, _INT, _P, _P, _P, _P, _I64, _P, _P, _P, _INT],
-}
-_B = ctypes.c_char_p  # bytes: digests, packed int32 block ids
-_BLOCK_INDEX_SIGNATURES = {  # each takes the address of a block_index_t first (see block_index.c)
-    "block_index_find": [_P, _B],
-    "block_index_digest_of": [_P, _I64, _P],
-    "block_index_add_run": [_P, _B, _I64, _B, _I64, _I64],
-    "block_index_remove_block": [_P, _I64, _P],
-    "block_index_remove_blocks": [_P, _B, _I64, _P, _P, _P],
-    "block_index_count_held": [_P, _B, _B, _I64],
-    "block_index_chain": [_P, _I64, _I64, _P],
-    "block_index_check": [_P],
 }
 _SUFFIXES = {torch.bfloat16: "bf16", torch.float32: "f32"}
 
@@ -125,19 +113,9 @@ def load() -> ctypes.CDLL | None:
     return lib
 
 
-@functools.cache
-def load_holding_gil() -> ctypes.PyDLL | None:
-    """The block index functions (``block_index.c``), called holding the GIL: each call is short and atomic
-    for Python threads. None where the library cannot be had."""
-    lib = _open(ctypes.PyDLL)
-    if lib is not None:
-        _declare(lib, _BLOCK_INDEX_SIGNATURES, restype=_I64)
-    return lib
-
-
 def forget() -> None:
     """Forget the loaded library and its path, so the next ``load`` looks again (tests that build variants)."""
-    for cached in (_library_path, load, load_holding_gil):
+    for cached in (_library_path, load):
         cached.cache_clear()
 
 

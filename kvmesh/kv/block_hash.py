@@ -16,7 +16,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvmesh.kernels.hashing import native as native_hash
+from kvmesh.kernels.extensions import loader as extensions
 
 BlockHash = bytes  # 16 bytes
 
@@ -66,7 +66,7 @@ def tokens_to_bytes(token_ids: Sequence[int], start: int = 0, stop: int | None =
     """Little-endian uint32 bytes of ``token_ids[start:stop]``, converted once in bulk (in C, reading a
     list in place, where the native hash loads; OverflowError for a token outside [0, 2**32))."""
     stop = len(token_ids) if stop is None else stop
-    native = native_hash.load()
+    native = extensions.load("blake2b_chain")
     if native is not None:
         return native.tokens_bytes(token_ids, start, stop)
     arr = array.array("I", token_ids[start:stop])
@@ -119,10 +119,10 @@ def hash_blocks(parent: BlockHash, token_ids: Sequence[int], block_size: int, st
 def hash_block_bytes(parent: BlockHash, data: bytes, step: int, start_block: int = 0) -> list[BlockHash]:
     """The chain over whole blocks of token bytes (``step`` bytes each) from block ``start_block`` of ``data``.
 
-    In one native call where the extension loads (``kernels/hashing/blake2b_chain.c``, checked against
+    In one native call where the extension loads (``kernels/extensions/blake2b_chain.c``, checked against
     hashlib in the tests; nodes and routers alike), else through hashlib: the same digests either way.
     """
-    native = native_hash.load()
+    native = extensions.load("blake2b_chain")
     if native is not None:
         return native.chain(parent, data, step, _KV_PERSON, start_block)
     return _hash_block_bytes_hashlib(parent, data, step, start_block)

@@ -10,12 +10,11 @@ and ``get(hash)`` -> the block holding it, ``chain(last, length)`` -> the blocks
 last block up. Two implementations give the same answers:
 
 - ``NativeBlockIndex``: an open-addressing table in numpy memory; records are changed and read by
-  ``kernels/cpu/block_index.c`` (see it for the layout). A run of new hashes, whatever its block ids,
-  is recorded with one call over the joined digests (and the ids packed, unless they are a run): no
-  Python object or loop per block, ~25-40 us for 2,048 blocks where a dict and per-block writes in
-  Python cost ~230 us.
-- ``DictBlockIndex``: a dict and a list of hashes per block, in Python; where the native library is
-  not loaded, or ``KVMESH_BLOCK_INDEX=dict``.
+  ``kernels/extensions/block_index.c`` (a CPython extension; see it for the layout). A run of new
+  hashes, whatever its block ids, is recorded with one call that reads the caller's lists of digests
+  and ids in place: no Python object or loop per block.
+- ``DictBlockIndex``: a dict and a list of hashes per block, in Python; where the extension does not
+  build, or ``KVMESH_BLOCK_INDEX=dict``.
 
 ``make_block_index`` picks. The index holds no lock: the pool calls it under its own.
 """
@@ -23,14 +22,14 @@ from __future__ import annotations
 
 import ctypes
 import os
-import struct
 from array import array
 from collections.abc import Iterator, Sequence
+from types import ModuleType
 from typing import NamedTuple, Protocol
 
 import numpy as np
 
-from kvmesh.kernels.cpu import library as native
+from kvmesh.kernels.extensions import loader as extensions
 from kvmesh.kv.block_hash import BlockHash
 
 NOT_HELD = -2  # remove_blocks: the block held no hash
@@ -102,11 +101,11 @@ def make_block_index(num_blocks: int) -> BlockIndex:
     if choice not in ("auto", "native", "dict"):
         raise ValueError(f"KVMESH_BLOCK_INDEX={choice!r}: expected auto, native or dict")
     if choice != "dict":
-        lib = native.load_holding_gil()
-        if lib is not None:
-            return NativeBlockIndex(num_blocks, lib)
+        ext = extensions.load("block_index")
+        if ext is not None:
+            return NativeBlockIndex(num_blocks, ext)
         if choice == "native":
-            raise RuntimeError("KVMESH_BLOCK_INDEX=native, but the native library is not loaded (see the log)")
+            raise RuntimeError("KVMESH_BLOCK_INDEX=native, but the native block index did not build (see the log)")
     return DictBlockIndex(num_blocks)
 
 
@@ -116,11 +115,6 @@ def _int32s(num: int, value: int) -> array:
 
 def _no_block(block_id: int, num_blocks: int):
     raise IndexError(f"block {block_id} is not one of this pool's {num_blocks}")
-
-
-def _packed_ids(block_ids: Sequence[int]) -> bytes:
-    """Block ids as native int32s (struct is twice as fast as array.array for a list of ints)."""
-    return struct.pack(f"{len(block_ids)}i", *block_ids)
 
 
 class DictBlockIndex:
@@ -259,22 +253,12 @@ class _Records(ctypes.Structure):
                 ("num_blocks", ctypes.c_int64)]
 
 
-class _RemovedBuffers:
-    """Where block_index_remove_blocks writes (reused across calls, grown when a call needs more)."""
-
-    def __init__(self, capacity: int):
-        self.capacity = capacity
-        self.hashes = ctypes.create_string_buffer(16 * capacity)
-        self.parent_hashes = ctypes.create_string_buffer(16 * capacity)
-        self.parents = (ctypes.c_int32 * capacity)()
-        self.hashes_at, self.parent_hashes_at, self.parents_at = (
-            ctypes.addressof(b) for b in (self.hashes, self.parent_hashes, self.parents))
-
-
 class NativeBlockIndex:
-    """See ``kernels/cpu/block_index.c``; the table is at most half full by construction."""
+    """See ``kernels/extensions/block_index.c`` (a CPython extension: each call holds the GIL and reads the
+    caller's lists in place); the table is at most half full by construction. The arrays it points into live
+    as long as this object."""
 
-    def __init__(self, num_blocks: int, lib: ctypes.PyDLL):
+    def __init__(self, num_blocks: int, ext: ModuleType):
         num_slots = 1 << max(4, (2 * num_blocks - 1).bit_length())
         self.slot_of_block, self.parents, self.num_children = (_int32s(num_blocks, v) for v in (-1, NO_BLOCK, 0))
         self._keys = np.zeros(2 * num_slots, dtype=np.uint64)
@@ -285,40 +269,25 @@ class NativeBlockIndex:
                                  num_blocks)
         self._ix = ctypes.addressof(self._records)
         self._num_blocks = num_blocks
-        self._out = np.empty(num_blocks, dtype=np.int32)  # chain's answer, before it becomes a list
-        self._out_ptr = self._out.ctypes.data
-        self._digest = ctypes.create_string_buffer(16)
         self.block_ids = list(range(num_blocks))
-        self._block_id_objects = np.array(self.block_ids, dtype=object)  # the same int objects, for a bulk take
         self._num_entries = 0
-        self._find, self._digest_of, self._chain = lib.block_index_find, lib.block_index_digest_of, \
-            lib.block_index_chain
-        self._add_run, self._remove_block = lib.block_index_add_run, lib.block_index_remove_block
-        self._remove_blocks = lib.block_index_remove_blocks
-        self._removed = _RemovedBuffers(64)
-        self._count_held, self._check = lib.block_index_count_held, lib.block_index_check
+        self._ext = ext
+        self._find = ext.find
 
     def get(self, block_hash: BlockHash) -> int | None:
         block = self._find(self._ix, block_hash)
         return None if block < 0 else block
 
     def hash_of(self, block_id: int) -> BlockHash | None:
-        held = self._digest_of(self._ix, block_id, self._digest)
-        if held < 0:
-            raise IndexError(f"block {block_id} is not one of this pool's {self._num_blocks}")
-        return self._digest.raw if held else None
+        return self._ext.digest_of(self._ix, block_id)
 
     def add_run(self, block_hashes: Sequence[BlockHash], block_ids: Sequence[int], consecutive: bool,
                 parent: int) -> int:
         if not block_hashes:
             return ADDED
-        digests = b"".join(block_hashes)
-        if len(digests) != 16 * len(block_hashes) or len(block_ids) != len(block_hashes):
+        if len(block_ids) != len(block_hashes):
             raise ValueError("one 16-byte hash per block expected")
-        if consecutive:
-            result = self._add_run(self._ix, digests, len(block_hashes), None, block_ids[0], parent)
-        else:
-            result = self._add_run(self._ix, digests, len(block_hashes), _packed_ids(block_ids), 0, parent)
+        result = self._ext.add_run(self._ix, block_hashes, None if consecutive else block_ids, block_ids[0], parent)
         if result == ADDED:
             self._num_entries += len(block_hashes)
         elif result <= -2 and not all(0 <= b < self._num_blocks for b in (*block_ids, max(parent, 0))):
@@ -327,44 +296,24 @@ class NativeBlockIndex:
         return result
 
     def remove_block(self, block_id: int) -> Removed | None:
-        parent = self._remove_block(self._ix, block_id, self._digest)
-        if parent == -3:
-            raise IndexError(f"block {block_id} is not one of this pool's {self._num_blocks}")
-        if parent == -2:
+        removed = self._ext.remove_block(self._ix, block_id)
+        if removed is None:
             return None
         self._num_entries -= 1
-        return Removed(self._digest.raw, parent)
+        return Removed(removed[1], removed[0])
 
     def remove_blocks(self, block_ids: Sequence[int], with_hashes: bool = True) -> RemovedBlocks:
-        n = len(block_ids)
-        if not n:
+        if not block_ids:
             return RemovedBlocks([], b"", b"", 0)
-        if min(block_ids) < 0 or max(block_ids) >= self._num_blocks:
-            _no_block(next(b for b in block_ids if not 0 <= b < self._num_blocks), self._num_blocks)
-        if n > self._removed.capacity:
-            self._removed = _RemovedBuffers(2 * n)
-        out = self._removed
-        num_removed = self._remove_blocks(self._ix, _packed_ids(block_ids), n, out.hashes_at, out.parent_hashes_at,
-                                          out.parents_at)
-        self._num_entries -= num_removed
-        if not with_hashes:
-            return RemovedBlocks(out.parents[:n], b"", b"", num_removed)
-        return RemovedBlocks(out.parents[:n], ctypes.string_at(out.hashes_at, 16 * n),
-                             ctypes.string_at(out.parent_hashes_at, 16 * n), num_removed)
+        removed = RemovedBlocks(*self._ext.remove_blocks(self._ix, block_ids, with_hashes))
+        self._num_entries -= removed.num_removed
+        return removed
 
     def count_held(self, block_ids: Sequence[int], block_hashes: Sequence[BlockHash]) -> int:
-        n = min(len(block_ids), len(block_hashes))
-        if n == 0:
-            return 0
-        return self._count_held(self._ix, _packed_ids(block_ids[:n]), b"".join(block_hashes[:n]), n)
+        return self._ext.count_held(self._ix, block_ids, block_hashes)
 
     def chain(self, last_block: int, length: int) -> list[int]:
-        consecutive = self._chain(self._ix, last_block, length, self._out_ptr)
-        if consecutive < 0:
-            raise ValueError(f"the chain ending at block {last_block} is shorter than {length}")
-        if consecutive:  # one run of consecutive ids: a slice of the id list
-            return self.block_ids[last_block - length + 1 : last_block + 1]
-        return self._block_id_objects.take(self._out[:length]).tolist()
+        return self._ext.chain(self._ix, last_block, length, self.block_ids)
 
     def items(self) -> Iterator[tuple[BlockHash, int]]:
         slots = np.flatnonzero(self._vals >= 0)
@@ -372,7 +321,7 @@ class NativeBlockIndex:
         return zip(np.frombuffer(digests, dtype="V16").tolist(), self._vals[slots].tolist())
 
     def check_integrity(self) -> None:
-        code = self._check(self._ix)
+        code = self._ext.check(self._ix)
         assert code == 0, f"native block index inconsistent (block_index_check: {code})"
         assert int((self._vals >= 0).sum()) == self._num_entries, "entry count drifted"
 
