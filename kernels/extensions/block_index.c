@@ -163,17 +163,6 @@ static int64_t block_index_remove_blocks(block_index_t *ix, const int32_t *ids, 
     return num_removed;
 }
 
-/* How many leading blocks ids[i] still hold digest i (n digests of 16 bytes). */
-static int64_t block_index_count_held(const block_index_t *ix, const int32_t *ids, const uint8_t *digests, int64_t n) {
-    for (int64_t i = 0; i < n; i++) {
-        if (!is_block(ix, ids[i])) return i;
-        int32_t s = ix->slot_of_block[ids[i]];
-        digest_t d = load_digest(digests + 16 * i);
-        if (s < 0 || ix->keys[2 * s] != d.lo || ix->keys[2 * s + 1] != d.hi) return i;
-    }
-    return n;
-}
-
 /* 0 when every invariant of the table and the per-block records holds, else a negative code. */
 static int64_t block_index_check(const block_index_t *ix) {
     const int64_t num_blocks = ix->num_blocks;
@@ -435,6 +424,99 @@ static PyObject *py_chain(PyObject *self, PyObject *const *args, Py_ssize_t narg
     return out;
 }
 
+/* take_free(ix, next, prev, ids, num) -> (taken, parents, hashes, parent_hashes, num_removed): unlink the num
+ * least recently used free blocks that are no cached block's parent from the pool's free queue (the Python
+ * lists next / prev, sentinel at index num_blocks, their items the pool's id objects) and forget their
+ * digests as they go, so a parent whose children were all taken becomes a leaf (the walk then starts over
+ * from the head if it passed that parent): what taking them one by one from the head gives. taken holds the
+ * pool's id objects in the order taken (a parent after its children); the rest is remove_blocks's answer for
+ * them. RuntimeError when the queue runs out first (the caller checked there are num free blocks: that
+ * every block left is a cached block's parent cannot be). */
+static PyObject *py_take_free(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    CHECK_ARGS(5, "take_free(ix, next, prev, ids, num)");
+    block_index_t *ix = index_at(args[0]);
+    PyObject *next = args[1], *prev = args[2], *ids = args[3];
+    Py_ssize_t num = PyLong_AsSsize_t(args[4]);
+    if (ix == NULL || (num == -1 && PyErr_Occurred()))
+        return NULL;
+    const Py_ssize_t sentinel = ix->num_blocks;
+    if (!PyList_Check(next) || !PyList_Check(prev) || !PyList_Check(ids) || PyList_GET_SIZE(next) != sentinel + 1 ||
+        PyList_GET_SIZE(prev) != sentinel + 1 || PyList_GET_SIZE(ids) != sentinel || num < 0 || num > sentinel) {
+        PyErr_SetString(PyExc_ValueError, "take_free: the pool's queue lists (num_blocks + 1), its ids, 0 <= num");
+        return NULL;
+    }
+    PyObject *taken = NULL, *parents = NULL, *result = NULL;
+    int32_t *taken_ids = PyMem_Malloc(sizeof(int32_t) * (2 * (size_t)num + (size_t)sentinel) + 1);
+    int32_t *parent_ids = taken_ids + num, *skipped = taken_ids + 2 * num;
+    uint8_t *digests = PyMem_Calloc(32 * (size_t)num + 1, 1);
+    Py_ssize_t num_taken = 0, num_skipped = 0, num_removed = 0;
+    if (taken_ids == NULL || digests == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    long block = PyLong_AsLong(PyList_GET_ITEM(next, sentinel));
+    while (num_taken < num) {
+        if (block < 0 || block >= sentinel) {
+            if (!PyErr_Occurred())
+                PyErr_SetString(PyExc_RuntimeError, "free blocks left, but each is a cached block's parent");
+            goto done;
+        }
+        PyObject *following_id = PyList_GET_ITEM(next, block), *before_id = PyList_GET_ITEM(prev, block);
+        long following = PyLong_AsLong(following_id), before = PyLong_AsLong(before_id);
+        if (PyErr_Occurred() || following < 0 || following > sentinel || before < 0 || before > sentinel) {
+            if (!PyErr_Occurred())
+                PyErr_SetString(PyExc_RuntimeError, "the free queue links a block outside the pool");
+            goto done;
+        }
+        if (ix->num_children[block] > 0) {
+            skipped[num_skipped++] = (int32_t)block;
+            block = following;
+            continue;
+        }
+        Py_INCREF(following_id); /* unlinked, as the pool's _unlink does (SetItem takes these references) */
+        Py_INCREF(before_id);
+        PyList_SetItem(next, before, following_id);
+        PyList_SetItem(prev, following, before_id);
+        int64_t parent = -2; /* NOT_HELD: the block held no digest */
+        if (ix->slot_of_block[block] >= 0) {
+            if (ix->parents[block] != NO_BLOCK)
+                block_index_digest_of(ix, ix->parents[block], digests + 16 * (num + num_taken));
+            parent = block_index_remove_block(ix, block, digests + 16 * num_taken);
+            num_removed++;
+        }
+        taken_ids[num_taken] = (int32_t)block;
+        parent_ids[num_taken++] = (int32_t)parent;
+        block = following;
+        if (parent >= 0 && ix->num_children[parent] == 0) /* a leaf now: if passed over, start over */
+            for (Py_ssize_t s = 0; s < num_skipped; s++)
+                if (skipped[s] == parent) {
+                    num_skipped = 0;
+                    block = PyLong_AsLong(PyList_GET_ITEM(next, sentinel));
+                    break;
+                }
+    }
+    taken = PyList_New(num);
+    parents = PyList_New(num);
+    if (taken == NULL || parents == NULL)
+        goto done;
+    for (Py_ssize_t i = 0; i < num; i++) {
+        PyObject *id = PyList_GET_ITEM(ids, taken_ids[i]), *p = PyLong_FromLong(parent_ids[i]);
+        if (p == NULL)
+            goto done; /* the lists' unset items are NULL, which their deallocation skips */
+        Py_INCREF(id);
+        PyList_SET_ITEM(taken, i, id);
+        PyList_SET_ITEM(parents, i, p);
+    }
+    result = Py_BuildValue("(OOy#y#n)", taken, parents, (const char *)digests, 16 * num,
+                           (const char *)digests + 16 * num, 16 * num, num_removed);
+done:
+    Py_XDECREF(taken);
+    Py_XDECREF(parents);
+    PyMem_Free(taken_ids);
+    PyMem_Free(digests);
+    return result;
+}
+
 /* check(ix) -> 0 when every invariant holds, else block_index_check's negative code */
 static PyObject *py_check(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     CHECK_ARGS(1, "check(ix)");
@@ -451,6 +533,7 @@ static PyMethodDef methods[] = {
     METHOD(remove_blocks, "Forget several blocks' digests, in order."),
     METHOD(count_held, "How many leading blocks still hold their digests."),
     METHOD(chain, "The blocks of a chain, from its last block up."),
+    METHOD(take_free, "Take free blocks from the head of the pool's queue, their digests forgotten."),
     METHOD(check, "0 when the records are consistent."),
     {NULL, NULL, 0, NULL},
 };

@@ -79,6 +79,13 @@ class BlockIndex(Protocol):
         blocks removed before them in the list); ``with_hashes`` False: the caller needs no hashes (they may
         come back empty)."""
 
+    def take_free(self, next_ids: list[int], prev_ids: list[int], num: int) -> tuple[list[int], RemovedBlocks]:
+        """Allocation's walk of the pool's free queue (``next_ids`` / ``prev_ids``: its links, the sentinel at
+        index ``num_blocks``): unlink the ``num`` least recently used free blocks that are no cached block's
+        parent, counting as gone the digests of those taken before, and remove their digests; returns the
+        blocks in the order taken (a parent after its children) and ``remove_blocks``'s answer for them.
+        The caller checked the queue holds ``num`` blocks."""
+
     def count_held(self, block_ids: Sequence[int], block_hashes: Sequence[BlockHash]) -> int:
         """How many leading ``block_ids`` still hold ``block_hashes``."""
 
@@ -216,6 +223,32 @@ class DictBlockIndex:
             parent_hashes.append(parent_hash or bytes(16))
         return RemovedBlocks(parents, b"".join(hashes), b"".join(parent_hashes), num_removed)
 
+    def take_free(self, next_ids: list[int], prev_ids: list[int], num: int) -> tuple[list[int], RemovedBlocks]:
+        sentinel, nxt, prev, slot = len(self._hashes), next_ids, prev_ids, self.slot_of_block
+        num_children, parent_of = self.num_children, self.parents
+        taken: list[int] = []
+        orphaned: dict[int, int] = {}
+        skipped: set[int] = set()
+        block = nxt[sentinel]
+        while len(taken) < num:
+            if block == sentinel:
+                raise RuntimeError("free blocks left, but each is a cached block's parent")
+            following = nxt[block]
+            if num_children[block] > orphaned.get(block, 0):
+                skipped.add(block)
+            else:
+                before = prev[block]
+                nxt[before] = following
+                prev[following] = before
+                taken.append(block)
+                parent = parent_of[block] if slot[block] >= 0 else NO_BLOCK
+                if parent != NO_BLOCK:
+                    orphaned[parent] = orphaned.get(parent, 0) + 1
+                    if parent in skipped and num_children[parent] == orphaned[parent]:
+                        following, skipped = nxt[sentinel], set()  # a block passed over is a leaf now
+            block = following
+        return taken, self.remove_blocks(taken)
+
     def count_held(self, block_ids: Sequence[int], block_hashes: Sequence[BlockHash]) -> int:
         num = 0
         for b, h in zip(block_ids, block_hashes):
@@ -308,6 +341,12 @@ class NativeBlockIndex:
         removed = RemovedBlocks(*self._ext.remove_blocks(self._ix, block_ids, with_hashes))
         self._num_entries -= removed.num_removed
         return removed
+
+    def take_free(self, next_ids: list[int], prev_ids: list[int], num: int) -> tuple[list[int], RemovedBlocks]:
+        taken, parents, hashes, parent_hashes, num_removed = self._ext.take_free(self._ix, next_ids, prev_ids,
+                                                                                 self.block_ids, num)
+        self._num_entries -= num_removed
+        return taken, RemovedBlocks(parents, hashes, parent_hashes, num_removed)
 
     def count_held(self, block_ids: Sequence[int], block_hashes: Sequence[BlockHash]) -> int:
         return self._ext.count_held(self._ix, block_ids, block_hashes)

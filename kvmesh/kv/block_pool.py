@@ -32,7 +32,7 @@ from typing import Literal, NamedTuple
 
 from kvmesh.errors import OutOfBlocksError
 from kvmesh.kv.block_hash import BlockHash
-from kvmesh.kv.block_index import ADDED, NO_BLOCK, NOT_HELD, make_block_index
+from kvmesh.kv.block_index import ADDED, NO_BLOCK, NOT_HELD, RemovedBlocks, make_block_index
 from kvmesh.kv.change_signal import ChangeSignal
 from kvmesh.kv.eviction import EvictionPolicy, TailFirstLRU
 
@@ -195,8 +195,9 @@ class BlockPool:
         with self._lock:
             if num_blocks > self._num_queued:
                 raise OutOfBlocksError(f"asked for {num_blocks} blocks, {self._num_queued} free of {self.num_blocks}")
-            out = self._take_from_queue(num_blocks)
-            self._uncache(out)
+            out, removed = self._index.take_free(self._next, self._prev, num_blocks)
+            self._num_queued -= num_blocks
+            self._forget(out, removed)
             ref, epoch = self._ref, self._epoch
             for block in out:
                 ref[block] = 1
@@ -399,51 +400,23 @@ class BlockPool:
         self._prev[sentinel] = block
         self._num_queued += 1
 
-    def _take_from_queue(self, num_blocks: int) -> list[int]:
-        """Unlink the ``num_blocks`` least recently used free blocks that are no cached block's parent, counting
-        as gone the hashes of those taken before (the caller uncaches them all): what taking them one by one
-        from the head would give."""
-        sentinel, nxt, prev, slot = self.num_blocks, self._next, self._prev, self._slot
-        num_children, parent_of = self._num_children, self._parent
-        taken: list[int] = []
-        orphaned: dict[int, int] = {}
-        skipped: set[int] = set()
-        block = nxt[sentinel]
-        while len(taken) < num_blocks:
-            if block == sentinel:
-                raise AssertionError("free blocks left, but each is a cached block's parent")
-            following = nxt[block]
-            if num_children[block] > orphaned.get(block, 0):
-                skipped.add(block)
-            else:
-                before = prev[block]  # unlinked here (as _unlink does): this loop is the allocation's cost
-                nxt[before] = following
-                prev[following] = before
-                taken.append(block)
-                parent = parent_of[block] if slot[block] >= 0 else NO_BLOCK
-                if parent != NO_BLOCK:
-                    orphaned[parent] = orphaned.get(parent, 0) + 1
-                    if parent in skipped and num_children[parent] == orphaned[parent]:
-                        following, skipped = nxt[sentinel], set()  # a block passed over is a leaf now
-            block = following
-        self._num_queued -= len(taken)
-        return taken
-
     def _uncache(self, block_ids: list[int]) -> None:
         """Drop the hashes of those of ``block_ids`` that hold one (in order: a parent after its children)."""
         report = self.on_uncache is not None or self.track_changes
-        removed = self._index.remove_blocks(block_ids, with_hashes=report)
+        self._forget(block_ids, self._index.remove_blocks(block_ids, with_hashes=report))
+
+    def _forget(self, block_ids: list[int], removed: RemovedBlocks) -> None:
+        """What follows removing ``block_ids``' hashes from the index: counts, the chain memo, the reports."""
         if not removed.num_removed:
             return
         self.num_evicted += removed.num_removed
-        parents, chains = removed.parents, self._chains
-        if chains:
-            for block, parent in zip(block_ids, parents):
-                if parent != NOT_HELD:
-                    chains.pop(block, None)
-        if not report:
+        chains = self._chains
+        if chains:  # a block that held no hash is no memo key: popping it does nothing
+            for block in block_ids:
+                chains.pop(block, None)
+        if self.on_uncache is None and not self.track_changes:
             return
-        hashes, parent_hashes = removed.hashes, removed.parent_hashes
+        parents, hashes, parent_hashes = removed.parents, removed.hashes, removed.parent_hashes
         for i, parent in enumerate(parents):
             if parent == NOT_HELD:
                 continue
