@@ -65,7 +65,7 @@ def _add_bench(sub) -> None:
     which = p.add_subparsers(dest="bench", required=True)
     pc = which.add_parser("prefix-cache", help="hashing, match, insert, evict, memory; engine hit rates")
     pc.add_argument("--json", default=None, help="write the results here")
-    pc.add_argument("--repeat", type=int, default=7)
+    pc.add_argument("--repeat", type=int, default=21, help="rounds per measurement: their median is reported")
     pc.add_argument("--no-engine", action="store_true", help="skip the engine workload")
     pc.set_defaults(func=_run_bench_prefix_cache)
     m = which.add_parser("model", help="prefill latency and batched decode throughput vs transformers")

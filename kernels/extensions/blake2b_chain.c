@@ -173,6 +173,24 @@ static PyObject *chain(PyObject *self, PyObject *const *args, Py_ssize_t nargs) 
     return out;
 }
 
+/* An int's value: read in place when it is an exact int of one internal digit (a token id, nearly always),
+ * else through PyLong_AsLong (-1 with an error set when it is no int or too large). */
+static inline long small_int(PyObject *item) {
+#if PY_VERSION_HEX >= 0x030C0000
+    if (PyLong_CheckExact(item) && PyUnstable_Long_IsCompact((PyLongObject *)item))
+        return (long)PyUnstable_Long_CompactValue((PyLongObject *)item);
+#else
+    if (PyLong_CheckExact(item)) {
+        Py_ssize_t size = Py_SIZE(item);
+        if (size == 0)
+            return 0;
+        if (size == 1)
+            return (long)((PyLongObject *)item)->ob_digit[0];
+    }
+#endif
+    return PyLong_AsLong(item);
+}
+
 static PyObject *tokens_bytes(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 3) {
         PyErr_SetString(PyExc_TypeError, "tokens_bytes(tokens, start, stop)");
@@ -198,7 +216,7 @@ static PyObject *tokens_bytes(PyObject *self, PyObject *const *args, Py_ssize_t 
     uint8_t *p = (uint8_t *)PyBytes_AS_STRING(out);
     PyObject **items = PySequence_Fast_ITEMS(seq);
     for (Py_ssize_t i = start; i < stop; i++, p += 4) {
-        long value = PyLong_AsLong(items[i]);
+        long value = small_int(items[i]);
         if ((value == -1 && PyErr_Occurred()) || value < 0 || (unsigned long)value > 0xFFFFFFFFUL) {
             if (!PyErr_Occurred() || PyErr_ExceptionMatches(PyExc_OverflowError)) {
                 PyErr_Clear();
