@@ -68,16 +68,17 @@ def compile_library(compiler: str, flags: Sequence[str], inputs: Sequence[str], 
 
 
 def load_extension(source: Path, module: str, flags: Sequence[str]) -> ModuleType:
-    """The CPython extension ``module`` built from the one C file ``source`` (once per machine, interpreter,
-    source and flags) and imported; raises ``NativeBuildError`` saying why it cannot be (the caller
+    """The CPython extension ``module`` built from the one C file ``source`` and the headers beside it (once
+    per machine, interpreter, sources and flags) and imported; raises ``NativeBuildError`` saying why it cannot be (the caller
     keeps its Python path and logs the reason once)."""
     compiler = c_compiler()
     include = sysconfig.get_paths().get("include", "")
     if compiler is None or not Path(include, "Python.h").is_file():
         raise NativeBuildError("no C compiler or no Python headers", missing_tools=True)
     key = hashlib.blake2b(digest_size=8)
-    for part in (source.read_bytes(), " ".join(flags).encode(), compiler.encode(), sys.version.encode(),
-                 include.encode(), " ".join(cpu_flags()).encode()):
+    headers = sorted(source.parent.glob("*.h"))  # what the source may include beside it
+    for part in (source.read_bytes(), *(h.read_bytes() for h in headers), " ".join(flags).encode(),
+                 compiler.encode(), sys.version.encode(), include.encode(), " ".join(cpu_flags()).encode()):
         key.update(part)
     path = cache_dir() / f"{module}_{key.hexdigest()}{sysconfig.get_config_var('EXT_SUFFIX') or '.so'}"
     if not path.exists():
