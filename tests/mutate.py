@@ -60,6 +60,11 @@ MUTATIONS = (
              "            self.kv_buffer[b].copy_(self.tensor[s].to(self.kv_buffer.device))\n"
              "        return len(slots)\n",
              ("tests/test_landing.py", "tests/test_transfer_fences.py", "-k", "damaged or checked")),
+    Mutation("allocation's C walk never goes back for a parent that became a leaf",
+             "kernels/extensions/block_index.c",
+             "                    num_skipped = 0;\n                    block = PyLong_AsLong(PyList_GET_ITEM(next, sentinel));\n",
+             "                    num_skipped = 0;\n",
+             ("tests/test_block_pool.py", "-k", "same_on_both")),
 )
 
 
