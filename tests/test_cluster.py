@@ -87,6 +87,16 @@ def test_a_node_computing_alone_computes_on_every_core(cluster, reference):
     check_all(cluster)
 
 
+def test_nodes_freeze_their_start_up_objects_and_count_collections(cluster):
+    """A node's start-up objects (model, pool, stacks) are frozen out of the collector's full walks, which
+    would otherwise stop the engine thread for a tenth of a second or more (kvmesh/node/gc_pauses.py), and
+    its stats count every collection since serving began."""
+    for node_id in ("prefill-0", "decode-0"):
+        stats = cluster.client(node_id).stats()
+        assert stats["gc_frozen_objects"] > 50_000, stats["gc_frozen_objects"]
+        assert len(stats["gc_collections"]) == len(stats["gc_max_pause_ms"]) == len(stats["gc_total_pause_ms"]) == 3
+
+
 def test_host_staged_nodes_compute_what_the_single_node_engine_does(cluster, reference):
     prompts = [prompt(40 + i, n) for i, n in enumerate((70, 100, 48))]
     landed = cluster.client("decode-1").stats()["landing"].get("landed", 0)

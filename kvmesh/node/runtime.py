@@ -39,6 +39,7 @@ from kvmesh.node.placement import make_placement
 from kvmesh.node import messages as nm
 from kvmesh.node.core_share import CoreShare
 from kvmesh.node.engine_loop import EngineLoop
+from kvmesh.node.gc_pauses import GCPauses, freeze_start_up
 from kvmesh.netaddr import advertise_address
 from kvmesh.node.membership import ClusterMembership
 from kvmesh.rate_meter import CostFit
@@ -157,6 +158,7 @@ class NodeRuntime:
                 self.agent.engine.register(tensor)
             self.agent.holder.source = TieredSource(self.pool, self.agent.base_addr, self.agent.block_bytes,
                                                     self.tiers, self.agent.memory.stage_out)
+        self.gc_pauses = GCPauses()  # installed when serving starts (stats: every collection's pause)
         self.loop = EngineLoop(self.engine, cfg.node_id, self.on_finish, self.on_failed, self._publish,
                                cores=CoreShare.from_argument(cfg.core_share) if cfg.core_share else None)
         self.workers = ThreadPoolExecutor(16, thread_name_prefix=f"kvmesh-{cfg.node_id}")
@@ -169,6 +171,8 @@ class NodeRuntime:
         endpoint; sync with etcd; register."""
         self.agent.start()
         self.before_serving()
+        freeze_start_up()  # the model, the pool, the stacks: never garbage, no longer walked by full collections
+        self.gc_pauses.install()
         self.loop.start()
         if self.tiers is not None:
             self.tiers.start()
@@ -326,6 +330,7 @@ class NodeRuntime:
                  "landing": self.agent.landing.describe() if self.agent.landing is not None else {},
                  "device": device_name(self.device), "kv_memory": self.agent.memory.describe(),
                  "num_failed_steps": self.loop.num_failed_steps, "compute_threads": self.loop.compute_threads,
+                 **self.gc_pauses.stats(),
                  **self.role_stats(),
                  **(self.tiers.stats() if self.tiers is not None else {}),
                  "pinned_prefixes": {pin_id: list(counts) for pin_id, counts in self.engine.pins.status().items()},
@@ -369,6 +374,7 @@ class NodeRuntime:
         self.close()
 
     def close(self) -> None:
+        self.gc_pauses.uninstall()
         self.loop.close()
         self.membership.close()
         self.endpoint.close()
