@@ -60,11 +60,17 @@ class _NodeCollector:
             "num_cached_blocks": GaugeMetricFamily("kvmesh_node_cached_blocks", "Cached free blocks",
                                                    labels=["node"]),
         }
+        gc_pause = GaugeMetricFamily("kvmesh_node_gc_max_pause_seconds", "Longest garbage-collector pause of the "
+                                     "node's process since it began serving, per generation (2: full collections)",
+                                     labels=["node", "generation"])
         for node_id, stats in self._node_stats().items():
             for key, family in gauges.items():
                 if key in stats:
                     family.add_metric([node_id], float(stats[key]))
+            for generation, pause_ms in enumerate(stats.get("gc_max_pause_ms", ())):
+                gc_pause.add_metric([node_id, str(generation)], float(pause_ms) / 1e3)
         yield from gauges.values()
+        yield gc_pause
 
 
 class _ReadinessCollector:

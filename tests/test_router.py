@@ -338,7 +338,8 @@ def test_metrics_endpoint(served):
     for name in ("kvmesh_ttft_seconds_bucket", "kvmesh_tpot_seconds_count", "kvmesh_e2e_seconds_sum",
                  "kvmesh_queue_seconds_count", 'kvmesh_requests_total{outcome="ok"}',
                  'kvmesh_prompt_tokens_total{source="computed"}', 'kvmesh_node_running{node="decode-0"}',
-                 'kvmesh_node_bytes_received{node="decode-0"}', "kvmesh_in_flight"):
+                 'kvmesh_node_bytes_received{node="decode-0"}', "kvmesh_in_flight",
+                 'kvmesh_node_gc_max_pause_seconds{generation="2",node="decode-0"}'):
         assert name in text, name
     ok = [line for line in text.splitlines() if line.startswith('kvmesh_requests_total{outcome="ok"}')]
     assert float(ok[0].split()[-1]) >= 1
