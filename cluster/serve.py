@@ -86,6 +86,7 @@ def run_front_ends(args: argparse.Namespace, etcd: str, cluster: str, cluster_to
     """Router + gRPC + HTTP until Ctrl-C or SIGTERM; ``supervision()``: process states for /ready and /metrics."""
     from kvmesh.cluster.grpc_server import start_grpc_server
     from kvmesh.cluster.http_server import start_http_server
+    from kvmesh.gc_pauses import freeze_start_up
 
     router = Router(RouterConfig(etcd=etcd, model=args.model, cluster=cluster, routing=args.routing,
                                  max_in_flight=args.max_in_flight, cluster_token=cluster_token))
@@ -102,6 +103,7 @@ def run_front_ends(args: argparse.Namespace, etcd: str, cluster: str, cluster_to
     async def main() -> None:
         runner, http_port = await start_http_server(router, args.host, args.http_port, token=keys,
                                                     tls=tls_files)
+        freeze_start_up()  # the router's imports and tokenizer: never garbage, out of every full collection
         scheme = "https" if tls_files else "http"
         print(json.dumps({"grpc": f"{args.host}:{grpc_port}", "http": f"{scheme}://{args.host}:{http_port}/v1",
                           "model": args.model, "etcd": etcd}), flush=True)

@@ -89,7 +89,7 @@ def test_a_node_computing_alone_computes_on_every_core(cluster, reference):
 
 def test_nodes_freeze_their_start_up_objects_and_count_collections(cluster):
     """A node's start-up objects (model, pool, stacks) are frozen out of the collector's full walks, which
-    would otherwise stop the engine thread for a tenth of a second or more (kvmesh/node/gc_pauses.py), and
+    would otherwise stop the engine thread for a tenth of a second or more (kvmesh/gc_pauses.py), and
     its stats count every collection since serving began."""
     for node_id in ("prefill-0", "decode-0"):
         stats = cluster.client(node_id).stats()

@@ -1,9 +1,9 @@
-"""kvmesh/node/gc_pauses.py: start-up objects frozen, collections counted per generation while installed."""
+"""kvmesh/gc_pauses.py: start-up objects frozen, collections counted per generation while installed."""
 from __future__ import annotations
 
 import gc
 
-from kvmesh.node.gc_pauses import GCPauses, freeze_start_up
+from kvmesh.gc_pauses import GCPauses, freeze_start_up
 
 
 def test_collections_are_counted_per_generation_while_installed():

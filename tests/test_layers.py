@@ -11,7 +11,8 @@ from tests.source_tree import source_modules
 # are the module itself only (the package root is the public API, above everything).
 LAYERS = [
     ("base", ["kvmesh.errors", "kvmesh.wire", "kvmesh.auth", "kvmesh.lifecycle", "kvmesh.netaddr", "kvmesh.cpu_info",
-              "kvmesh.device", "kvmesh.rate_meter", "kvmesh.router_endpoint", "kvmesh.native_build"]),
+              "kvmesh.device", "kvmesh.rate_meter", "kvmesh.router_endpoint", "kvmesh.native_build",
+              "kvmesh.gc_pauses"]),
     ("kernels", ["kvmesh.kernels"]),
     ("model", ["kvmesh.model", "kvmesh.tokenizer"]),
     ("kv", ["kvmesh.kv"]),

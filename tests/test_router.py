@@ -474,7 +474,7 @@ def test_request_caps_and_cache_salt(served):
 def test_kvmesh_router_runs_without_torch(served):
     """``kvmesh router`` reads the model card, tokenizes, hashes and routes without the model stack: no libtorch
     in its address space (it would be mapped the moment anything imported torch), and it serves; it hashes
-    with the C chain (its extension is mapped), not hashlib."""
+    with the C chain (its extension is mapped), not hashlib; it froze its start-up objects (kvmesh/gc_pauses.py)."""
     import subprocess
     import sys
 
@@ -491,6 +491,10 @@ def test_kvmesh_router_runs_without_torch(served):
         request = urllib.request.Request(base + "/completions", body, {"Content-Type": "application/json"})
         with urllib.request.urlopen(request, timeout=60) as r:
             assert json.loads(r.read())["choices"][0]["text"]
+        with urllib.request.urlopen(base.removesuffix("/v1") + "/metrics", timeout=60) as r:
+            frozen = [line for line in r.read().decode().splitlines()
+                      if line.startswith("kvmesh_router_gc_frozen_objects ")]
+        assert frozen and float(frozen[0].split()[1]) > 50_000  # its start-up objects are out of full collections
         with open(f"/proc/{proc.pid}/maps") as f:
             maps = f.readlines()
         torch_maps = [line for line in maps if "libtorch" in line]

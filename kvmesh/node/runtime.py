@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from kvmesh.auth import ClusterAuth, require_secret
+from kvmesh.gc_pauses import GCPauses, freeze_start_up
 from kvmesh.metadata.keys import DEFAULT_CLUSTER  # noqa: F401 (re-exported: NodeConfig's default)
 from kvmesh.engine.engine import EngineConfig, LLMEngine
 from kvmesh.engine.scheduler import SchedulerConfig
@@ -39,7 +40,6 @@ from kvmesh.node.placement import make_placement
 from kvmesh.node import messages as nm
 from kvmesh.node.core_share import CoreShare
 from kvmesh.node.engine_loop import EngineLoop
-from kvmesh.node.gc_pauses import GCPauses, freeze_start_up
 from kvmesh.netaddr import advertise_address
 from kvmesh.node.membership import ClusterMembership
 from kvmesh.rate_meter import CostFit

@@ -1,12 +1,12 @@
 """A serving process's garbage collector: start-up objects frozen, every collection's pause counted.
 
-CPython's full (generation 2) collection walks every tracked object; a node holds a few hundred
-thousand of them after start-up (the model's modules and parameters, the pool's lists, torch's and
-the RPC stacks' own), so one full collection stops the engine thread, and every stream it decodes,
-for a tenth of a second or more on a small CPU. None of those objects is ever garbage, so
-``freeze_start_up`` moves them out of the collector's sight once start-up is done (what ``gc.freeze``
-is for), and later collections walk only what serving allocated since. ``GCPauses`` times every
-collection (a ``gc.callbacks`` hook: two clock reads each) for the node's stats.
+CPython's full (generation 2) collection walks every tracked object; a node or a router holds a few
+hundred thousand of them after start-up (the model's modules and parameters, the pool's lists,
+torch's, the tokenizer's and the RPC stacks' own), so one full collection stops the process, and
+every stream it decodes or relays, for a tenth of a second or more on a small CPU. None of those
+objects is ever garbage, so ``freeze_start_up`` moves them out of the collector's sight once start-up
+is done (what ``gc.freeze`` is for), and later collections walk only what serving allocated since.
+``GCPauses`` times every collection (a ``gc.callbacks`` hook: two clock reads each) for a node's stats.
 """
 from __future__ import annotations
 
