@@ -314,19 +314,22 @@ def test_evictions_are_counted_where_they_happen():
     llm.engine.pool.check_integrity()
 
 
-@pytest.mark.parametrize("seed", range(3))
-def test_allocation_under_pressure_is_the_same_on_both_indexes(seed, monkeypatch):
+@pytest.mark.parametrize("seed,policy,num_blocks,num_chains", [(0, None, 40, 6), (1, None, 40, 6), (2, None, 40, 6),
+                                                              (3, ChainOrderLRU, 400, 60)])
+def test_allocation_under_pressure_is_the_same_on_both_indexes(seed, policy, num_blocks, num_chains, monkeypatch):
     """Allocation's walk of the free queue (in C for the native index: digests forgotten as blocks are taken,
     the walk starting over when a passed-over parent becomes a leaf) takes exactly the blocks the Python walk
-    takes, in the same order, and reports the same evicted hashes: two pools driven alike stay alike."""
+    takes, in the same order, and reports the same evicted hashes: two pools driven alike stay alike. Freed head
+    first (ChainOrderLRU), a big pool makes the walk pass over more parents than the C keeps on its stack."""
     import random
 
     rng = random.Random(seed)
     pools = []
     for kind in ("native", "dict"):
         monkeypatch.setenv("KVMESH_BLOCK_INDEX", kind)
-        pools.append(BlockPool(40, track_changes=True, max_memo_chains=4))
-    chains = [hash_blocks(root_hash(bytes([c])), list(range(12 * 16)), 16) for c in range(6)]
+        pools.append(BlockPool(num_blocks, policy=policy() if policy else None, track_changes=True,
+                               max_memo_chains=4))
+    chains = [hash_blocks(root_hash(bytes([c])), list(range(12 * 16)), 16) for c in range(num_chains)]
     held: list[list[int]] = []
     for _ in range(300):
         hashes = chains[rng.randrange(len(chains))][: rng.randrange(1, 13)]
@@ -351,3 +354,25 @@ def test_allocation_under_pressure_is_the_same_on_both_indexes(seed, monkeypatch
         assert changes[0] == changes[1]
         for p in pools:
             p.check_integrity()
+
+
+def test_a_long_chain_freed_head_first_is_evicted_tail_first_on_both_indexes(monkeypatch):
+    """A 150-block chain freed head first (ChainOrderLRU) puts 149 parents ahead of its leaf in the free queue:
+    allocation passes over all of them (more than the C walk keeps on its stack), takes the tail, and goes back
+    for each parent that became a leaf, on both indexes alike."""
+    hashes = hash_blocks(ROOT, list(range(150 * 16)), 16)
+    taken = []
+    for kind in ("native", "dict"):
+        monkeypatch.setenv("KVMESH_BLOCK_INDEX", kind)
+        pool = BlockPool(200, policy=ChainOrderLRU(), track_changes=True)
+        blocks = pool.allocate(150)
+        pool.cache(blocks, hashes)
+        pool.free(blocks)
+        pool.take_changes()
+        got = pool.allocate(60)  # the 50 never-cached blocks, then the chain's last 10, tail first
+        assert sorted(got) == sorted(list(range(150, 200)) + blocks[140:])
+        assert pool.take_changes().evicted == hashes[140:][::-1]
+        assert pool.match(hashes) == blocks[:140]
+        pool.check_integrity()
+        taken.append(got)
+    assert taken[0] == taken[1]

@@ -271,8 +271,9 @@ static PyObject *py_take_free(PyObject *self, PyObject *const *args, Py_ssize_t 
         return NULL;
     }
     PyObject *taken = NULL, *parents = NULL, *result = NULL;
-    int32_t *taken_ids = PyMem_Malloc(sizeof(int32_t) * (2 * (size_t)num + (size_t)sentinel) + 1);
-    int32_t *parent_ids = taken_ids + num, *skipped = taken_ids + 2 * num;
+    int32_t *taken_ids = PyMem_Malloc(sizeof(int32_t) * 2 * (size_t)num + 1), *parent_ids = taken_ids + num;
+    int32_t stack_skipped[64], *skipped = stack_skipped; /* parents passed over: few, grown when not */
+    Py_ssize_t skipped_capacity = 64;
     uint8_t *digests = PyMem_Calloc(32 * (size_t)num + 1, 1);
     Py_ssize_t num_taken = 0, num_skipped = 0, num_removed = 0;
     if (taken_ids == NULL || digests == NULL) {
@@ -294,6 +295,18 @@ static PyObject *py_take_free(PyObject *self, PyObject *const *args, Py_ssize_t 
             goto done;
         }
         if (ix->num_children[block] > 0) {
+            if (num_skipped == skipped_capacity) {
+                int32_t *grown = PyMem_Malloc(sizeof(int32_t) * 2 * (size_t)skipped_capacity);
+                if (grown == NULL) {
+                    PyErr_NoMemory();
+                    goto done;
+                }
+                memcpy(grown, skipped, sizeof(int32_t) * (size_t)num_skipped);
+                if (skipped != stack_skipped)
+                    PyMem_Free(skipped);
+                skipped = grown;
+                skipped_capacity *= 2;
+            }
             skipped[num_skipped++] = (int32_t)block;
             block = following;
             continue;
@@ -339,6 +352,8 @@ done:
     Py_XDECREF(parents);
     PyMem_Free(taken_ids);
     PyMem_Free(digests);
+    if (skipped != stack_skipped)
+        PyMem_Free(skipped);
     return result;
 }
 
