@@ -123,7 +123,7 @@ static int find_changes(search_t *s, Py_ssize_t n) {
 /* The node slots of holder set ``number`` (an empty tuple past the list: a set renumbered meanwhile). */
 static PyObject *slots_of(PyObject *set_slots, uint64_t number) {
     static PyObject *empty = NULL;
-    if ((Py_ssize_t)number < PyList_GET_SIZE(set_slots)) {
+    if (number < (uint64_t)PyList_GET_SIZE(set_slots)) {
         PyObject *t = PyList_GET_ITEM(set_slots, (Py_ssize_t)number);
         if (PyTuple_Check(t))
             return t;

@@ -200,7 +200,7 @@ def test_the_native_search_refuses_what_it_cannot_read():
     native = native_search.load()
     assert native is not None, "the native chain search did not build (see the log)"
     keys = KeyMap()
-    keys.put_many(np.array([5, 6, 8, 9], dtype=np.uint64), np.array([1, 1, 2, 9], dtype=np.uint64))
+    keys.put_many(np.array([5, 6, 8, 9, 10], dtype=np.uint64), np.array([1, 1, 2, 9, 2**63 + 5], dtype=np.uint64))
     layout = keys.layout()
     slots, mask = layout[0], layout[1]
     set_slots, node_at = [(), (0, 2, 3), (2,)], ["a", None, "c", "d"]
@@ -222,3 +222,4 @@ def test_the_native_search_refuses_what_it_cannot_read():
     assert holders([key(5), key(8), key(8)], guesses=(1,)) == ({"a": 1, "c": 3, "d": 1}, (1,))
     assert holders([key(7)]) == ({}, ())
     assert holders([key(9), key(9)]) == ({}, ())  # set 9 is not in set_slots (renumbered meanwhile): no holder
+    assert holders([key(10)]) == ({}, ())  # nor is a number past any index
