@@ -1,4 +1,5 @@
-"""Attention and cache kernels: torch references (CPU) and Triton (CUDA), dispatched in ``ops``."""
+"""Attention and cache kernels: torch references (CPU) and Triton (CUDA), dispatched in ``ops``; native CPU kernels
+(``cpu``, ctypes); the prefix cache's CPython extensions (``extensions``: the block hash chain, the pool's index)."""
 __all__ = ["AttentionMetadata"]
 
 
