@@ -71,7 +71,7 @@ def tokens_to_bytes(token_ids: Sequence[int], start: int = 0, stop: int | None =
         return native.tokens_bytes(token_ids, start, stop)
     arr = array.array("I", token_ids[start:stop])
     if arr.itemsize != 4:  # pragma: no cover - "I" is 4 bytes on every platform we run on
-        arr = array.array("L", token_ids)
+        arr = array.array("L", token_ids[start:stop])
     if sys.byteorder != "little":  # pragma: no cover
         arr.byteswap()
     return arr.tobytes()

@@ -21,6 +21,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import NamedTuple
 
+from kvmesh.kernels.extensions import loader as extensions
 from kvmesh.kv.block_hash import BlockHash, hash_block_bytes, tokens_to_bytes
 
 
@@ -31,6 +32,9 @@ class _Chain(NamedTuple):
 
 class PrefixHasher:
     def __init__(self, block_size: int, max_bytes: int = 16 << 20):
+        """Also builds (once per machine) or loads the native chain now, so a router's first prompt does not wait
+        for a compiler (``kv/block_hash.py``)."""
+        extensions.load("blake2b_chain")
         self.block_size = block_size
         self.max_bytes = max_bytes
         self._chains: OrderedDict[tuple[BlockHash, bytes], _Chain] = OrderedDict()
