@@ -184,10 +184,13 @@ def run(json_path: str | None, repeat: int = 21, with_engine: bool = True) -> di
          + " (every block hashed: 2,048 sequential BLAKE2b compressions)"],
     ]
     for op, key in (("match 32K prompt", "match_us"), ("match, first time (no memo)", "match_cold_us"),
-                    ("insert 2,048 blocks", "insert_us"), ("evict 10", "evict10_us")):
+                    ("insert 2,048 blocks", "insert_us")):
         target = TARGETS_US[key.removesuffix("_us")]
         rows.append([op, f"{s[key]['pool']:.1f} us", _verdict(s[key]["pool"], target)])
-    rows.append(["evict 10 by allocating (full pool)", f"{s['evict10_us']['pool_by_allocate']:.1f} us", ""])
+    # the goal is eviction as serving meets it: an allocation from a full pool (evict() runs after start-up probes)
+    rows.append(["evict 10 by allocating (full pool)", f"{s['evict10_us']['pool_by_allocate']:.1f} us",
+                 _verdict(s["evict10_us"]["pool_by_allocate"], TARGETS_US["evict10"])])
+    rows.append(["evict 10 (evict(), after start-up probes)", f"{s['evict10_us']['pool']:.1f} us", ""])
     for op, key in (("match, first time, scattered blocks", "match_cold_us"),
                     ("insert 2,048 scattered blocks", "insert_us")):
         rows.append([op, f"{s[key]['pool_scattered']:.1f} us", "ids with gaps (a churned pool)"])
