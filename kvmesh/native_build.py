@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import logging
 import os
 import shutil
 import subprocess
@@ -21,6 +22,8 @@ from pathlib import Path
 from types import ModuleType
 
 from kvmesh.cpu_info import cpu_flags
+
+log = logging.getLogger(__name__)
 
 
 class NativeBuildError(RuntimeError):
@@ -67,10 +70,20 @@ def compile_library(compiler: str, flags: Sequence[str], inputs: Sequence[str], 
     return None
 
 
+def load_extension_or_none(source: Path, module: str, flags: Sequence[str], what: str) -> ModuleType | None:
+    """``load_extension``, or None with the reason logged (INFO when the tools are missing, else WARNING;
+    ``what`` says which path takes over). Callers cache the answer, so the reason is logged once."""
+    try:
+        return load_extension(source, module, flags)
+    except NativeBuildError as exc:
+        log.log(logging.INFO if exc.missing_tools else logging.WARNING, "%s: %s", what, exc)
+        return None
+
+
 def load_extension(source: Path, module: str, flags: Sequence[str]) -> ModuleType:
     """The CPython extension ``module`` built from the one C file ``source`` and the headers beside it (once
-    per machine, interpreter, sources and flags) and imported; raises ``NativeBuildError`` saying why it cannot be (the caller
-    keeps its Python path and logs the reason once)."""
+    per machine, interpreter, sources and flags) and imported; raises ``NativeBuildError`` saying why it
+    cannot be."""
     compiler = c_compiler()
     include = sysconfig.get_paths().get("include", "")
     if compiler is None or not Path(include, "Python.h").is_file():

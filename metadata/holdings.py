@@ -288,10 +288,7 @@ class HoldingsTable:
                 return named
         named, node_at = {}, self._node_at
         for bits, length in self._lengths_python(block_hashes).items():
-            while bits:
-                bit = bits & -bits
-                bits ^= bit
-                slot = bit.bit_length() - 1
+            for slot in _slots_of(bits):
                 node_id = node_at[slot] if slot < len(node_at) else None
                 if node_id is not None and node_id != exclude:
                     named[node_id] = length

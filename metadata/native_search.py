@@ -9,14 +9,11 @@ no headers, ``KVMESH_NATIVE_INDEX=0``); the mirror then searches in Python with 
 from __future__ import annotations
 
 import functools
-import logging
 import os
 from pathlib import Path
 from types import ModuleType
 
-from kvmesh.native_build import NativeBuildError, load_extension
-
-log = logging.getLogger(__name__)
+from kvmesh.native_build import load_extension_or_none
 
 SOURCE = Path(__file__).with_name("chain_search.c")
 MODULE = "kvmesh_chain_search"
@@ -29,9 +26,4 @@ def load() -> ModuleType | None:
     """The extension module, or None (see the module docstring)."""
     if os.environ.get(DISABLE_ENV, "1") == "0":
         return None
-    try:
-        return load_extension(SOURCE, MODULE, FLAGS)
-    except NativeBuildError as exc:
-        log.log(logging.INFO if exc.missing_tools else logging.WARNING,
-                "native chain search off (the mirror searches in Python): %s", exc)
-        return None
+    return load_extension_or_none(SOURCE, MODULE, FLAGS, "native chain search off (the mirror searches in Python)")

@@ -315,13 +315,9 @@ static PyObject *py_take_free(PyObject *self, PyObject *const *args, Py_ssize_t 
         Py_INCREF(before_id);
         PyList_SetItem(next, before, following_id);
         PyList_SetItem(prev, following, before_id);
-        int64_t parent = -2; /* NOT_HELD: the block held no digest */
-        if (ix->slot_of_block[block] >= 0) {
-            if (ix->parents[block] != NO_BLOCK)
-                block_index_digest_of(ix, ix->parents[block], digests + 16 * (num + num_taken));
-            parent = block_index_remove_block(ix, block, digests + 16 * num_taken);
-            num_removed++;
-        }
+        int64_t parent = block_index_remove_reporting(ix, block, digests + 16 * num_taken,
+                                                      digests + 16 * (num + num_taken)); /* -2: it held none */
+        num_removed += parent >= NO_BLOCK;
         taken_ids[num_taken] = (int32_t)block;
         parent_ids[num_taken++] = (int32_t)parent;
         block = following;

@@ -147,14 +147,18 @@ static int64_t block_index_remove_block(block_index_t *ix, int64_t b, uint8_t *o
  * digests[16 i], its parent's (as it was before any removal here) into parent_digests[16 i], and parents[i] =
  * its parent (-1 for a root), or -2 when it held no digest (nothing written), -3 when it is no block.
  * Returns how many held one. A block removed here may be the parent of one removed before it. */
+/* block_index_remove_block, with the parent's digest (as it was) into parent_digest when b has a parent. */
+static int64_t block_index_remove_reporting(block_index_t *ix, int64_t b, uint8_t *digest, uint8_t *parent_digest) {
+    if (is_block(ix, b) && ix->parents[b] != NO_BLOCK) /* a block holding no digest has no parent */
+        block_index_digest_of(ix, ix->parents[b], parent_digest);
+    return block_index_remove_block(ix, b, digest);
+}
+
 static int64_t block_index_remove_blocks(block_index_t *ix, const int32_t *ids, int64_t n, uint8_t *digests,
                                   uint8_t *parent_digests, int32_t *parents) {
     int64_t num_removed = 0;
     for (int64_t i = 0; i < n; i++) {
-        int64_t b = ids[i];
-        if (is_block(ix, b) && ix->parents[b] != NO_BLOCK) /* a block holding no digest has no parent */
-            block_index_digest_of(ix, ix->parents[b], parent_digests + 16 * i);
-        int64_t parent = block_index_remove_block(ix, b, digests + 16 * i);
+        int64_t parent = block_index_remove_reporting(ix, ids[i], digests + 16 * i, parent_digests + 16 * i);
         parents[i] = (int32_t)parent;
         num_removed += parent >= NO_BLOCK;
     }

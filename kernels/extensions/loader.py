@@ -9,13 +9,10 @@ once, and the caller keeps its Python path, which gives the same answers: hashli
 from __future__ import annotations
 
 import functools
-import logging
 from pathlib import Path
 from types import ModuleType
 
-from kvmesh.native_build import NativeBuildError, load_extension
-
-log = logging.getLogger(__name__)
+from kvmesh.native_build import load_extension_or_none
 
 # -mtune=generic: GCC 12 tunes a Zen 4 as a Zen 3, which made the BLAKE2b chain ~2.8x slower.
 FLAGS = ("-O3", "-march=native", "-mtune=generic", "-fno-strict-aliasing")
@@ -27,9 +24,5 @@ def load(name: str) -> ModuleType | None:
     """The extension built from ``<name>.c`` (one of ``FALLBACKS``), or None (see the module docstring)."""
     if name not in FALLBACKS:
         raise ValueError(f"no extension {name!r}: expected one of {sorted(FALLBACKS)}")
-    try:
-        return load_extension(Path(__file__).with_name(f"{name}.c"), f"kvmesh_{name}", FLAGS)
-    except NativeBuildError as exc:
-        log.log(logging.INFO if exc.missing_tools else logging.WARNING, "native %s off (%s): %s", name,
-                FALLBACKS[name], exc)
-        return None
+    return load_extension_or_none(Path(__file__).with_name(f"{name}.c"), f"kvmesh_{name}", FLAGS,
+                                  f"native {name} off ({FALLBACKS[name]})")
