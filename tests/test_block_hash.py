@@ -7,6 +7,7 @@ import sys
 
 import pytest
 
+from kvmesh.cpu_info import cpu_flags
 from kvmesh.kv.block_hash import HashNamespace, hash_block, hash_blocks, root_hash
 
 
@@ -84,8 +85,9 @@ def test_prefix_hasher_equals_hash_blocks_and_stays_bounded():
 
 def test_native_chain_equals_hashlib_and_falls_back_to_it(monkeypatch):
     """The one-call C BLAKE2b chain (kernels/extensions/blake2b_chain.c) gives hashlib's digests for every message
-    length around BLAKE2b's 128-byte block and from any start block; its token conversion equals array's;
-    without the extension, hash_blocks takes hashlib."""
+    length around BLAKE2b's 128-byte block and from any start block, through the AVX-512 chain (16-token blocks,
+    where the build has it) and the portable compression alike; its token conversion equals array's; without the
+    extension, hash_blocks takes hashlib."""
     import array
     import random
 
@@ -101,8 +103,18 @@ def test_native_chain_equals_hashlib_and_falls_back_to_it(monkeypatch):
         want = block_hash._hash_block_bytes_hashlib(parent, data, step)
         assert len(want) == 9
         assert ext.chain(parent, data, step, b"kvmesh-kv-v1") == want, step
+        assert ext.chain(parent, data, step, b"kvmesh-kv-v1", 0, True) == want, step
+        assert ext.chain(want[1], data, step, b"kvmesh-kv-v1", 2, True) == want[2:], step
         assert block_hash.hash_block_bytes(want[2], data, step, start_block=3) == want[3:], step
         assert ext.chain(parent, data, step, b"kvmesh-kv-v1", 9) == []
+    if "avx512f" in cpu_flags() and "avx512vl" in cpu_flags():
+        assert ext.VECTOR == 1  # built with -march=native: the 16-token chain above ran in AVX-512
+    long = bytes(rng.randrange(256) for _ in range(64 * 300))  # a long chain: each digest feeds the next
+    want, prev = [], b"\x01" * 16
+    for offset in range(0, len(long), 64):
+        prev = hashlib.blake2b(prev + long[offset : offset + 64], digest_size=16, person=b"p").digest()
+        want.append(prev)
+    assert ext.chain(b"\x01" * 16, long, 64, b"p") == ext.chain(b"\x01" * 16, long, 64, b"p", 0, True) == want
     tokens = [rng.randrange(2**32) for _ in range(16 * 40)] + [0, 2**32 - 1]
     assert ext.tokens_bytes(tokens, 5, len(tokens)) == array.array("I", tokens[5:]).tobytes()
     assert ext.tokens_bytes(tuple(tokens), 0, 3) == array.array("I", tokens[:3]).tobytes()
@@ -117,3 +129,47 @@ def test_native_chain_equals_hashlib_and_falls_back_to_it(monkeypatch):
     monkeypatch.setattr(loader, "load", lambda name: None)
     assert hash_blocks(root_hash(b"ns"), tokens, 16) == native
     assert block_hash.tokens_to_bytes(tokens, 5) == array.array("I", tokens[5:]).tobytes()
+
+
+def test_chain_tokens_reads_and_hashes_in_one_pass_as_the_two_steps_do():
+    """chain_tokens (the conversion read while the chain compresses, for 16-token blocks) gives the token bytes
+    and hashlib's chain for any block size, start block and length; a bad token anywhere raises, naming it."""
+    import random
+
+    from kvmesh.kernels.extensions import loader
+    from kvmesh.kv import block_hash
+
+    ext = loader.load("blake2b_chain")
+    rng = random.Random(11)
+    parent = root_hash(b"ns")
+    tokens = [rng.randrange(2**32) for _ in range(16 * 70 + 5)]
+    for block_size in (1, 8, 15, 16, 32):
+        for start_block in (0, 1, 3):
+            for length in (0, block_size - 1, block_size, 16 * 70 + 5):
+                prompt = tokens[:length]
+                num_full = length // block_size
+                want_data = block_hash.tokens_to_bytes(prompt, 0, num_full * block_size)
+                want = block_hash._hash_block_bytes_hashlib(parent, want_data, 4 * block_size)
+                data, hashes = ext.chain_tokens(want[start_block - 1] if 0 < start_block <= len(want) else parent,
+                                                tuple(prompt) if length % 2 else prompt, block_size,
+                                                b"kvmesh-kv-v1", start_block)
+                if start_block > num_full:
+                    assert (data, hashes) == (b"", []), (block_size, start_block, length)
+                    continue
+                assert data == want_data[4 * block_size * start_block:], (block_size, start_block, length)
+                assert hashes == want[start_block:], (block_size, start_block, length)
+    assert block_hash.hash_tokens(parent, tokens, 16) == ext.chain_tokens(parent, tokens, 16, b"kvmesh-kv-v1")
+    for bad_at in (0, 15, 16, 17, 16 * 33 + 4, 16 * 70 - 1):
+        for bad in (-1, 2**32, "7", None):
+            prompt = list(tokens)
+            prompt[bad_at] = bad
+            with pytest.raises((OverflowError, TypeError)) as err:
+                ext.chain_tokens(parent, prompt, 16, b"kvmesh-kv-v1")
+            if isinstance(bad, int):
+                assert f"token {bad_at} " in str(err.value)
+    with pytest.raises(ValueError):
+        ext.chain_tokens(parent, tokens, 0, b"kvmesh-kv-v1")
+    with pytest.raises(ValueError):
+        ext.chain_tokens(b"short", tokens, 16, b"kvmesh-kv-v1")
+    with pytest.raises(TypeError):
+        ext.chain_tokens(parent, 12, 16, b"kvmesh-kv-v1")

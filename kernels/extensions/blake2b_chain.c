@@ -9,9 +9,15 @@
  * tokens_bytes(tokens, start, stop) -> bytes
  *   tokens[start:stop] as little-endian uint32 (a list or tuple is read in place, anything else
  *   through a list); OverflowError for a token outside [0, 2**32).
- * chain(parent: 16 bytes, data: bytes-like, step: int, person: bytes (<= 16), start_block: int = 0)
+ * chain(parent: 16 bytes, data: bytes-like, step: int, person: bytes (<= 16), start_block: int = 0, scalar=False)
  *   -> list of 16-byte bytes, one per whole step-byte block of data from block start_block on. The
- *   compressions run with the GIL released (a router hashes on many threads).
+ *   compressions run with the GIL released (a router hashes on many threads). Blocks of 16 tokens
+ *   (step 64) go through the AVX-512 chain where the build targets it (blake2b_avx512.h; VECTOR says
+ *   whether it does); scalar=True takes the portable compression instead (for tests and benchmarks).
+ * chain_tokens(parent, tokens, block_size, person, start_block=0) -> (bytes, list of digests)
+ *   tokens_bytes of the whole blocks from block start_block on, and chain over them, in one pass: with the
+ *   AVX-512 chain, a block's tokens are read while the previous block is compressed, the GIL held
+ *   throughout (it reads the list); otherwise the conversion, then the chain without the GIL.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -106,9 +112,18 @@ static void hash_two(const uint64_t start[8], const uint8_t *prefix, size_t pref
     for (int i = 0; i < digest; i++) out[i] = (uint8_t)(h[i / 8] >> (8 * (i % 8)));
 }
 
+#include "blake2b_avx512.h"
 
 static void chain_digests(const uint64_t start[8], const uint8_t *parent, const uint8_t *data, Py_ssize_t num_blocks,
-                          Py_ssize_t step, uint8_t *out) {
+                          Py_ssize_t step, int scalar, uint8_t *out) {
+#if BLAKE2B_CHAIN_VECTOR
+    if (step == 64 && !scalar) {
+        chain_digests_64_avx512(start, parent, data, num_blocks, out);
+        return;
+    }
+#else
+    (void)scalar;
+#endif
     const uint8_t *prev = parent;
     for (Py_ssize_t i = 0; i < num_blocks; i++) {
         hash_two(start, prev, DIGEST, data + i * step, (size_t)step, DIGEST, out + i * DIGEST);
@@ -116,23 +131,67 @@ static void chain_digests(const uint64_t start[8], const uint8_t *parent, const 
     }
 }
 
-static PyObject *chain(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs < 4 || nargs > 5) {
-        PyErr_SetString(PyExc_TypeError, "chain(parent, data, step, person, start_block=0)");
+/* The parameter-block state of a chain: digest size, fanout 1, depth 1, no key, personalisation person
+ * (checked: a bytes object of <= 16 bytes); -1 with ValueError/TypeError set otherwise. */
+static int chain_start(PyObject *person_obj, uint64_t start[8]) {
+    char *person;
+    Py_ssize_t person_len;
+    if (PyBytes_AsStringAndSize(person_obj, &person, &person_len) < 0)
+        return -1;
+    if (person_len > 16) {
+        PyErr_Format(PyExc_ValueError, "person of %zd bytes: at most 16", person_len);
+        return -1;
+    }
+    uint8_t person16[16] = {0};
+    memcpy(person16, person, (size_t)person_len);
+    memcpy(start, IV, 8 * sizeof start[0]);
+    start[0] ^= 0x01010000ULL ^ (uint64_t)DIGEST;
+    start[6] ^= load64(person16);
+    start[7] ^= load64(person16 + 8);
+    return 0;
+}
+
+static const uint8_t *parent_digest(PyObject *parent_obj) {
+    char *parent;
+    Py_ssize_t parent_len;
+    if (PyBytes_AsStringAndSize(parent_obj, &parent, &parent_len) < 0)
+        return NULL;
+    if (parent_len != DIGEST) {
+        PyErr_Format(PyExc_ValueError, "parent of %zd bytes: expected %d", parent_len, DIGEST);
         return NULL;
     }
-    char *parent, *person;
-    Py_ssize_t parent_len, person_len;
-    if (PyBytes_AsStringAndSize(args[0], &parent, &parent_len) < 0 ||
-        PyBytes_AsStringAndSize(args[3], &person, &person_len) < 0)
+    return (const uint8_t *)parent;
+}
+
+/* A list of num_blocks 16-byte bytes objects cut from digests; NULL with an error set. */
+static PyObject *digest_list(const uint8_t *digests, Py_ssize_t num_blocks) {
+    PyObject *out = PyList_New(num_blocks);
+    for (Py_ssize_t i = 0; out != NULL && i < num_blocks; i++) {
+        PyObject *digest = PyBytes_FromStringAndSize((const char *)digests + i * DIGEST, DIGEST);
+        if (digest == NULL)
+            Py_CLEAR(out);
+        else
+            PyList_SET_ITEM(out, i, digest);
+    }
+    return out;
+}
+
+static PyObject *chain(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs < 4 || nargs > 6) {
+        PyErr_SetString(PyExc_TypeError, "chain(parent, data, step, person, start_block=0, scalar=False)");
+        return NULL;
+    }
+    uint64_t start[8];
+    const uint8_t *parent = parent_digest(args[0]);
+    if (parent == NULL || chain_start(args[3], start) < 0)
         return NULL;
     Py_ssize_t step = PyLong_AsSsize_t(args[2]);
-    Py_ssize_t start_block = nargs == 5 ? PyLong_AsSsize_t(args[4]) : 0;
+    Py_ssize_t start_block = nargs >= 5 ? PyLong_AsSsize_t(args[4]) : 0;
+    int scalar = nargs == 6 ? PyObject_IsTrue(args[5]) : 0;
     if (PyErr_Occurred())
         return NULL;
-    if (parent_len != DIGEST || person_len > 16 || step < 1 || start_block < 0) {
-        PyErr_Format(PyExc_ValueError, "chain: parent of %d bytes, person <= 16 bytes, step >= 1, start_block >= 0 "
-                     "(got %zd, %zd, %zd, %zd)", DIGEST, parent_len, person_len, step, start_block);
+    if (step < 1 || start_block < 0) {
+        PyErr_Format(PyExc_ValueError, "chain: step >= 1, start_block >= 0 (got %zd, %zd)", step, start_block);
         return NULL;
     }
     Py_buffer view;
@@ -142,33 +201,16 @@ static PyObject *chain(PyObject *self, PyObject *const *args, Py_ssize_t nargs) 
     if (num_blocks < 0)
         num_blocks = 0;
     uint8_t *digests = PyMem_RawMalloc(num_blocks ? (size_t)num_blocks * DIGEST : 1);
-    PyObject *out = digests != NULL ? PyList_New(num_blocks) : PyErr_NoMemory();
-    if (out == NULL) {
-        PyMem_RawFree(digests);
+    if (digests == NULL) {
         PyBuffer_Release(&view);
-        return NULL;
+        return PyErr_NoMemory();
     }
-    uint64_t start[8];
-    uint8_t person16[16] = {0};
-    memcpy(person16, person, (size_t)person_len);
-    memcpy(start, IV, sizeof start);
-    start[0] ^= 0x01010000ULL ^ (uint64_t)DIGEST; /* fanout 1, depth 1, no key */
-    start[6] ^= load64(person16);
-    start[7] ^= load64(person16 + 8);
     const uint8_t *data = (const uint8_t *)view.buf + start_block * step;
     Py_BEGIN_ALLOW_THREADS
-    chain_digests(start, (const uint8_t *)parent, data, num_blocks, step, digests);
+    chain_digests(start, parent, data, num_blocks, step, scalar, digests);
     Py_END_ALLOW_THREADS
     PyBuffer_Release(&view);
-    for (Py_ssize_t i = 0; i < num_blocks; i++) {
-        PyObject *digest = PyBytes_FromStringAndSize((const char *)digests + i * DIGEST, DIGEST);
-        if (digest == NULL) {
-            Py_DECREF(out);
-            out = NULL;
-            break;
-        }
-        PyList_SET_ITEM(out, i, digest);
-    }
+    PyObject *out = digest_list(digests, num_blocks);
     PyMem_RawFree(digests);
     return out;
 }
@@ -191,6 +233,34 @@ static inline long small_int(PyObject *item) {
     return PyLong_AsLong(item);
 }
 
+/* items[start:stop] as little-endian uint32 at p; -1 with OverflowError (or the int conversion's error) set when
+ * an item is no token. The objects are prefetched a little ahead: a fresh prompt's ints are rarely in cache. */
+static inline int convert_tokens(PyObject *const *items, Py_ssize_t start, Py_ssize_t stop, Py_ssize_t size,
+                                 uint8_t *p) {
+    for (Py_ssize_t i = start; i < stop; i++, p += 4) {
+        if (i + 16 < size)
+            __builtin_prefetch(items[i + 16]);
+        long value = small_int(items[i]);
+        if ((value == -1 && PyErr_Occurred()) || value < 0 || (unsigned long)value > 0xFFFFFFFFUL) {
+            if (!PyErr_Occurred() || PyErr_ExceptionMatches(PyExc_OverflowError)) {
+                PyErr_Clear();
+                PyErr_Format(PyExc_OverflowError, "token %zd is not in [0, 2**32)", i);
+            }
+            return -1;
+        }
+        uint32_t v = (uint32_t)value;
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+        memcpy(p, &v, 4);
+#else
+        p[0] = (uint8_t)v;
+        p[1] = (uint8_t)(v >> 8);
+        p[2] = (uint8_t)(v >> 16);
+        p[3] = (uint8_t)(v >> 24);
+#endif
+    }
+    return 0;
+}
+
 static PyObject *tokens_bytes(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 3) {
         PyErr_SetString(PyExc_TypeError, "tokens_bytes(tokens, start, stop)");
@@ -203,35 +273,91 @@ static PyObject *tokens_bytes(PyObject *self, PyObject *const *args, Py_ssize_t 
     if (seq == NULL)
         return NULL;
     Py_ssize_t size = PySequence_Fast_GET_SIZE(seq);
-    if (start < 0 || stop > size || start > stop) {
+    PyObject *out = NULL;
+    if (start < 0 || stop > size || start > stop)
         PyErr_Format(PyExc_IndexError, "tokens[%zd:%zd] of %zd tokens", start, stop, size);
-        Py_DECREF(seq);
+    else if ((out = PyBytes_FromStringAndSize(NULL, 4 * (stop - start))) != NULL &&
+             convert_tokens(PySequence_Fast_ITEMS(seq), start, stop, size, (uint8_t *)PyBytes_AS_STRING(out)) < 0)
+        Py_CLEAR(out);
+    Py_DECREF(seq);
+    return out;
+}
+
+/* The digests of 16-token blocks, each block's tokens converted while the one before is compressed (the
+ * conversion's loads hide in the compression's latency). Holds the GIL: it reads the list. */
+#if BLAKE2B_CHAIN_VECTOR
+static int chain_tokens_64(const uint64_t start[8], const uint8_t *parent, PyObject *const *items,
+                           Py_ssize_t first_token, Py_ssize_t size, Py_ssize_t num_blocks, uint8_t *data,
+                           uint8_t *digests) {
+    const B2ChainKey key = b2_chain_key(start);
+    __m256i prev = _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)parent));
+    if (convert_tokens(items, first_token, first_token + 16, size, data) < 0)
+        return -1;
+    for (Py_ssize_t i = 0; i < num_blocks; i++) {
+        Py_ssize_t next = first_token + 16 * (i + 1);
+        if (i + 1 < num_blocks && convert_tokens(items, next, next + 16, size, data + 64 * (i + 1)) < 0)
+            return -1;
+        prev = b2_next_digest(&key, prev, data + 64 * i);
+        _mm_storeu_si128((__m128i *)(digests + DIGEST * i), _mm256_castsi256_si128(prev));
+    }
+    return 0;
+}
+#endif
+
+static PyObject *chain_tokens(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs < 4 || nargs > 5) {
+        PyErr_SetString(PyExc_TypeError, "chain_tokens(parent, tokens, block_size, person, start_block=0)");
         return NULL;
     }
-    PyObject *out = PyBytes_FromStringAndSize(NULL, 4 * (stop - start));
-    if (out == NULL) {
-        Py_DECREF(seq);
+    uint64_t start[8];
+    const uint8_t *parent = parent_digest(args[0]);
+    if (parent == NULL || chain_start(args[3], start) < 0)
+        return NULL;
+    Py_ssize_t block_size = PyLong_AsSsize_t(args[2]);
+    Py_ssize_t start_block = nargs == 5 ? PyLong_AsSsize_t(args[4]) : 0;
+    if (PyErr_Occurred())
+        return NULL;
+    if (block_size < 1 || start_block < 0) {
+        PyErr_Format(PyExc_ValueError, "chain_tokens: block_size >= 1, start_block >= 0 (got %zd, %zd)", block_size,
+                     start_block);
         return NULL;
     }
-    uint8_t *p = (uint8_t *)PyBytes_AS_STRING(out);
-    PyObject **items = PySequence_Fast_ITEMS(seq);
-    for (Py_ssize_t i = start; i < stop; i++, p += 4) {
-        long value = small_int(items[i]);
-        if ((value == -1 && PyErr_Occurred()) || value < 0 || (unsigned long)value > 0xFFFFFFFFUL) {
-            if (!PyErr_Occurred() || PyErr_ExceptionMatches(PyExc_OverflowError)) {
-                PyErr_Clear();
-                PyErr_Format(PyExc_OverflowError, "token %zd is not in [0, 2**32)", i);
-            }
-            Py_DECREF(out);
-            Py_DECREF(seq);
-            return NULL;
-        }
-        uint32_t v = (uint32_t)value;
-        p[0] = (uint8_t)v;
-        p[1] = (uint8_t)(v >> 8);
-        p[2] = (uint8_t)(v >> 16);
-        p[3] = (uint8_t)(v >> 24);
+    PyObject *seq = PySequence_Fast(args[1], "tokens must be a sequence of ints");
+    if (seq == NULL)
+        return NULL;
+    Py_ssize_t size = PySequence_Fast_GET_SIZE(seq);
+    Py_ssize_t num_blocks = size / block_size - start_block, step = 4 * block_size;
+    if (num_blocks < 0)
+        num_blocks = 0;
+    PyObject *data = PyBytes_FromStringAndSize(NULL, num_blocks * step), *hashes = NULL, *out = NULL;
+    uint8_t *digests = PyMem_RawMalloc(num_blocks ? (size_t)num_blocks * DIGEST : 1);
+    if (data == NULL || digests == NULL) {
+        if (digests == NULL)
+            PyErr_NoMemory();
+        goto done;
     }
+    uint8_t *bytes = (uint8_t *)PyBytes_AS_STRING(data);
+    PyObject *const *items = PySequence_Fast_ITEMS(seq);
+    Py_ssize_t first_token = start_block * block_size;
+#if BLAKE2B_CHAIN_VECTOR
+    if (step == 64 && num_blocks > 0) {
+        if (chain_tokens_64(start, parent, items, first_token, size, num_blocks, bytes, digests) < 0)
+            goto done;
+    } else
+#endif
+    {
+        if (convert_tokens(items, first_token, first_token + num_blocks * block_size, size, bytes) < 0)
+            goto done;
+        Py_BEGIN_ALLOW_THREADS
+        chain_digests(start, parent, bytes, num_blocks, step, 0, digests);
+        Py_END_ALLOW_THREADS
+    }
+    if ((hashes = digest_list(digests, num_blocks)) != NULL)
+        out = PyTuple_Pack(2, data, hashes);
+done:
+    Py_XDECREF(hashes);
+    Py_XDECREF(data);
+    PyMem_RawFree(digests);
     Py_DECREF(seq);
     return out;
 }
@@ -241,9 +367,18 @@ static PyMethodDef methods[] = {
     {"chain", (PyCFunction)(void (*)(void))chain, METH_FASTCALL, "The chained BLAKE2b digests of every whole block."},
     {"tokens_bytes", (PyCFunction)(void (*)(void))tokens_bytes, METH_FASTCALL,
      "tokens[start:stop] as little-endian uint32 bytes."},
+    {"chain_tokens", (PyCFunction)(void (*)(void))chain_tokens, METH_FASTCALL,
+     "(token bytes, digests) of every whole block of tokens from block start_block on."},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "kvmesh_blake2b_chain", NULL, -1, methods};
 
-PyMODINIT_FUNC PyInit_kvmesh_blake2b_chain(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit_kvmesh_blake2b_chain(void) {
+    PyObject *m = PyModule_Create(&module);
+    if (m != NULL && PyModule_AddIntConstant(m, "VECTOR", BLAKE2B_CHAIN_VECTOR) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

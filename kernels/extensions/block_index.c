@@ -249,25 +249,51 @@ static PyObject *py_chain(PyObject *self, PyObject *const *args, Py_ssize_t narg
     return out;
 }
 
-/* take_free(ix, next, prev, ids, num) -> (taken, parents, hashes, parent_hashes, num_removed): unlink the num
- * least recently used free blocks that are no cached block's parent from the pool's free queue (the Python
- * lists next / prev, sentinel at index num_blocks, their items the pool's id objects) and forget their
- * digests as they go, so a parent whose children were all taken becomes a leaf (the walk then starts over
- * from the head if it passed that parent): what taking them one by one from the head gives. taken holds the
- * pool's id objects in the order taken (a parent after its children); the rest is remove_blocks's answer for
- * them. RuntimeError when the queue runs out first (the caller checked there are num free blocks: that
- * every block left is a cached block's parent cannot be). */
+/* take_free(ix, next, prev, ids, num, ref, epoch, with_hashes) -> (taken, parents, hashes, parent_hashes,
+ * num_removed): allocation from the pool's free queue in one call. Unlinks the num least recently used free
+ * blocks that are no cached block's parent from the queue (the Python lists next / prev, sentinel at index
+ * num_blocks, their items the pool's id objects) and forgets their digests as they go, so a parent whose
+ * children were all taken becomes a leaf (the walk then starts over from the head if it passed that parent):
+ * what taking them one by one from the head gives. Each block taken gets ref[block] = 1 and epoch[block] + 1.
+ * taken holds the pool's id objects in ascending order; parents, hashes and parent_hashes are remove_blocks's
+ * answer in the order taken (a parent after its children), the digests left empty unless with_hashes.
+ * RuntimeError when the queue runs out first (the caller checked there are num free blocks: that every block
+ * left is a cached block's parent cannot be). */
+static int compare_ids(const void *a, const void *b) {
+    int32_t x = *(const int32_t *)a, y = *(const int32_t *)b;
+    return (x > y) - (x < y);
+}
+
+/* ids in ascending order: insertion sort, allocations being short (a long one still sorts in place) */
+static void sort_ids(int32_t *ids, Py_ssize_t n) {
+    if (n > 64) {
+        qsort(ids, (size_t)n, sizeof *ids, compare_ids);
+        return;
+    }
+    for (Py_ssize_t i = 1; i < n; i++) {
+        int32_t v = ids[i];
+        Py_ssize_t j = i;
+        for (; j > 0 && ids[j - 1] > v; j--)
+            ids[j] = ids[j - 1];
+        ids[j] = v;
+    }
+}
+
 static PyObject *py_take_free(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    CHECK_ARGS(5, "take_free(ix, next, prev, ids, num)");
+    CHECK_ARGS(8, "take_free(ix, next, prev, ids, num, ref, epoch, with_hashes)");
     block_index_t *ix = index_at(args[0]);
-    PyObject *next = args[1], *prev = args[2], *ids = args[3];
+    PyObject *next = args[1], *prev = args[2], *ids = args[3], *ref = args[5], *epoch = args[6];
     Py_ssize_t num = PyLong_AsSsize_t(args[4]);
-    if (ix == NULL || (num == -1 && PyErr_Occurred()))
+    int with_hashes = PyObject_IsTrue(args[7]);
+    if (ix == NULL || (num == -1 && PyErr_Occurred()) || with_hashes < 0)
         return NULL;
     const Py_ssize_t sentinel = ix->num_blocks;
-    if (!PyList_Check(next) || !PyList_Check(prev) || !PyList_Check(ids) || PyList_GET_SIZE(next) != sentinel + 1 ||
-        PyList_GET_SIZE(prev) != sentinel + 1 || PyList_GET_SIZE(ids) != sentinel || num < 0 || num > sentinel) {
-        PyErr_SetString(PyExc_ValueError, "take_free: the pool's queue lists (num_blocks + 1), its ids, 0 <= num");
+    if (!PyList_Check(next) || !PyList_Check(prev) || !PyList_Check(ids) || !PyList_Check(ref) ||
+        !PyList_Check(epoch) || PyList_GET_SIZE(next) != sentinel + 1 || PyList_GET_SIZE(prev) != sentinel + 1 ||
+        PyList_GET_SIZE(ids) != sentinel || PyList_GET_SIZE(ref) != sentinel || PyList_GET_SIZE(epoch) != sentinel ||
+        num < 0 || num > sentinel) {
+        PyErr_SetString(PyExc_ValueError, "take_free: the pool's queue lists (num_blocks + 1), its ids, ref counts "
+                        "and epochs (num_blocks), 0 <= num");
         return NULL;
     }
     PyObject *taken = NULL, *parents = NULL, *result = NULL;
@@ -333,16 +359,31 @@ static PyObject *py_take_free(PyObject *self, PyObject *const *args, Py_ssize_t 
     parents = PyList_New(num);
     if (taken == NULL || parents == NULL)
         goto done;
-    for (Py_ssize_t i = 0; i < num; i++) {
-        PyObject *id = PyList_GET_ITEM(ids, taken_ids[i]), *p = PyLong_FromLong(parent_ids[i]);
-        if (p == NULL)
+    PyObject *one = PyLong_FromLong(1);
+    for (Py_ssize_t i = 0; i < num; i++) { /* the references and epochs, then the parents in the order taken */
+        PyObject *p = PyLong_FromLong(parent_ids[i]);
+        PyObject *bumped = PyNumber_Add(PyList_GET_ITEM(epoch, taken_ids[i]), one);
+        if (p == NULL || bumped == NULL) {
+            Py_XDECREF(p);
+            Py_XDECREF(bumped);
+            Py_DECREF(one);
             goto done; /* the lists' unset items are NULL, which their deallocation skips */
-        Py_INCREF(id);
-        PyList_SET_ITEM(taken, i, id);
+        }
+        PyList_SetItem(epoch, taken_ids[i], bumped);
+        Py_INCREF(one);
+        PyList_SetItem(ref, taken_ids[i], one);
         PyList_SET_ITEM(parents, i, p);
     }
-    result = Py_BuildValue("(OOy#y#n)", taken, parents, (const char *)digests, 16 * num,
-                           (const char *)digests + 16 * num, 16 * num, num_removed);
+    Py_DECREF(one);
+    sort_ids(taken_ids, num);
+    for (Py_ssize_t i = 0; i < num; i++) {
+        PyObject *id = PyList_GET_ITEM(ids, taken_ids[i]);
+        Py_INCREF(id);
+        PyList_SET_ITEM(taken, i, id);
+    }
+    Py_ssize_t digest_bytes = with_hashes ? 16 * num : 0;
+    result = Py_BuildValue("(OOy#y#n)", taken, parents, (const char *)digests, digest_bytes,
+                           (const char *)digests + 16 * num, digest_bytes, num_removed);
 done:
     Py_XDECREF(taken);
     Py_XDECREF(parents);

@@ -95,13 +95,12 @@ def hash_blocks(parent: BlockHash, token_ids: Sequence[int], block_size: int, st
     sequence that grows can extend its chain without rehashing. ``extras[i]`` (optional)
     is appended to block ``start_block + i``.
     """
+    if extras is None:
+        return hash_tokens(parent, token_ids, block_size, start_block)[1]
     num_full = len(token_ids) // block_size
     if num_full <= start_block:
         return []
-    # One bulk conversion, then 64-byte slices of a bytes object (cheaper than memoryview slices here).
     data = tokens_to_bytes(token_ids, start_block * block_size, num_full * block_size)
-    if extras is None:
-        return hash_block_bytes(parent, data, 4 * block_size)
     step = 4 * block_size
     out: list[BlockHash] = []
     prev = parent
@@ -114,6 +113,24 @@ def hash_blocks(parent: BlockHash, token_ids: Sequence[int], block_size: int, st
         prev = h.digest()
         out.append(prev)
     return out
+
+
+def hash_tokens(parent: BlockHash, token_ids: Sequence[int], block_size: int, start_block: int = 0
+                ) -> tuple[bytes, list[BlockHash]]:
+    """``tokens_to_bytes`` of every full block from block ``start_block`` on, and their chain from ``parent``.
+
+    In one native pass where the extension loads: a list or tuple is read in place and, for 16-token blocks
+    built with AVX-512, each block's tokens are read while the previous block is compressed (holding the
+    GIL for the whole chain: the pass reads the list); else the conversion, then ``hash_block_bytes``.
+    """
+    native = extensions.load("blake2b_chain")
+    if native is not None:
+        return native.chain_tokens(parent, token_ids, block_size, _KV_PERSON, start_block)
+    num_full = len(token_ids) // block_size
+    if num_full <= start_block:
+        return b"", []
+    data = tokens_to_bytes(token_ids, start_block * block_size, num_full * block_size)
+    return data, _hash_block_bytes_hashlib(parent, data, 4 * block_size)
 
 
 def hash_block_bytes(parent: BlockHash, data: bytes, step: int, start_block: int = 0) -> list[BlockHash]:

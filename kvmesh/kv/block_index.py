@@ -79,12 +79,14 @@ class BlockIndex(Protocol):
         blocks removed before them in the list); ``with_hashes`` False: the caller needs no hashes (they may
         come back empty)."""
 
-    def take_free(self, next_ids: list[int], prev_ids: list[int], num: int) -> tuple[list[int], RemovedBlocks]:
-        """Allocation's walk of the pool's free queue (``next_ids`` / ``prev_ids``: its links, the sentinel at
-        index ``num_blocks``): unlink the ``num`` least recently used free blocks that are no cached block's
-        parent, counting as gone the digests of those taken before, and remove their digests; returns the
-        blocks in the order taken (a parent after its children) and ``remove_blocks``'s answer for them.
-        The caller checked the queue holds ``num`` blocks."""
+    def take_free(self, next_ids: list[int], prev_ids: list[int], num: int, ref: list[int], epoch: list[int],
+                  with_hashes: bool = True) -> tuple[list[int], RemovedBlocks]:
+        """Allocation from the pool's free queue (``next_ids`` / ``prev_ids``: its links, the sentinel at index
+        ``num_blocks``): unlink the ``num`` least recently used free blocks that are no cached block's parent,
+        counting as gone the digests of those taken before, remove their digests, and set each one's ``ref`` to 1
+        and bump its ``epoch``. Returns the blocks in ascending order and ``remove_blocks``'s answer for them in
+        the order taken (a parent after its children; no digests unless ``with_hashes``). The caller checked
+        the queue holds ``num`` blocks."""
 
     def count_held(self, block_ids: Sequence[int], block_hashes: Sequence[BlockHash]) -> int:
         """How many leading ``block_ids`` still hold ``block_hashes``."""
@@ -223,7 +225,8 @@ class DictBlockIndex:
             parent_hashes.append(parent_hash or bytes(16))
         return RemovedBlocks(parents, b"".join(hashes), b"".join(parent_hashes), num_removed)
 
-    def take_free(self, next_ids: list[int], prev_ids: list[int], num: int) -> tuple[list[int], RemovedBlocks]:
+    def take_free(self, next_ids: list[int], prev_ids: list[int], num: int, ref: list[int], epoch: list[int],
+                  with_hashes: bool = True) -> tuple[list[int], RemovedBlocks]:
         sentinel, nxt, prev, slot = len(self._hashes), next_ids, prev_ids, self.slot_of_block
         num_children, parent_of = self.num_children, self.parents
         taken: list[int] = []
@@ -247,7 +250,12 @@ class DictBlockIndex:
                     if parent in skipped and num_children[parent] == orphaned[parent]:
                         following, skipped = nxt[sentinel], set()  # a block passed over is a leaf now
             block = following
-        return taken, self.remove_blocks(taken)
+        removed = self.remove_blocks(taken, with_hashes)
+        for block in taken:
+            ref[block] = 1
+            epoch[block] += 1
+        taken.sort()
+        return taken, removed
 
     def count_held(self, block_ids: Sequence[int], block_hashes: Sequence[BlockHash]) -> int:
         num = 0
@@ -342,9 +350,10 @@ class NativeBlockIndex:
         self._num_entries -= removed.num_removed
         return removed
 
-    def take_free(self, next_ids: list[int], prev_ids: list[int], num: int) -> tuple[list[int], RemovedBlocks]:
-        taken, parents, hashes, parent_hashes, num_removed = self._ext.take_free(self._ix, next_ids, prev_ids,
-                                                                                 self.block_ids, num)
+    def take_free(self, next_ids: list[int], prev_ids: list[int], num: int, ref: list[int], epoch: list[int],
+                  with_hashes: bool = True) -> tuple[list[int], RemovedBlocks]:
+        taken, parents, hashes, parent_hashes, num_removed = self._ext.take_free(
+            self._ix, next_ids, prev_ids, self.block_ids, num, ref, epoch, with_hashes)
         self._num_entries -= num_removed
         return taken, RemovedBlocks(parents, hashes, parent_hashes, num_removed)
 

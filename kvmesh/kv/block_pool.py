@@ -93,8 +93,9 @@ class BlockPool:
         self._slot = self._index.slot_of_block  # >= 0 while the block holds a hash
         self._parent = self._index.parents  # cached block holding the previous hash of the chain
         self._num_children = self._index.num_children  # cached blocks whose parent this is
-        # last block of a chain -> the chain's block ids from its root block (see the module docstring)
-        self._chains: OrderedDict[int, list[int]] = OrderedDict()
+        # last block of a chain -> (its epoch then, the chain's block ids from its root block): see the module
+        # docstring. Allocation bumps the epoch, so it drops no memo; explicit evictions trim theirs.
+        self._chains: OrderedDict[int, tuple[int, list[int]]] = OrderedDict()
         self._max_memo_chains = max_memo_chains
         self.num_evicted = 0  # cached blocks that lost their hash (allocation or evict), ever
         self.track_changes = track_changes
@@ -195,14 +196,11 @@ class BlockPool:
         with self._lock:
             if num_blocks > self._num_queued:
                 raise OutOfBlocksError(f"asked for {num_blocks} blocks, {self._num_queued} free of {self.num_blocks}")
-            out, removed = self._index.take_free(self._next, self._prev, num_blocks)
+            out, removed = self._index.take_free(self._next, self._prev, num_blocks, self._ref, self._epoch,
+                                                 self.on_uncache is not None or self.track_changes)
             self._num_queued -= num_blocks
-            self._forget(out, removed)
-            ref, epoch = self._ref, self._epoch
-            for block in out:
-                ref[block] = 1
-                epoch[block] += 1
-            out.sort()
+            if removed.num_removed:  # the blocks' epochs moved on: their memoised chains are stale already
+                self._forget(out, removed, trim_memo=False)
             return out
 
     def free(self, block_ids: Sequence[int]) -> None:
@@ -267,8 +265,8 @@ class BlockPool:
             if holders:
                 if parent_block_id == NO_BLOCK:
                     self._remember_chain(list(holders))
-                elif parent_block_id in self._chains:  # the chain grows: its memo moves to the new last block
-                    chain = self._chains.pop(parent_block_id)
+                elif (chain := self._memo_chain(parent_block_id)) is not None:  # its memo moves to the new end
+                    del self._chains[parent_block_id]
                     chain.extend(holders)
                     self._remember_chain(chain)
                 duplicates = [] if all_new else [(own, h) for own, h in zip(block_ids, holders) if own != h]
@@ -339,7 +337,7 @@ class BlockPool:
                     hi = mid
             length = lo + 1
         last = get(block_hashes[length - 1])
-        chain = self._chains.get(last)
+        chain = self._memo_chain(last)
         if chain is not None and len(chain) >= length:
             self._chains.move_to_end(last)
             return chain[len(chain) - length:]  # a chain's blocks are exactly its last block's ancestors
@@ -364,11 +362,37 @@ class BlockPool:
             self._newly_cached.extend(block_hashes)
         return block_ids
 
+    def _trim_chains(self, block_ids: list[int]) -> None:
+        """Memoised chains whose last block lost its hash end at their last block still cached now (only
+        leaves lose hashes, so the blocks above it all hold theirs): trimmed in place, not dropped, so a
+        partly evicted prompt still matches through the memo and no long list is freed under the lock."""
+        chains, slot, epoch = self._chains, self._slot, self._epoch
+        for block in block_ids:
+            memo = chains.pop(block, None)
+            if memo is None or memo[0] != epoch[block]:
+                continue
+            chain = memo[1]
+            while chain and slot[chain[-1]] < 0:
+                chain.pop()
+            if chain and chain[-1] not in chains:
+                chains[chain[-1]] = (epoch[chain[-1]], chain)
+
+    def _memo_chain(self, last: int) -> list[int] | None:
+        """The memoised chain ending at block ``last``, or None; a memo from before ``last`` was last
+        allocated is stale (the block may hold another hash now) and goes."""
+        memo = self._chains.get(last)
+        if memo is None:
+            return None
+        if memo[0] != self._epoch[last]:
+            del self._chains[last]
+            return None
+        return memo[1]
+
     def _remember_chain(self, chain: list[int]) -> None:
         """Memoise ``chain`` (a list nobody else holds: it may be extended in place later)."""
-        chains = self._chains
-        chains[chain[-1]] = chain
-        chains.move_to_end(chain[-1])
+        chains, last = self._chains, chain[-1]
+        chains[last] = (self._epoch[last], chain)
+        chains.move_to_end(last)
         if len(chains) > self._max_memo_chains:
             chains.popitem(last=False)
 
@@ -405,15 +429,14 @@ class BlockPool:
         report = self.on_uncache is not None or self.track_changes
         self._forget(block_ids, self._index.remove_blocks(block_ids, with_hashes=report))
 
-    def _forget(self, block_ids: list[int], removed: RemovedBlocks) -> None:
-        """What follows removing ``block_ids``' hashes from the index: counts, the chain memo, the reports."""
+    def _forget(self, block_ids: list[int], removed: RemovedBlocks, trim_memo: bool = True) -> None:
+        """What follows removing ``block_ids``' hashes from the index: counts, the chain memo (unless the
+        blocks were allocated: their epochs moved on), the reports."""
         if not removed.num_removed:
             return
         self.num_evicted += removed.num_removed
-        chains = self._chains
-        if chains:  # a block that held no hash is no memo key: popping it does nothing
-            for block in block_ids:
-                chains.pop(block, None)
+        if trim_memo and not self._chains.keys().isdisjoint(block_ids):
+            self._trim_chains(block_ids)
         if self.on_uncache is None and not self.track_changes:
             return
         parents, hashes, parent_hashes = removed.parents, removed.hashes, removed.parent_hashes
@@ -454,7 +477,9 @@ class BlockPool:
                     children[parent] += 1
             assert sum(s >= 0 for s in self._slot) == len(self._index), "stray block hash"
             assert children == self._num_children.tolist(), "child counts drifted"
-            for last, chain in self._chains.items():
+            for last, (epoch, chain) in self._chains.items():
+                if epoch != self._epoch[last]:
+                    continue  # stale since its last block was allocated: never read, dropped when met
                 assert chain[-1] == last and self._slot[last] >= 0, f"memo of chain ending at {last} is stale"
                 assert self._parent[chain[0]] == NO_BLOCK, "a memo chain does not start at a root block"
                 assert all(self._parent[b] == a for a, b in zip(chain, chain[1:])), "a memo chain is not a chain"

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 from kvmesh.kernels.extensions import loader as extensions
-from kvmesh.kv.block_hash import BlockHash, hash_block_bytes, tokens_to_bytes
+from kvmesh.kv.block_hash import BlockHash, hash_block_bytes, hash_tokens, tokens_to_bytes
 
 
 class _Chain(NamedTuple):
@@ -49,17 +49,22 @@ class PrefixHasher:
         num_full = len(token_ids) // self.block_size
         if num_full == 0:
             return []
-        data = tokens_to_bytes(token_ids, 0, num_full * self.block_size)
-        key = (parent, data[:step])
+        key = (parent, tokens_to_bytes(token_ids, 0, self.block_size))
         with self._lock:
             known = self._chains.get(key)
             if known is not None:
                 self._chains.move_to_end(key)
-        num_common = _common_blocks(known.data, data, step) if known is not None else 0
-        hashes = known.hashes[:num_common] if num_common else []
-        if num_common < num_full:
-            hashes += hash_block_bytes(hashes[-1] if hashes else parent, data, step, num_common)
+        if known is None:  # first sight: the conversion and the chain in one pass
+            data, hashes = hash_tokens(parent, token_ids, self.block_size)
             self._remember(key, _Chain(data, list(hashes)))  # the caller owns the list it gets
+            self.num_blocks_hashed += num_full
+            return hashes
+        data = tokens_to_bytes(token_ids, 0, num_full * self.block_size)
+        num_common = _common_blocks(known.data, data, step)
+        hashes = known.hashes[:num_common]
+        if num_common < num_full:
+            hashes += hash_block_bytes(hashes[-1], data, step, num_common)
+            self._remember(key, _Chain(data, list(hashes)))
         self.num_blocks_reused += num_common
         self.num_blocks_hashed += num_full - num_common
         return hashes
