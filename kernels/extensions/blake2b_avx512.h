@@ -9,38 +9,39 @@
  * the next without touching memory. Rows a, b, c, d hold v[0..3], v[4..7], v[8..11], v[12..15]: a column
  * step mixes lane k of every row; for the diagonal step b stays in place and a, c, d turn (lane k holds
  * a[k-1], b[k], c[k+1], d[k+2], which is diagonal k-1), so the row the next step needs first (b) never
- * waits on a lane permute. Rotations by 32 and by 24/16 are in-lane shuffles, by 63 an add, a shift and
- * a xor: on the CPUs this was tuned on, each is as fast as or faster than a rotate instruction.
+ * waits on a lane permute. Each step's xor-and-rotate costs the chain a shift and a three-way xor
+ * (B2_XOR_ROTR), and each add of a message word happens off the chain.
  */
 #if defined(__AVX512F__) && defined(__AVX512VL__)
 #define BLAKE2B_CHAIN_VECTOR 1
 #include <immintrin.h>
 
-static inline __m256i b2_rot32(__m256i x) { return _mm256_shuffle_epi32(x, _MM_SHUFFLE(2, 3, 0, 1)); }
+/* rotr(early ^ late, n) as rotr(early, n) ^ (late >> n) ^ (late << (64 - n)): rotation distributes over xor,
+ * and the row just computed (late) is two cycles from the result (a shift, then one three-way xor) instead
+ * of a xor and a rotate (two cycles here). */
+#define B2_XOR_ROTR(early, late, n)                                                                         \
+    _mm256_ternarylogic_epi64(_mm256_ror_epi64(early, n), _mm256_srli_epi64(late, n),                      \
+                              _mm256_slli_epi64(late, 64 - (n)), 0x96)
 
-static inline __m256i b2_rot24(__m256i x) {
-    return _mm256_shuffle_epi8(x, _mm256_setr_epi8(3, 4, 5, 6, 7, 0, 1, 2, 11, 12, 13, 14, 15, 8, 9, 10,
-                                                   3, 4, 5, 6, 7, 0, 1, 2, 11, 12, 13, 14, 15, 8, 9, 10));
+/* a + m + b with a + m first (m is ready long before b): the empty asm keeps the compiler from adding b
+ * first, which would put both adds on the chain */
+static inline __m256i b2_add3(__m256i a, __m256i m, __m256i b) {
+    __m256i am = _mm256_add_epi64(a, m);
+    __asm__("" : "+v"(am));
+    return _mm256_add_epi64(am, b);
 }
-
-static inline __m256i b2_rot16(__m256i x) {
-    return _mm256_shuffle_epi8(x, _mm256_setr_epi8(2, 3, 4, 5, 6, 7, 0, 1, 10, 11, 12, 13, 14, 15, 8, 9,
-                                                   2, 3, 4, 5, 6, 7, 0, 1, 10, 11, 12, 13, 14, 15, 8, 9));
-}
-
-static inline __m256i b2_rot63(__m256i x) { return _mm256_xor_si256(_mm256_srli_epi64(x, 63), _mm256_add_epi64(x, x)); }
 
 /* RFC 7693's G on four columns (or diagonals) at once; x, y: the message words of each lane */
-#define B2_G4(a, b, c, d, x, y)                                        \
-    do {                                                               \
-        a = _mm256_add_epi64(_mm256_add_epi64(a, x), b);               \
-        d = b2_rot32(_mm256_xor_si256(d, a));                          \
-        c = _mm256_add_epi64(c, d);                                    \
-        b = b2_rot24(_mm256_xor_si256(b, c));                          \
-        a = _mm256_add_epi64(_mm256_add_epi64(a, y), b);               \
-        d = b2_rot16(_mm256_xor_si256(d, a));                          \
-        c = _mm256_add_epi64(c, d);                                    \
-        b = b2_rot63(_mm256_xor_si256(b, c));                          \
+#define B2_G4(a, b, c, d, x, y)                                                                             \
+    do {                                                                                                    \
+        a = b2_add3(a, x, b);                                                                               \
+        d = B2_XOR_ROTR(d, a, 32);                                                                          \
+        c = _mm256_add_epi64(c, d);                                                                         \
+        b = B2_XOR_ROTR(b, c, 24);                                                                          \
+        a = b2_add3(a, y, b);                                                                               \
+        d = B2_XOR_ROTR(d, a, 16);                                                                          \
+        c = _mm256_add_epi64(c, d);                                                                         \
+        b = B2_XOR_ROTR(b, c, 63);                                                                          \
     } while (0)
 
 /* What every link of one chain shares: the parameter-block state and the counter block of an 80-byte message. */

@@ -361,8 +361,9 @@ static PyObject *py_take_free(PyObject *self, PyObject *const *args, Py_ssize_t 
         goto done;
     PyObject *one = PyLong_FromLong(1);
     for (Py_ssize_t i = 0; i < num; i++) { /* the references and epochs, then the parents in the order taken */
+        long long times = PyLong_AsLongLong(PyList_GET_ITEM(epoch, taken_ids[i]));
         PyObject *p = PyLong_FromLong(parent_ids[i]);
-        PyObject *bumped = PyNumber_Add(PyList_GET_ITEM(epoch, taken_ids[i]), one);
+        PyObject *bumped = times == -1 && PyErr_Occurred() ? NULL : PyLong_FromLongLong(times + 1);
         if (p == NULL || bumped == NULL) {
             Py_XDECREF(p);
             Py_XDECREF(bumped);
@@ -382,8 +383,14 @@ static PyObject *py_take_free(PyObject *self, PyObject *const *args, Py_ssize_t 
         PyList_SET_ITEM(taken, i, id);
     }
     Py_ssize_t digest_bytes = with_hashes ? 16 * num : 0;
-    result = Py_BuildValue("(OOy#y#n)", taken, parents, (const char *)digests, digest_bytes,
-                           (const char *)digests + 16 * num, digest_bytes, num_removed);
+    PyObject *hashes = PyBytes_FromStringAndSize((const char *)digests, digest_bytes);
+    PyObject *parent_hashes = PyBytes_FromStringAndSize((const char *)digests + 16 * num, digest_bytes);
+    PyObject *count = PyLong_FromSsize_t(num_removed);
+    if (hashes != NULL && parent_hashes != NULL && count != NULL)
+        result = PyTuple_Pack(5, taken, parents, hashes, parent_hashes, count);
+    Py_XDECREF(hashes);
+    Py_XDECREF(parent_hashes);
+    Py_XDECREF(count);
 done:
     Py_XDECREF(taken);
     Py_XDECREF(parents);

@@ -196,11 +196,12 @@ class BlockPool:
         with self._lock:
             if num_blocks > self._num_queued:
                 raise OutOfBlocksError(f"asked for {num_blocks} blocks, {self._num_queued} free of {self.num_blocks}")
-            out, removed = self._index.take_free(self._next, self._prev, num_blocks, self._ref, self._epoch,
-                                                 self.on_uncache is not None or self.track_changes)
+            reports = self.on_uncache is not None or self.track_changes
+            out, removed = self._index.take_free(self._next, self._prev, num_blocks, self._ref, self._epoch, reports)
             self._num_queued -= num_blocks
-            if removed.num_removed:  # the blocks' epochs moved on: their memoised chains are stale already
-                self._forget(out, removed, trim_memo=False)
+            self.num_evicted += removed.num_removed  # their epochs moved on: memoised chains ending there are stale
+            if reports and removed.num_removed:
+                self._report_uncached(removed)
             return out
 
     def free(self, block_ids: Sequence[int]) -> None:
@@ -426,19 +427,18 @@ class BlockPool:
 
     def _uncache(self, block_ids: list[int]) -> None:
         """Drop the hashes of those of ``block_ids`` that hold one (in order: a parent after its children)."""
-        report = self.on_uncache is not None or self.track_changes
-        self._forget(block_ids, self._index.remove_blocks(block_ids, with_hashes=report))
-
-    def _forget(self, block_ids: list[int], removed: RemovedBlocks, trim_memo: bool = True) -> None:
-        """What follows removing ``block_ids``' hashes from the index: counts, the chain memo (unless the
-        blocks were allocated: their epochs moved on), the reports."""
+        reports = self.on_uncache is not None or self.track_changes
+        removed = self._index.remove_blocks(block_ids, with_hashes=reports)
         if not removed.num_removed:
             return
         self.num_evicted += removed.num_removed
-        if trim_memo and not self._chains.keys().isdisjoint(block_ids):
+        if not self._chains.keys().isdisjoint(block_ids):
             self._trim_chains(block_ids)
-        if self.on_uncache is None and not self.track_changes:
-            return
+        if reports:
+            self._report_uncached(removed)
+
+    def _report_uncached(self, removed: RemovedBlocks) -> None:
+        """Hand the hashes that left the index to ``on_uncache`` and the change log."""
         parents, hashes, parent_hashes = removed.parents, removed.hashes, removed.parent_hashes
         for i, parent in enumerate(parents):
             if parent == NOT_HELD:
