@@ -283,12 +283,13 @@ static PyObject *tokens_bytes(PyObject *self, PyObject *const *args, Py_ssize_t 
     return out;
 }
 
-/* The digests of 16-token blocks, each block's tokens converted while the one before is compressed (the
- * conversion's loads hide in the compression's latency). Holds the GIL: it reads the list. */
+/* The digests of 16-token blocks into the list hashes (num_blocks long, unset), each block's tokens read and the
+ * previous digest's bytes object made while the block before is compressed (that work hides in the
+ * compression's latency). Holds the GIL: it reads the token list and makes objects. */
 #if BLAKE2B_CHAIN_VECTOR
 static int chain_tokens_64(const uint64_t start[8], const uint8_t *parent, PyObject *const *items,
                            Py_ssize_t first_token, Py_ssize_t size, Py_ssize_t num_blocks, uint8_t *data,
-                           uint8_t *digests) {
+                           uint8_t *digests, PyObject *hashes) {
     const B2ChainKey key = b2_chain_key(start);
     __m256i prev = _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)parent));
     if (convert_tokens(items, first_token, first_token + 16, size, data) < 0)
@@ -297,9 +298,19 @@ static int chain_tokens_64(const uint64_t start[8], const uint8_t *parent, PyObj
         Py_ssize_t next = first_token + 16 * (i + 1);
         if (i + 1 < num_blocks && convert_tokens(items, next, next + 16, size, data + 64 * (i + 1)) < 0)
             return -1;
+        if (i > 0) {
+            PyObject *digest = PyBytes_FromStringAndSize((const char *)digests + DIGEST * (i - 1), DIGEST);
+            if (digest == NULL)
+                return -1;
+            PyList_SET_ITEM(hashes, i - 1, digest);
+        }
         prev = b2_next_digest(&key, prev, data + 64 * i);
         _mm_storeu_si128((__m128i *)(digests + DIGEST * i), _mm256_castsi256_si128(prev));
     }
+    PyObject *digest = PyBytes_FromStringAndSize((const char *)digests + DIGEST * (num_blocks - 1), DIGEST);
+    if (digest == NULL)
+        return -1;
+    PyList_SET_ITEM(hashes, num_blocks - 1, digest);
     return 0;
 }
 #endif
@@ -341,8 +352,9 @@ static PyObject *chain_tokens(PyObject *self, PyObject *const *args, Py_ssize_t 
     Py_ssize_t first_token = start_block * block_size;
 #if BLAKE2B_CHAIN_VECTOR
     if (step == 64 && num_blocks > 0) {
-        if (chain_tokens_64(start, parent, items, first_token, size, num_blocks, bytes, digests) < 0)
-            goto done;
+        if ((hashes = PyList_New(num_blocks)) == NULL ||
+            chain_tokens_64(start, parent, items, first_token, size, num_blocks, bytes, digests, hashes) < 0)
+            goto done; /* a list's unset items are NULL, which its deallocation skips */
     } else
 #endif
     {
@@ -351,9 +363,10 @@ static PyObject *chain_tokens(PyObject *self, PyObject *const *args, Py_ssize_t 
         Py_BEGIN_ALLOW_THREADS
         chain_digests(start, parent, bytes, num_blocks, step, 0, digests);
         Py_END_ALLOW_THREADS
+        if ((hashes = digest_list(digests, num_blocks)) == NULL)
+            goto done;
     }
-    if ((hashes = digest_list(digests, num_blocks)) != NULL)
-        out = PyTuple_Pack(2, data, hashes);
+    out = PyTuple_Pack(2, data, hashes);
 done:
     Py_XDECREF(hashes);
     Py_XDECREF(data);
