@@ -19,8 +19,9 @@ methods take a lock, so the transfer layer may pin from its own thread.
 Matching is a binary search over the chain (cached blocks of a chain always form
 a prefix of it), then the block ids: a chain's blocks are exactly its last
 block's ancestors. They come from a bounded memo of whole chains, keyed by their
-last block (filled by inserts that extend a known chain and by matches; a
-block's memo entry dies with its hash), else from the index's walk up the
+last block and its epoch then (filled by inserts that extend a known chain and
+by matches; an entry is stale once its block is allocated again, and `evict`
+trims the chains whose last block it takes), else from the index's walk up the
 parent links: matching a long prompt costs a few lookups and one list copy.
 """
 from __future__ import annotations
