@@ -65,6 +65,21 @@ MUTATIONS = (
              "                    num_skipped = 0;\n                    block = PyLong_AsLong(PyList_GET_ITEM(next, sentinel));\n",
              "                    num_skipped = 0;\n",
              ("tests/test_block_pool.py", "-k", "same_on_both")),
+    Mutation("the AVX-512 chain rotates by 16 where BLAKE2b rotates by 24",
+             "kernels/extensions/blake2b_avx512.h",
+             "        b = B2_XOR_ROTR(b, c, 24);",
+             "        b = B2_XOR_ROTR(b, c, 16);",
+             ("tests/test_block_hash.py",)),
+    Mutation("the one-pass hash reads each block's tokens into the block before",
+             "kernels/extensions/blake2b_chain.c",
+             "convert_tokens(items, next, next + 16, size, data + 64 * (i + 1))",
+             "convert_tokens(items, next, next + 16, size, data + 64 * i)",
+             ("tests/test_block_hash.py",)),
+    Mutation("the chain memo trusts an entry from before its block was allocated again",
+             "kvmesh/kv/block_pool.py",
+             "        if memo[0] != self._epoch[last]:",
+             "        if False:",
+             ("tests/test_block_pool.py", "-k", "memo_from_before")),
 )
 
 

@@ -376,3 +376,23 @@ def test_a_long_chain_freed_head_first_is_evicted_tail_first_on_both_indexes(mon
         pool.check_integrity()
         taken.append(got)
     assert taken[0] == taken[1]
+
+
+def test_a_memo_from_before_its_block_was_allocated_again_never_extends_a_chain():
+    """The chain memo keyed by block 1 outlives block 1's reallocation; block 1 then holds another chain's
+    hash (under a parent whose memo is gone): growing that chain must walk the index, not the stale memo."""
+    pool = BlockPool(4, max_memo_chains=2)
+    a = hash_blocks(root_hash(b"a"), list(range(32)), 16)
+    q = hash_blocks(root_hash(b"q"), list(range(48)), 16)
+    c = hash_blocks(root_hash(b"c"), list(range(16)), 16)
+    assert pool.allocate(4) == [0, 1, 2, 3]
+    pool.cache([2], q[:1])
+    pool.cache([0, 1], a)  # memo: block 1 -> [0, 1]
+    pool.cache([3], c)  # the memo holds two: block 2's goes
+    pool.free([0, 1])
+    assert sorted(pool.allocate(2)) == [0, 1]  # a's hashes go, blocks 0 and 1 allocated again
+    pool.cache([1], q[1:2], parent_block_id=2)
+    pool.cache([0], q[2:3], parent_block_id=1)
+    assert pool.match(q) == [2, 1, 0]
+    assert pool.match(a) == []
+    pool.check_integrity()
