@@ -56,10 +56,12 @@ def add_node_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--landing-slots", type=int, default=-1,
                    help="one-sided backends (Mooncake): blocks of host memory where pushes land before a checked "
                         "copy into the KV buffer (-1: a quarter of the KV blocks, at most 1 GiB)")
-    p.add_argument("--kv-placement", default="cost", metavar="cost|threshold:N",
-                   help="where a request's uncached KV comes from: 'cost' takes the cheapest plan (never slower, by "
-                        "measured rates, than computing here); 'threshold:N' fetches from holders and prefill nodes "
-                        "whenever more than N uncached tokens remain (0: always disaggregate)")
+    p.add_argument("--kv-placement", default="cost", metavar="cost|cost:request|threshold:N",
+                   help="where a request's uncached KV comes from: 'cost' takes the cheapest plan by measured rates, "
+                        "a prompt computed here counting once for itself and once for each stream decoding here that "
+                        "it holds up (never costlier than computing here); 'cost:request' counts the request alone; "
+                        "'threshold:N' fetches from holders and prefill nodes whenever more than N uncached tokens "
+                        "remain (0: always disaggregate)")
     p.add_argument("--transfer-gib-per-s", type=float, default=1.0,
                    help="the cost model's bandwidth before it has measured real transfers")
     p.add_argument("--transfer-rtt-ms", type=float, default=10.0,

@@ -20,6 +20,7 @@ from kvmesh.cluster.parts import exit_now
 from kvmesh.cluster.router import Router, RouterConfig
 from kvmesh.errors import KvmeshError
 from kvmesh.metadata.keys import DEFAULT_CLUSTER
+from kvmesh.node.placement import make_placement
 
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
@@ -57,12 +58,18 @@ def add_node_share_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--disk-kv-path", default="",
                    help="folder of the nodes' disk-tier files (one per node id, re-adopted by a restart; default: "
                         "temporary folders removed at exit)")
+    p.add_argument("--kv-placement", default="cost", metavar="cost|cost:request|threshold:N",
+                   help="where a request's uncached KV comes from (kvmesh/node/placement.py): 'cost' the cheapest plan, "
+                        "counting the wait its prompt computed on a decode node puts on the streams decoding there; "
+                        "'cost:request' by the request's own time alone; 'threshold:N' fetch and disaggregate past N "
+                        "uncached tokens")
 
 
 def node_share_args(args: argparse.Namespace) -> list[str]:
     """The node arguments ``add_node_share_arguments`` adds beyond dtype and threads."""
-    out = ["--device", args.device, "--load-format", args.load_format, "--speculative", args.speculative, "--host-kv-gib", repr(args.host_kv_gib),
-           "--disk-kv-gib", repr(args.disk_kv_gib)]
+    out = ["--device", args.device, "--load-format", args.load_format, "--speculative", args.speculative,
+           "--host-kv-gib", repr(args.host_kv_gib), "--disk-kv-gib", repr(args.disk_kv_gib),
+           "--kv-placement", args.kv_placement]
     return out + (["--disk-kv-path", args.disk_kv_path] if args.disk_kv_path else []) + \
         (["--enforce-eager"] if args.enforce_eager else [])
 
@@ -129,6 +136,10 @@ def run_serve(args: argparse.Namespace) -> int:
     from kvmesh.cluster.supervisor import Supervisor
 
     stop_on_sigterm()
+    try:
+        make_placement(args.kv_placement)  # a bad spec is refused here, not by each node as it starts
+    except ValueError as e:
+        raise KvmeshError(f"--kv-placement: {e}") from None
     print(f"starting etcd, {args.prefill} prefill + {args.decode} decode node(s) of {args.model} ...", file=sys.stderr)
     try:
         with LocalCluster(args.prefill, args.decode, model=args.model, etcd=args.etcd, cluster=args.cluster,

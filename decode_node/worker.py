@@ -102,10 +102,11 @@ class DecodeWorker(NodeRuntime):
         else:
             super().handle(identity, msg)
 
-    def _plan(self, seq: Sequence, num_local: int, end: int, local_queue_s: float,
+    def _plan(self, seq: Sequence, num_local: int, end: int, local_queue_s: float, num_streams: int,
               lookup: bool) -> tuple[FetchPlan, dict[str, int]]:
         """Where blocks [num_local, end) come from, and the index hits it was planned with (engine thread).
 
+        ``num_streams``: streams decoding here, each held up while this node computes the prompt's blocks.
         ``lookup``: read the index mirror for holders (else only this node's lower tiers are considered)."""
         bs = self.cfg.block_size
         lower = self.tiers.lower_run(seq.block_hashes[:end], num_local) if self.tiers is not None else []
@@ -121,7 +122,7 @@ class DecodeWorker(NodeRuntime):
                        else self.prefill_nodes.any_option(hits))
         request = PlanRequest(num_local, end, bs, self.engine.layout.bytes_per_token, self.prefill_tokens_per_s,
                               local_queue_s, len(lower), self.tiers.read_seconds(lower) if lower else 0.0,
-                              holders, prefill)
+                              holders, prefill, num_streams)
         return self.placement.plan(request), hits
 
     def _holder_bytes_per_s(self, seq: Sequence, node_id: str, start: int, end: int) -> float:
@@ -132,6 +133,10 @@ class DecodeWorker(NodeRuntime):
             if disk_rate > 0:
                 rate = min(rate, disk_rate)
         return rate
+
+    def _decoding_streams(self) -> int:
+        """Running sequences past their prompt (engine thread): each waits for the prompt tokens computed here."""
+        return sum(seq.num_computed_tokens >= seq.num_prompt_tokens for seq in self.engine.scheduler.running)
 
     def _queued_prompt_tokens(self) -> int:
         """Prompt tokens admitted here and not yet computed (engine thread): what a new prompt waits behind."""
@@ -156,13 +161,14 @@ class DecodeWorker(NodeRuntime):
         end = (seq.num_prompt_tokens - 1) // bs  # the last token is always computed here
         local_queue_s = self._queued_prompt_tokens() / self.prefill_tokens_per_s
         uncached = seq.num_prompt_tokens - num_local * bs
+        num_streams = self._decoding_streams()
         lookup = self.placement.worth_a_lookup(uncached, self.prefill_tokens_per_s, self.links.rates.min_rtt_s,
-                                               local_queue_s)
+                                               local_queue_s, num_streams)
         plan = None
         if end > num_local:
             # Planned here, on the engine thread (the index lookup reads the in-memory mirror): a request that
             # is cheapest computed here joins the scheduler at once, without a detour through a fetch thread.
-            plan, hits = self._plan(seq, num_local, end, local_queue_s, lookup)
+            plan, hits = self._plan(seq, num_local, end, local_queue_s, num_streams, lookup)
         if plan is not None and plan.promote_end > num_local and not plan.needs_fetch:
             self._promote_now(request, num_local, plan.promote_end)  # our own tiers only: no fetch thread
         if plan is None or not plan.needs_fetch:

@@ -48,6 +48,12 @@ GOLDEN = [  # (situation, request, (promote_end, holder, holders_end, prefill_no
     ("a queue here makes a slowish holder worth it",
      req(local_queue_s=2.0, holders=(holder("d1", 60, gib_per_s=0.01, rtt_s=0.5),)), (0, "d1", 60, "")),
     ("everything already cached: nothing to do", req(num_local=64), (64, "", 64, "")),
+    ("a prefill node 2x slower, this node idle: compute here",
+     req(prefill=prefill(tokens_per_s=500.0)), (0, "", 0, "")),
+    ("... with 4 streams decoding here: the prompt goes out rather than hold them up",
+     req(prefill=prefill(tokens_per_s=500.0), num_streams=4), (0, "", 0, "p0")),
+    ("... a slow holder beats holding 4 streams up too",
+     req(holders=(holder("d1", 64, gib_per_s=0.002),), num_streams=4), (0, "d1", 64, "")),
 ]
 
 
@@ -55,7 +61,24 @@ GOLDEN = [  # (situation, request, (promote_end, holder, holders_end, prefill_no
 def test_golden_plans(situation, request_, expected):
     plan = plan_fetch(request_)
     assert shape(plan) == expected, (situation, plan)
-    assert plan.seconds <= plan.local_seconds
+    if not request_.num_streams:
+        assert plan.seconds <= plan.local_seconds and plan.stall_s == 0.0
+
+
+def test_streams_decoding_here_are_counted_once_per_stream_unless_the_policy_says_the_request_alone():
+    r = req(prefill=prefill(tokens_per_s=500.0), num_streams=4)
+    out = plan_fetch(r)
+    assert out.prefill_node == "p0" and out.stall_s == 0.0
+    assert out.seconds > out.local_seconds  # slower for the request itself ...
+    local_cost = out.local_seconds + 4 * out.local_seconds  # ... than the request and four streams held up
+    assert out.cost < local_cost
+    alone = make_placement("cost:request").plan(r)
+    assert shape(alone) == (0, "", 0, "") and alone.stall_s == 0.0 and alone == plan_fetch(req(prefill=r.prefill))
+    assert make_placement("cost").plan(r) == out
+    here = plan_fetch(req(num_streams=3))  # nothing else to do: computed here, the wait counted
+    assert here.stall_s == pytest.approx(3 * here.seconds)
+    assert worth_a_lookup(10, 1000.0, rtt_s=0.02, num_streams=2) and not worth_a_lookup(10, 1000.0, rtt_s=0.02)
+    assert not CostPlacement(counts_streams=False).worth_a_lookup(10, 1000.0, 0.02, 0.0, num_streams=2)
 
 
 def test_a_plan_names_its_parts_and_their_estimates():
@@ -90,7 +113,7 @@ def test_cost_placement_is_the_planner_and_bad_specs_are_refused():
     r = req(num_local=2, num_lower=3, holders=(holder("a", 20), holder("b", 30)), prefill=prefill())
     assert make_placement("cost") == CostPlacement() and CostPlacement().plan(r) == plan_fetch(r)
     for bad in ("threshold", "threshold:-1", "threshold:x", "fixed:3", ""):
-        with pytest.raises(ValueError, match="expected 'cost' or 'threshold:N'"):
+        with pytest.raises(ValueError, match="expected 'cost', 'cost:request' or 'threshold:N'"):
             make_placement(bad)
 
 
@@ -110,16 +133,23 @@ def _random_request(rng: random.Random) -> PlanRequest:
         "p", rng.choice([0.0, 10 ** rng.uniform(2, 5)]), rng.uniform(0, 3), rng.uniform(0, 0.1),
         rng.choice([0.0, 10 ** rng.uniform(5, 10)]), rng.randrange(0, end + 1))
     return PlanRequest(num_local, end, rng.choice([1, 16]), rng.randrange(1, 8192), 10 ** rng.uniform(1, 5),
-                       rng.uniform(0, 2) * (rng.random() < 0.5), num_lower, rng.uniform(0, 1), holders, pf)
+                       rng.uniform(0, 2) * (rng.random() < 0.5), num_lower, rng.uniform(0, 1), holders, pf,
+                       rng.choice([0, 0, 1, 7]))
 
 
-def test_no_plan_is_estimated_slower_than_computing_here():
+def test_no_plan_costs_more_than_computing_here():
+    """Cost = the request's estimate + the wait on the streams decoding here; with none, the estimate alone."""
     rng = random.Random(7)
     for _ in range(5000):
         r = _random_request(rng)
         plan = plan_fetch(r)
-        compute_all_here = r.local_queue_s + (r.end - r.num_local) * r.block_size / r.local_tokens_per_s
-        assert plan.seconds <= plan.local_seconds <= compute_all_here + 1e-12, (r, plan)
+        compute_s = (r.end - r.num_local) * r.block_size / r.local_tokens_per_s
+        compute_all_here = r.local_queue_s + compute_s + r.num_streams * compute_s
+        assert plan.cost <= compute_all_here + 1e-12, (r, plan)
+        assert plan.stall_s == pytest.approx(r.num_streams * (plan.end - plan.compute_from) * r.block_size
+                                             / r.local_tokens_per_s)
+        if not r.num_streams:
+            assert plan.seconds <= plan.local_seconds <= compute_all_here + 1e-12, (r, plan)
         assert r.num_local <= plan.promote_end <= plan.holders_end <= plan.end == r.end, (r, plan)
         assert bool(plan.holder) == (plan.holders_end > plan.promote_end), (r, plan)
         assert plan.seconds == pytest.approx(plan.promote_s + plan.ready_s)

@@ -3,9 +3,12 @@
 The planner (``kvmesh.node.planner``) prices; a placement policy decides, and the nodes ask it
 without knowing which one they hold:
 
-    cost          (the default) the cheapest plan by the planner's estimates: never slower, by them,
-                  than computing here; the index is not even read when computing here takes less
-                  than one round trip
+    cost          (the default) the cheapest plan by the planner's costs: this request's estimate plus
+                  the wait its blocks computed here put on the streams decoding here; never costlier,
+                  by them, than computing here; the index is not even read when computing here costs
+                  less than one round trip
+    cost:request  the same by this request's estimate alone (the streams' wait not counted): never
+                  slower, by the estimates, for the request itself
     threshold:N   conditional disaggregation by prompt length: when more than N uncached tokens remain
                   after this node's lower tiers, fetch from the longest holder and send the rest to a
                   prefill node (any: unpriced, in rotation); else compute here. ``threshold:0`` always
@@ -14,7 +17,7 @@ without knowing which one they hold:
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 from kvmesh.node.planner import FetchPlan, PlanRequest, plan_fetch, worth_a_lookup
@@ -25,8 +28,9 @@ class Placement(Protocol):
     prices_prefill_nodes: bool  # True: the plan needs the best-priced prefill node; False: any will do
 
     def worth_a_lookup(self, num_tokens: int, local_tokens_per_s: float, rtt_s: float,
-                       local_queue_s: float) -> bool:
-        """Whether reading the global index for holders can change this request's plan."""
+                       local_queue_s: float, num_streams: int = 0) -> bool:
+        """Whether reading the global index for holders can change this request's plan (``num_streams``:
+        streams decoding here)."""
 
     def plan(self, req: PlanRequest) -> FetchPlan:
         """The plan for blocks ``[req.num_local, req.end)``."""
@@ -34,15 +38,17 @@ class Placement(Protocol):
 
 @dataclass(frozen=True)
 class CostPlacement:
+    counts_streams: bool = True  # False: ``cost:request``, the request's own estimate alone
     name: str = "cost"
     prices_prefill_nodes: bool = True
 
     def worth_a_lookup(self, num_tokens: int, local_tokens_per_s: float, rtt_s: float,
-                       local_queue_s: float) -> bool:
-        return worth_a_lookup(num_tokens, local_tokens_per_s, rtt_s, local_queue_s)
+                       local_queue_s: float, num_streams: int = 0) -> bool:
+        return worth_a_lookup(num_tokens, local_tokens_per_s, rtt_s, local_queue_s,
+                              num_streams if self.counts_streams else 0)
 
     def plan(self, req: PlanRequest) -> FetchPlan:
-        return plan_fetch(req)
+        return plan_fetch(req if self.counts_streams or not req.num_streams else replace(req, num_streams=0))
 
 
 @dataclass(frozen=True)
@@ -52,7 +58,7 @@ class ThresholdPlacement:
     prices_prefill_nodes: bool = False
 
     def worth_a_lookup(self, num_tokens: int, local_tokens_per_s: float, rtt_s: float,
-                       local_queue_s: float) -> bool:
+                       local_queue_s: float, num_streams: int = 0) -> bool:
         return num_tokens > self.max_local_tokens
 
     def plan(self, req: PlanRequest) -> FetchPlan:
@@ -69,10 +75,12 @@ class ThresholdPlacement:
 
 
 def make_placement(spec: str) -> Placement:
-    """``cost`` or ``threshold:N`` (N >= 0 tokens); ValueError names what is accepted."""
+    """``cost``, ``cost:request`` or ``threshold:N`` (N >= 0 tokens); ValueError names what is accepted."""
     if spec == "cost":
         return CostPlacement()
+    if spec == "cost:request":
+        return CostPlacement(counts_streams=False)
     kind, _, value = spec.partition(":")
     if kind == "threshold" and value.isdigit():
         return ThresholdPlacement(int(value))
-    raise ValueError(f"unknown placement {spec!r}: expected 'cost' or 'threshold:N' (N >= 0 tokens)")
+    raise ValueError(f"unknown placement {spec!r}: expected 'cost', 'cost:request' or 'threshold:N' (N >= 0 tokens)")

@@ -13,11 +13,13 @@ names every part and its estimated seconds:
            [compute_from, prompt)           computed here                 after the queue here, at this node's rate
 
 Holders and the prefill node work at the same time; what is computed here waits for the prefix
-it attends to. Every candidate plan is priced and the cheapest taken; computing everything
-here is always a candidate, so no plan's estimate exceeds it (``tests/test_planner.py`` checks
-that as a property). No I/O, no threads, no clocks: decode nodes plan admissions with it, prefill
-nodes plan "get the prefix" with it (no prefill option), the router prices each decode node
-with it.
+it attends to. A plan's cost is its estimate plus the wait it puts on the streams decoding here
+(``num_streams``): the steps that compute its blocks here hold each of them up that long
+(``stall_s``). Every candidate plan is priced and the cheapest taken; computing everything here
+is always a candidate, so no plan costs more than it (``tests/test_planner.py`` checks that as a
+property), and with no streams running here no plan's estimate exceeds it. No I/O, no threads,
+no clocks: decode nodes plan admissions with it, prefill nodes plan "get the prefix" with it (no
+prefill option), the router prices each decode node with it.
 """
 from __future__ import annotations
 
@@ -66,6 +68,7 @@ class PlanRequest:
     lower_read_s: float = 0.0  # ... and reading them back takes this long
     holders: tuple[HolderOption, ...] = ()
     prefill: PrefillOption | None = None
+    num_streams: int = 0  # streams decoding here: each waits while this node computes the prompt's blocks
 
 
 class FetchPlan(NamedTuple):
@@ -82,6 +85,12 @@ class FetchPlan(NamedTuple):
     #                 it waits for, the blocks it computes (prefill and holders work in parallel)
     seconds: float  # promote_s + ready_s: the plan's estimate
     local_seconds: float  # the best plan without peers (promotion, then compute here): what fetching must beat
+    stall_s: float = 0.0  # the streams decoding here, waiting while it computes blocks here: num_streams x that time
+
+    @property
+    def cost(self) -> float:
+        """What plans are compared by: this request's estimate and the wait it puts on the streams here."""
+        return self.seconds + self.stall_s
 
     @property
     def use_prefill(self) -> bool:
@@ -98,10 +107,11 @@ class FetchPlan(NamedTuple):
         return self.holders_end > self.promote_end or bool(self.prefill_node)
 
 
-def worth_a_lookup(num_tokens: int, local_tokens_per_s: float, rtt_s: float, local_queue_s: float = 0.0) -> bool:
-    """False when computing ``num_tokens`` here (after the queue here) takes less than one round trip, so no
-    fetch can win and the index need not be read."""
-    return local_queue_s + num_tokens / max(local_tokens_per_s, 1e-9) > rtt_s
+def worth_a_lookup(num_tokens: int, local_tokens_per_s: float, rtt_s: float, local_queue_s: float = 0.0,
+                   num_streams: int = 0) -> bool:
+    """False when computing ``num_tokens`` here (after the queue here, and the wait it puts on ``num_streams``
+    streams decoding here) costs less than one round trip, so no fetch can win and the index need not be read."""
+    return local_queue_s + (1 + num_streams) * num_tokens / max(local_tokens_per_s, 1e-9) > rtt_s
 
 
 def plan_fetch(req: PlanRequest) -> FetchPlan:
@@ -114,12 +124,16 @@ def plan_fetch(req: PlanRequest) -> FetchPlan:
     def compute_here(blocks: int) -> float:
         return blocks * bs / req.local_tokens_per_s
 
+    def stall(blocks: int) -> float:
+        return req.num_streams * compute_here(blocks)
+
     promote_end, promote_s = start, 0.0
     if req.num_lower and req.lower_read_s < compute_here(req.num_lower):
         promote_end, promote_s = start + req.num_lower, req.lower_read_s
     alone = queue_s + compute_here(req.end - promote_end)
     local = promote_s + alone
-    best = FetchPlan(start, promote_end, "", promote_end, "", req.end, promote_s, 0.0, 0.0, alone, local, local)
+    best = FetchPlan(start, promote_end, "", promote_end, "", req.end, promote_s, 0.0, 0.0, alone, local, local,
+                     stall(req.end - promote_end))
     options: list[HolderOption | None] = [None]
     options += [h for h in req.holders if min(h.end, req.end) > promote_end and h.bytes_per_s > 0]
     for holder in options:
@@ -130,7 +144,8 @@ def plan_fetch(req: PlanRequest) -> FetchPlan:
         if holder is not None:
             ready = max(from_holder, queue_s) + compute_here(req.end - held_end)
             best = _cheaper(best, FetchPlan(start, promote_end, holder_id, held_end, "", req.end, promote_s,
-                                            from_holder, 0.0, ready, promote_s + ready, local))
+                                            from_holder, 0.0, ready, promote_s + ready, local,
+                                            stall(req.end - held_end)))
         pf = req.prefill
         if pf is None or pf.tokens_per_s <= 0 or pf.bytes_per_s <= 0 or held_end >= req.end:
             continue
@@ -149,4 +164,4 @@ def _move(blocks: int, block_size: int, bytes_per_token: int, bytes_per_s: float
 
 
 def _cheaper(a: FetchPlan, b: FetchPlan) -> FetchPlan:
-    return b if b.seconds < a.seconds else a
+    return b if b.cost < a.cost else a

@@ -84,7 +84,7 @@ class NodeConfig:
     prefill_timeout_s: float = 10.0
     holder_timeout_s: float = 5.0  # decode: a holder's push of blocks it already has
     num_landing_slots: int = -1  # one-sided backends: where pushes land before a checked copy (-1: auto)
-    kv_placement: str = "cost"  # where uncached KV comes from (kvmesh.node.placement): cost, threshold:N
+    kv_placement: str = "cost"  # where uncached KV comes from (kvmesh.node.placement): cost, cost:request, threshold:N
     transfer_gib_per_s: float = 1.0  # assumed by the cost model until it measures transfers
     transfer_rtt_s: float = 0.010  # ... and its fetch overhead beyond the bytes, until it measures fetches
     enable_prefix_caching: bool = True  # off: every prompt is computed in full (a benchmark baseline)
