@@ -106,7 +106,7 @@ class DecodeWorker(NodeRuntime):
               lookup: bool) -> tuple[FetchPlan, dict[str, int]]:
         """Where blocks [num_local, end) come from, and the index hits it was planned with (engine thread).
 
-        ``num_streams``: streams decoding here, each held up while this node computes the prompt's blocks.
+        ``num_streams``: sequences running here, each held up while this node computes the prompt's blocks.
         ``lookup``: read the index mirror for holders (else only this node's lower tiers are considered)."""
         bs = self.cfg.block_size
         lower = self.tiers.lower_run(seq.block_hashes[:end], num_local) if self.tiers is not None else []
@@ -134,9 +134,10 @@ class DecodeWorker(NodeRuntime):
                 rate = min(rate, disk_rate)
         return rate
 
-    def _decoding_streams(self) -> int:
-        """Running sequences past their prompt (engine thread): each waits for the prompt tokens computed here."""
-        return sum(seq.num_computed_tokens >= seq.num_prompt_tokens for seq in self.engine.scheduler.running)
+    def _streams_here(self) -> int:
+        """Sequences running here (engine thread): each one's steps wait for the prompt tokens computed here, a
+        decoding stream's next token and a prompt's first alike (prompts queued behind go after it anyway)."""
+        return len(self.engine.scheduler.running)
 
     def _queued_prompt_tokens(self) -> int:
         """Prompt tokens admitted here and not yet computed (engine thread): what a new prompt waits behind."""
@@ -161,7 +162,7 @@ class DecodeWorker(NodeRuntime):
         end = (seq.num_prompt_tokens - 1) // bs  # the last token is always computed here
         local_queue_s = self._queued_prompt_tokens() / self.prefill_tokens_per_s
         uncached = seq.num_prompt_tokens - num_local * bs
-        num_streams = self._decoding_streams()
+        num_streams = self._streams_here()
         lookup = self.placement.worth_a_lookup(uncached, self.prefill_tokens_per_s, self.links.rates.min_rtt_s,
                                                local_queue_s, num_streams)
         plan = None

@@ -13,9 +13,9 @@ names every part and its estimated seconds:
            [compute_from, prompt)           computed here                 after the queue here, at this node's rate
 
 Holders and the prefill node work at the same time; what is computed here waits for the prefix
-it attends to. A plan's cost is its estimate plus the wait it puts on the streams decoding here
-(``num_streams``): the steps that compute its blocks here hold each of them up that long
-(``stall_s``). Every candidate plan is priced and the cheapest taken; computing everything here
+it attends to. A plan's cost is its estimate plus the wait it puts on the sequences running here
+(``num_streams``: streams decoding, prompts being computed): the steps that compute its blocks here
+hold each of them up that long (``stall_s``). Every candidate plan is priced and the cheapest taken; computing everything here
 is always a candidate, so no plan costs more than it (``tests/test_planner.py`` checks that as a
 property), and with no streams running here no plan's estimate exceeds it. No I/O, no threads,
 no clocks: decode nodes plan admissions with it, prefill nodes plan "get the prefix" with it (no
@@ -68,7 +68,8 @@ class PlanRequest:
     lower_read_s: float = 0.0  # ... and reading them back takes this long
     holders: tuple[HolderOption, ...] = ()
     prefill: PrefillOption | None = None
-    num_streams: int = 0  # streams decoding here: each waits while this node computes the prompt's blocks
+    num_streams: int = 0  # sequences running here (decoding or computing a prompt): each waits while this node
+    #                       computes the prompt's blocks
 
 
 class FetchPlan(NamedTuple):
