@@ -36,6 +36,9 @@ def add_node_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-kv-blocks", type=int, default=1024)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one engine step")
+    p.add_argument("--long-prefill-token-threshold", type=int, default=0,
+                   help="a prompt's tokens in one engine step, at most: a long prompt computed over several steps "
+                        "lets the streams decoding beside it keep going (0: the step's whole budget)")
     p.add_argument("--host", default="127.0.0.1", help="bind every listener here (0.0.0.0: all interfaces)")
     p.add_argument("--advertise-host", default="",
                    help="the address other hosts reach this node at (default: --host, or for 0.0.0.0 the "
@@ -106,6 +109,7 @@ def run_node(role: str, args: argparse.Namespace) -> int:
                      load_format=args.load_format, dtype=args.dtype, device=args.device, kv_transfer_memory=args.kv_transfer_memory,
                      num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
                      max_num_batched_tokens=args.max_num_batched_tokens,
+                     long_prefill_token_threshold=args.long_prefill_token_threshold,
                      host=args.host, advertise_host=args.advertise_host, transfer_backend=args.transfer_backend,
                      shared_memory_transfers=args.shared_memory_transfers,
                      lease_ttl_s=args.lease_ttl, transfer_gib_per_s=args.transfer_gib_per_s,

@@ -58,6 +58,8 @@ def add_node_share_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--disk-kv-path", default="",
                    help="folder of the nodes' disk-tier files (one per node id, re-adopted by a restart; default: "
                         "temporary folders removed at exit)")
+    p.add_argument("--long-prefill-token-threshold", type=int, default=0,
+                   help="per node: a prompt's tokens in one engine step, at most (0: the step's whole budget)")
     p.add_argument("--kv-placement", default="cost", metavar="cost|cost:request|threshold:N",
                    help="where a request's uncached KV comes from (kvmesh/node/placement.py): 'cost' the cheapest plan, "
                         "counting the wait its prompt computed on a decode node puts on the streams decoding there; "
@@ -69,7 +71,8 @@ def node_share_args(args: argparse.Namespace) -> list[str]:
     """The node arguments ``add_node_share_arguments`` adds beyond dtype and threads."""
     out = ["--device", args.device, "--load-format", args.load_format, "--speculative", args.speculative,
            "--host-kv-gib", repr(args.host_kv_gib), "--disk-kv-gib", repr(args.disk_kv_gib),
-           "--kv-placement", args.kv_placement]
+           "--kv-placement", args.kv_placement,
+           "--long-prefill-token-threshold", str(args.long_prefill_token_threshold)]
     return out + (["--disk-kv-path", args.disk_kv_path] if args.disk_kv_path else []) + \
         (["--enforce-eager"] if args.enforce_eager else [])
 
@@ -137,9 +140,11 @@ def run_serve(args: argparse.Namespace) -> int:
 
     stop_on_sigterm()
     try:
-        make_placement(args.kv_placement)  # a bad spec is refused here, not by each node as it starts
+        make_placement(args.kv_placement)  # bad settings are refused here, not by each node as it starts
     except ValueError as e:
         raise KvmeshError(f"--kv-placement: {e}") from None
+    if args.long_prefill_token_threshold < 0:
+        raise KvmeshError("--long-prefill-token-threshold must be >= 0 (0: a prompt may take a whole step)")
     print(f"starting etcd, {args.prefill} prefill + {args.decode} decode node(s) of {args.model} ...", file=sys.stderr)
     try:
         with LocalCluster(args.prefill, args.decode, model=args.model, etcd=args.etcd, cluster=args.cluster,

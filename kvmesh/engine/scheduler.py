@@ -41,6 +41,8 @@ class SchedulerConfig:
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1 or self.max_num_partial_prefills < 1 or \
                 self.aging_steps < 1:
             raise ValueError("scheduler limits must be >= 1")
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError("long_prefill_token_threshold must be >= 0 (0: a prompt may take a whole step)")
 
 
 @dataclass(slots=True)

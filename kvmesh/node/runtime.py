@@ -76,6 +76,7 @@ class NodeConfig:
     num_kv_blocks: int = 1024
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
+    long_prefill_token_threshold: int = 0  # a prompt's tokens per step, at most (0: the whole step's budget)
     host: str = "127.0.0.1"  # where every listener binds (0.0.0.0: all interfaces)
     advertise_host: str = ""  # what peers are told; "": the bind address, or the route to etcd
     transfer_backend: str = "auto"
@@ -127,7 +128,8 @@ class NodeRuntime:
             speculative=None if cfg.speculative == "off" or cfg.role != "decode" else SpeculativeConfig(
                 method=cfg.speculative, num_speculative_tokens=cfg.num_speculative_tokens),
             scheduler=SchedulerConfig(max_num_seqs=cfg.max_num_seqs,
-                                      max_num_batched_tokens=cfg.max_num_batched_tokens)),
+                                      max_num_batched_tokens=cfg.max_num_batched_tokens,
+                                      long_prefill_token_threshold=cfg.long_prefill_token_threshold)),
             kv_allocator=self.shared_kv.allocate if self.shared_kv is not None else None)
         self.pool = self.engine.pool
         # Seeded by a start-up measurement, then kept current by every step that computes prompt tokens.
