@@ -130,3 +130,27 @@ def test_prompts_that_fit_the_step_are_admitted_together_and_partial_prefills_st
         assert sum(seq.is_prefilling for seq in s.running) <= 2
         assert out.num_batched_tokens <= 256
     s.kv.pool.check_integrity()
+
+
+def test_a_long_prompt_is_computed_a_threshold_at_a_time_beside_a_decoding_stream():
+    """long_prefill_token_threshold caps a prompt's tokens per step; the stream decoding beside it gets its token
+    every step; 0 lets the prompt take the step's whole budget; a negative cap is refused."""
+    import pytest
+
+    for threshold, chunks in ((64, [64, 64, 64, 8]), (0, [200])):
+        s = _scheduler(64, long_prefill_token_threshold=threshold)
+        stream = _seq("stream", 0, num_tokens=20)
+        s.add(stream)
+        _step(s)  # its prompt, then it decodes
+        prompt = _seq("prompt", 0, num_tokens=200)
+        s.add(prompt)
+        seen = []
+        while prompt.is_prefilling or prompt.num_computed_tokens == 0:
+            out = _step(s)
+            sizes = dict((seq.request_id, n) for seq, n in out.batch)
+            assert sizes.get("stream") == 1, (threshold, sizes)  # the stream's token every step
+            seen.append(sizes["prompt"])
+        assert seen == chunks, threshold
+        s.kv.pool.check_integrity()
+    with pytest.raises(ValueError):
+        SchedulerConfig(long_prefill_token_threshold=-1)
