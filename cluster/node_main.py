@@ -36,9 +36,10 @@ def add_node_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-kv-blocks", type=int, default=1024)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one engine step")
-    p.add_argument("--long-prefill-token-threshold", type=int, default=0,
+    p.add_argument("--long-prefill-token-threshold", type=int, default=-1,
                    help="a prompt's tokens in one engine step, at most: a long prompt computed over several steps "
-                        "lets the streams decoding beside it keep going (0: the step's whole budget)")
+                        "lets the streams decoding beside it keep going (0: the step's whole budget; -1: decode "
+                        "nodes take what they compute in a quarter second, prefill nodes the whole budget)")
     p.add_argument("--host", default="127.0.0.1", help="bind every listener here (0.0.0.0: all interfaces)")
     p.add_argument("--advertise-host", default="",
                    help="the address other hosts reach this node at (default: --host, or for 0.0.0.0 the "
@@ -97,6 +98,8 @@ def _gib_to_bytes(flag: str, gib: float) -> int:
 
 
 def run_node(role: str, args: argparse.Namespace) -> int:
+    if args.long_prefill_token_threshold < -1:
+        raise SystemExit("--long-prefill-token-threshold must be -1 (auto), 0 (a whole step) or more")
     from kvmesh.device import DeviceError  # the model stack: only for the node commands themselves
     from kvmesh.node.runtime import NodeConfig
 

@@ -58,8 +58,9 @@ def add_node_share_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--disk-kv-path", default="",
                    help="folder of the nodes' disk-tier files (one per node id, re-adopted by a restart; default: "
                         "temporary folders removed at exit)")
-    p.add_argument("--long-prefill-token-threshold", type=int, default=0,
-                   help="per node: a prompt's tokens in one engine step, at most (0: the step's whole budget)")
+    p.add_argument("--long-prefill-token-threshold", type=int, default=-1,
+                   help="per node: a prompt's tokens in one engine step, at most (0: the step's whole budget; -1: "
+                        "decode nodes take what they compute in a quarter second, prefill nodes the whole budget)")
     p.add_argument("--kv-placement", default="cost", metavar="cost|cost:request|threshold:N",
                    help="where a request's uncached KV comes from (kvmesh/node/placement.py): 'cost' the cheapest plan, "
                         "counting the wait its prompt computed on a decode node puts on the streams decoding there; "
@@ -143,8 +144,8 @@ def run_serve(args: argparse.Namespace) -> int:
         make_placement(args.kv_placement)  # bad settings are refused here, not by each node as it starts
     except ValueError as e:
         raise KvmeshError(f"--kv-placement: {e}") from None
-    if args.long_prefill_token_threshold < 0:
-        raise KvmeshError("--long-prefill-token-threshold must be >= 0 (0: a prompt may take a whole step)")
+    if args.long_prefill_token_threshold < -1:
+        raise KvmeshError("--long-prefill-token-threshold must be -1 (auto), 0 (a whole step) or more")
     print(f"starting etcd, {args.prefill} prefill + {args.decode} decode node(s) of {args.model} ...", file=sys.stderr)
     try:
         with LocalCluster(args.prefill, args.decode, model=args.model, etcd=args.etcd, cluster=args.cluster,

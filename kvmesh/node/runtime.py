@@ -19,7 +19,7 @@ import logging
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
 from kvmesh.auth import ClusterAuth, require_secret
@@ -61,6 +61,17 @@ class ProbeMeasurement(NamedTuple):
     decode_step_s: float  # one decode step of one sequence: about what each request in flight adds to a step
 
 
+PROMPT_SLICE_S = 0.25  # auto: a decode node computes at most this much of a prompt in one step, at its probed rate
+
+
+def prompt_slice(prefill_tokens_per_s: float, block_size: int, step_budget: int) -> int:
+    """The automatic ``long_prefill_token_threshold`` of a decode node: the prompt tokens it computes in
+    ``PROMPT_SLICE_S`` (whole blocks, one at least), so the streams decoding beside a long prompt wait that
+    long per step, not for the whole prompt; 0 (no cap) where that reaches the step's budget (a GPU)."""
+    tokens = int(prefill_tokens_per_s * PROMPT_SLICE_S) // block_size * block_size
+    return 0 if tokens >= step_budget else max(tokens, block_size)
+
+
 @dataclass(frozen=True)
 class NodeConfig:
     node_id: str
@@ -76,7 +87,8 @@ class NodeConfig:
     num_kv_blocks: int = 1024
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
-    long_prefill_token_threshold: int = 0  # a prompt's tokens per step, at most (0: the whole step's budget)
+    # A prompt's tokens per engine step, at most (0: the step's whole budget; -1: auto, ``prompt_slice``).
+    long_prefill_token_threshold: int = -1
     host: str = "127.0.0.1"  # where every listener binds (0.0.0.0: all interfaces)
     advertise_host: str = ""  # what peers are told; "": the bind address, or the route to etcd
     transfer_backend: str = "auto"
@@ -129,7 +141,7 @@ class NodeRuntime:
                 method=cfg.speculative, num_speculative_tokens=cfg.num_speculative_tokens),
             scheduler=SchedulerConfig(max_num_seqs=cfg.max_num_seqs,
                                       max_num_batched_tokens=cfg.max_num_batched_tokens,
-                                      long_prefill_token_threshold=cfg.long_prefill_token_threshold)),
+                                      long_prefill_token_threshold=max(cfg.long_prefill_token_threshold, 0))),
             kv_allocator=self.shared_kv.allocate if self.shared_kv is not None else None)
         self.pool = self.engine.pool
         # Seeded by a start-up measurement, then kept current by every step that computes prompt tokens.
@@ -137,6 +149,9 @@ class NodeRuntime:
         self.prefill_cost = CostFit(probe.prefill_points)
         self.decode_step_s = probe.decode_step_s
         self.engine.on_prefill_step = self.prefill_cost.record
+        if cfg.long_prefill_token_threshold < 0 and cfg.role == "decode":
+            self.engine.scheduler.config = replace(self.engine.scheduler.config, long_prefill_token_threshold=prompt_slice(
+                self.prefill_tokens_per_s, cfg.block_size, cfg.max_num_batched_tokens))
         self.engine.on_token = self.on_token
         self.membership = ClusterMembership(cfg.etcd, cfg.cluster, cfg.node_id,
                                             index_namespace(self.engine.namespace), cfg.lease_ttl_s,
@@ -320,6 +335,7 @@ class NodeRuntime:
                  "num_used_blocks": usage.num_used,
                  "num_cached_blocks": usage.num_cached, "num_pinned": usage.num_pinned,
                  "num_running": len(self.engine.scheduler.running), "prefill_tokens_per_s": self.prefill_tokens_per_s,
+                 "prompt_tokens_per_step": self.engine.scheduler.config.long_prefill_token_threshold,
                  "num_unauthenticated": self.endpoint.num_refused + self.agent.num_unauthenticated,
                  "num_transfers_refused": sum(self.agent.holder.num_refused.values()),
                  "num_refused_writes": self.agent.grants.num_refused_writes,
