@@ -9,6 +9,20 @@ from kvmesh.lifecycle import stop_on_sigterm
 from kvmesh.metadata.keys import DEFAULT_CLUSTER
 
 
+def add_scheduling_arguments(p: argparse.ArgumentParser) -> None:
+    """How a node slices prompts and where its requests' KV comes from (``kvmesh serve`` passes them through)."""
+    p.add_argument("--long-prefill-token-threshold", type=int, default=-1,
+                   help="a prompt's tokens in one engine step, at most: a long prompt computed over several steps "
+                        "lets the streams decoding beside it keep going (0: the step's whole budget; -1: decode "
+                        "nodes take what they compute in a quarter second, prefill nodes the whole budget)")
+    p.add_argument("--kv-placement", default="cost", metavar="cost|cost:request|threshold:N",
+                   help="where a request's uncached KV comes from: 'cost' takes the cheapest plan by measured rates, "
+                        "a prompt computed here counting once for itself and once for each stream decoding here that "
+                        "it holds up (never costlier than computing here); 'cost:request' counts the request alone; "
+                        "'threshold:N' fetches from holders and prefill nodes whenever more than N uncached tokens "
+                        "remain (0: always disaggregate)")
+
+
 def add_node_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--node-id", required=True)
     p.add_argument("--etcd", required=True, help="host:port of the cluster's etcd")
@@ -36,10 +50,7 @@ def add_node_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-kv-blocks", type=int, default=1024)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one engine step")
-    p.add_argument("--long-prefill-token-threshold", type=int, default=-1,
-                   help="a prompt's tokens in one engine step, at most: a long prompt computed over several steps "
-                        "lets the streams decoding beside it keep going (0: the step's whole budget; -1: decode "
-                        "nodes take what they compute in a quarter second, prefill nodes the whole budget)")
+    add_scheduling_arguments(p)
     p.add_argument("--host", default="127.0.0.1", help="bind every listener here (0.0.0.0: all interfaces)")
     p.add_argument("--advertise-host", default="",
                    help="the address other hosts reach this node at (default: --host, or for 0.0.0.0 the "
@@ -60,12 +71,6 @@ def add_node_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--landing-slots", type=int, default=-1,
                    help="one-sided backends (Mooncake): blocks of host memory where pushes land before a checked "
                         "copy into the KV buffer (-1: a quarter of the KV blocks, at most 1 GiB)")
-    p.add_argument("--kv-placement", default="cost", metavar="cost|cost:request|threshold:N",
-                   help="where a request's uncached KV comes from: 'cost' takes the cheapest plan by measured rates, "
-                        "a prompt computed here counting once for itself and once for each stream decoding here that "
-                        "it holds up (never costlier than computing here); 'cost:request' counts the request alone; "
-                        "'threshold:N' fetches from holders and prefill nodes whenever more than N uncached tokens "
-                        "remain (0: always disaggregate)")
     p.add_argument("--transfer-gib-per-s", type=float, default=1.0,
                    help="the cost model's bandwidth before it has measured real transfers")
     p.add_argument("--transfer-rtt-ms", type=float, default=10.0,

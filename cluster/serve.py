@@ -20,6 +20,7 @@ from kvmesh.cluster.parts import exit_now
 from kvmesh.cluster.router import Router, RouterConfig
 from kvmesh.errors import KvmeshError
 from kvmesh.metadata.keys import DEFAULT_CLUSTER
+from kvmesh.cluster.node_main import add_scheduling_arguments
 from kvmesh.node.placement import make_placement
 
 
@@ -58,14 +59,7 @@ def add_node_share_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--disk-kv-path", default="",
                    help="folder of the nodes' disk-tier files (one per node id, re-adopted by a restart; default: "
                         "temporary folders removed at exit)")
-    p.add_argument("--long-prefill-token-threshold", type=int, default=-1,
-                   help="per node: a prompt's tokens in one engine step, at most (0: the step's whole budget; -1: "
-                        "decode nodes take what they compute in a quarter second, prefill nodes the whole budget)")
-    p.add_argument("--kv-placement", default="cost", metavar="cost|cost:request|threshold:N",
-                   help="where a request's uncached KV comes from (kvmesh/node/placement.py): 'cost' the cheapest plan, "
-                        "counting the wait its prompt computed on a decode node puts on the streams decoding there; "
-                        "'cost:request' by the request's own time alone; 'threshold:N' fetch and disaggregate past N "
-                        "uncached tokens")
+    add_scheduling_arguments(p)
 
 
 def node_share_args(args: argparse.Namespace) -> list[str]:
