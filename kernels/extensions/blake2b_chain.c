@@ -348,17 +348,19 @@ static PyObject *chain_tokens(PyObject *self, PyObject *const *args, Py_ssize_t 
         goto done;
     }
     uint8_t *bytes = (uint8_t *)PyBytes_AS_STRING(data);
-    PyObject *const *items = PySequence_Fast_ITEMS(seq);
     Py_ssize_t first_token = start_block * block_size;
+    /* the token list's items are read after the last allocation that could run a collection */
 #if BLAKE2B_CHAIN_VECTOR
     if (step == 64 && num_blocks > 0) {
         if ((hashes = PyList_New(num_blocks)) == NULL ||
-            chain_tokens_64(start, parent, items, first_token, size, num_blocks, bytes, digests, hashes) < 0)
+            chain_tokens_64(start, parent, PySequence_Fast_ITEMS(seq), first_token, size, num_blocks, bytes, digests,
+                            hashes) < 0)
             goto done; /* a list's unset items are NULL, which its deallocation skips */
     } else
 #endif
     {
-        if (convert_tokens(items, first_token, first_token + num_blocks * block_size, size, bytes) < 0)
+        if (convert_tokens(PySequence_Fast_ITEMS(seq), first_token, first_token + num_blocks * block_size, size,
+                           bytes) < 0)
             goto done;
         Py_BEGIN_ALLOW_THREADS
         chain_digests(start, parent, bytes, num_blocks, step, 0, digests);
