@@ -4,7 +4,7 @@ The planner (``kvmesh.node.planner``) prices; a placement policy decides, and th
 without knowing which one they hold:
 
     cost          (the default) the cheapest plan by the planner's costs: this request's estimate plus
-                  the wait its blocks computed here put on the streams decoding here; never costlier,
+                  the wait its blocks computed here put on the sequences running here; never costlier,
                   by them, than computing here; the index is not even read when computing here costs
                   less than one round trip
     cost:request  the same by this request's estimate alone (the streams' wait not counted): never
@@ -30,7 +30,7 @@ class Placement(Protocol):
     def worth_a_lookup(self, num_tokens: int, local_tokens_per_s: float, rtt_s: float,
                        local_queue_s: float, num_streams: int = 0) -> bool:
         """Whether reading the global index for holders can change this request's plan (``num_streams``:
-        streams decoding here)."""
+        sequences running here)."""
 
     def plan(self, req: PlanRequest) -> FetchPlan:
         """The plan for blocks ``[req.num_local, req.end)``."""
@@ -48,7 +48,7 @@ class CostPlacement:
                               num_streams if self.counts_streams else 0)
 
     def plan(self, req: PlanRequest) -> FetchPlan:
-        return plan_fetch(req if self.counts_streams or not req.num_streams else replace(req, num_streams=0))
+        return plan_fetch(req if self.counts_streams else replace(req, num_streams=0))
 
 
 @dataclass(frozen=True)

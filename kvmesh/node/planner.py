@@ -86,7 +86,7 @@ class FetchPlan(NamedTuple):
     #                 it waits for, the blocks it computes (prefill and holders work in parallel)
     seconds: float  # promote_s + ready_s: the plan's estimate
     local_seconds: float  # the best plan without peers (promotion, then compute here): what fetching must beat
-    stall_s: float = 0.0  # the streams decoding here, waiting while it computes blocks here: num_streams x that time
+    stall_s: float = 0.0  # the sequences running here, waiting while it computes blocks here: num_streams x that time
 
     @property
     def cost(self) -> float:
@@ -111,7 +111,7 @@ class FetchPlan(NamedTuple):
 def worth_a_lookup(num_tokens: int, local_tokens_per_s: float, rtt_s: float, local_queue_s: float = 0.0,
                    num_streams: int = 0) -> bool:
     """False when computing ``num_tokens`` here (after the queue here, and the wait it puts on ``num_streams``
-    streams decoding here) costs less than one round trip, so no fetch can win and the index need not be read."""
+    sequences running here) costs less than one round trip, so no fetch can win and the index need not be read."""
     return local_queue_s + (1 + num_streams) * num_tokens / max(local_tokens_per_s, 1e-9) > rtt_s
 
 
