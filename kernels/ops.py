@@ -1,6 +1,8 @@
 """The one dispatch point: every kernel call of the model goes through here.
 
-CUDA tensors take the Triton kernels; on the CPU, decode attention, prefill attention
+CUDA tensors take the Triton kernels (paged attention, the K/V store, and fused RMSNorm with its
+residual add, SiLU-mul and RoPE with the store: one launch each), except long prompts with no
+cached prefix, whose attention goes through torch's SDPA (flash kernels); on the CPU, decode attention, prefill attention
 (fp32; bf16 for a few new tokens), RMSNorm (with its fused residual add) and RoPE + K/V
 store take the native kernels (``kernels/cpu``,
 compiled on first use) where they load and take the arguments, everything else the
@@ -14,6 +16,7 @@ import functools
 import os
 
 import torch
+import torch.nn.functional as F
 
 from kvmesh.device import cpu_features
 from kvmesh.kernels.attention_metadata import AttentionMetadata
@@ -96,6 +99,8 @@ def prefill_attention(query, k_cache, v_cache, block_tables, seq_lens, query_sta
                       query_lens_cpu: list[int], seq_lens_cpu: list[int], max_query_len: int,
                       scale: float) -> torch.Tensor:
     if use_triton(query):
+        if query.is_cuda and max_query_len >= FRESH_PROMPT_SDPA_MIN_TOKENS and query_lens_cpu == seq_lens_cpu:
+            return fresh_prompts_attention(query, k_cache, v_cache, block_tables, query_lens_cpu, scale)
         from kvmesh.kernels.triton import attention
         return attention.prefill_attention(query, k_cache, v_cache, block_tables, seq_lens,
                                            query_start_loc, max_query_len, scale)
@@ -103,6 +108,31 @@ def prefill_attention(query, k_cache, v_cache, block_tables, seq_lens, query_sta
         return native.prefill_attention(query, k_cache, v_cache, block_tables, query_lens_cpu, seq_lens_cpu, scale)
     return ref_attention.prefill_attention(query, k_cache, v_cache, block_tables,
                                            query_lens_cpu, seq_lens_cpu, scale)
+
+
+# Prompts with no cached prefix this long go through SDPA on CUDA: on an H200 (docs/gpu.md) SDPA on the gathered
+# keys beat the paged kernel at 8,192 tokens and lost to it at 2,048 (the gather and launches cost more there).
+FRESH_PROMPT_SDPA_MIN_TOKENS = 4096
+
+
+def fresh_prompts_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            block_tables: torch.Tensor, query_lens_cpu: list[int], scale: float) -> torch.Tensor:
+    """Causal attention of prompts with no cached prefix (every key is one of their new tokens), through
+    torch's SDPA (its flash kernels on CUDA): each prompt's keys and values are gathered from the blocks
+    it just wrote, so the result is what the paged kernel reads, in torch's fastest attention."""
+    out = torch.empty_like(query)
+    block_size, num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
+    start = 0
+    for i, num_tokens in enumerate(query_lens_cpu):
+        blocks = block_tables[i, : -(-num_tokens // block_size)]
+        k = k_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:num_tokens].transpose(0, 1)
+        v = v_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:num_tokens].transpose(0, 1)
+        q = query[start: start + num_tokens].transpose(0, 1)
+        o = F.scaled_dot_product_attention(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), is_causal=True,
+                                           scale=scale, enable_gqa=q.shape[0] != num_kv_heads)
+        out[start: start + num_tokens] = o[0].transpose(0, 1)
+        start += num_tokens
+    return out
 
 
 def decode_attention(query, k_cache, v_cache, block_tables, seq_lens, max_seq_len: int,
@@ -129,6 +159,10 @@ def rope_store(qkv: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, k
     queries [T, Hq, D] (contiguous)."""
     if use_native(qkv) and md.slot_block_ids is not None and native.can_rope_store(qkv, cos, k_cache, v_cache):
         return native.rope_store(qkv, cos, signed_sin, k_cache, v_cache, md.slot_block_ids, md.slot_offsets, num_heads)
+    head_dim = k_cache.shape[3]
+    if use_triton(qkv) and head_dim & (head_dim - 1) == 0 and qkv.stride(-1) == 1:
+        from kvmesh.kernels.triton import fused
+        return fused.rope_store(qkv, cos, signed_sin, k_cache, v_cache, md.slot_mapping, num_heads)
     num_tokens = qkv.shape[0]
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
     q_size = num_heads * head_dim
@@ -143,6 +177,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``weight * rms_norm(x)`` over the last dim (float32 statistics, Hugging Face's roundings)."""
     if use_native(x) and native.can_norm(x, weight):
         return native.rms_norm(x, weight, eps)
+    if _can_fuse_rows(x, weight):
+        from kvmesh.kernels.triton import fused
+        return fused.rms_norm(x, weight, eps)
     return ref_norm.rms_norm(x, weight, eps)
 
 
@@ -152,7 +189,24 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
     so callers must not keep using the old ``x``."""
     if use_native(x) and native.can_norm(x, weight, residual):
         return x, native.rms_norm(x, weight, eps, residual=residual)
+    if _can_fuse_rows(x, weight) and residual.shape == x.shape and residual.stride(-1) == 1:
+        from kvmesh.kernels.triton import fused
+        return x, fused.rms_norm(x, weight, eps, residual=residual)
     return ref_norm.add_rms_norm(x, residual, weight, eps)
+
+
+def _can_fuse_rows(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """The Triton row kernels take 2-D activations with unit-stride rows and a contiguous weight."""
+    return use_triton(x) and x.dim() == 2 and x.stride(-1) == 1 and weight.is_contiguous()
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` for the fused projection ``gate_up`` [T, 2 I] (gate columns first) -> [T, I]."""
+    if use_triton(gate_up) and gate_up.dim() == 2 and gate_up.stride(-1) == 1:
+        from kvmesh.kernels.triton import fused
+        return fused.silu_mul(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
 
 
 def pack_blocks(kv_buffer: torch.Tensor, block_ids: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -21,6 +21,7 @@ if importlib.util.find_spec("triton") is None:
 # Triton is installed: a kernel module that fails to import is a failure here, not 72 silent skips.
 from kvmesh.kernels.triton import attention as triton_attn  # noqa: E402
 from kvmesh.kernels.triton import cache_ops as triton_cache  # noqa: E402
+from kvmesh.kernels.triton import fused as triton_fused  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.float16] if DEVICE == "cpu" else [torch.float32, torch.float16, torch.bfloat16]
@@ -163,6 +164,19 @@ def test_triton_prefill_attention_matches_reference(shape, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("q_lens,hq,hkv,d", [([5], 2, 2, 16), ([17, 40, 1], 4, 2, 32), ([33, 7], 6, 2, 24)])
+def test_fresh_prompts_attention_reads_the_new_blocks_like_the_paged_reference(q_lens, hq, hkv, d, dtype):
+    """The path CUDA takes for prompts without a cached prefix (SDPA over the keys gathered from the blocks)."""
+    from kvmesh.kernels import ops
+    case = make_case(23, q_lens, q_lens, hq, hkv, d, 16, dtype)
+    got = ops.fresh_prompts_attention(case.query, case.k_cache, case.v_cache, case.block_tables, q_lens, d**-0.5)
+    want = ref_attn.prefill_attention(case.query.float(), case.k_cache.float(), case.v_cache.float(),
+                                      case.block_tables, q_lens, q_lens, d**-0.5)
+    assert (got.float() - want).abs().max().item() < TOL[dtype]
+    assert (dense_oracle(case, d**-0.5) - got.double().cpu()).abs().max().item() < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("s_lens,hq,hkv,d", [([3, 16, 17, 61], 4, 4, 16), ([200, 9], 9, 3, 40),
                                              ([1000, 3], 8, 2, 32)])  # split-K with an empty split
 def test_triton_decode_attention_matches_reference(s_lens, hq, hkv, d, dtype):
@@ -205,6 +219,72 @@ def test_triton_pack_unpack_match_reference(dtype):
     triton_cache.unpack_blocks(dest, dest_ids, packed)
     assert torch.equal(dest, dest_ref)
     assert torch.equal(dest[9], buf[2]) and dest[0].abs().sum() == 0
+
+
+# Fused kernels round where the references round, so in fp32 they agree to float32 noise and in 16-bit
+# types to one rounding of the activation dtype (a 16-bit value's last place).
+FUSED_TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hidden", [64, 100])
+def test_triton_rms_norm_and_its_residual_add_match_reference(hidden, dtype):
+    from kvmesh.kernels.reference import norm as ref_norm
+    gen = torch.Generator().manual_seed(51)
+    x = (torch.randn(7, hidden, generator=gen) * 3).to(dtype).to(DEVICE)
+    residual = torch.randn(7, hidden, generator=gen).to(dtype).to(DEVICE)
+    weight = (torch.rand(hidden, generator=gen) + 0.5).to(dtype).to(DEVICE)
+    want = ref_norm.rms_norm(x, weight, 1e-5)
+    got = triton_fused.rms_norm(x.clone(), weight, 1e-5)
+    assert (got.float() - want.float()).abs().max().item() <= FUSED_TOL[dtype] * want.float().abs().max().item()
+    want_sum, want_normed = ref_norm.add_rms_norm(x, residual, weight, 1e-5)
+    stream = x.clone()
+    got_normed = triton_fused.rms_norm(stream, weight, 1e-5, residual=residual)
+    assert torch.equal(stream, want_sum)  # the sum lands in the stream, in place, exactly
+    assert (got_normed.float() - want_normed.float()).abs().max().item() <= \
+        FUSED_TOL[dtype] * want_normed.float().abs().max().item()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_triton_silu_mul_matches_reference(dtype):
+    gen = torch.Generator().manual_seed(52)
+    gate_up = (torch.randn(5, 2 * 3000, generator=gen) * 4).to(dtype).to(DEVICE)  # two column tiles, a ragged one
+    gate, up = gate_up.chunk(2, dim=-1)
+    want = torch.nn.functional.silu(gate) * up
+    got = triton_fused.silu_mul(gate_up)
+    assert got.shape == want.shape
+    assert (got.float() - want.float()).abs().max().item() <= FUSED_TOL[dtype] * want.float().abs().max().item()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(4, 2, 16), (6, 2, 64), (3, 3, 32)])
+def test_triton_rope_store_matches_reference(num_heads, num_kv_heads, head_dim, dtype, monkeypatch):
+    from kvmesh.kernels import ops
+    from kvmesh.kernels.attention_metadata import AttentionMetadata
+    from kvmesh.model.rope import RotaryEmbedding
+    gen = torch.Generator().manual_seed(53)
+    num_tokens = 11
+    qkv = torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, generator=gen).to(dtype).to(DEVICE)
+    rope = RotaryEmbedding(head_dim, 64, 10000.0, None).to(DEVICE)
+    positions = torch.randint(0, 64, (num_tokens,), generator=gen).to(DEVICE)
+    cos, sin = rope.lookup(positions, dtype)
+    md = AttentionMetadata.build(query_lens=[num_tokens], seq_lens=[num_tokens], block_tables=[[3, 1]],
+                                 block_size=16, device=DEVICE)
+    md.slot_mapping[[2, 7]] = -1  # padding rows: nothing stored for them
+    buf = torch.zeros(4, 2, 2, 16, num_kv_heads, head_dim, dtype=dtype, device=DEVICE)
+    monkeypatch.setenv("KVMESH_KERNELS", "torch")
+    want_buf = buf.clone()
+    md.slot_block_ids = md.slot_offsets = None  # the reference writes by slot, like the kernel
+    want_q = ops.rope_store(qkv, cos, sin, want_buf[:, 1, 0], want_buf[:, 1, 1], md, num_heads)
+    got_buf = buf.clone()
+    got_q = triton_fused.rope_store(qkv, cos, sin, got_buf[:, 1, 0], got_buf[:, 1, 1], md.slot_mapping, num_heads)
+    assert got_q.shape == want_q.shape and got_q.is_contiguous()
+    tol = FUSED_TOL[dtype] * 4  # rotated values are up to ~2x the inputs
+    assert (got_q.float() - want_q.float()).abs().max().item() <= tol
+    assert (got_buf.float() - want_buf.float()).abs().max().item() <= tol
+    assert want_buf.abs().sum() > 0 and torch.equal(got_buf[:, 0], buf[:, 0])  # only layer 1 written
+    written = (got_buf[:, 1, 0].abs().sum(dim=(-1, -2)) > 0).sum().item()
+    assert written == num_tokens - 2  # the two padding rows stored nothing
 
 
 def test_model_forward_through_triton_dispatch_matches_torch(tiny_llama, monkeypatch):

@@ -128,3 +128,22 @@ def test_auto_dtype_follows_the_cpu(monkeypatch):
     assert config.parse_dtype("auto") == torch.float32
     assert config.parse_dtype("auto", "cuda") == torch.bfloat16
     assert config.parse_dtype("bf16") == torch.bfloat16
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen3"])
+def test_benchmark_twin_holds_kvmesh_weights_and_computes_what_kvmesh_does(name):
+    """bench model's transformers twin: kvmesh's own tensors (no second copy at 8B), the same logits."""
+    from kvmesh.bench.model import _hf_twin
+
+    llm = LLM(name, num_kv_blocks=64, progress=False)
+    exported = llm.loaded.model.hf_state_dict()  # (on the CPU packed linears export fresh tensors each call)
+    llm.loaded.model.hf_state_dict = lambda: exported
+    hf = _hf_twin(llm.loaded)
+    for name, param in hf.named_parameters():  # taken as they are: no second copy of the weights
+        assert param.data_ptr() == exported[name].data_ptr(), name
+    tokens = list(range(3, 40))
+    want, _, _ = run_prefill(llm.loaded, tokens)
+    with torch.inference_mode():
+        got = hf(torch.tensor([tokens])).logits[0].float()
+    assert (got - want).abs().max().item() < 1e-4
+    llm.engine.check_integrity()

@@ -1,30 +1,64 @@
 """Triton paged attention: prefill over a cached prefix (flash-style tiles) and batched decode.
 
 Both read every key from the paged buffer with an online softmax in float32. Prefill
-steps one KV block (``block_size`` positions) per iteration; decode gathers ``block_n``
-keys across pages per step, runs a whole GQA group per program and splits long
+runs query tiles (128 rows for 16-bit prompts) against ``block_n`` keys gathered across pages
+per step, unmasked up to the tile's diagonal; decode gathers ``block_n`` keys across pages per step, runs a whole GQA group per program and splits long
 contexts over several programs (split-K), merged by a second kernel.
 """
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
+LOG2_E = 1.4426950408889634  # softmax through exp2: scores are scaled by log2(e) once
+
+
+@triton.jit
+def _prefill_tile(acc, m_i, l_i, q, q_pos, k_cache_ptr, v_cache_ptr, table_ptr, first, last, seq_len, kv_head,
+                  dims, dim_mask, qk_scale, c_stride_block, c_stride_pos, c_stride_h,
+                  MASKED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, PRECISION: tl.constexpr):
+    """Keys [first, last) in steps of BLOCK_N, gathered across pages, into the running softmax. MASKED:
+    the causal diagonal and the sequence's end are checked (the steps before the diagonal skip it)."""
+    cols = tl.arange(0, BLOCK_N)
+    for start in range(first, last, BLOCK_N):
+        pos = start + cols
+        page = tl.load(table_ptr + pos // BLOCK_SIZE, mask=pos < seq_len, other=0).to(tl.int64)
+        kv_offsets = page[:, None] * c_stride_block + (pos % BLOCK_SIZE)[:, None] * c_stride_pos \
+            + kv_head * c_stride_h + dims[None, :]
+        kv_mask = (pos < seq_len)[:, None] & dim_mask[None, :]
+        k = tl.load(k_cache_ptr + kv_offsets, mask=kv_mask, other=0.0).to(q.dtype)
+        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+        if MASKED:
+            visible = (pos[None, :] <= q_pos[:, None]) & (pos < seq_len)[None, :]
+            scores = tl.where(visible, scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, 1))
+        p = tl.math.exp2(scores - m_new[:, None])
+        alpha = tl.math.exp2(m_i - m_new)
+        v = tl.load(v_cache_ptr + kv_offsets, mask=kv_mask, other=0.0).to(q.dtype)
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=PRECISION)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        m_i = m_new
+    return acc, m_i, l_i
+
 
 @triton.jit
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, out_ptr,
-    scale, q_stride_t, q_stride_h, o_stride_t, o_stride_h, bt_stride_b,
+    qk_scale, q_stride_t, q_stride_h, o_stride_t, o_stride_h, bt_stride_b,
     c_stride_block, c_stride_pos, c_stride_h,
     head_dim, group_size,
-    BLOCK_M: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_D: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
-    seq = tl.program_id(0)
+    """One (query tile, head, sequence). The last tiles of a prompt attend to the most keys, so the grid
+    runs them first; keys before the tile's diagonal take the unmasked loop."""
+    tile = tl.num_programs(0) - 1 - tl.program_id(0)
     head = tl.program_id(1)
-    tile = tl.program_id(2)
+    seq = tl.program_id(2)
     q_start = tl.load(query_start_loc_ptr + seq)
     q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
     if tile * BLOCK_M >= q_len:
@@ -37,34 +71,52 @@ def _prefill_kernel(
     row_mask = rows < q_len
     dims = tl.arange(0, BLOCK_D)
     dim_mask = dims < head_dim
-    q_offsets = (q_start + rows)[:, None] * q_stride_t + head * q_stride_h + dims[None, :]
+    q_offsets = (q_start + rows).to(tl.int64)[:, None] * q_stride_t + head * q_stride_h + dims[None, :]
     q = tl.load(q_ptr + q_offsets, mask=row_mask[:, None] & dim_mask[None, :], other=0.0)
     q_pos = context_len + rows
 
     m_i = tl.zeros([BLOCK_M], dtype=tl.float32) - float("inf")
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    table_ptr = block_tables_ptr + seq * bt_stride_b
+    diagonal = (context_len + tile * BLOCK_M) // BLOCK_N * BLOCK_N  # every key before it is seen by every row
     last_key = tl.minimum(context_len + (tile + 1) * BLOCK_M, seq_len)
-    slots = tl.arange(0, BLOCK_SIZE)
-    for j in range(0, tl.cdiv(last_key, BLOCK_SIZE)):
-        block = tl.load(block_tables_ptr + seq * bt_stride_b + j).to(tl.int64)
-        k_pos = j * BLOCK_SIZE + slots
-        kv_offsets = block * c_stride_block + slots[:, None] * c_stride_pos + kv_head * c_stride_h + dims[None, :]
-        kv_mask = (k_pos < seq_len)[:, None] & dim_mask[None, :]
-        k = tl.load(k_cache_ptr + kv_offsets, mask=kv_mask, other=0.0).to(q.dtype)
-        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
-        visible = (k_pos[None, :] <= q_pos[:, None]) & (k_pos < seq_len)[None, :]
-        scores = tl.where(visible, scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, 1))
-        p = tl.exp(scores - m_new[:, None])
-        alpha = tl.exp(m_i - m_new)
-        v = tl.load(v_cache_ptr + kv_offsets, mask=kv_mask, other=0.0).to(q.dtype)
-        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=PRECISION)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        m_i = m_new
+    acc, m_i, l_i = _prefill_tile(acc, m_i, l_i, q, q_pos, k_cache_ptr, v_cache_ptr, table_ptr, 0, diagonal,
+                                  seq_len, kv_head, dims, dim_mask, qk_scale, c_stride_block, c_stride_pos,
+                                  c_stride_h, False, BLOCK_N, BLOCK_SIZE, PRECISION)
+    acc, m_i, l_i = _prefill_tile(acc, m_i, l_i, q, q_pos, k_cache_ptr, v_cache_ptr, table_ptr, diagonal, last_key,
+                                  seq_len, kv_head, dims, dim_mask, qk_scale, c_stride_block, c_stride_pos,
+                                  c_stride_h, True, BLOCK_N, BLOCK_SIZE, PRECISION)
     out = acc / l_i[:, None]
-    o_offsets = (q_start + rows)[:, None] * o_stride_t + head * o_stride_h + dims[None, :]
+    o_offsets = (q_start + rows).to(tl.int64)[:, None] * o_stride_t + head * o_stride_h + dims[None, :]
     tl.store(out_ptr + o_offsets, out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & dim_mask[None, :])
+
+
+class PrefillConfig(NamedTuple):
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+def prefill_config(dtype: torch.dtype, head_dim: int, max_query_len: int) -> PrefillConfig:
+    """Tiles by dtype, prompt length and device, from ``kvmesh bench kernels``' sweep on an H200 (docs/gpu.md):
+    16-bit prompts past 64 tokens take 128 x 128 tiles where the shared memory holds them (Hopper), 128 x 64
+    elsewhere; short ones 64-row tiles or less. float32 keeps small tiles (its operands are twice the size, and it
+    is the tests' dtype, not a serving one)."""
+    if dtype == torch.float32:
+        return PrefillConfig(32, 32, 4, 2)
+    if max_query_len <= 64:
+        return PrefillConfig(max(16, triton.next_power_of_2(max_query_len)), 64, 4, 3)
+    if head_dim <= 128 and _large_shared_memory():
+        return PrefillConfig(128, 128, 8, 2)
+    return PrefillConfig(128, 64, 8 if head_dim > 64 else 4, 3 if head_dim <= 128 else 2)
+
+
+@functools.cache
+def _large_shared_memory() -> bool:
+    """Hopper and later: 228 KB of shared memory per SM (two stages of 128 x 128 K/V tiles fit)."""
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
 
 
 def prefill_attention(
@@ -76,24 +128,28 @@ def prefill_attention(
     query_start_loc: torch.Tensor,
     max_query_len: int,
     scale: float,
-    block_m: int = 16,
+    config: PrefillConfig | None = None,
 ) -> torch.Tensor:
-    """query [T, Hq, D] (sequences back to back) -> [T, Hq, D]; see AttentionMetadata."""
+    """query [T, Hq, D] (sequences back to back) -> [T, Hq, D]; see AttentionMetadata. ``config``
+    overrides the tile choice (benchmarks sweep it)."""
     num_tokens, num_heads, head_dim = query.shape
     out = torch.empty_like(query)
     num_seqs = seq_lens.numel()
     if num_tokens == 0 or num_seqs == 0:
         return out
     block_size = k_cache.shape[1]
-    assert block_size >= 16 and block_size & (block_size - 1) == 0, "Triton path needs a power-of-two block_size >= 16"
-    grid = (num_seqs, num_heads, triton.cdiv(max_query_len, block_m))
+    assert block_size & (block_size - 1) == 0, "Triton path needs a power-of-two block_size"
+    cfg = config or prefill_config(query.dtype, head_dim, max_query_len)
+    grid = (triton.cdiv(max_query_len, cfg.block_m), num_heads, num_seqs)
     _prefill_kernel[grid](
         query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out,
-        scale, query.stride(0), query.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
+        scale * LOG2_E, query.stride(0), query.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         head_dim, num_heads // k_cache.shape[2],
-        BLOCK_M=block_m, BLOCK_SIZE=block_size, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_SIZE=block_size,
+        BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
         PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out
 

@@ -6,7 +6,9 @@
              datasheet HBM peak where the device is known
     prefill  paged prefill attention (causal, no cached prefix) against
              torch.nn.functional.scaled_dot_product_attention on the same q/k/v:
-             TFLOP/s of both and their ratio
+             TFLOP/s of both and their ratio, for the Triton kernel (default tiles and a
+             sweep of others, each checked against SDPA's output) and for kvmesh's
+             dispatch (which sends prompts without a cached prefix through SDPA)
 
 Shapes are a Llama-3-8B layer (32 query heads, 8 KV heads, head dim 128), block size 16,
 blocks scattered at random. Times are CUDA-event medians. Needs a CUDA device.
@@ -68,8 +70,13 @@ def bench_decode(batch: int, context: int, dtype: torch.dtype, gen: torch.Genera
             "kv_bytes_per_s": kv_bytes / (ms / 1e3)}
 
 
+# Tile choices the prefill row also times (the default is kernels.triton.attention.prefill_config's).
+PREFILL_SWEEP = [(64, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 2), (128, 32, 4, 3), (64, 32, 4, 4)]
+
+
 def bench_prefill(length: int, dtype: torch.dtype, gen: torch.Generator) -> dict:
-    from kvmesh.kernels.triton.attention import prefill_attention
+    from kvmesh.kernels import ops
+    from kvmesh.kernels.triton.attention import PrefillConfig, prefill_attention
 
     k, v, num_blocks = _paged_cache(length, dtype, gen)
     per_seq = -(-length // BLOCK_SIZE)
@@ -77,7 +84,11 @@ def bench_prefill(length: int, dtype: torch.dtype, gen: torch.Generator) -> dict
     q = torch.randn(length, NUM_HEADS, HEAD_DIM, generator=gen, device="cuda", dtype=torch.float32).to(dtype)
     seq_lens = torch.tensor([length], dtype=torch.int32, device="cuda")
     qsl = torch.tensor([0, length], dtype=torch.int32, device="cuda")
-    triton_ms = _time_ms(lambda: prefill_attention(q, k, v, block_tables, seq_lens, qsl, length, HEAD_DIM ** -0.5))
+    scale = HEAD_DIM ** -0.5
+    triton_ms = _time_ms(lambda: prefill_attention(q, k, v, block_tables, seq_lens, qsl, length, scale))
+    # What the model runs for a prompt with no cached prefix (the dispatch in kernels/ops).
+    kvmesh_ms = _time_ms(lambda: ops.prefill_attention(q, k, v, block_tables, seq_lens, qsl, [length], [length],
+                                                       length, scale))
     # The same keys and values, contiguous, for SDPA (GQA by repeating KV heads, as most callers do).
     flat = block_tables[0].long()
     kk = k[flat].reshape(-1, NUM_KV_HEADS, HEAD_DIM)[:length].transpose(0, 1)
@@ -87,10 +98,31 @@ def bench_prefill(length: int, dtype: torch.dtype, gen: torch.Generator) -> dict
     qq = q.transpose(0, 1)[None]
     sdpa = torch.nn.functional.scaled_dot_product_attention
     sdpa_ms = _time_ms(lambda: sdpa(qq, kk, vv, is_causal=True))
+    want = sdpa(qq, kk, vv, is_causal=True)[0].transpose(0, 1).float()
+    sweep = []
+    for cfg in map(PrefillConfig._make, PREFILL_SWEEP):
+        try:
+            got = prefill_attention(q, k, v, block_tables, seq_lens, qsl, length, scale, config=cfg)
+            ms = _time_ms(lambda: prefill_attention(q, k, v, block_tables, seq_lens, qsl, length, scale, config=cfg))
+            sweep.append({"config": list(cfg), "ms": ms, "vs_sdpa": sdpa_ms / ms,
+                          "max_abs_diff": (got.float() - want).abs().max().item()})
+        except Exception as exc:  # a tile that does not fit this device's shared memory
+            sweep.append({"config": list(cfg), "error": str(exc)[:200]})
     flops = 2 * 2 * NUM_HEADS * HEAD_DIM * length * length / 2  # QK^T and PV, causal half
+    dispatched = ops.prefill_attention(q, k, v, block_tables, seq_lens, qsl, [length], [length], length, scale)
     return {"length": length, "dtype": str(dtype).removeprefix("torch."), "triton_ms": triton_ms,
             "sdpa_ms": sdpa_ms, "triton_tflops": flops / (triton_ms / 1e3) / 1e12,
-            "sdpa_tflops": flops / (sdpa_ms / 1e3) / 1e12, "triton_vs_sdpa": sdpa_ms / triton_ms}
+            "sdpa_tflops": flops / (sdpa_ms / 1e3) / 1e12, "triton_vs_sdpa": sdpa_ms / triton_ms,
+            "kvmesh_ms": kvmesh_ms, "kvmesh_vs_sdpa": sdpa_ms / kvmesh_ms,
+            "kvmesh_max_abs_diff": (dispatched.float() - want).abs().max().item(), "triton_sweep": sweep}
+
+
+def _best_tile(sweep: list[dict]) -> str:
+    timed = [r for r in sweep if "ms" in r]
+    if not timed:
+        return "-"
+    best = max(timed, key=lambda r: r["vs_sdpa"])
+    return f"{best['config']}: {best['vs_sdpa']:.2f}"
 
 
 def run(json_path: str | None, quick: bool = False) -> dict:
@@ -119,10 +151,13 @@ def run(json_path: str | None, quick: bool = False) -> dict:
                 [[r["dtype"], r["batch"], r["context"], f"{r['ms']:.3f}", f"{r['kv_bytes_per_s'] / 1e12:.2f}",
                   f"{r['of_copy_bandwidth']:.2f}", f"{r['of_hbm_peak']:.2f}" if peak else "-"]
                  for r in res["decode"]])
-    print_table("causal prefill attention: Triton (paged) vs torch SDPA (contiguous)",
-                ["dtype", "tokens", "Triton ms", "SDPA ms", "Triton TFLOP/s", "SDPA TFLOP/s", "SDPA time / Triton"],
-                [[r["dtype"], r["length"], f"{r['triton_ms']:.3f}", f"{r['sdpa_ms']:.3f}",
-                  f"{r['triton_tflops']:.1f}", f"{r['sdpa_tflops']:.1f}", f"{r['triton_vs_sdpa']:.2f}"]
+    print_table("causal prefill attention: Triton (paged), kvmesh's dispatch (SDPA on the gathered new tokens) "
+                "vs torch SDPA (contiguous)",
+                ["dtype", "tokens", "Triton ms", "kvmesh ms", "SDPA ms", "Triton TFLOP/s", "SDPA TFLOP/s",
+                 "SDPA time / Triton", "SDPA time / kvmesh", "best Triton tile"],
+                [[r["dtype"], r["length"], f"{r['triton_ms']:.3f}", f"{r['kvmesh_ms']:.3f}", f"{r['sdpa_ms']:.3f}",
+                  f"{r['triton_tflops']:.1f}", f"{r['sdpa_tflops']:.1f}", f"{r['triton_vs_sdpa']:.2f}",
+                  f"{r['kvmesh_vs_sdpa']:.2f}", _best_tile(r["triton_sweep"])]
                  for r in res["prefill"]])
     write_json(json_path, res)
     return res

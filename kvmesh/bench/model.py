@@ -22,12 +22,17 @@ from kvmesh.bench.report import machine, print_table, time_call, write_json
 
 
 def _hf_twin(loaded):
+    """transformers' model of the same config holding kvmesh's own weight tensors (views, no copy), built on
+    kvmesh's device: at 8B a second copy built on the host and moved over would take minutes and 16 GB more."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from kvmesh.model.config import to_hf_dict
 
-    hf = AutoModelForCausalLM.from_config(AutoConfig.for_model(**to_hf_dict(loaded.config)), dtype=loaded.dtype)
-    hf.load_state_dict(loaded.model.hf_state_dict(), strict=True)
+    with torch.device(loaded.device):
+        hf = AutoModelForCausalLM.from_config(AutoConfig.for_model(**to_hf_dict(loaded.config)), dtype=loaded.dtype)
+    hf.load_state_dict(loaded.model.hf_state_dict(), strict=True, assign=True)
+    if loaded.config.tie_word_embeddings:
+        hf.lm_head.weight = hf.model.embed_tokens.weight
     return hf.eval()
 
 
@@ -166,6 +171,7 @@ def run(model: str, json_path: str | None, prefill_lens: tuple[int, ...] = (512,
               progress=False, load_format=load_format)
     dev = llm.loaded.device
     static = dev.type == "cuda" if static is None else static
+    _say(f"{model} loaded on {device_name(dev)}; building transformers' twin on the same weights")
     hf = _hf_twin(llm.loaded).to(dev)  # in the same dtype, on the same device
     vocab = llm.loaded.config.vocab_size
     res: dict = {"machine": machine(), "model": model, "load_format": load_format,
@@ -179,6 +185,7 @@ def run(model: str, json_path: str | None, prefill_lens: tuple[int, ...] = (512,
     for n in prefill_lens:
         if n >= llm.engine.max_model_len:
             continue
+        _say(f"prefill of {n} tokens")
         ids = torch.randint(0, vocab, (n,)).tolist()
         # Fresh prompts each round, so kvmesh's prefix cache cannot help.
         prompts = iter([[(t + r) % vocab for t in ids] for r in range(repeat + 2)])
@@ -188,6 +195,8 @@ def run(model: str, json_path: str | None, prefill_lens: tuple[int, ...] = (512,
         res["prefill"].append({"tokens": n, "kvmesh_s": t_ours, "transformers_s": t_hf, "speedup": t_hf / t_ours})
         write_json(json_path, res)  # a run cut short still reports what it measured
     for i, batch in enumerate(batches):
+        _say(f"decode at batch {batch} (warm-ups compile transformers' static cache first)" if static else
+             f"decode at batch {batch}")
         row_run = _DecodeRow(llm, hf, batch, context, decode_tokens, static, seed=i)
         row = row_run.measure(repeat)
         if dev.type == "cuda":
@@ -199,6 +208,11 @@ def run(model: str, json_path: str | None, prefill_lens: tuple[int, ...] = (512,
         write_json(json_path, res)
     _print(res, static)
     return res
+
+
+def _say(what: str) -> None:
+    """One progress line (long runs on a device are read from their log)."""
+    print(f"[bench model {time.strftime('%H:%M:%S')}] {what}", flush=True)
 
 
 def _print(res: dict, static: bool) -> None:

@@ -77,6 +77,7 @@ def test_bf16_graph_logits_match_eager_logits():
     assert (got - same_shape).abs().max().item() < 1e-2  # replay == the captured computation
     # Against the plain eager step, split-K sized from the context limit sums in another order; bf16 rounding
     # through 30 layers of random weights amplifies that (fp32 greedy tokens are identical, test above). On an
-    # H200: 3 of 5 rows identical, mean |diff| 0.058, max 0.78 on logits of magnitude ~6.
-    assert (got - plain).abs().mean().item() < 0.1 and (got - plain).abs().max().item() < 1.5
+    # H200: 3 of 5 rows identical, mean |diff| 0.058, max 0.78 on logits of magnitude ~6; with the fused
+    # norm / RoPE / SiLU kernels (another rounding order again) mean |diff| 0.139 on a second H200.
+    assert (got - plain).abs().mean().item() < 0.25 and (got - plain).abs().max().item() < 1.5
     assert (got.argmax(-1) == plain.argmax(-1)).sum().item() >= 4
