@@ -80,6 +80,21 @@ MUTATIONS = (
              "        if memo[0] != self._epoch[last]:",
              "        if False:",
              ("tests/test_block_pool.py", "-k", "memo_from_before")),
+    Mutation("the paged prefill kernel skips the causal mask one step past the diagonal",
+             "kernels/triton/attention.py",
+             "    diagonal = (context_len + tile * BLOCK_M) // BLOCK_N * BLOCK_N",
+             "    diagonal = (context_len + tile * BLOCK_M + BLOCK_N) // BLOCK_N * BLOCK_N",
+             ("tests/test_kernels.py", "-k", "prefill")),
+    Mutation("the fused RoPE multiplies the keys by the sine where the cosine belongs",
+             "kernels/triton/fused.py",
+             "    rotated = ((x.to(tl.float32) * cos)",
+             "    rotated = ((x.to(tl.float32) * sin)",
+             ("tests/test_kernels.py", "-k", "rope_store")),
+    Mutation("the fused RMSNorm drops the residual from the stream it writes back",
+             "kernels/triton/fused.py",
+             "        tl.store(x_ptr + row * x_stride + cols, x, mask=mask)",
+             "        tl.store(x_ptr + row * x_stride + cols, x - x, mask=mask)",
+             ("tests/test_kernels.py", "-k", "rms_norm")),
 )
 
 
