@@ -2,13 +2,12 @@
 
 CUDA tensors take the Triton kernels (paged attention, the K/V store, and fused RMSNorm with its
 residual add, SiLU-mul and RoPE with the store: one launch each), except long prompts with no
-cached prefix, whose attention goes through torch's SDPA (flash kernels); on the CPU, decode attention, prefill attention
-(fp32; bf16 for a few new tokens), RMSNorm (with its fused residual add) and RoPE + K/V
-store take the native kernels (``kernels/cpu``,
-compiled on first use) where they load and take the arguments, everything else the
-torch reference. ``KVMESH_KERNELS=torch`` forces the reference anywhere;
-``KVMESH_KERNELS=triton`` forces Triton (on the CPU that needs ``TRITON_INTERPRET=1``,
-for tests).
+cached prefix, whose attention goes through torch's SDPA (flash kernels). On the CPU, decode
+attention, prefill attention (fp32; bf16 for a few new tokens), RMSNorm (with its fused residual
+add) and RoPE + K/V store take the native kernels (``kernels/cpu``, compiled on first use) where
+they load and take the arguments, everything else the torch reference. ``KVMESH_KERNELS=torch``
+forces the reference anywhere; ``KVMESH_KERNELS=triton`` forces Triton (on the CPU that needs
+``TRITON_INTERPRET=1``, for tests).
 """
 from __future__ import annotations
 
@@ -159,12 +158,11 @@ def rope_store(qkv: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, k
     queries [T, Hq, D] (contiguous)."""
     if use_native(qkv) and md.slot_block_ids is not None and native.can_rope_store(qkv, cos, k_cache, v_cache):
         return native.rope_store(qkv, cos, signed_sin, k_cache, v_cache, md.slot_block_ids, md.slot_offsets, num_heads)
-    head_dim = k_cache.shape[3]
+    num_tokens = qkv.shape[0]
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
     if use_triton(qkv) and head_dim & (head_dim - 1) == 0 and qkv.stride(-1) == 1:
         from kvmesh.kernels.triton import fused
         return fused.rope_store(qkv, cos, signed_sin, k_cache, v_cache, md.slot_mapping, num_heads)
-    num_tokens = qkv.shape[0]
-    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
     q_size = num_heads * head_dim
     qk = qkv[:, : q_size + num_kv_heads * head_dim].view(num_tokens, num_heads + num_kv_heads, head_dim)
     qk = rotate(qk, cos, signed_sin)  # queries and keys side by side in the fused projection: one rotation

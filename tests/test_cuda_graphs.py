@@ -52,3 +52,27 @@ def test_padded_decode_forward_equals_the_plain_one_and_padding_writes_nothing()
     assert inputs.slot_mapping.tolist() == [-1] * 16 and inputs.seq_lens.tolist() == [1] * 16
     with pytest.raises(ValueError):
         inputs.fill([1], [0], [list(range(inputs.width + 1))], [1])
+
+
+def test_staged_tables_follow_every_change_between_steps():
+    """fill() rewrites only rows whose table changed: grown, replaced in place, moved to another row."""
+    inputs = DecodeInputs(max_batch=8, max_model_len=256, block_size=16, device=torch.device("cpu"))
+
+    def step(tables: list[list[int]], seq_lens: list[int], num_rows: int = 8) -> None:
+        positions = [n - 1 for n in seq_lens]
+        inputs.fill([7] * len(tables), positions, tables, seq_lens, num_rows=num_rows)
+        for row, (table, pos) in enumerate(zip(tables, positions)):
+            assert inputs.block_tables[row, : len(table)].tolist() == table
+            assert inputs.slot_mapping[row].item() == table[pos // 16] * 16 + pos % 16
+        assert inputs.slot_mapping[len(tables):num_rows].tolist() == [-1] * (num_rows - len(tables))
+        assert inputs.seq_lens[: len(tables)].tolist() == seq_lens
+
+    a, b, c = [5, 6], [9], [11, 12, 13]
+    step([a, b, c], [20, 3, 40])
+    step([a, b, c], [21, 4, 41])  # unchanged tables
+    b.append(10)  # grown in place (the list the sequence owns)
+    step([a, b, c], [22, 17, 42])
+    a[1] = 30  # a block swapped in place, same length (a tainted block replaced)
+    step([a, b, c], [23, 18, 43])
+    step([c, a], [44, 24], num_rows=4)  # the batch shrinks (row 2 becomes padding) and its rows move
+    step([b, c, a, [1, 2, 3, 4]], [19, 45, 25, 60], num_rows=4)

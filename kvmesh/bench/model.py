@@ -6,7 +6,7 @@ forward, its SDPA attention). Decode, per batch size: a batch of ``context``-tok
 decode tokens per second are ``batch * (N - 1)`` over the time of generating N tokens minus the time
 of generating one (the prefill cancels out, so long contexts measure decoding only). Baselines:
 transformers ``generate`` with its default cache and, on request (default on CUDA), with a static
-cache (``cache_implementation="static"``: a compiled forward). On CUDA each row also reports
+cache (a ``StaticCache``, which ``generate`` runs through a compiled forward). On CUDA each row also reports
 ``gpu_busy`` (device time of a decode step's graph replay over the step's wall time) and the
 kernels one decode step launches per layer (profiler, eager step). Runs alternate between the
 implementations and report medians: a noisy neighbour hits both alike.
@@ -110,6 +110,7 @@ class _DecodeRow:
         gen = torch.Generator().manual_seed(seed)
         self.prompts = torch.randint(0, self.vocab, (batch, context), generator=gen).tolist()
         self.shift = 0
+        self._static_cache = None
 
     def ours(self, n: int) -> float:
         from kvmesh.engine.sampling_params import SamplingParams
@@ -130,10 +131,22 @@ class _DecodeRow:
         self.sync(self.dev)
         return time.perf_counter() - start
 
+    def theirs_static(self, n: int) -> float:
+        """transformers with a static cache (its compiled decode): one cache of the row's longest length for
+        every call, reset in between, so the forward compiles for one shape instead of one per length."""
+        from transformers import StaticCache
+
+        if self._static_cache is None:
+            self._static_cache = StaticCache(config=self.hf.config, max_cache_len=len(self.prompts[0]) + self.new_tokens)
+        else:
+            with torch.inference_mode():  # its tensors were made there
+                self._static_cache.reset()
+        return self.theirs(n, past_key_values=self._static_cache)
+
     def measure(self, repeat: int) -> dict:
         sides = {"kvmesh": self.ours, "transformers": self.theirs}
         if self.static:
-            sides["transformers_static"] = lambda n: self.theirs(n, cache_implementation="static")
+            sides["transformers_static"] = self.theirs_static
         for fn in sides.values():  # warm-up: allocator, graphs, compilation for these shapes
             fn(4)
             fn(1)

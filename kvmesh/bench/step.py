@@ -12,7 +12,9 @@ steady state of that many running decodes; per step (median over ``--steps``):
     sample     logits -> tokens and logprobs
     outputs    emitting tokens, advancing and finishing sequences, caching full blocks
 
-and the number of torch ops one forward dispatches (and per layer). JSON + table.
+and, apart from those (the CPU path does not do it), ``graph_inputs``: staging the step's inputs for a
+CUDA-graph replay (``DecodeInputs.fill`` into host buffers like a GPU node's), which a GPU step adds to
+its host time; and the number of torch ops one forward dispatches (and per layer). JSON + table.
 """
 from __future__ import annotations
 
@@ -40,14 +42,18 @@ class _CountOps(TorchDispatchMode):
 def _one_batch(model: str, batch: int, steps: int) -> dict:
     from kvmesh import LLM, SamplingParams
 
+    from kvmesh.engine.cuda_graphs import DecodeInputs, bucket_for, buckets_for
+
     llm = LLM(model, num_kv_blocks=max(1024, batch * 16), max_num_seqs=batch, progress=False)
     engine, runner = llm.engine, llm.engine.runner
+    buckets = buckets_for(batch)
+    staging = DecodeInputs(buckets[-1], engine.max_model_len, runner.block_size, torch.device("cpu"))
     params = SamplingParams(max_tokens=steps + 16, temperature=0.0, ignore_eos=True)
     for i in range(batch):
         engine.add_request([(7 * i + j) % 250 for j in range(32)], params)
     while any(seq.is_prefilling for seq in engine.scheduler.running) or engine.scheduler.waiting:
         engine.step()  # every prompt computed: from here on, decode-only steps
-    times = {phase: [] for phase in PHASES}
+    times = {phase: [] for phase in (*PHASES, "graph_inputs")}
     num_ops = 0
     for step in range(steps):
         t0 = time.perf_counter()
@@ -55,6 +61,10 @@ def _one_batch(model: str, batch: int, steps: int) -> dict:
         t1 = time.perf_counter()
         prepared = runner.prepare(out.batch, {})
         t2 = time.perf_counter()
+        staging.fill(prepared.input_ids, prepared.positions, prepared.tables, prepared.seq_lens,
+                     num_rows=bucket_for(buckets, len(prepared.input_ids)))
+        t_staged = time.perf_counter()
+        times["graph_inputs"].append((t_staged - t2) * 1e6)
         if step == 0:
             with _CountOps() as counter:
                 forward = runner.forward(prepared)
@@ -66,10 +76,11 @@ def _one_batch(model: str, batch: int, steps: int) -> dict:
         t4 = time.perf_counter()
         engine.finish_step(out.batch, {}, results)
         t5 = time.perf_counter()
-        for phase, (a, b) in zip(PHASES, ((t0, t1), (t1, t2), (t2, t3), (t3, t4), (t4, t5))):
+        for phase, (a, b) in zip(PHASES, ((t0, t1), (t1, t2), (t_staged, t3), (t3, t4), (t4, t5))):
             times[phase].append((b - a) * 1e6)
     row = {"batch": batch, **{f"{p}_us": statistics.median(times[p]) for p in PHASES}}
     row["total_us"] = sum(row[f"{p}_us"] for p in PHASES)
+    row["graph_inputs_us"] = statistics.median(times["graph_inputs"])
     row["torch_ops_per_step"] = num_ops
     row["torch_ops_per_layer"] = num_ops / llm.loaded.config.num_layers
     return row
@@ -80,7 +91,7 @@ def run(json_path: str | None, model: str = "tiny-llama", batches: tuple[int, ..
     torch.manual_seed(0)
     res = {"machine": machine(), "model": model, "threads": torch.get_num_threads(), "steps": steps,
            "batches": [_one_batch(model, b, steps) for b in batches]}
-    cols = [f"{p}_us" for p in PHASES] + ["total_us", "torch_ops_per_step", "torch_ops_per_layer"]
+    cols = [f"{p}_us" for p in PHASES] + ["total_us", "graph_inputs_us", "torch_ops_per_step", "torch_ops_per_layer"]
     print_table(f"host time per decode step ({model}, CPU, median of {steps} steps, microseconds)",
                 ["batch", *cols], [[r["batch"], *(f"{r[c]:.0f}" if isinstance(r[c], float) else r[c] for c in cols)]
                                    for r in res["batches"]])

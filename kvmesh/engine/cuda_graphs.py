@@ -66,32 +66,46 @@ class DecodeInputs:
         self.seq_lens = self._dev32[:max_batch]
         self.block_tables = self._dev32[max_batch:].view(max_batch, self.width)
         self.query_start_loc = torch.arange(max_batch + 1, dtype=torch.int32, device=device)
+        self._h64, self._h32 = self._host64.numpy(), self._host32.numpy()  # views of the pinned buffers
+        self._tables = self._h32[max_batch:].reshape(max_batch, self.width)
+        self._staged_tables: list[list[int] | None] = [None] * max_batch  # what each staged row holds
+        self._h64[2] = -1  # every row padding until filled
+        self._h32[:max_batch] = 1
+        self._num_filled = 0
         self.fill([], [], [], [])
 
     def fill(self, input_ids: list[int], positions: list[int], block_tables: list[list[int]],
-             seq_lens: list[int]) -> None:
-        """Write one step's rows (the rest padding) and copy them to the device (non-blocking on CUDA).
+             seq_lens: list[int], num_rows: int | None = None) -> None:
+        """Write one step's rows (padding after them: slot -1, length 1) and copy the first ``num_rows``
+        rows (default: all) to the device (non-blocking on CUDA).
 
-        The caller reads the previous step's results before the next ``fill`` (sampling does), so the
-        previous copy out of the staging buffers has finished when they are written again."""
-        n, bs = len(input_ids), self.block_size
-        h64, h32 = self._host64.numpy(), self._host32.numpy()
-        h64[:2] = 0
-        h64[2] = -1
-        h32[: self.max_batch] = 1
-        tables = h32[self.max_batch:].reshape(self.max_batch, self.width)
-        tables[:] = 0
+        Only what a row's attention reads is written, and only where it changed: a row whose table equals
+        the one staged there last time is left as it is, and entries past a table's length keep earlier
+        steps' block ids (valid ids, never read), so nothing is cleared per step. The caller reads the
+        previous step's results before the next ``fill`` (sampling does), so the previous copy out of
+        the staging buffers has finished when they are written again."""
+        n, bs, width = len(input_ids), self.block_size, self.width
+        rows = self.max_batch if num_rows is None else num_rows
+        h64, h32, tables, staged = self._h64, self._h32, self._tables, self._staged_tables
+        if n < self._num_filled:  # rows of the last step past this one's become padding
+            h64[:2, n:self._num_filled] = 0
+            h64[2, n:self._num_filled] = -1
+            h32[n:self._num_filled] = 1
+        self._num_filled = n
         if n:
+            for row, table in enumerate(block_tables):  # a decode step mostly repeats last step's tables
+                if staged[row] != table:
+                    if len(table) > width:
+                        raise ValueError(f"a block table of {len(table)} blocks is past the context limit")
+                    tables[row, : len(table)] = table
+                    staged[row] = list(table)
             h64[0, :n] = input_ids
             h64[1, :n] = positions
+            h64[2, :n] = [table[pos // bs] * bs + pos % bs for table, pos in zip(block_tables, positions)]
             h32[:n] = seq_lens
-            for row, (table, pos) in enumerate(zip(block_tables, positions)):
-                if len(table) > self.width:
-                    raise ValueError(f"a block table of {len(table)} blocks is past the context limit")
-                tables[row, : len(table)] = table
-                h64[2, row] = table[pos // bs] * bs + pos % bs
         self._dev64.copy_(self._host64, non_blocking=True)
-        self._dev32.copy_(self._host32, non_blocking=True)
+        end = self.max_batch + rows * width  # the lengths, then the first rows' tables
+        self._dev32[:end].copy_(self._host32[:end], non_blocking=True)
 
     def metadata(self, batch: int) -> AttentionMetadata:
         """Metadata of the first ``batch`` rows, with fixed shapes (the grid is the bucket's, not the step's)."""
@@ -155,7 +169,7 @@ class DecodeGraphs:
         """One decode step by replay: logits [num_seqs, vocab] (a view of the graph's output: read it before
         the next replay)."""
         batch = bucket_for(self.buckets, len(input_ids))
-        self.inputs.fill(input_ids, positions, block_tables, seq_lens)
+        self.inputs.fill(input_ids, positions, block_tables, seq_lens, num_rows=batch)
         self._graphs[batch].replay()
         self.num_replays += 1
         return self._logits[batch][: len(input_ids)]

@@ -113,7 +113,9 @@ class ModelRunner:
                 sampled_items.append(i)
         results: list[SampledToken | list[SampledToken] | None] = [None] * len(batch)
         if rows:
-            logits = out[rows] if inputs.graphed else self.model.compute_logits(out[rows])
+            # rows rise, so ending at len(rows) - 1 means every row from 0: a view instead of a gather
+            picked = out[: len(rows)] if rows[-1] == len(rows) - 1 else out[rows]
+            logits = picked if inputs.graphed else self.model.compute_logits(picked)
             seqs = [batch[i][0] for i in sampled_items]
             tokens, logprobs, tops = sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
             for i, tok, lp, top in zip(sampled_items, tokens, logprobs, tops):

@@ -32,14 +32,18 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
     else:
         token_ids = greedy_tokens(logits)
         ok = finite.tolist()
+        drawn = [row for row, p in enumerate(params) if ok[row] and not p.greedy]
+        # Drawn on the CPU (a seed means one stream anywhere); from a device, their rows come over in one copy.
+        if logits.device.type == "cpu" or not drawn:
+            host_rows = {row: logits[row].float() for row in drawn}
+        else:
+            host_rows = dict(zip(drawn, logits[drawn].float().cpu()))
         for row, p in enumerate(params):
             if not ok[row]:
                 token_ids[row] = NON_FINITE
-                continue
-            if p.greedy:
-                continue
-            probs = target_probs(logits[row].float().cpu(), p)  # drawn on the CPU: a seed means one stream anywhere
-            token_ids[row] = int(torch.multinomial(probs, 1, generator=generators[row]).item())
+            elif row in host_rows:
+                probs = target_probs(host_rows[row], p)
+                token_ids[row] = int(torch.multinomial(probs, 1, generator=generators[row]).item())
         picked = torch.tensor([max(t, 0) for t in token_ids], dtype=torch.int64, device=logits.device)
         logprobs = logprobs_all.gather(1, picked[:, None])[:, 0].tolist()  # one copy back, not one per row
     return token_ids, logprobs, [top_logprobs(logprobs_all[row], p) if p.logprobs and ok[row] else []
