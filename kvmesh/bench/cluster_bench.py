@@ -207,13 +207,13 @@ class ModeRun(NamedTuple):
 
 
 def run_mode(mode: Mode, model: str, num_decode: int, workload: str, requests, concurrency: int,
-             routing: str | None, bar: tqdm, hosts=None, insecure: bool = False) -> ModeRun:
+             routing: str | None, bar: tqdm, hosts=None, insecure: bool = False, dtype: str = "float32") -> ModeRun:
     """One run of ``requests`` on a fresh cluster in ``mode`` (``insecure``: no cluster token, so no CurveZMQ
-    and no etcd authentication: what the channel security costs)."""
+    and no etcd authentication: what the channel security costs; ``dtype``: the nodes')."""
     cluster_name = "bench-" + mode.name.replace("+", "-")
     with LocalCluster(mode.num_prefill, num_decode, model=model, cluster=cluster_name,
                       node_args=["--transfer-backend", "auto", *mode.node_args], start_timeout_s=300,
-                      hosts=hosts, cluster_token="" if insecure else None) as cluster:
+                      hosts=hosts, cluster_token="" if insecure else None, dtype=dtype) as cluster:
         router = Router(RouterConfig(etcd=cluster.etcd_endpoint, cluster_token=cluster.token, model=model,
                                      cluster=cluster_name, routing=routing or mode.routing,
                                      max_in_flight=100_000))
@@ -260,14 +260,13 @@ def build_workload(args, vocab: int, tokenize):
 
 def run(args) -> dict:
     from kvmesh.bench.report import machine, write_json
-    from kvmesh.model.loader import load_model
+    from kvmesh.model.card import load_tokenizer
 
     if args.repeat < 1:
         raise SystemExit(f"kvmesh bench cluster: --repeat {args.repeat}: at least 1")
-    loaded = load_model(args.model, progress=False)
-    vocab = min(loaded.config.vocab_size, 256) if args.model.startswith("tiny") else loaded.config.vocab_size
-    tokenize = loaded.tokenizer.encode
-    del loaded
+    card = load_tokenizer(args.model)  # the config and tokenizer only: the nodes hold the weights
+    vocab = min(card.config.vocab_size, 256) if args.model.startswith("tiny") else card.config.vocab_size
+    tokenize = card.tokenizer.encode
     requests = build_workload(args, vocab, tokenize)
     if args.rate and args.workload not in ("multi-turn", "mooncake"):
         wl.poisson_arrivals(requests, args.rate, args.seed)
@@ -277,7 +276,7 @@ def run(args) -> dict:
     res: dict = {"machine": machine(), "model": args.model, "workload": args.workload, "num_requests": num,
                  "prefill_nodes": args.prefill, "decode_nodes": args.decode, "concurrency": args.concurrency,
                  "rate": args.rate, "slo": {"ttft_ms": args.slo_ttft_ms, "tpot_ms": args.slo_tpot_ms},
-                 "kv_placement": args.kv_placement, "hosts": args.hosts, "repeat": args.repeat, "modes": {}}
+                 "kv_placement": args.kv_placement, "dtype": args.dtype, "hosts": args.hosts, "repeat": args.repeat, "modes": {}}
     caps = [float(x) for x in args.link_gbit.split(",")] if args.link_gbit else [None]
     hosts = None
     if args.hosts:
@@ -299,7 +298,7 @@ def run(args) -> dict:
                         bar.set_postfix_str(f"{name}" + (f" @ {cap:g} Gbit/s" if cap else ""))
                         runs[name].append(run_mode(chosen[name], args.model, args.decode, args.workload, requests,
                                                    args.concurrency, args.routing or None, bar, hosts,
-                                                   args.insecure))
+                                                   args.insecure, args.dtype))
                 results = {name: summarize_runs(r, args.slo_ttft_ms, args.slo_tpot_ms) for name, r in runs.items()}
                 if cap is None:
                     res["modes"] = results
@@ -348,6 +347,8 @@ def add_arguments(p) -> None:
     p.add_argument("--json", default=None)
     p.add_argument("--plots", default=None, help="folder for PNG plots")
     p.add_argument("--model", default="tiny-llama")
+    p.add_argument("--dtype", default="float32",
+                   help="the nodes' dtype (auto: bfloat16 where the CPU computes it natively, half float32's memory)")
     p.add_argument("--workload", default="shared-prefix",
                    choices=["shared-prefix", "multi-turn", "random", "mooncake", "sharegpt"])
     p.add_argument("--trace", default=None, help="Mooncake JSONL trace or ShareGPT JSON file")
