@@ -76,8 +76,9 @@ class DecodeInputs:
 
     def fill(self, input_ids: list[int], positions: list[int], block_tables: list[list[int]],
              seq_lens: list[int], num_rows: int | None = None) -> None:
-        """Write one step's rows (padding after them: slot -1, length 1) and copy the first ``num_rows``
-        rows (default: all) to the device (non-blocking on CUDA).
+        """Write one step's rows (padding after them: slot -1, length 1) and copy them to the device
+        (non-blocking on CUDA): ids, positions, slots and lengths of every row, block tables of the first
+        ``num_rows`` rows (default: all; a replay of bucket ``B`` reads rows below ``B`` only).
 
         Only what a row's attention reads is written, and only where it changed: a row whose table equals
         the one staged there last time is left as it is, and entries past a table's length keep earlier
