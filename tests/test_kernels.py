@@ -163,6 +163,19 @@ def test_triton_prefill_attention_matches_reference(shape, dtype):
     assert (got.float() - want).abs().max().item() < TOL[dtype]
 
 
+@pytest.mark.parametrize("config", [(16, 64, 4, 3), (128, 128, 8, 2), (128, 32, 4, 3)])
+def test_triton_prefill_tiles_agree_over_cached_prefixes(config):
+    """Every tile shape the device sweep times (and the Hopper default, 128 x 128) over prompts on top of
+    cached prefixes: keys before the diagonal unmasked, the rest masked, pages gathered across blocks."""
+    q_lens, s_lens = [150, 3, 70], [300, 3, 200]
+    case = make_case(24, q_lens, s_lens, 4, 2, 32, 16, torch.float16)
+    starts = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0)), dtype=torch.int32, device=DEVICE)
+    got = triton_attn.prefill_attention(case.query, case.k_cache, case.v_cache, case.block_tables,
+                                        torch.tensor(s_lens, dtype=torch.int32, device=DEVICE), starts, max(q_lens),
+                                        32**-0.5, config=triton_attn.PrefillConfig(*config))
+    assert (dense_oracle(case, 32**-0.5) - got.double().cpu()).abs().max().item() < TOL[torch.float16]
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("q_lens,hq,hkv,d", [([5], 2, 2, 16), ([17, 40, 1], 4, 2, 32), ([33, 7], 6, 2, 24)])
 def test_fresh_prompts_attention_reads_the_new_blocks_like_the_paged_reference(q_lens, hq, hkv, d, dtype):
