@@ -23,6 +23,13 @@ def add_scheduling_arguments(p: argparse.ArgumentParser) -> None:
                         "remain (0: always disaggregate)")
 
 
+def scheduling_argument_error(args: argparse.Namespace) -> str | None:
+    """What is wrong with ``add_scheduling_arguments``' values that the parser cannot see, or None."""
+    if args.long_prefill_token_threshold < -1:
+        return "--long-prefill-token-threshold must be -1 (auto), 0 (a whole step) or more"
+    return None
+
+
 def add_node_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--node-id", required=True)
     p.add_argument("--etcd", required=True, help="host:port of the cluster's etcd")
@@ -103,8 +110,8 @@ def _gib_to_bytes(flag: str, gib: float) -> int:
 
 
 def run_node(role: str, args: argparse.Namespace) -> int:
-    if args.long_prefill_token_threshold < -1:
-        raise SystemExit("--long-prefill-token-threshold must be -1 (auto), 0 (a whole step) or more")
+    if (error := scheduling_argument_error(args)) is not None:
+        raise SystemExit(error)
     from kvmesh.device import DeviceError  # the model stack: only for the node commands themselves
     from kvmesh.node.runtime import NodeConfig
 

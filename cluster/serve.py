@@ -20,7 +20,7 @@ from kvmesh.cluster.parts import exit_now
 from kvmesh.cluster.router import Router, RouterConfig
 from kvmesh.errors import KvmeshError
 from kvmesh.metadata.keys import DEFAULT_CLUSTER
-from kvmesh.cluster.node_main import add_scheduling_arguments
+from kvmesh.cluster.node_main import add_scheduling_arguments, scheduling_argument_error
 from kvmesh.node.placement import make_placement
 
 
@@ -138,8 +138,8 @@ def run_serve(args: argparse.Namespace) -> int:
         make_placement(args.kv_placement)  # bad settings are refused here, not by each node as it starts
     except ValueError as e:
         raise KvmeshError(f"--kv-placement: {e}") from None
-    if args.long_prefill_token_threshold < -1:
-        raise KvmeshError("--long-prefill-token-threshold must be -1 (auto), 0 (a whole step) or more")
+    if (error := scheduling_argument_error(args)) is not None:
+        raise KvmeshError(error)
     print(f"starting etcd, {args.prefill} prefill + {args.decode} decode node(s) of {args.model} ...", file=sys.stderr)
     try:
         with LocalCluster(args.prefill, args.decode, model=args.model, etcd=args.etcd, cluster=args.cluster,
