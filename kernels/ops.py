@@ -65,19 +65,21 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
 
 def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     md: AttentionMetadata, scale: float) -> torch.Tensor:
-    """Attention for a mixed batch: decode kernel on the leading decodes, prefill kernel on the rest."""
-    num_decode_tokens = md.num_decodes
+    """Attention for a mixed batch: decode kernel on the leading decodes, prefill kernel on the rest. A batch
+    of one kind returns that kernel's output as it is (no output buffer, no copy into it)."""
+    d = md.num_decodes
+    if not md.num_prefills:
+        return decode_attention(query, k_cache, v_cache, md.block_tables, md.seq_lens, md.max_seq_len, scale,
+                                md.per_step)
+    if not d:
+        return prefill_attention(query, k_cache, v_cache, md.block_tables, md.seq_lens, md.query_start_loc,
+                                 md.query_lens_cpu, md.seq_lens_cpu, md.max_query_len, scale)
     out = torch.empty_like(query)
-    if num_decode_tokens:
-        out[:num_decode_tokens] = decode_attention(
-            query[:num_decode_tokens], k_cache, v_cache, md.block_tables[:num_decode_tokens],
-            md.seq_lens[:num_decode_tokens], max(md.seq_lens_cpu[:num_decode_tokens]), scale, md.per_step)
-    if md.num_prefills:
-        d = md.num_decodes
-        qsl = md.query_start_loc[d:] - num_decode_tokens
-        out[num_decode_tokens:] = prefill_attention(
-            query[num_decode_tokens:], k_cache, v_cache, md.block_tables[d:], md.seq_lens[d:], qsl,
-            md.query_lens_cpu[d:], md.seq_lens_cpu[d:], max(md.query_lens_cpu[d:]), scale)
+    out[:d] = decode_attention(query[:d], k_cache, v_cache, md.block_tables[:d], md.seq_lens[:d],
+                               max(md.seq_lens_cpu[:d]), scale, md.per_step)
+    out[d:] = prefill_attention(query[d:], k_cache, v_cache, md.block_tables[d:], md.seq_lens[d:],
+                                md.query_start_loc[d:] - d, md.query_lens_cpu[d:], md.seq_lens_cpu[d:],
+                                max(md.query_lens_cpu[d:]), scale)
     return out
 
 

@@ -28,6 +28,9 @@ def test_shared_prefix_quick_compares_all_modes(tmp_path):
     assert modes["kvmesh"]["tokens_computed"] < 0.5 * modes["no-cache"]["tokens_computed"]
     assert modes["kvmesh"]["hit_rate_global"] >= modes["local-rr"]["hit_rate_global"]
     assert modes["colocated"]["bytes_transferred"] == 0
+    # the same machines in every mode: colocated serves on the prefill nodes' machines too
+    assert modes["colocated"]["nodes"] == {"prefill": 0, "decode": 3}
+    assert modes["kvmesh"]["nodes"] == {"prefill": 1, "decode": 2}
     for m in modes.values():  # every prompt token counted once, by source
         assert sum(m["prompt_tokens"].values()) == m["prompt_tokens_total"] > 0, m["prompt_tokens"]
     assert sorted(p.name for p in (tmp_path / "plots").iterdir()) == ["hit_rate.png", "throughput.png",

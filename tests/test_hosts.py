@@ -76,11 +76,12 @@ def processes_matching(*parts: str) -> list[int]:
     return pids
 
 
-def wait_until(predicate, timeout_s: float = 60.0, what: str = "condition") -> None:
+def wait_until(predicate, timeout_s: float = 60.0, what: str = "condition", poll_s: float = 0.05) -> None:
+    """``poll_s``: the pause between checks (a check that starts a process should not crowd out what it waits for)."""
     deadline = time.monotonic() + timeout_s
     while not predicate():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
+        time.sleep(poll_s)
 
 
 def start_router(hosts: Hosts, cluster: LocalCluster) -> tuple[subprocess.Popen, str]:
@@ -219,13 +220,27 @@ class RayNode:
                "--node-ip-address", host.address, "--temp-dir", temp_dir, "--num-cpus", "2",
                "--resources", json.dumps(resources), "--disable-usage-stats"]
         cmd += ["--address", head] if head else ["--head", "--port", "6390", "--include-dashboard", "false"]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        self.log = tempfile.TemporaryFile()  # what `ray start` said, for the message if it never comes up
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT,
                                      env={**os.environ, "RAY_AUTH_MODE": "token"})
+
+    def joined(self, host, address: str, num_nodes: int) -> bool:
+        """Whether the cluster at ``address`` has ``num_nodes`` alive; raises (with its output) if this node's
+        ``ray start`` exited instead."""
+        if self.proc.poll() is not None:
+            self.log.seek(0)
+            tail = self.log.read().decode(errors="replace")[-2000:]
+            raise AssertionError(f"ray start exited ({self.proc.returncode}): {tail}")
+        return alive_ray_nodes(host, address) >= num_nodes
 
     def stop(self) -> None:
         if self.proc.poll() is None:
             self.proc.terminate()
             self.proc.wait(timeout=60)
+        self.log.close()
+
+
+RAY_START_TIMEOUT_S = 300
 
 
 def alive_ray_nodes(host, address: str) -> int:
@@ -246,6 +261,7 @@ def alive_ray_nodes(host, address: str) -> int:
     return int(lines[-1]) if res.returncode == 0 and lines and lines[-1].isdigit() else 0
 
 
+@pytest.mark.timeout(2 * RAY_START_TIMEOUT_S + 300)
 def test_kvmesh_launch_on_a_ray_cluster_spanning_two_hosts(hosts):
     """Ray head on host 1, a worker on host 2; ``kvmesh launch`` puts the prefill node on one and the decode
     node on the other, each advertising its own host's address, and serves a request; ``--stop`` cleans up."""
@@ -257,9 +273,10 @@ def test_kvmesh_launch_on_a_ray_cluster_spanning_two_hosts(hosts):
     worker = None
     launch = None
     try:
-        wait_until(lambda: alive_ray_nodes(h1, address) >= 1, 120, "the Ray head")
+        # Room for a loaded machine: a Ray head's start-up has taken over 120 s under the full suite.
+        wait_until(lambda: head.joined(h1, address, 1), RAY_START_TIMEOUT_S, "the Ray head", poll_s=1.0)
         worker = RayNode(h2, f"{temp}-h2", address, {"decode_host": 1})
-        wait_until(lambda: alive_ray_nodes(h1, address) >= 2, 120, "the Ray worker to join")
+        wait_until(lambda: worker.joined(h1, address, 2), RAY_START_TIMEOUT_S, "the Ray worker to join", poll_s=1.0)
         env = {**os.environ, "RAY_AUTH_MODE": "token"}
         launch = subprocess.Popen(
             [*h1.exec_prefix, sys.executable, "-m", "kvmesh.cli", "launch", "--address", address, "--model",

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from kvmesh import LLM, SamplingParams
+from kvmesh.device import cpu_features
 from tests.conftest import hf_reference, run_prefill
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a land far"]
@@ -76,8 +77,9 @@ def test_smollm2_bfloat16_matches_transformers_in_bfloat16(smollm2_hf):
     """The dtype ``--dtype auto`` picks on CPUs with native bf16: same logits and greedy streams as
     transformers run in bf16 on the same GGUF (prefill and the batched decode path both checked).
 
-    The reference is transformers' eager attention, which rounds scores to bf16 as our CPU bf16
-    attention does. Short prompts agree to the bit. Over a long prompt two bf16 implementations
+    The reference is the transformers attention that rounds as ours does on this CPU: eager (scores rounded
+    to bf16, as our chunked and native bf16 attention round them), or, where the CPU has AMX and our bf16
+    prefill goes through torch's flash kernel, transformers' SDPA. Short prompts agree to the bit. Over a long prompt two bf16 implementations
     cannot: one sum of squares added in another order flips one rounding, and attention carries the
     flip to every later row (our native RMSNorm sums in another order than torch's). There both are
     held to the float32 model instead, and ours must be as close to it as transformers-bf16 is.
@@ -88,8 +90,9 @@ def test_smollm2_bfloat16_matches_transformers_in_bfloat16(smollm2_hf):
     hf = copy.deepcopy(hf32)
     for param in hf.parameters():  # the weights only: RoPE's frequencies stay float32, as a bf16 load keeps them
         param.data = param.data.to(torch.bfloat16)
-    hf.set_attn_implementation("eager")
-    assert hf.config._attn_implementation == "eager"
+    attention = "sdpa" if "amx_tile" in cpu_features() else "eager"
+    hf.set_attn_implementation(attention)
+    assert hf.config._attn_implementation == attention
     llm = LLM("smollm2-135m", dtype="bfloat16", num_kv_blocks=64, progress=False)
     for prompt in PROMPTS:
         ids = llm.tokenizer.encode(prompt)

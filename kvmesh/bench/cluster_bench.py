@@ -3,7 +3,8 @@
     kvmesh     prefill + decode nodes, global pool, cache-aware routing
     local-rr   prefill + decode nodes, local caches only, round-robin (vLLM-style PD)
     no-cache   prefill + decode nodes, no prefix caching, round-robin
-    colocated  decode nodes only, each prefills its own requests (local caches), round-robin
+    colocated  decode nodes only, each prefills its own requests (local caches), round-robin; on as
+               many machines as the other modes (the prefill nodes' machines serve as decode nodes too)
 
 Each mode gets a fresh local cluster and the same requests (``--repeat N``: N runs each, the
 modes taking turns, metrics over the pooled requests and each run's TTFT p50 kept). Per request:
@@ -41,6 +42,7 @@ class Mode:
     num_prefill: int
     node_args: tuple[str, ...]
     routing: str
+    num_extra_decode: int = 0  # decode nodes beyond --decode: every mode runs on the same number of machines
 
 
 def modes(num_prefill: int, placement: str = "cost") -> dict[str, Mode]:
@@ -53,7 +55,7 @@ def modes(num_prefill: int, placement: str = "cost") -> dict[str, Mode]:
         "local-rr": Mode("local-rr", num_prefill, disaggregated + ("--no-global-pool",), "round-robin"),
         "no-cache": Mode("no-cache", num_prefill, disaggregated + ("--no-prefix-cache",), "round-robin"),
         "colocated": Mode("colocated", 0, ("--kv-placement", "threshold:100000000", "--no-global-pool"),
-                          "round-robin"),
+                          "round-robin", num_extra_decode=num_prefill),
     }
 
 
@@ -211,7 +213,7 @@ def run_mode(mode: Mode, model: str, num_decode: int, workload: str, requests, c
     """One run of ``requests`` on a fresh cluster in ``mode`` (``insecure``: no cluster token, so no CurveZMQ
     and no etcd authentication: what the channel security costs; ``dtype``: the nodes')."""
     cluster_name = "bench-" + mode.name.replace("+", "-")
-    with LocalCluster(mode.num_prefill, num_decode, model=model, cluster=cluster_name,
+    with LocalCluster(mode.num_prefill, num_decode + mode.num_extra_decode, model=model, cluster=cluster_name,
                       node_args=["--transfer-backend", "auto", *mode.node_args], start_timeout_s=300,
                       hosts=hosts, cluster_token="" if insecure else None, dtype=dtype) as cluster:
         router = Router(RouterConfig(etcd=cluster.etcd_endpoint, cluster_token=cluster.token, model=model,
@@ -300,6 +302,9 @@ def run(args) -> dict:
                                                    args.concurrency, args.routing or None, bar, hosts,
                                                    args.insecure, args.dtype))
                 results = {name: summarize_runs(r, args.slo_ttft_ms, args.slo_tpot_ms) for name, r in runs.items()}
+                for name, m in results.items():
+                    m["nodes"] = {"prefill": chosen[name].num_prefill,
+                                  "decode": args.decode + chosen[name].num_extra_decode}
                 if cap is None:
                     res["modes"] = results
                 else:
@@ -339,7 +344,8 @@ def _print(args, num: int, results: dict, suffix: str) -> None:
             row.append(" / ".join(f"{x:.1f}" for x in m["ttft_p50_ms_per_run"]))
     where = f", {args.hosts} hosts" if args.hosts else ""
     runs = f" x {args.repeat} runs (requests pooled)" if args.repeat > 1 else ""
-    print_table(f"{args.workload}, {args.model}: {args.prefill} prefill + {args.decode} decode nodes{where}, "
+    print_table(f"{args.workload}, {args.model}: {args.prefill} prefill + {args.decode} decode nodes (colocated: "
+                f"{args.prefill + args.decode} decode nodes){where}, "
                 f"{num} requests{runs}{suffix}", header, rows)
 
 
