@@ -54,8 +54,8 @@ gpu-check: test-gpu
 	$(VENV)/bin/kvmesh bench kernels --json docs/results/kernels_gpu.json
 	$(VENV)/bin/kvmesh bench model --device cuda --batches 1,32,128 --decode-tokens 128 --dtype bfloat16 \
 	  --json docs/results/model_gpu.json
-	$(VENV)/bin/kvmesh bench model --model llama3-8b-dummy --device cuda --dtype bfloat16 --prefill-lens 512,4096,16384 \
-	  --batches 1,16,64 --context 1024 --decode-tokens 64 --json docs/results/model_gpu_8b.json
+	$(VENV)/bin/kvmesh bench model --model llama3-8b-dummy --device cuda --dtype bfloat16 --prefill-lens 4096,512,16384 \
+	  --batches 64,1,16 --context 1024 --decode-tokens 64 --json docs/results/model_gpu_8b.json
 
 generate: $(STAMP)
 	$(VENV)/bin/kvmesh generate --model smollm2-135m --prompt "The capital of France is" --max-tokens 8

@@ -15,8 +15,10 @@ for "do not store"), so attention reads every key from the blocks.
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 
@@ -62,26 +64,29 @@ class AttentionMetadata:
         num_decodes = 0
         while num_decodes < len(query_lens) and query_lens[num_decodes] == 1:
             num_decodes += 1
-        slot_block_ids: list[int] = []
-        slot_offsets: list[int] = []
         for q_len, s_len, table in zip(query_lens, seq_lens, block_tables):
             if q_len > s_len or len(table) * block_size < s_len:
                 raise ValueError(f"sequence of {s_len} tokens ({q_len} new) does not fit {len(table)} blocks")
-            for pos in range(s_len - q_len, s_len):
-                slot_block_ids.append(table[pos // block_size])
-                slot_offsets.append(pos % block_size)
-        block_ids_t = torch.tensor(slot_block_ids, dtype=torch.int64, device=device)
-        offsets_t = torch.tensor(slot_offsets, dtype=torch.int64, device=device)
-        width = max((len(t) for t in block_tables), default=0) or 1
-        padded = [t + [0] * (width - len(t)) for t in block_tables]
-        starts = [0]
-        for q_len in query_lens:
-            starts.append(starts[-1] + q_len)
+        table_lens = np.fromiter(map(len, block_tables), dtype=np.int64, count=len(block_tables))
+        width = int(table_lens.max(initial=0)) or 1
+        padded = np.zeros((len(block_tables), width), dtype=np.int32)
+        padded[np.arange(width) < table_lens[:, None]] = np.fromiter(  # row by row, as the tables run
+            itertools.chain.from_iterable(block_tables), dtype=np.int32, count=int(table_lens.sum()))
+        # Every new token's position and block, in array operations (a prompt's thousands of tokens take no
+        # Python loop): token j of sequence i sits at position seq_len - query_len + j.
+        q_lens = np.asarray(query_lens, dtype=np.int64)
+        starts = np.zeros(len(query_lens) + 1, dtype=np.int64)
+        np.cumsum(q_lens, out=starts[1:])
+        rows = np.repeat(np.arange(len(query_lens)), q_lens)
+        positions = np.arange(starts[-1]) + np.repeat(np.asarray(seq_lens, dtype=np.int64) - q_lens - starts[:-1],
+                                                      q_lens)
+        block_ids_t = torch.from_numpy(padded[rows, positions // block_size].astype(np.int64)).to(device)
+        offsets_t = torch.from_numpy(positions % block_size).to(device)
         return cls(
             slot_mapping=block_ids_t * block_size + offsets_t,
-            block_tables=torch.tensor(padded, dtype=torch.int32, device=device),
+            block_tables=torch.from_numpy(padded).to(device),
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
+            query_start_loc=torch.from_numpy(starts.astype(np.int32)).to(device),
             num_decodes=num_decodes,
             max_query_len=max(query_lens, default=0),
             max_seq_len=max(seq_lens, default=0),

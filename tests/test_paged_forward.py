@@ -86,3 +86,27 @@ def test_mixed_batch_of_decodes_and_prefill_chunks(tiny_qwen3):
     for ref, c, n in zip(refs, cached, query_lens):
         assert (logits[start : start + n] - ref[c:]).abs().max().item() < 1e-4
         start += n
+
+
+def test_metadata_maps_every_new_token_to_its_slot():
+    """``AttentionMetadata.build`` (array operations) against the definition, token by token: decodes and
+    prefill chunks over cached prefixes, tables of different widths, an empty batch."""
+    rng = random.Random(11)
+    for _ in range(20):
+        num_decodes, num_prefills = rng.randrange(4), rng.randrange(4)
+        query_lens = [1] * num_decodes + [rng.randrange(1, 80) for _ in range(num_prefills)]
+        seq_lens = [q + rng.randrange(0, 60) for q in query_lens]
+        tables = [rng.sample(range(200), -(-s // BLOCK) + rng.randrange(2)) for s in seq_lens]
+        md = AttentionMetadata.build(query_lens=query_lens, seq_lens=seq_lens, block_tables=tables, block_size=BLOCK)
+        slots = [table[p // BLOCK] * BLOCK + p % BLOCK
+                 for q, s, table in zip(query_lens, seq_lens, tables) for p in range(s - q, s)]
+        assert md.slot_mapping.tolist() == slots
+        assert (md.slot_block_ids * BLOCK + md.slot_offsets).tolist() == slots
+        assert md.query_start_loc.tolist() == [sum(query_lens[:i]) for i in range(len(query_lens) + 1)]
+        width = max((len(t) for t in tables), default=1)
+        assert md.block_tables.tolist() == [t + [0] * (width - len(t)) for t in tables]
+        assert md.block_tables.dtype == md.seq_lens.dtype == md.query_start_loc.dtype == torch.int32
+        assert md.slot_mapping.dtype == torch.int64
+        assert md.num_decodes == next((i for i, q in enumerate(query_lens) if q != 1), len(query_lens))
+    with pytest.raises(ValueError):
+        AttentionMetadata.build(query_lens=[5], seq_lens=[40], block_tables=[[1, 2]], block_size=BLOCK)

