@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
+from kvmesh.cluster.fetch_costs import FetchCosts
 from kvmesh.cluster.metrics import RouterMetrics
 from kvmesh.cluster.node_connection import NodeConnection, NodeLost
 from kvmesh.cluster.routing import Candidate, make_policy
@@ -33,7 +34,7 @@ from kvmesh.metadata.registry import NodeDirectory
 from kvmesh.auth import ClusterAuth
 from kvmesh.model.card import load_tokenizer
 from kvmesh.node import messages as nm
-from kvmesh.node.planner import PRIOR_BYTES_PER_S, PRIOR_RTT_S, HolderOption
+from kvmesh.node.planner import HolderOption
 
 
 log = logging.getLogger("kvmesh.router")
@@ -69,22 +70,25 @@ class Route(NamedTuple):
 class _Queued:
     """One request's share of a node's queued prompt tokens, released once (first token, end or move)."""
 
-    def __init__(self, counts: Counter, lock: threading.Lock):
-        self._counts, self._lock = counts, lock
+    def __init__(self, queues: dict[str, dict[int, int]], lock: threading.Lock):
+        self._queues, self._lock = queues, lock
         self._node, self._tokens = "", 0
 
     def add(self, node_id: str, tokens: int) -> None:
         self.release()
+        if tokens <= 0:
+            return
         with self._lock:
-            self._counts[node_id] += tokens
+            self._queues.setdefault(node_id, {})[id(self)] = tokens
         self._node, self._tokens = node_id, tokens
 
     def release(self) -> None:
         if self._tokens:
             with self._lock:
-                self._counts[self._node] -= self._tokens
-                if self._counts[self._node] <= 0:
-                    del self._counts[self._node]
+                queue = self._queues.get(self._node, {})
+                queue.pop(id(self), None)
+                if not queue:
+                    self._queues.pop(self._node, None)
             self._tokens = 0
 
 
@@ -137,7 +141,8 @@ class Router:
         self._lock = threading.Lock()
         self._in_flight = 0
         self._in_flight_by_client: Counter[str] = Counter()
-        self._queued_tokens: Counter[str] = Counter()  # node -> uncached prompt tokens awaiting a first token
+        self._queued: dict[str, dict[int, int]] = {}  # node -> each request's uncached tokens awaiting a first token
+        self.fetch_costs = FetchCosts()  # what fetches into each decode node have cost, end to end
         self._ids = itertools.count()
         self.num_migrations = 0
         self.supervision: Callable[[], dict] | None = None  # set by launchers that restart dead processes
@@ -193,7 +198,7 @@ class Router:
         state = _StreamState(len(prompt_ids))
         lost: set[tuple[str, str]] = set()  # (node id, request endpoint): a restarted node is a new incarnation
         conn, rid = None, ""
-        queued = _Queued(self._queued_tokens, self._lock)
+        queued = _Queued(self._queued, self._lock)
         try:
             while True:
                 context = list(prompt_ids) + state.tokens
@@ -246,6 +251,9 @@ class Router:
         if state.first_token_at is not None and len(state.tokens) > 1:
             self.metrics.tpot.observe((now - state.first_token_at) / (len(state.tokens) - 1))
         self.metrics.record_finished(chunk.cache)
+        record = self.directory.nodes.get(chunk.node_id)
+        if record is not None and record.kv_layout.bytes_per_block > 0:
+            self.fetch_costs.record(chunk.node_id, chunk.cache, record.kv_layout.bytes_per_block // self.cfg.block_size)
 
     def _stream(self, events, node_id: str, state: _StreamState, stop: tuple[str, ...] = ()) -> Iterator[Chunk]:
         """TokenEvents -> Chunks with text deltas; a stop string ends the text (and the stream) where it starts."""
@@ -333,13 +341,13 @@ class Router:
         hashes = self.hasher.hash(salted_root(self.root_hash, cache_salt), prompt_ids)
         held = self.index.lookup(hashes) if hashes else {}
         with self._lock:
-            queued = dict(self._queued_tokens)
+            queued = {n: tuple(q.values()) for n, q in self._queued.items()}
         candidates = [Candidate(n, held.get(n, 0) * self.cfg.block_size,
                                 self._connections[n].num_open if n in self._connections else 0, len(prompt_ids),
-                                queued.get(n, 0), r.probe.prefill_tokens_per_s, r.probe.decode_step_s,
-                                tuple(HolderOption(m, blocks, PRIOR_BYTES_PER_S, PRIOR_RTT_S)
+                                queued.get(n, ()), r.probe.prefill_tokens_per_s, r.probe.decode_step_s,
+                                tuple(HolderOption(m, blocks, self.fetch_costs.bytes_per_s, self.fetch_costs.rtt_s(n))
                                       for m, blocks in held.items() if m != n and blocks > held.get(n, 0)),
-                                self.cfg.block_size, r.kv_layout.bytes_per_block)
+                                self.cfg.block_size, r.kv_layout.bytes_per_block, r.probe.prompt_tokens_per_step)
                       for n, r in sorted(decode_nodes.items())]
         chosen_id = self.policy.choose(candidates, session_id)
         chosen = next(c for c in candidates if c.node_id == chosen_id)

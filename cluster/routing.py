@@ -9,8 +9,10 @@ first token on each node and takes the soonest:
     load x step cost  +  the node's own plan for the prompt  +  its last tokens / rate
 
 where the plan is what that decode node's planner (``kvmesh/node/planner.py``) would estimate
-for it: its queued tokens, then its uncached blocks computed there or fetched from the nodes the
-index says hold them (links priced at the nodes' prior until they measure them),
+for it: the prompts queued there (a node that slices prompts computes each beside the new one, so each
+delays it by about what it computes meanwhile, not by all of it), then its uncached blocks computed there
+or fetched from the nodes the index says hold them (a fetch into a node priced at what fetches into it
+have cost, end to end, as the router saw them: ``cluster/fetch_costs.py``),
 
 (every request in flight there delays a new one by about one decode step: measured,
 a hit's first token comes ~0.6 ms later per request in flight on the tiny preset,
@@ -27,7 +29,7 @@ import random
 from collections import OrderedDict
 from typing import NamedTuple, Protocol
 
-from kvmesh.node.planner import HolderOption, PlanRequest, plan_fetch
+from kvmesh.node.planner import HolderOption, PlanRequest, plan_fetch, prompt_tokens_ahead
 
 
 class Candidate(NamedTuple):
@@ -35,25 +37,31 @@ class Candidate(NamedTuple):
     cached_tokens: int  # prefix of this prompt the index says the node holds
     load: int  # requests in flight through this router to the node
     prompt_tokens: int = 0  # this prompt's length
-    queued_tokens: int = 0  # uncached prompt tokens routed to the node whose first token has not come back
+    queued: tuple[int, ...] = ()  # uncached tokens of each prompt routed to the node whose first token is to come
     prefill_tokens_per_s: float = 0.0  # the node's measured marginal prefill rate (its registry record); 0: unknown
     step_s: float = 0.0  # the node's measured decode step of one sequence (its registry record); 0: unknown
     holders: tuple[HolderOption, ...] = ()  # other nodes holding a prefix of this prompt (blocks), to fetch from
     block_size: int = 16
     bytes_per_block: int = 0  # the node's KV bytes per block (its record); 0: unknown, no fetch is priced
+    prompt_tokens_per_step: int = 0  # the node's prompt slice (its record); 0: prompts computed one after another
 
     def predicted_ttft_s(self) -> float:
-        """Seconds until this prompt's first token here, beyond one step: a step per request in flight, then
-        the node's own plan for the prompt (its queue, fetches, computing), then its last tokens (rate known)."""
+        """Seconds until this prompt's first token here, beyond one step: a step per request decoding there, then
+        the node's own plan for the prompt (its queue, fetches, computing), then its last tokens (rate known).
+        Its queue: the tokens the node computes for the prompts ahead before this one is done, where each of
+        them, sliced, advances beside it (``prompt_tokens_ahead``)."""
         rate, bs = self.prefill_tokens_per_s, self.block_size
-        queue_s = self.queued_tokens / rate
         end = max(0, (self.prompt_tokens - 1) // bs)  # the blocks a decode node plans (the last token: computed)
         num_local = min(self.cached_tokens // bs, end)
+        held = max([num_local, *(min(h.end, end) for h in self.holders)]) if self.bytes_per_block > 0 else num_local
+        own = max(0, self.prompt_tokens - max(self.cached_tokens, held * bs))  # the least it computes itself
+        queue_s = prompt_tokens_ahead(list(self.queued), self.prompt_tokens_per_step, own) / rate
+        decoding = max(0, self.load - len(self.queued))  # a request still computing its prompt is in the queue
         if not self.holders or self.bytes_per_block <= 0 or end <= num_local:
-            return self.load * self.step_s + queue_s + max(0, self.prompt_tokens - self.cached_tokens) / rate
+            return decoding * self.step_s + queue_s + max(0, self.prompt_tokens - self.cached_tokens) / rate
         plan = plan_fetch(PlanRequest(num_local, end, bs, self.bytes_per_block // bs, rate, queue_s,
                                       holders=self.holders))
-        return self.load * self.step_s + plan.seconds + (self.prompt_tokens - end * bs) / rate
+        return decoding * self.step_s + plan.seconds + (self.prompt_tokens - end * bs) / rate
 
 
 class RoutingPolicy(Protocol):

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from kvmesh.decode_node.cost_model import SHARED_MEMORY, PeerLinks, TransferRateEstimator
 from kvmesh.decode_node.fetcher import Fetcher, FetchOutcome
 from kvmesh.decode_node.link_probe import probe_shared_memory_round_trip
-from kvmesh.node.planner import FetchPlan, HolderOption, PlanRequest
+from kvmesh.node.planner import FetchPlan, HolderOption, PlanRequest, prompt_tokens_ahead
 from kvmesh.decode_node.prefill_nodes import PrefillNodes
 from kvmesh.engine.sequence import Sequence
 from kvmesh.errors import KvmeshError, OutOfBlocksError
@@ -139,11 +139,13 @@ class DecodeWorker(NodeRuntime):
         decoding stream's next token and a prompt's first alike (prompts queued behind go after it anyway)."""
         return len(self.engine.scheduler.running)
 
-    def _queued_prompt_tokens(self) -> int:
-        """Prompt tokens admitted here and not yet computed (engine thread): what a new prompt waits behind."""
+    def _prompt_tokens_ahead(self, own_tokens: int) -> int:
+        """Prompt tokens computed here before a new prompt of ``own_tokens`` is (engine thread): those admitted
+        and not yet computed, each prompt's share bounded where this node slices prompts (``prompt_tokens_ahead``)."""
         scheduler = self.engine.scheduler
-        return sum(max(0, seq.num_prompt_tokens - seq.num_computed_tokens)
-                   for seq in (*scheduler.waiting, *scheduler.running))
+        queued = [seq.num_prompt_tokens - seq.num_computed_tokens for seq in (*scheduler.waiting, *scheduler.running)
+                  if seq.num_prompt_tokens > seq.num_computed_tokens]
+        return prompt_tokens_ahead(queued, scheduler.config.long_prefill_token_threshold, own_tokens)
 
     def _admit(self, identity: bytes, msg: nm.GenerateRequest) -> None:
         rid = msg.request_id
@@ -160,8 +162,8 @@ class DecodeWorker(NodeRuntime):
         num_local = len(self.engine.kv.find_cached_prefix(seq))
         bs = self.cfg.block_size
         end = (seq.num_prompt_tokens - 1) // bs  # the last token is always computed here
-        local_queue_s = self._queued_prompt_tokens() / self.prefill_tokens_per_s
         uncached = seq.num_prompt_tokens - num_local * bs
+        local_queue_s = self._prompt_tokens_ahead(uncached) / self.prefill_tokens_per_s
         num_streams = self._streams_here()
         lookup = self.placement.worth_a_lookup(uncached, self.prefill_tokens_per_s, self.links.rates.min_rtt_s,
                                                local_queue_s, num_streams)

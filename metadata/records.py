@@ -49,6 +49,7 @@ class ComputeProbe:
     prefill_tokens_per_s: float = 0.0
     decode_step_s: float = 0.0
     disk_read_bytes_per_s: float = 0.0  # its disk tier's reads (0: no disk tier)
+    prompt_tokens_per_step: int = 0  # a prompt's tokens per engine step at most (0: no cap, prompts run in turn)
 
 
 _PARTS = {"kv_layout": KVLayoutRecord, "model": ModelCard, "probe": ComputeProbe}

@@ -104,7 +104,6 @@ def test_registry_renews_an_expired_lease_and_republishes():
 
 def test_cache_aware_policy_predicts_time_to_first_token_when_rates_are_known():
     import threading
-    from collections import Counter
 
     from kvmesh.cluster.router import _Queued
     from kvmesh.cluster.routing import CacheAware, Candidate
@@ -112,8 +111,8 @@ def test_cache_aware_policy_predicts_time_to_first_token_when_rates_are_known():
     policy = CacheAware()
 
     def pick(a_cached: int, a_queued: int, b_queued: int = 0, a_rate: float = 10_000.0) -> str:
-        return policy.choose([Candidate("a", a_cached, 1, 600, a_queued, a_rate),
-                              Candidate("b", 0, 0, 600, b_queued, 10_000.0)])
+        return policy.choose([Candidate("a", a_cached, 1, 600, (a_queued,), a_rate),
+                              Candidate("b", 0, 0, 600, (b_queued,), 10_000.0)])
 
     assert pick(512, 0) == "a"  # 88 tokens there vs 600 here
     assert pick(512, 2_000) == "b"  # 2,088 queued-and-uncached tokens there: computing 600 here is sooner
@@ -124,8 +123,8 @@ def test_cache_aware_policy_predicts_time_to_first_token_when_rates_are_known():
     # Requests in flight: each delays a new one by about one decode step (SmolLM2 at one thread: ~15 ms,
     # 1,600 prompt tokens/s). A 64-token hit on a node with 4 in flight: 60 ms + 147 ms; an idle node: 188 ms.
     def busy(a_load: int, step_s: float) -> str:
-        return policy.choose([Candidate("a", 64, a_load, 300, 0, 1_600.0, step_s),
-                              Candidate("b", 0, 0, 300, 0, 1_600.0, step_s)])
+        return policy.choose([Candidate("a", 64, a_load, 300, (), 1_600.0, step_s),
+                              Candidate("b", 0, 0, 300, (), 1_600.0, step_s)])
 
     assert busy(4, 0.015) == "b"
     assert busy(1, 0.015) == "a"  # one in flight: 162 ms there, still sooner
@@ -136,27 +135,69 @@ def test_cache_aware_policy_predicts_time_to_first_token_when_rates_are_known():
     from kvmesh.node.planner import HolderOption
 
     held_by_a = (HolderOption("a", 64, 2**30, 0.010),)
-    a = Candidate("a", 1024, 10, 1056, 0, 1_000.0, 0.05, (), 16, 16 * 46_080)
-    b_blind = Candidate("b", 0, 0, 1056, 0, 1_000.0, 0.05, (), 16, 16 * 46_080)
+    a = Candidate("a", 1024, 10, 1056, (), 1_000.0, 0.05, (), 16, 16 * 46_080)
+    b_blind = Candidate("b", 0, 0, 1056, (), 1_000.0, 0.05, (), 16, 16 * 46_080)
     assert b_blind.predicted_ttft_s() == pytest.approx(1.056)  # no holder known: all of it computed there
     assert policy.choose([a, b_blind]) == "a"
     b = b_blind._replace(holders=held_by_a)
     assert b.predicted_ttft_s() < 0.1 and policy.choose([a, b]) == "b"
     assert policy.choose([a, b._replace(holders=(HolderOption("a", 64, 1e6, 0.010),))]) == "a"  # a 1 MB/s link
     # A node whose rate is unknown: the token score (cached tokens against load) decides.
-    assert policy.choose([Candidate("a", 512, 1, 600, 5_000, 0.0), Candidate("b", 0, 0, 600, 0, 1e4)]) == "a"
+    assert policy.choose([Candidate("a", 512, 1, 600, (5_000,), 0.0), Candidate("b", 0, 0, 600, (), 1e4)]) == "a"
 
-    counts, lock = Counter(), threading.Lock()
-    share = _Queued(counts, lock)
+    queues, lock = {}, threading.Lock()
+    share = _Queued(queues, lock)
     share.add("a", 100)
-    other = _Queued(counts, lock)
+    other = _Queued(queues, lock)
     other.add("a", 50)
-    assert counts == {"a": 150}
+    assert {n: sorted(q.values()) for n, q in queues.items()} == {"a": [50, 100]}  # each prompt's share kept
     share.add("b", 70)  # moved (a migration): its tokens leave a's queue
-    assert counts == {"a": 50, "b": 70}
+    assert {n: sorted(q.values()) for n, q in queues.items()} == {"a": [50], "b": [70]}
     share.release(), share.release()  # first token, then the end: released once
     other.release()
-    assert counts == {}
+    _Queued(queues, lock).add("a", 0)  # a prompt fully cached there queues nothing
+    assert queues == {}
+
+
+def test_a_node_that_slices_prompts_is_priced_for_the_slices_computed_beside_a_new_one():
+    """A decode node computing a long prompt in slices gives a short prompt its first token within about one
+    slice of that prompt, so its cached prefix can win over a fetch elsewhere; a node computing prompts one after
+    another (no slice) makes it wait for the whole queue."""
+    from kvmesh.cluster.routing import CacheAware, Candidate
+    from kvmesh.node.planner import HolderOption, prompt_tokens_ahead
+
+    assert prompt_tokens_ahead([500, 40], 0, 32) == 540  # no slicing: all of them first
+    assert prompt_tokens_ahead([500, 40], 32, 32) == 32 + 32  # each computes one slice beside a one-slice prompt
+    assert prompt_tokens_ahead([500, 40], 32, 200) == 200 + 40  # ... or what it computes while the new one runs
+    assert prompt_tokens_ahead([], 32, 200) == 0
+    # 1B-like node: 120 prompt tokens/s, 32-token slices. "a" holds the 512-token prefix and computes another
+    # group's 544-token prompt; "b" is idle and would fetch the prefix (17 MiB) with a measured 0.3 s overhead.
+    bytes_per_block = 16 * 32_768
+    a = Candidate("a", 512, 1, 544, (544,), 120.0, 0.2, (), 16, bytes_per_block, prompt_tokens_per_step=32)
+    b = Candidate("b", 0, 0, 544, (), 120.0, 0.2, (HolderOption("a", 32, 2**30, 0.3),), 16, bytes_per_block,
+                  prompt_tokens_per_step=32)
+    assert a.predicted_ttft_s() == pytest.approx(32 / 120 + 32 / 120)  # its one request in flight is that prompt
+    assert a._replace(load=3).predicted_ttft_s() == pytest.approx(2 * 0.2 + 32 / 120 + 32 / 120)  # two decoding
+    assert CacheAware().choose([a, b]) == "a"
+    assert CacheAware().choose([a._replace(prompt_tokens_per_step=0), b._replace(prompt_tokens_per_step=0)]) == "b"
+
+
+def test_the_router_learns_what_fetches_into_each_node_cost():
+    """The prior until a fetch is seen; then each observed wait beyond the bytes (a weighted mean); requests whose
+    KV came from a prefill node or a lower tier, or from nowhere, teach nothing."""
+    from kvmesh.cluster.fetch_costs import FetchCosts
+
+    costs = FetchCosts(prior_rtt_s=0.01, bytes_per_s=1e9, weight=0.5)
+    assert costs.rtt_s("d0") == 0.01
+    costs.record("d0", {"tokens_reused_remote": 0, "kv_wait_ms": 0.0}, 1000)
+    costs.record("d0", {"tokens_reused_remote": 512, "tokens_from_prefill_node": 16, "kv_wait_ms": 900.0}, 1000)
+    costs.record("d0", {"tokens_reused_remote": 512, "promote_ms": 5.0, "kv_wait_ms": 900.0}, 1000)
+    assert costs.rtt_s("d0") == 0.01 and costs.describe() == {}
+    costs.record("d0", {"tokens_reused_remote": 1000, "kv_wait_ms": 301.0}, 1000)  # 1 MB: 1 ms of it is bytes
+    assert costs.rtt_s("d0") == pytest.approx(0.3) and costs.rtt_s("d1") == 0.01
+    costs.record("d0", {"tokens_reused_remote": 1000, "kv_wait_ms": 101.0}, 1000)
+    assert costs.rtt_s("d0") == pytest.approx(0.2)
+    assert costs.describe() == {"d0": {"rtt_ms": pytest.approx(200.0), "num_samples": 2}}
 
 
 def test_cache_aware_policy_scores_cache_against_load_and_keeps_sessions():

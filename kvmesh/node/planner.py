@@ -108,6 +108,17 @@ class FetchPlan(NamedTuple):
         return self.holders_end > self.promote_end or bool(self.prefill_node)
 
 
+def prompt_tokens_ahead(queued: list[int], slice_tokens: int, own_tokens: int) -> int:
+    """Prompt tokens a node computes before a new prompt of ``own_tokens`` (uncached) is done, with prompts of
+    ``queued`` uncached tokens each admitted before it. A node that slices prompts (``slice_tokens`` per prompt
+    per step; 0: no cap) advances every prompt in step with the new one, so each queued prompt delays it by at
+    most the tokens it computes meanwhile, ``max(slice_tokens, own_tokens)``; without slicing they go first, whole."""
+    if slice_tokens <= 0:
+        return sum(queued)
+    cap = max(slice_tokens, own_tokens)
+    return sum(min(tokens, cap) for tokens in queued)
+
+
 def worth_a_lookup(num_tokens: int, local_tokens_per_s: float, rtt_s: float, local_queue_s: float = 0.0,
                    num_streams: int = 0) -> bool:
     """False when computing ``num_tokens`` here (after the queue here, and the wait it puts on ``num_streams``

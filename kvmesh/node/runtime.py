@@ -214,7 +214,8 @@ class NodeRuntime:
         card = ModelCard(self.cfg.model, self.loaded.fingerprint, self.engine.kv.root_hash.hex(),
                          index_namespace(self.engine.namespace))
         disk = self.tiers.read_rates[2].per_s if self.tiers is not None and self.tiers.disk is not None else 0.0
-        probe = ComputeProbe(float(self.prefill_tokens_per_s), float(self.decode_step_s), float(disk))
+        probe = ComputeProbe(float(self.prefill_tokens_per_s), float(self.decode_step_s), float(disk),
+                             self.engine.scheduler.config.long_prefill_token_threshold)
         return NodeRecord(self.cfg.node_id, self.cfg.role, self.advertise_host, self.agent.engine.endpoint,
                           self.agent.side_channel, self.endpoint.endpoint, kv_layout, card, probe,
                           layout.num_blocks, {"free_blocks": self.pool.num_free_blocks})
