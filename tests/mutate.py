@@ -95,6 +95,18 @@ MUTATIONS = (
              "        tl.store(x_ptr + row * x_stride + cols, x, mask=mask)",
              "        tl.store(x_ptr + row * x_stride + cols, x - x, mask=mask)",
              ("tests/test_kernels.py", "-k", "rms_norm")),
+    Mutation("a slicing node is priced as if it computed its queue first, whole", "kvmesh/node/planner.py",
+             "    if slice_tokens <= 0:\n        return sum(queued)",
+             "    if True:\n        return sum(queued)",
+             ("tests/test_node_policies.py", "-k", "slices")),
+    Mutation("the router never learns what fetches cost", "cluster/router.py",
+             "            self.fetch_costs.record(chunk.node_id, chunk.cache, record.kv_layout.bytes_per_block // self.cfg.block_size)",
+             "            pass  # mutation: nothing learned",
+             ("tests/test_bench_cluster.py", "-k", "multi_turn")),
+    Mutation("the attention metadata maps each token one block too far", "kernels/attention_metadata.py",
+             "padded[rows, positions // block_size]",
+             "padded[rows, (positions + block_size) // block_size % padded.shape[1]]",
+             ("tests/test_paged_forward.py", "-k", "metadata_maps")),
 )
 
 

@@ -41,12 +41,16 @@ def test_multi_turn_reuses_earlier_turns_across_nodes(tmp_path):
     path = tmp_path / "mt.json"
     # Round-robin spreads a conversation's turns over the decode nodes: later turns find the
     # earlier turns' blocks on another node through the global pool.
-    # --kv-placement threshold:0: fetch whatever a peer holds (the cost model would compute the tiny preset here).
-    assert main(["bench", "cluster", "--workload", "multi-turn", "--quick", "--modes", "kvmesh",
+    # --kv-placement threshold:0: fetch whatever a peer holds (the cost model would compute the tiny preset here);
+    # no prefill node, so each fetch is from peers alone (what the router learns a fetch's cost from).
+    assert main(["bench", "cluster", "--workload", "multi-turn", "--quick", "--modes", "kvmesh", "--prefill", "0",
                  "--routing", "round-robin", "--concurrency", "1", "--decode", "2", "--kv-placement", "threshold:0",
                  "--json", str(path)]) == 0
     kvmesh = json.loads(path.read_text())["modes"]["kvmesh"]
     assert kvmesh["tokens_reused_remote"] > 0 and kvmesh["hit_rate_global"] > 0
+    # the router saw those fetches end and learned what fetching into the nodes costs
+    learned = kvmesh["router_fetch_costs"][0]
+    assert learned and all(c["num_samples"] > 0 and c["rtt_ms"] >= 0 for c in learned.values())
 
 
 def test_mooncake_trace_workload(tmp_path):

@@ -206,6 +206,7 @@ class ModeRun(NamedTuple):
     records: list[Record]
     seconds: float
     node_delta: dict  # node counters over the run (after - before)
+    fetch_costs: dict  # what the router learned fetches into each decode node cost (``FetchCosts.describe``)
 
 
 def run_mode(mode: Mode, model: str, num_decode: int, workload: str, requests, concurrency: int,
@@ -227,9 +228,10 @@ def run_mode(mode: Mode, model: str, num_decode: int, workload: str, requests, c
             after = _node_totals(cluster)
             for node_id in cluster.nodes:
                 cluster.client(node_id).stats(check=True)  # every pool still consistent
+            fetch_costs = router.fetch_costs.describe()
         finally:
             router.close()
-    return ModeRun(records, seconds, {k: after[k] - before[k] for k in before})
+    return ModeRun(records, seconds, {k: after[k] - before[k] for k in before}, fetch_costs)
 
 
 def summarize_runs(runs: list[ModeRun], slo_ttft_ms: float, slo_tpot_ms: float) -> dict:
@@ -239,6 +241,7 @@ def summarize_runs(runs: list[ModeRun], slo_ttft_ms: float, slo_tpot_ms: float) 
     out = _summarize(records, sum(run.seconds for run in runs), delta, slo_ttft_ms, slo_tpot_ms)
     out["decisions"] = {"computed_locally": delta["num_local"], "fetched": delta["num_remote"]}
     out["runs"] = len(runs)
+    out["router_fetch_costs"] = [run.fetch_costs for run in runs]
     out["ttft_p50_ms_per_run"] = [percentile([r.ttft_s * 1e3 for r in run.records], 0.5) for run in runs]
     return out
 
