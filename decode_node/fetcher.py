@@ -40,6 +40,7 @@ class FetchOutcome:
     promote_s: float = 0.0
     asked_prefill: bool = False  # a prefill node was asked for blocks [from_holders, end)
     holder: str = ""  # the peer that sent blocks [promoted, from_holders)
+    fetch_s: float = 0.0  # the fetch thread's time on it (the request's KV wait adds the hops to the engine thread)
 
     @classmethod
     def nothing(cls, num_local: int) -> FetchOutcome:

@@ -55,7 +55,8 @@ class _ClientRequest:
     promote_s: float = 0.0
     promoted_in_place: bool = False  # promoted at admission: the scheduler counts those tokens as prefix hits
     tier0_hit_tokens: int = 0  # ... beyond these, which were in tier 0 already
-    kv_wait_s: float = 0.0
+    kv_wait_s: float = 0.0  # from the fetch's start to its blocks joining the engine (a step boundary)
+    fetch_s: float = 0.0  # ... of which the fetch thread's own time
 
 
 PROMPT_TOKEN_SOURCES = ("tokens_reused_local", "tokens_reused_host", "tokens_reused_disk", "tokens_reused_remote",
@@ -211,11 +212,13 @@ class DecodeWorker(NodeRuntime):
     # ---- fetching (worker thread) -----------------------------------------------------------------------
     def _fetch(self, seq: Sequence, plan: FetchPlan, hits: dict[str, int]) -> None:
         outcome = FetchOutcome.nothing(plan.num_local)
+        started = time.perf_counter()
         try:
             outcome = self.fetcher.fetch(seq, plan, hits, lambda: self._aborting(seq))
         except Exception:
             log.exception("%s: fetching KV for %s failed", self.cfg.node_id, seq.request_id)
         finally:
+            outcome.fetch_s = time.perf_counter() - started
             self.call_soon(lambda: self._kv_arrived(seq, outcome))
 
     def _aborting(self, seq: Sequence) -> bool:
@@ -228,6 +231,7 @@ class DecodeWorker(NodeRuntime):
         request = self._requests[seq.request_id]
         request.fetching = False
         request.kv_wait_s = time.perf_counter() - request.fetch_started
+        request.fetch_s = result.fetch_s
         num_moved = result.from_holders - result.promoted
         if num_moved > 0 and not result.asked_prefill and not result.tainted and result.promoted == result.num_local:
             # A fetch from holders alone, end to end (thread hops and the wait for a step boundary included):
@@ -300,7 +304,8 @@ class DecodeWorker(NodeRuntime):
                    "tokens_from_prefill_node": from_prefill,
                    "tokens_computed": seq.num_prompt_tokens - tier0 - host - disk - remote - from_prefill}
         self.prompt_token_sources.update(sources)
-        stats = {**sources, "kv_wait_ms": request.kv_wait_s * 1e3, "promote_ms": request.promote_s * 1e3}
+        stats = {**sources, "kv_wait_ms": request.kv_wait_s * 1e3, "fetch_ms": request.fetch_s * 1e3,
+                 "promote_ms": request.promote_s * 1e3}
         if seq.num_draft_tokens:
             stats.update(spec_draft_tokens=seq.num_draft_tokens, spec_accepted_tokens=seq.num_accepted_tokens)
         self.endpoint.send(request.identity, encode(nm.TokenEvent(seq.request_id, [], finished=True,

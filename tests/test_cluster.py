@@ -150,6 +150,8 @@ def test_cross_node_prefix_reuse_by_counters(cluster, reference):
     # decode-1 got the prefix from its holder (decode-2); the prefill node had the suffix to do, after pulling
     # the prefix it attends to from that holder.
     assert out1.stats["tokens_from_prefill_node"] == 0 and out2.stats["tokens_reused_remote"] >= 96
+    assert 0 < out2.stats["fetch_ms"] <= out2.stats["kv_wait_ms"]  # the fetch thread's part of the KV wait
+    assert out1.stats["fetch_ms"] == out1.stats["kv_wait_ms"] == 0  # computed where it landed: no fetch
     # The KV itself, position by position: received blocks in the wrong slots leave greedy tokens unchanged.
     assert_same_kv(cluster.client("decode-1"), reference.llm, second, min_blocks=(len(second) - 1) // 16)
     assert 0 < after["tokens_computed"] - before["tokens_computed"] <= len(second) - 96

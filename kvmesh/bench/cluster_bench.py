@@ -182,6 +182,7 @@ def _summarize(records: list[Record], seconds: float, node_delta: dict, slo_ttft
         "requests": len(fetched),
         "ttft_p50_ms": percentile([r.ttft_s * 1e3 for r in fetched], 0.5),
         "kv_wait_p50_ms": percentile([r.cache.get("kv_wait_ms", 0.0) for r in fetched], 0.5),
+        "fetch_p50_ms": percentile([r.cache.get("fetch_ms", 0.0) for r in fetched], 0.5),
         "tokens_fetched_mean": statistics.mean(num_fetched(r) for r in fetched) if fetched else 0.0}
     for name, values in (("ttft", ttft), ("tpot", tpot), ("itl", itl), ("e2e", e2e)):
         for q in (50, 90, 99):
