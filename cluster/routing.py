@@ -6,7 +6,7 @@ there and the node's measured compute (a decode step, a marginal prefill rate
 per token), and picks one. ``cache-aware`` predicts the time to
 first token on each node and takes the soonest:
 
-    load x step cost  +  the node's own plan for the prompt  +  its last tokens / rate
+    requests decoding there x step cost  +  the node's own plan for the prompt  +  its last tokens / rate
 
 where the plan is what that decode node's planner (``kvmesh/node/planner.py``) would estimate
 for it: the prompts queued there (a node that slices prompts computes each beside the new one, so each
