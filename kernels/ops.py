@@ -122,12 +122,11 @@ def fresh_prompts_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
     torch's SDPA (its flash kernels on CUDA): each prompt's keys and values are gathered from the blocks
     it just wrote, so the result is what the paged kernel reads, in torch's fastest attention."""
     out = torch.empty_like(query)
-    block_size, num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
+    num_kv_heads = k_cache.shape[2]
     start = 0
     for i, num_tokens in enumerate(query_lens_cpu):
-        blocks = block_tables[i, : -(-num_tokens // block_size)]
-        k = k_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:num_tokens].transpose(0, 1)
-        v = v_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:num_tokens].transpose(0, 1)
+        k = ref_attention.gather_kv(k_cache, block_tables[i], num_tokens).transpose(0, 1)
+        v = ref_attention.gather_kv(v_cache, block_tables[i], num_tokens).transpose(0, 1)
         q = query[start: start + num_tokens].transpose(0, 1)
         o = F.scaled_dot_product_attention(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), is_causal=True,
                                            scale=scale, enable_gqa=q.shape[0] != num_kv_heads)
