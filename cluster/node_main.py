@@ -72,7 +72,7 @@ def add_node_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-timeout", type=float, default=10.0,
                    help="decode nodes give up on a prefill node's blocks after this many seconds (then compute)")
     p.add_argument("--enforce-eager", action="store_true",
-                   help="on a CUDA device: decode without CUDA graphs (captured at start-up otherwise)")
+                   help="on a CUDA device: no CUDA graphs of decode or prompt steps (captured at start-up otherwise)")
     p.add_argument("--holder-timeout", type=float, default=5.0,
                    help="decode nodes give up on a holder's push of cached blocks after this many seconds")
     p.add_argument("--landing-slots", type=int, default=-1,

@@ -52,7 +52,7 @@ def add_node_share_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculative", default="off", choices=["off", "ngram", "self-draft"],
                    help="speculative decoding on the decode nodes (prompt lookup, or the model's first layers)")
     p.add_argument("--enforce-eager", action="store_true",
-                   help="on a CUDA device: decode without CUDA graphs (captured at start-up otherwise)")
+                   help="on a CUDA device: no CUDA graphs of decode or prompt steps (captured at start-up otherwise)")
     p.add_argument("--host-kv-gib", type=float, default=0.0,
                    help="per node: host memory below the KV buffer for evicted blocks (docs/tiers.md; 0: none)")
     p.add_argument("--disk-kv-gib", type=float, default=0.0, help="per node: a local-disk tier below that (0: none)")

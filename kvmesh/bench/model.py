@@ -202,10 +202,12 @@ def run(model: str, json_path: str | None, prefill_lens: tuple[int, ...] = (512,
         ids = torch.randint(0, vocab, (n,)).tolist()
         # Fresh prompts each round, so kvmesh's prefix cache cannot help.
         prompts = iter([[(t + r) % vocab for t in ids] for r in range(repeat + 2)])
+        replays_before = _prefill_replays(llm)
         t_ours = time_call(lambda: (llm.generate(next(prompts), one, use_tqdm=False), synchronize(dev)), repeat)
         with torch.inference_mode():
             t_hf = time_call(lambda: (hf(torch.tensor([ids], device=dev)), synchronize(dev)), repeat)
-        res["prefill"].append({"tokens": n, "kvmesh_s": t_ours, "transformers_s": t_hf, "speedup": t_hf / t_ours})
+        res["prefill"].append({"tokens": n, "kvmesh_s": t_ours, "transformers_s": t_hf, "speedup": t_hf / t_ours,
+                               "graph_replayed": _prefill_replays(llm) > replays_before})
         write_json(json_path, res)  # a run cut short still reports what it measured
     for i, batch in enumerate(batches):
         _say(f"decode at batch {batch} (warm-ups compile transformers' static cache first)" if static else
@@ -219,8 +221,17 @@ def run(model: str, json_path: str | None, prefill_lens: tuple[int, ...] = (512,
             row["kernels_per_layer"] = kernels_per_layer(llm, [[(t + 1) % vocab for t in p] for p in fresh])
         res["decode_batches"].append(row)
         write_json(json_path, res)
+    runner = llm.engine.runner
+    res["graphs"] = {kind: None if graphs is None else graphs.describe()  # captured buckets, time, memory
+                     for kind, graphs in (("decode", runner.graphs), ("prefill", runner.prefill_graphs))}
+    write_json(json_path, res)
     _print(res, static)
     return res
+
+
+def _prefill_replays(llm) -> int:
+    graphs = llm.engine.runner.prefill_graphs
+    return 0 if graphs is None else graphs.num_replays
 
 
 def _say(what: str) -> None:
@@ -229,7 +240,7 @@ def _say(what: str) -> None:
 
 
 def _print(res: dict, static: bool) -> None:
-    rows = [[f"prefill {p['tokens']} tokens", f"{p['kvmesh_s'] * 1e3:.0f} ms", f"{p['transformers_s'] * 1e3:.0f} ms",
+    rows = [[f"prefill {p['tokens']} tokens" + (" (graph)" if p.get("graph_replayed") else ""), f"{p['kvmesh_s'] * 1e3:.0f} ms", f"{p['transformers_s'] * 1e3:.0f} ms",
              "", f"{p['speedup']:.2f}x", ""] for p in res["prefill"]]
     for d in res["decode_batches"]:
         rows.append([f"decode batch {d['batch']} x {d['new_tokens']} (context {d['context']})",

@@ -18,15 +18,18 @@ replays the graph of the smallest bucket that holds it; mixed prefill/decode bat
 speculative verification and batches past the largest bucket run eagerly.
 
 Captured once at start-up (``capture``); graphs share one memory pool, captured
-largest first. ``DecodeInputs`` (padding and bucket choice) has no CUDA in it and is
-tested on the CPU.
+largest first. ``CapturedForwards`` is the capture and replay every graph set shares
+(``engine/prefill_graphs.py`` captures prompt steps with it); on a CPU buffer it replays
+eagerly (``EagerReplay``), so the padded inputs and what the replay computes are tested
+without a device.
 """
 from __future__ import annotations
 
 import bisect
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Protocol
 
 import torch
 
@@ -47,6 +50,100 @@ def bucket_for(buckets: Sequence[int], num_seqs: int) -> int | None:
     """The smallest bucket holding ``num_seqs`` rows (None: past the largest)."""
     i = bisect.bisect_left(buckets, num_seqs)
     return buckets[i] if i < len(buckets) else None
+
+
+class Replay(Protocol):
+    """A captured forward: ``replay()`` recomputes ``output`` from the persistent inputs as they are now."""
+
+    output: torch.Tensor
+
+    def replay(self) -> None: ...
+
+
+class CudaReplay:
+    """A CUDA graph and the output tensor each replay overwrites."""
+
+    def __init__(self, forward: Callable[[], torch.Tensor], pool, stream: torch.cuda.Stream):
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, pool=pool, stream=stream):
+            self.output = forward()
+
+    def replay(self) -> None:
+        self.graph.replay()
+
+
+class EagerReplay:
+    """What a graph would replay, run eagerly on the same persistent inputs and the metadata built once at
+    capture: the capture logic where no CUDA graph exists (CPU tests)."""
+
+    def __init__(self, forward: Callable[[], torch.Tensor]):
+        self.forward = forward
+        self.output = forward()
+
+    def replay(self) -> None:
+        self.output = self.forward()
+
+
+class CapturedForwards:
+    """A forward captured once per bucket (``_forward_for``), replayed by the subclass's ``run``.
+
+    ``capture`` records every bucket, largest first, after two warm-up runs (Triton compiles outside the
+    capture), into one memory pool (the engine passes one pool to all its graph sets); on a CPU KV buffer it
+    makes ``EagerReplay``s instead, for tests."""
+
+    kind = "forward"
+
+    def __init__(self, model, kv_buffer: torch.Tensor, buckets: list[int]):
+        self.model = model
+        self.kv_buffer = kv_buffer
+        self.buckets = buckets
+        self._replays: dict[int, Replay] = {}
+        self.capture_s = 0.0
+        self.memory_bytes = 0
+        self.num_replays = 0
+
+    def _forward_for(self, bucket: int) -> Callable[[], torch.Tensor]:
+        raise NotImplementedError
+
+    @torch.inference_mode()
+    def capture(self, pool=None) -> CapturedForwards:
+        """Capture every bucket; logs how long it took and how much device memory the graphs hold."""
+        device = self.kv_buffer.device
+        started = time.perf_counter()
+        if device.type != "cuda":
+            self._replays = {b: EagerReplay(self._forward_for(b)) for b in reversed(self.buckets)}
+            self.capture_s = time.perf_counter() - started
+            return self
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+        before = torch.cuda.memory_reserved(device)
+        pool = torch.cuda.graph_pool_handle() if pool is None else pool
+        stream = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            for bucket in reversed(self.buckets):
+                forward = self._forward_for(bucket)
+                for _ in range(2):
+                    forward()
+                self._replays[bucket] = CudaReplay(forward, pool, stream)
+        torch.cuda.current_stream(device).wait_stream(stream)
+        torch.cuda.synchronize(device)
+        self.capture_s = time.perf_counter() - started
+        torch.cuda.empty_cache()  # the warm-ups' memory goes back; the graphs' pool stays
+        self.memory_bytes = torch.cuda.memory_reserved(device) - before
+        log.info("captured %s CUDA graphs for %s in %.1f s, holding %.0f MiB", self.kind, self.buckets,
+                 self.capture_s, self.memory_bytes / 2**20)
+        return self
+
+    def _replay(self, bucket: int) -> torch.Tensor:
+        replay = self._replays[bucket]
+        replay.replay()
+        self.num_replays += 1
+        return replay.output
+
+    def describe(self) -> dict:
+        return {"buckets": self.buckets, "capture_s": self.capture_s, "memory_bytes": self.memory_bytes,
+                "num_replays": self.num_replays}
 
 
 class DecodeInputs:
@@ -117,53 +214,25 @@ class DecodeInputs:
             query_lens_cpu=[1] * batch)
 
 
-class DecodeGraphs:
+class DecodeGraphs(CapturedForwards):
+    """The decode forward (embedding, layers, final norm, logits) per batch-size bucket."""
+
+    kind = "decode"
+
     def __init__(self, model, kv_buffer: torch.Tensor, block_size: int, max_num_seqs: int, max_model_len: int):
-        self.model = model
-        self.kv_buffer = kv_buffer
-        self.buckets = buckets_for(max_num_seqs)
+        super().__init__(model, kv_buffer, buckets_for(max_num_seqs))
         self.inputs = DecodeInputs(self.buckets[-1], max_model_len, block_size, kv_buffer.device)
-        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self._logits: dict[int, torch.Tensor] = {}
-        self.capture_s = 0.0
-        self.memory_bytes = 0
-        self.num_replays = 0
 
-    @torch.inference_mode()
-    def capture(self) -> DecodeGraphs:
-        """Capture every bucket's forward (largest first, one memory pool); logs how long and how much memory."""
-        device = self.kv_buffer.device
-        started = time.perf_counter()
-        torch.cuda.synchronize(device)
-        torch.cuda.empty_cache()
-        before = torch.cuda.memory_reserved(device)
-        pool = torch.cuda.graph_pool_handle()
-        stream = torch.cuda.Stream(device)
-        stream.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(stream):
-            for batch in reversed(self.buckets):
-                md = self.inputs.metadata(batch)
-                for _ in range(2):  # warm-up: Triton compiles and autotunes outside the capture
-                    self._forward(batch, md)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool, stream=stream):
-                    self._logits[batch] = self._forward(batch, md)
-                self._graphs[batch] = graph
-        torch.cuda.current_stream(device).wait_stream(stream)
-        torch.cuda.synchronize(device)
-        self.capture_s = time.perf_counter() - started
-        torch.cuda.empty_cache()  # the warm-ups' memory goes back; the graphs' pool stays
-        self.memory_bytes = torch.cuda.memory_reserved(device) - before
-        log.info("captured decode CUDA graphs for batch sizes %s in %.1f s, holding %.0f MiB",
-                 self.buckets, self.capture_s, self.memory_bytes / 2**20)
-        return self
+    def _forward_for(self, batch: int) -> Callable[[], torch.Tensor]:
+        md = self.inputs.metadata(batch)
 
-    def _forward(self, batch: int, md: AttentionMetadata) -> torch.Tensor:
-        hidden = self.model(self.inputs.input_ids[:batch], self.inputs.positions[:batch], self.kv_buffer, md)
-        return self.model.compute_logits(hidden)
+        def forward() -> torch.Tensor:
+            hidden = self.model(self.inputs.input_ids[:batch], self.inputs.positions[:batch], self.kv_buffer, md)
+            return self.model.compute_logits(hidden)
+        return forward
 
     def can_run(self, num_seqs: int) -> bool:
-        return bool(self._graphs) and bucket_for(self.buckets, num_seqs) is not None
+        return bool(self._replays) and bucket_for(self.buckets, num_seqs) is not None
 
     def run(self, input_ids: list[int], positions: list[int], block_tables: list[list[int]],
             seq_lens: list[int]) -> torch.Tensor:
@@ -171,10 +240,4 @@ class DecodeGraphs:
         the next replay)."""
         batch = bucket_for(self.buckets, len(input_ids))
         self.inputs.fill(input_ids, positions, block_tables, seq_lens, num_rows=batch)
-        self._graphs[batch].replay()
-        self.num_replays += 1
-        return self._logits[batch][: len(input_ids)]
-
-    def describe(self) -> dict:
-        return {"buckets": self.buckets, "capture_s": self.capture_s, "memory_bytes": self.memory_bytes,
-                "num_replays": self.num_replays}
+        return self._replay(batch)[: len(input_ids)]

@@ -41,6 +41,11 @@ class StepFailed(KvmeshError, RuntimeError):
         self.failed = failed
 
 
+# Prompt-step graphs must reproduce the eager forward's hidden states on a probe step at least this closely
+# (cosine similarity of every row; rounding alone stays far above it, a wrong input or mask far below).
+PREFILL_GRAPH_MIN_AGREEMENT = 0.99
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     block_size: int = 16
@@ -53,7 +58,8 @@ class EngineConfig:
     track_pool_changes: bool = False  # nodes that publish to the global index drain the pool's change log
     scheduler: SchedulerConfig = SchedulerConfig()
     speculative: SpeculativeConfig | None = None  # None: no speculative decoding
-    enforce_eager: bool = False  # on CUDA: no decode CUDA graphs (kvmesh/engine/cuda_graphs.py)
+    enforce_eager: bool = False  # on CUDA: no CUDA graphs (kvmesh/engine/cuda_graphs.py, prefill_graphs.py)
+    decode_graphs: bool = True  # on CUDA, unless eager: decode steps' graphs too (an engine that never decodes: off)
 
 
 class LLMEngine:
@@ -101,16 +107,34 @@ class LLMEngine:
         self.on_prefill_step: Callable[[int, float], None] | None = None
 
     def _capture_graphs(self) -> None:
-        """Decode CUDA graphs for every batch size up to ``max_num_seqs``; a capture that fails leaves the engine
-        eager (logged), never broken."""
+        """CUDA graphs of decode steps for every batch size up to ``max_num_seqs`` and of prompt steps per token
+        bucket, in one memory pool. A capture that fails, or prompt graphs that disagree with the eager forward
+        on a probe step, leave that kind of step eager (logged), never broken."""
         from kvmesh.engine.cuda_graphs import DecodeGraphs
+        from kvmesh.engine.prefill_graphs import PrefillGraphs
 
+        pool = torch.cuda.graph_pool_handle()
+        sched, kv_buffer = self.config.scheduler, self.runner.kv_buffer
         try:
-            self.runner.graphs = DecodeGraphs(self.loaded.model, self.runner.kv_buffer, self.config.block_size,
-                                              self.config.scheduler.max_num_seqs, self.max_model_len).capture()
+            if self.config.decode_graphs:
+                self.runner.graphs = DecodeGraphs(self.loaded.model, kv_buffer, self.config.block_size,
+                                                  sched.max_num_seqs, self.max_model_len).capture(pool)
         except Exception as e:  # an op that cannot be captured: correct, only slower
             log.warning("decode CUDA graphs could not be captured (%s: %s); decoding eagerly", type(e).__name__, e)
             self.runner.graphs = None
+        try:
+            graphs = PrefillGraphs(self.loaded.model, kv_buffer, self.config.block_size, sched.max_num_batched_tokens,
+                                   sched.max_num_seqs, self.max_model_len).capture(pool)
+            agreement = graphs.agreement_with_eager(self.layout.num_blocks)
+        except Exception as e:
+            log.warning("prompt-step CUDA graphs could not be captured (%s: %s); prompts run eagerly",
+                        type(e).__name__, e)
+            return
+        if agreement is not None and agreement < PREFILL_GRAPH_MIN_AGREEMENT:
+            log.warning("prompt-step CUDA graphs disagree with the eager forward on a probe step (cosine %.4f); "
+                        "prompts run eagerly", agreement)
+            return
+        self.runner.prefill_graphs = graphs
 
     # ---- requests -------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None) -> Sequence:

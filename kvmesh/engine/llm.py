@@ -27,7 +27,7 @@ class LLM:
                  max_num_partial_prefills: int = 4, eviction_policy: str = "tail-first-lru",
                  speculative: SpeculativeConfig | None = None, progress: bool = True, enforce_eager: bool = False,
                  load_format: str = "auto"):
-        """``enforce_eager``: on CUDA, decode without CUDA graphs (``kvmesh/engine/cuda_graphs.py``).
+        """``enforce_eager``: on CUDA, no CUDA graphs of decode or prompt steps (``kvmesh/engine/cuda_graphs.py``).
         ``load_format="dummy"``: seeded weights of the model's shape, made on the device (``model/dummy_weights.py``)."""
         self.loaded = load_model(model, dtype=dtype, device=device, progress=progress, load_format=load_format)
         scheduler = SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,

@@ -7,7 +7,8 @@ chunk reaches their last token get a sampled token back; mid-prompt chunks get
 None. Decodes (one new token) are put first, as the kernels expect.
 
 On CUDA, a decode-only batch (no drafts) replays a captured graph of the forward when one is
-given (``graphs``, ``kvmesh/engine/cuda_graphs.py``); everything else runs eagerly.
+given (``graphs``, ``kvmesh/engine/cuda_graphs.py``), a batch of prompt chunks only one of the
+prompt-step graphs (``prefill_graphs``, ``kvmesh/engine/prefill_graphs.py``); everything else runs eagerly.
 
 Speculative decoding: ``drafts[i]`` turns batch item i (a decode) into a verification
 of ``[last token, d1 .. dk]`` (num_new_tokens = k + 1); it gets back the list of
@@ -15,17 +16,27 @@ tokens the rejection sampler emits (accepted drafts, then one from the target).
 """
 from __future__ import annotations
 
+from enum import Enum
 from typing import NamedTuple
 
 import torch
 
 from kvmesh.engine.cuda_graphs import DecodeGraphs
+from kvmesh.engine.prefill_graphs import PrefillGraphs
 from kvmesh.engine.sampler import sample, top_logprobs
 from kvmesh.engine.sequence import Sequence
 from kvmesh.engine.spec_decode.proposers import Proposal
 from kvmesh.engine.spec_decode.rejection import verify_drafts
 from kvmesh.kernels.attention_metadata import AttentionMetadata
 from kvmesh.model.llama import LlamaForCausalLM
+
+
+class Replayed(Enum):
+    """How a step's forward runs."""
+
+    EAGER = "eager"
+    DECODE_GRAPH = "decode-graph"  # the output is logits of every row
+    PREFILL_GRAPH = "prefill-graph"  # the output is hidden states, like an eager step's
 
 
 class StepInputs(NamedTuple):
@@ -37,7 +48,7 @@ class StepInputs(NamedTuple):
     query_lens: list[int]
     seq_lens: list[int]
     tables: list[list[int]]
-    graphed: bool  # a decode-only step that replays a CUDA graph
+    replayed: Replayed
 
 
 class SampledToken(NamedTuple):
@@ -53,6 +64,7 @@ class ModelRunner:
         self.block_size = block_size
         self.device = kv_buffer.device
         self.graphs: DecodeGraphs | None = None  # set once captured (the engine, on CUDA)
+        self.prefill_graphs: PrefillGraphs | None = None
 
     @torch.inference_mode()
     def execute(self, batch: list[tuple[Sequence, int]], drafts: dict[int, Proposal] | None = None
@@ -83,15 +95,21 @@ class ModelRunner:
             query_lens.append(n)
             seq_lens.append(start + n)
             tables.append(seq.block_ids)
-        graphed = self.graphs is not None and not drafts and len(input_ids) == len(batch) and \
-            self.graphs.can_run(len(batch))
-        return StepInputs(order, input_ids, positions, query_lens, seq_lens, tables, graphed)
+        replayed = Replayed.EAGER
+        if not drafts and self.graphs is not None and len(input_ids) == len(batch) and self.graphs.can_run(len(batch)):
+            replayed = Replayed.DECODE_GRAPH
+        elif not drafts and self.prefill_graphs is not None and self.prefill_graphs.can_run(query_lens):
+            replayed = Replayed.PREFILL_GRAPH
+        return StepInputs(order, input_ids, positions, query_lens, seq_lens, tables, replayed)
 
     @torch.inference_mode()
     def forward(self, inputs: StepInputs) -> torch.Tensor:
-        """Hidden states [tokens, hidden] of the step, or for a graph replay its logits [rows, vocab]."""
-        if inputs.graphed:
+        """Hidden states [tokens, hidden] of the step, or for a decode graph's replay its logits [rows, vocab]."""
+        if inputs.replayed is Replayed.DECODE_GRAPH:
             return self.graphs.run(inputs.input_ids, inputs.positions, inputs.tables, inputs.seq_lens)
+        if inputs.replayed is Replayed.PREFILL_GRAPH:
+            return self.prefill_graphs.run(inputs.input_ids, inputs.positions, inputs.query_lens, inputs.seq_lens,
+                                           inputs.tables)
         md = AttentionMetadata.build(query_lens=inputs.query_lens, seq_lens=inputs.seq_lens,
                                      block_tables=inputs.tables, block_size=self.block_size, device=self.device)
         return self.model(torch.tensor(inputs.input_ids, device=self.device),
@@ -115,7 +133,7 @@ class ModelRunner:
         if rows:
             # rows rise, so ending at len(rows) - 1 means every row from 0: a view instead of a gather
             picked = out[: len(rows)] if rows[-1] == len(rows) - 1 else out[rows]
-            logits = picked if inputs.graphed else self.model.compute_logits(picked)
+            logits = picked if inputs.replayed is Replayed.DECODE_GRAPH else self.model.compute_logits(picked)
             seqs = [batch[i][0] for i in sampled_items]
             tokens, logprobs, tops = sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
             for i, tok, lp, top in zip(sampled_items, tokens, logprobs, tops):

@@ -108,7 +108,7 @@ class NodeConfig:
     verify_kv: bool = True  # crc32 of lower-tier blocks (promoted, served) and of every pushed block (received)
     speculative: str = "off"  # decode nodes: "ngram" (prompt lookup), "self-draft" or "off"
     num_speculative_tokens: int = 4
-    enforce_eager: bool = False  # on CUDA: no decode CUDA graphs
+    enforce_eager: bool = False  # on CUDA: no CUDA graphs of decode or prompt steps
     core_share: str = ""  # FD:SLOT:CORES of the launcher's CoreTable: compute threads shared with this machine's nodes
     cluster_token: str = field(default="", repr=False)  # authenticates every frame (kvmesh.auth)
     insecure: bool = False  # may bind beyond loopback without a cluster token
@@ -136,7 +136,8 @@ class NodeRuntime:
         self.engine = LLMEngine(self.loaded, EngineConfig(
             block_size=cfg.block_size, num_kv_blocks=cfg.num_kv_blocks, track_pool_changes=True,
             enable_prefix_caching=cfg.enable_prefix_caching,
-            enforce_eager=cfg.enforce_eager or cfg.role == "prefill",  # prefill nodes never decode: no graphs
+            enforce_eager=cfg.enforce_eager,
+            decode_graphs=cfg.role != "prefill",  # prefill nodes never decode: prompt-step graphs only
             speculative=None if cfg.speculative == "off" or cfg.role != "decode" else SpeculativeConfig(
                 method=cfg.speculative, num_speculative_tokens=cfg.num_speculative_tokens),
             scheduler=SchedulerConfig(max_num_seqs=cfg.max_num_seqs,

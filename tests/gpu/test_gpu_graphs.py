@@ -81,3 +81,54 @@ def test_bf16_graph_logits_match_eager_logits():
     # norm / RoPE / SiLU kernels (another rounding order again) mean |diff| 0.139 on a second H200.
     assert (got - plain).abs().mean().item() < 0.25 and (got - plain).abs().max().item() < 1.5
     assert (got.argmax(-1) == plain.argmax(-1)).sum().item() >= 4
+
+
+def test_prompt_graphs_change_no_greedy_token_in_fp32():
+    """Prompt steps replayed (one prompt, several at once, chunks over cached prefixes, a prompt past the largest
+    bucket run eagerly): the same greedy tokens as an engine without graphs."""
+    kw = dict(device="cuda", dtype="float32", max_num_seqs=16, num_kv_blocks=4096, max_num_batched_tokens=4096,
+              progress=False)
+    graphed, eager = LLM("smollm2-135m-dummy", **kw), LLM("smollm2-135m-dummy", enforce_eager=True, **kw)
+    graphs = graphed.engine.runner.prefill_graphs
+    assert graphs is not None and eager.engine.runner.prefill_graphs is None  # captured, and the probe agreed
+    assert graphs.buckets == [64, 128, 256, 512, 1024, 2048] and graphs.capture_s > 0
+    rng = random.Random(5)
+    vocab = graphed.loaded.config.vocab_size
+    long = [rng.randrange(vocab) for _ in range(3000)]
+    cases = {
+        "one prompt": [long[:2000]],
+        "three at once": [long[:700], long[1000:1333], long[2000:2101]],
+        "over cached prefixes": [long[:2000] + long[2500:2530], long[:700] + long[5:90]],
+        "past the largest bucket": [[rng.randrange(vocab) for _ in range(3000)]],
+    }
+    for name, ps in cases.items():
+        before = graphs.num_replays
+        got = [o.token_ids for o in graphed.generate(ps, GREEDY, use_tqdm=False)]
+        want = [o.token_ids for o in eager.generate(ps, GREEDY, use_tqdm=False)]
+        assert got == want, name
+        replayed = graphs.num_replays - before
+        assert replayed == 0 if name == "past the largest bucket" else replayed >= 1, name
+        graphed.engine.check_integrity()
+
+
+def test_bf16_prompt_graphs_agree_with_eager_and_prefill_nodes_capture_only_them():
+    from kvmesh.engine.engine import EngineConfig, LLMEngine
+    from kvmesh.model.loader import load_model
+
+    graphed = LLM("smollm2-135m-dummy", device="cuda", dtype="bfloat16", max_num_seqs=8, num_kv_blocks=1024,
+                  progress=False)
+    graphs = graphed.engine.runner.prefill_graphs
+    assert graphs.agreement_with_eager(1024) > 0.999
+    ps = prompts(3, graphed.loaded.config.vocab_size, seed=11)
+    first = SamplingParams(max_tokens=1, temperature=0.0)
+    got = graphed.generate(ps, first, use_tqdm=False)
+    assert graphs.num_replays >= 1
+    eager = LLM("smollm2-135m-dummy", device="cuda", dtype="bfloat16", max_num_seqs=8, num_kv_blocks=1024,
+                progress=False, enforce_eager=True)
+    want = eager.generate(ps, first, use_tqdm=False)
+    agree = sum(g.token_ids == w.token_ids for g, w in zip(got, want))
+    assert agree >= 2  # bf16 over 30 random layers: a near-tie may flip, most rows do not
+    # An engine that never decodes (a prefill node's) captures prompt-step graphs only.
+    loaded = load_model("tiny-llama", device="cuda")
+    engine = LLMEngine(loaded, EngineConfig(num_kv_blocks=256, decode_graphs=False))
+    assert engine.runner.graphs is None and engine.runner.prefill_graphs is not None

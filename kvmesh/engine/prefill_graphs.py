@@ -1,0 +1,179 @@
+"""PrefillGraphs: prompt steps captured as CUDA graphs, one per token-count bucket.
+
+On a GPU, a prompt step of a small model is bound by launches and Python as a decode step is: every
+layer's kernels are dispatched one by one whatever the prompt's length. A step whose batch is prompt
+chunks only (each of more than one new token, at most ``max_seqs`` of them, their tokens within the
+largest bucket) replays the graph of the smallest token bucket that holds its tokens. Its persistent
+inputs (``PrefillInputs``):
+
+    input_ids, positions, slot_mapping   [T]        int64   (padding tokens: slot -1, store nothing)
+    seq_lens                             [S]        int32   (padding sequences: 0)
+    query_start_loc                      [S + 1]    int32   (padding sequences: empty, at the real tokens' end)
+    block_tables                         [S, W]     int32   (W: blocks of the context limit)
+
+The paged prefill kernel's grid is the bucket's (query tiles of T tokens, every head, S sequences); a
+tile past its sequence's new tokens returns at once, so padding costs a few empty programs and no
+output row. Padding tokens' rows hold whatever the norms and GEMMs make of unwritten attention output;
+no row depends on another outside attention, and nothing reads them. The graph ends at the final norm:
+the head runs after the replay, on the rows that sample. Decodes, speculative verification, and
+batches past ``max_seqs`` sequences or the largest bucket run eagerly.
+
+The metadata's host lists (``query_lens_cpu``, ``seq_lens_cpu``) are bounds, not the step's values:
+the Triton kernels a graph holds read the device tensors only. Prompts long enough for the SDPA path
+(``kernels/ops.FRESH_PROMPT_SDPA_MIN_TOKENS``) are past every bucket.
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from kvmesh.engine.cuda_graphs import CapturedForwards, bucket_for
+from kvmesh.kernels.attention_metadata import AttentionMetadata
+from kvmesh.kernels.ops import FRESH_PROMPT_SDPA_MIN_TOKENS
+
+log = logging.getLogger("kvmesh.engine")
+
+PREFILL_BUCKETS = (64, 128, 256, 512, 1024, 2048)
+MAX_PROMPTS_PER_REPLAY = 16
+assert PREFILL_BUCKETS[-1] < FRESH_PROMPT_SDPA_MIN_TOKENS  # a graph holds the paged kernel only
+
+
+def prefill_buckets_for(max_num_batched_tokens: int) -> list[int]:
+    """The captured token counts: PREFILL_BUCKETS below the step's token budget, then the budget (at most
+    the largest bucket)."""
+    cap = min(max_num_batched_tokens, PREFILL_BUCKETS[-1])
+    return [b for b in PREFILL_BUCKETS if b < cap] + [cap]
+
+
+class PrefillInputs:
+    """Persistent, padded inputs of a prompt step (any device) and the metadata that reads them."""
+
+    def __init__(self, max_tokens: int, max_seqs: int, max_model_len: int, block_size: int, device: torch.device):
+        self.max_tokens, self.max_seqs, self.block_size = max_tokens, max_seqs, block_size
+        self.max_model_len = max_model_len
+        self.width = -(-max_model_len // block_size)
+        pin = device.type == "cuda"
+        size32 = 2 * max_seqs + 1 + max_seqs * self.width  # seq lens, query starts, block tables
+        self._host64 = torch.zeros((3, max_tokens), dtype=torch.int64, pin_memory=pin)
+        self._host32 = torch.zeros(size32, dtype=torch.int32, pin_memory=pin)
+        self._dev64 = torch.zeros((3, max_tokens), dtype=torch.int64, device=device)
+        self._dev32 = torch.zeros(size32, dtype=torch.int32, device=device)
+        self.input_ids, self.positions, self.slot_mapping = self._dev64[0], self._dev64[1], self._dev64[2]
+        self.seq_lens = self._dev32[:max_seqs]
+        self.query_start_loc = self._dev32[max_seqs: 2 * max_seqs + 1]
+        self.block_tables = self._dev32[2 * max_seqs + 1:].view(max_seqs, self.width)
+        self._h64, self._h32 = self._host64.numpy(), self._host32.numpy()
+        self._seq_lens = self._h32[:max_seqs]
+        self._starts = self._h32[max_seqs: 2 * max_seqs + 1]
+        self._tables = self._h32[2 * max_seqs + 1:].reshape(max_seqs, self.width)
+        self._staged_tables: list[list[int] | None] = [None] * max_seqs
+        self._h64[2] = -1  # every token padding until filled
+        self._num_filled = 0
+        self.fill([], [], [], [], [])
+
+    def fill(self, input_ids: list[int], positions: list[int], query_lens: list[int], seq_lens: list[int],
+             block_tables: list[list[int]]) -> None:
+        """Write one step's tokens and sequences (padding after them) and copy them to the device
+        (non-blocking on CUDA). Sequence ``i``'s new tokens are the next ``query_lens[i]`` of ``input_ids``,
+        the last of its ``seq_lens[i]`` tokens. As in ``DecodeInputs.fill``, a table equal to the one staged
+        in its row last time is not rewritten, and the caller reads the previous replay's output first."""
+        n, s, bs = len(input_ids), len(query_lens), self.block_size
+        if n > self.max_tokens or s > self.max_seqs:
+            raise ValueError(f"{n} tokens of {s} sequences: past {self.max_tokens} tokens or {self.max_seqs} sequences")
+        h64, tables, staged = self._h64, self._tables, self._staged_tables
+        if n < self._num_filled:  # tokens of the last step past this one's become padding
+            h64[:2, n:self._num_filled] = 0
+            h64[2, n:self._num_filled] = -1
+        self._num_filled = n
+        for row, table in enumerate(block_tables):
+            if staged[row] != table:
+                if len(table) > self.width:
+                    raise ValueError(f"a block table of {len(table)} blocks is past the context limit")
+                tables[row, : len(table)] = table
+                staged[row] = list(table)
+        if n:
+            h64[0, :n] = input_ids
+            h64[1, :n] = positions
+            rows = np.repeat(np.arange(s), query_lens)
+            pos = h64[1, :n]
+            h64[2, :n] = tables[rows, pos // bs].astype(np.int64) * bs + pos % bs
+        self._seq_lens[:s] = seq_lens
+        self._seq_lens[s:] = 0
+        self._starts[0] = 0
+        np.cumsum(query_lens, out=self._starts[1: s + 1])
+        self._starts[s + 1:] = n
+        self._dev64.copy_(self._host64, non_blocking=True)
+        end = 2 * self.max_seqs + 1 + s * self.width  # lengths, query starts, then the real rows' tables
+        self._dev32[:end].copy_(self._host32[:end], non_blocking=True)
+
+    def metadata(self, num_tokens: int) -> AttentionMetadata:
+        """Metadata of a ``num_tokens`` bucket over every sequence row (fixed shapes; host lists are bounds)."""
+        return AttentionMetadata(
+            slot_mapping=self.slot_mapping[:num_tokens], block_tables=self.block_tables, seq_lens=self.seq_lens,
+            query_start_loc=self.query_start_loc, num_decodes=0, max_query_len=num_tokens,
+            max_seq_len=self.max_model_len, seq_lens_cpu=[self.max_model_len] * self.max_seqs,
+            query_lens_cpu=[num_tokens] * self.max_seqs)
+
+
+class PrefillGraphs(CapturedForwards):
+    """The prompt-step forward (embedding, layers, final norm) per token bucket; see the module docstring."""
+
+    kind = "prefill"
+
+    def __init__(self, model, kv_buffer: torch.Tensor, block_size: int, max_num_batched_tokens: int,
+                 max_num_seqs: int, max_model_len: int):
+        super().__init__(model, kv_buffer, prefill_buckets_for(max_num_batched_tokens))
+        self.max_seqs = min(max_num_seqs, MAX_PROMPTS_PER_REPLAY)
+        self.inputs = PrefillInputs(self.buckets[-1], self.max_seqs, max_model_len, block_size, kv_buffer.device)
+
+    def _forward_for(self, num_tokens: int) -> Callable[[], torch.Tensor]:
+        md = self.inputs.metadata(num_tokens)
+
+        def forward() -> torch.Tensor:
+            return self.model(self.inputs.input_ids[:num_tokens], self.inputs.positions[:num_tokens],
+                              self.kv_buffer, md)
+        return forward
+
+    def can_run(self, query_lens: list[int]) -> bool:
+        """A batch of prompt chunks only, each of more than one token, that fits the largest replay."""
+        return bool(self._replays) and 0 < len(query_lens) <= self.max_seqs and min(query_lens) > 1 and \
+            sum(query_lens) <= self.buckets[-1]
+
+    def run(self, input_ids: list[int], positions: list[int], query_lens: list[int], seq_lens: list[int],
+            block_tables: list[list[int]]) -> torch.Tensor:
+        """One prompt step by replay: final hidden states [tokens, hidden] (a view of the graph's output: read
+        it before the next replay); the K/V of every new token is stored."""
+        bucket = bucket_for(self.buckets, len(input_ids))
+        self.inputs.fill(input_ids, positions, query_lens, seq_lens, block_tables)
+        return self._replay(bucket)[: len(input_ids)]
+
+    @torch.inference_mode()
+    def agreement_with_eager(self, num_kv_blocks: int) -> float | None:
+        """A start-up check of the captured graphs against the eager forward: a probe step (two prompts in the
+        smallest bucket, the second over one block of context, in blocks from 0, which hold nothing yet) is
+        replayed, then computed eagerly on the same inputs. Returns the lowest cosine similarity of a new
+        token's hidden state between the two (1.0: identical), or None where the probe does not fit. Writes
+        the probe's K/V into those blocks (any later owner overwrites them before reading)."""
+        bucket, bs = self.buckets[0], self.inputs.block_size
+        query_lens = [bucket // 2 + 1, bucket // 4]
+        if min(query_lens) < 2 or self.max_seqs < 2:
+            return None
+        seq_lens = [query_lens[0], query_lens[1] + bs]
+        first_blocks = -(-seq_lens[0] // bs)
+        tables = [list(range(first_blocks)), list(range(first_blocks, first_blocks + -(-seq_lens[1] // bs)))]
+        if tables[1][-1] >= num_kv_blocks:
+            return None
+        gen = torch.Generator().manual_seed(0)
+        input_ids = torch.randint(0, self.model.config.vocab_size, (sum(query_lens),), generator=gen).tolist()
+        positions = list(range(query_lens[0])) + list(range(bs, seq_lens[1]))
+        got = self.run(input_ids, positions, query_lens, seq_lens, tables).float()
+        device = self.kv_buffer.device
+        md = AttentionMetadata.build(query_lens=query_lens, seq_lens=seq_lens, block_tables=tables,
+                                     block_size=bs, device=device)
+        want = self.model(torch.tensor(input_ids, device=device), torch.tensor(positions, device=device),
+                          self.kv_buffer, md).float()
+        self.num_replays -= 1  # the probe is not a served step
+        return float(torch.nn.functional.cosine_similarity(got, want, dim=-1).min().nan_to_num(-1.0))
