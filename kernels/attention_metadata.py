@@ -39,6 +39,8 @@ class AttentionMetadata:
     slot_offsets: torch.Tensor | None = None
     # Whatever a kernel path derives once per step and every layer reuses (e.g. the decode gather index).
     per_step: dict = field(default_factory=dict)
+    # Every sequence is a prompt with nothing cached: its keys are exactly its new tokens (no decode among them).
+    fresh_prompts: bool = False
 
     @property
     def num_seqs(self) -> int:
@@ -94,4 +96,5 @@ class AttentionMetadata:
             query_lens_cpu=list(query_lens),
             slot_block_ids=block_ids_t,
             slot_offsets=offsets_t,
+            fresh_prompts=num_decodes == 0 and len(query_lens) > 0 and list(query_lens) == list(seq_lens),
         )

@@ -1,8 +1,9 @@
 """The one dispatch point: every kernel call of the model goes through here.
 
 CUDA tensors take the Triton kernels (paged attention, the K/V store, and fused RMSNorm with its
-residual add, SiLU-mul and RoPE with the store: one launch each), except long prompts with no
-cached prefix, whose attention goes through torch's SDPA (flash kernels). On the CPU, decode
+residual add, SiLU-mul and RoPE with the store: one launch each), except steps of long prompts with
+no cached prefix, whose attention goes through torch's SDPA (flash kernels) on the keys and values
+as the layer computed them (``takes_fresh_kv``). On the CPU, decode
 attention, prefill attention (fp32; bf16 for a few new tokens), RMSNorm (with its fused residual
 add) and RoPE + K/V store take the native kernels (``kernels/cpu``, compiled on first use) where
 they load and take the arguments, everything else the torch reference. ``KVMESH_KERNELS=torch``
@@ -64,9 +65,13 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
 
 
 def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    md: AttentionMetadata, scale: float) -> torch.Tensor:
+                    md: AttentionMetadata, scale: float,
+                    fresh_kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Attention for a mixed batch: decode kernel on the leading decodes, prefill kernel on the rest. A batch
-    of one kind returns that kernel's output as it is (no output buffer, no copy into it)."""
+    of one kind returns that kernel's output as it is (no output buffer, no copy into it). ``fresh_kv``: the
+    step's keys and values [T, H_kv, D] as computed, given where ``takes_fresh_kv`` said so."""
+    if fresh_kv is not None:
+        return fresh_prompts_attention(query, *fresh_kv, md.query_lens_cpu, scale)
     d = md.num_decodes
     if not md.num_prefills:
         return decode_attention(query, k_cache, v_cache, md.block_tables, md.seq_lens, md.max_seq_len, scale,
@@ -100,8 +105,6 @@ def prefill_attention(query, k_cache, v_cache, block_tables, seq_lens, query_sta
                       query_lens_cpu: list[int], seq_lens_cpu: list[int], max_query_len: int,
                       scale: float) -> torch.Tensor:
     if use_triton(query):
-        if query.is_cuda and max_query_len >= FRESH_PROMPT_SDPA_MIN_TOKENS and query_lens_cpu == seq_lens_cpu:
-            return fresh_prompts_attention(query, k_cache, v_cache, block_tables, query_lens_cpu, scale)
         from kvmesh.kernels.triton import attention
         return attention.prefill_attention(query, k_cache, v_cache, block_tables, seq_lens,
                                            query_start_loc, max_query_len, scale)
@@ -111,26 +114,37 @@ def prefill_attention(query, k_cache, v_cache, block_tables, seq_lens, query_sta
                                            query_lens_cpu, seq_lens_cpu, scale)
 
 
-# Prompts with no cached prefix this long go through SDPA on CUDA: on an H200 (docs/gpu.md) SDPA on the gathered
-# keys beat the paged kernel at 8,192 tokens and lost to it at 2,048 (the gather and launches cost more there).
-FRESH_PROMPT_SDPA_MIN_TOKENS = 4096
+# Steps of prompts with no cached prefix, one of them this long, take SDPA on CUDA. On an H200 (docs/gpu.md) SDPA
+# beat the paged kernel at every length measured (512 to 8,192 tokens), but on keys gathered back from the blocks
+# it lost at 2,048 (the gathers and copies cost more than it saved); it now reads them as the layer computed them.
+FRESH_PROMPT_SDPA_MIN_TOKENS = 1024
 
 
-def fresh_prompts_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                            block_tables: torch.Tensor, query_lens_cpu: list[int], scale: float) -> torch.Tensor:
-    """Causal attention of prompts with no cached prefix (every key is one of their new tokens), through
-    torch's SDPA (its flash kernels on CUDA): each prompt's keys and values are gathered from the blocks
-    it just wrote, so the result is what the paged kernel reads, in torch's fastest attention."""
+def takes_fresh_kv(qkv: torch.Tensor, md: AttentionMetadata) -> bool:
+    """Whether this step's attention should be given the keys and values as computed (``paged_attention``'s
+    ``fresh_kv``): prompts with nothing cached, one of them long, on CUDA through the Triton dispatch."""
+    return md.fresh_prompts and md.max_query_len >= FRESH_PROMPT_SDPA_MIN_TOKENS and qkv.is_cuda and use_triton(qkv)
+
+
+def fresh_prompts_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                            query_lens_cpu: list[int], scale: float) -> torch.Tensor:
+    """Causal attention of prompts with no cached prefix, each attending to its own new tokens only, through
+    torch's SDPA (its flash kernels on CUDA). query [T, Hq, D], keys and values [T, H_kv, D] (any strides with
+    unit-stride rows: views of the fused projection do) -> [T, Hq, D]. One prompt returns SDPA's output as a
+    view; several are written into one buffer."""
+    num_heads, num_kv_heads = query.shape[1], keys.shape[1]
+
+    def attend(start: int, end: int) -> torch.Tensor:
+        q, k, v = (t[start:end].transpose(0, 1).unsqueeze(0) for t in (query, keys, values))
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=num_heads != num_kv_heads)
+        return o[0].transpose(0, 1)
+
+    if len(query_lens_cpu) == 1:
+        return attend(0, query_lens_cpu[0])
     out = torch.empty_like(query)
-    num_kv_heads = k_cache.shape[2]
     start = 0
-    for i, num_tokens in enumerate(query_lens_cpu):
-        k = ref_attention.gather_kv(k_cache, block_tables[i], num_tokens).transpose(0, 1)
-        v = ref_attention.gather_kv(v_cache, block_tables[i], num_tokens).transpose(0, 1)
-        q = query[start: start + num_tokens].transpose(0, 1)
-        o = F.scaled_dot_product_attention(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), is_causal=True,
-                                           scale=scale, enable_gqa=q.shape[0] != num_kv_heads)
-        out[start: start + num_tokens] = o[0].transpose(0, 1)
+    for num_tokens in query_lens_cpu:
+        out[start: start + num_tokens] = attend(start, start + num_tokens)
         start += num_tokens
     return out
 
@@ -153,22 +167,26 @@ def decode_attention(query, k_cache, v_cache, block_tables, seq_lens, max_seq_le
 
 
 def rope_store(qkv: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, k_cache: torch.Tensor,
-               v_cache: torch.Tensor, md: AttentionMetadata, num_heads: int) -> torch.Tensor:
+               v_cache: torch.Tensor, md: AttentionMetadata, num_heads: int,
+               keys_out: torch.Tensor | None = None) -> torch.Tensor:
     """Rotate the queries and keys of a fused projection ``qkv`` [T, (Hq + 2 Hkv) * D] with
     ``RotaryEmbedding.lookup``'s tables, store keys and values at the batch's slots; returns the
-    queries [T, Hq, D] (contiguous)."""
-    if use_native(qkv) and md.slot_block_ids is not None and native.can_rope_store(qkv, cos, k_cache, v_cache):
+    queries [T, Hq, D] (contiguous). ``keys_out`` [T, Hkv, D]: the rotated keys are written there too."""
+    if keys_out is None and use_native(qkv) and md.slot_block_ids is not None and \
+            native.can_rope_store(qkv, cos, k_cache, v_cache):
         return native.rope_store(qkv, cos, signed_sin, k_cache, v_cache, md.slot_block_ids, md.slot_offsets, num_heads)
     num_tokens = qkv.shape[0]
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
     if use_triton(qkv) and head_dim & (head_dim - 1) == 0 and qkv.stride(-1) == 1:
         from kvmesh.kernels.triton import fused
-        return fused.rope_store(qkv, cos, signed_sin, k_cache, v_cache, md.slot_mapping, num_heads)
+        return fused.rope_store(qkv, cos, signed_sin, k_cache, v_cache, md.slot_mapping, num_heads, keys_out)
     q_size = num_heads * head_dim
     qk = qkv[:, : q_size + num_kv_heads * head_dim].view(num_tokens, num_heads + num_kv_heads, head_dim)
     qk = rotate(qk, cos, signed_sin)  # queries and keys side by side in the fused projection: one rotation
     v = qkv[:, q_size + num_kv_heads * head_dim:].view(num_tokens, num_kv_heads, head_dim)
     store_kv(qk[:, num_heads:], v, k_cache, v_cache, md)
+    if keys_out is not None:
+        keys_out.copy_(qk[:, num_heads:])
     return qk[:, :num_heads].contiguous()
 
 

@@ -178,11 +178,17 @@ def test_triton_prefill_tiles_agree_over_cached_prefixes(config):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("q_lens,hq,hkv,d", [([5], 2, 2, 16), ([17, 40, 1], 4, 2, 32), ([33, 7], 6, 2, 24)])
-def test_fresh_prompts_attention_reads_the_new_blocks_like_the_paged_reference(q_lens, hq, hkv, d, dtype):
-    """The path CUDA takes for prompts without a cached prefix (SDPA over the keys gathered from the blocks)."""
+def test_fresh_prompts_attention_on_the_computed_keys_equals_the_paged_reference(q_lens, hq, hkv, d, dtype):
+    """The path CUDA takes for long prompts without a cached prefix: SDPA on the keys and values as the layer
+    computed them (here: views of one fused buffer, as the projection lays them out), against the reference
+    reading the same keys from the blocks."""
     from kvmesh.kernels import ops
     case = make_case(23, q_lens, q_lens, hq, hkv, d, 16, dtype)
-    got = ops.fresh_prompts_attention(case.query, case.k_cache, case.v_cache, case.block_tables, q_lens, d**-0.5)
+    keys, values = (torch.cat([ref_attn.gather_kv(cache, case.block_tables[i], n) for i, n in enumerate(q_lens)])
+                    for cache in (case.k_cache, case.v_cache))
+    fused = torch.cat([keys.flatten(1), values.flatten(1)], dim=1)
+    got = ops.fresh_prompts_attention(case.query, fused[:, : hkv * d].view(-1, hkv, d),
+                                      fused[:, hkv * d:].view(-1, hkv, d), q_lens, d**-0.5)
     want = ref_attn.prefill_attention(case.query.float(), case.k_cache.float(), case.v_cache.float(),
                                       case.block_tables, q_lens, q_lens, d**-0.5)
     assert (got.float() - want).abs().max().item() < TOL[dtype]
@@ -288,16 +294,61 @@ def test_triton_rope_store_matches_reference(num_heads, num_kv_heads, head_dim, 
     monkeypatch.setenv("KVMESH_KERNELS", "torch")
     want_buf = buf.clone()
     md.slot_block_ids = md.slot_offsets = None  # the reference writes by slot, like the kernel
-    want_q = ops.rope_store(qkv, cos, sin, want_buf[:, 1, 0], want_buf[:, 1, 1], md, num_heads)
+    want_keys = torch.full((num_tokens, num_kv_heads, head_dim), float("nan"), dtype=dtype, device=DEVICE)
+    want_q = ops.rope_store(qkv, cos, sin, want_buf[:, 1, 0], want_buf[:, 1, 1], md, num_heads, keys_out=want_keys)
     got_buf = buf.clone()
-    got_q = triton_fused.rope_store(qkv, cos, sin, got_buf[:, 1, 0], got_buf[:, 1, 1], md.slot_mapping, num_heads)
+    got_keys = torch.full_like(want_keys, float("nan"))
+    got_q = triton_fused.rope_store(qkv, cos, sin, got_buf[:, 1, 0], got_buf[:, 1, 1], md.slot_mapping, num_heads,
+                                    keys_out=got_keys)
     assert got_q.shape == want_q.shape and got_q.is_contiguous()
     tol = FUSED_TOL[dtype] * 4  # rotated values are up to ~2x the inputs
     assert (got_q.float() - want_q.float()).abs().max().item() <= tol
+    # The rotated keys written out for every token (padding rows too: attention on them reads them as computed).
+    assert (got_keys.float() - want_keys.float()).abs().max().item() <= tol
+    stored = want_buf[:, 1, 0].reshape(-1, num_kv_heads, head_dim)[md.slot_mapping[md.slot_mapping >= 0]]
+    assert torch.equal(want_keys[md.slot_mapping >= 0], stored)
     assert (got_buf.float() - want_buf.float()).abs().max().item() <= tol
     assert want_buf.abs().sum() > 0 and torch.equal(got_buf[:, 0], buf[:, 0])  # only layer 1 written
     written = (got_buf[:, 1, 0].abs().sum(dim=(-1, -2)) > 0).sum().item()
     assert written == num_tokens - 2  # the two padding rows stored nothing
+
+
+@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen3"])
+def test_fresh_prompts_take_sdpa_on_the_computed_keys_and_match_torch(preset, monkeypatch):
+    """A step of prompts with nothing cached, every kernel call on Triton, its attention through SDPA on the keys
+    and values as each layer computed them (the RoPE kernel writing the rotated keys out; Qwen3's normed keys):
+    logits and the stored K/V as the torch reference computes them. A step with a cached prefix does not take it."""
+    from kvmesh.kernels import ops
+    from kvmesh.kernels.attention_metadata import AttentionMetadata
+    from kvmesh.model.loader import load_model
+
+    loaded = load_model(preset, device=DEVICE)
+    model, cfg = loaded.model, loaded.config
+    layout_shape = (12, cfg.num_layers, 2, 16, cfg.num_kv_heads, cfg.head_dim)
+    gen = torch.Generator().manual_seed(7)
+    q_lens, tables = [37, 20], [[4, 9, 2], [7, 11]]
+    tokens = torch.randint(0, cfg.vocab_size, (sum(q_lens),), generator=gen).to(DEVICE)
+    positions = torch.cat([torch.arange(n) for n in q_lens]).to(DEVICE)
+    md = AttentionMetadata.build(query_lens=q_lens, seq_lens=q_lens, block_tables=tables, block_size=16, device=DEVICE)
+    assert md.fresh_prompts
+    assert not AttentionMetadata.build(query_lens=[5], seq_lens=[21], block_tables=[[1, 2]], block_size=16).fresh_prompts
+
+    monkeypatch.setenv("KVMESH_KERNELS", "torch")
+    want_kv = torch.zeros(layout_shape, device=DEVICE)
+    with torch.inference_mode():
+        want = model.compute_logits(model(tokens, positions, want_kv, md))
+    monkeypatch.setenv("KVMESH_KERNELS", "triton")
+    monkeypatch.setattr(ops, "takes_fresh_kv", lambda qkv, md: md.fresh_prompts)  # any length, any device
+    calls = []
+    attend = ops.fresh_prompts_attention
+    monkeypatch.setattr(ops, "fresh_prompts_attention", lambda *a: calls.append(1) or attend(*a))
+    got_kv = torch.zeros(layout_shape, device=DEVICE)
+    with torch.inference_mode():
+        got = model.compute_logits(model(tokens, positions, got_kv, md))
+    assert len(calls) == cfg.num_layers
+    tol = 1e-4 if DEVICE == "cpu" else 1e-3
+    assert (got - want).abs().max().item() < tol
+    assert (got_kv - want_kv).abs().max().item() < tol and want_kv.abs().sum() > 0
 
 
 def test_model_forward_through_triton_dispatch_matches_torch(tiny_llama, monkeypatch):

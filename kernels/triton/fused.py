@@ -77,11 +77,11 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 @triton.jit
 def _rope_store_kernel(
-    qkv_ptr, cos_ptr, sin_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, q_out_ptr,
-    qkv_stride, cos_stride, sin_stride, q_stride_t,
+    qkv_ptr, cos_ptr, sin_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, q_out_ptr, k_out_ptr,
+    qkv_stride, cos_stride, sin_stride, q_stride_t, k_stride_t,
     cache_stride_block, cache_stride_pos, cache_stride_h,
     num_heads, num_kv_heads, block_size,
-    HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, KEYS_OUT: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     half: tl.constexpr = HEAD_DIM // 2
@@ -100,6 +100,9 @@ def _rope_store_kernel(
                ).to(dtype)
     is_q = (heads < num_heads)[:, None]
     tl.store(q_out_ptr + token * q_stride_t + heads[:, None] * HEAD_DIM + dims[None, :], rotated, mask=is_q)
+    if KEYS_OUT:  # the rotated keys for attention that reads them as computed
+        tl.store(k_out_ptr + token * k_stride_t + (heads - num_heads)[:, None] * HEAD_DIM + dims[None, :], rotated,
+                 mask=mask & (heads >= num_heads)[:, None])
     slot = tl.load(slot_ptr + token)
     if slot >= 0:  # padding rows (slot -1) store nothing
         block = slot // block_size
@@ -117,21 +120,26 @@ def _rope_store_kernel(
 
 
 def rope_store(qkv: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, k_cache: torch.Tensor,
-               v_cache: torch.Tensor, slot_mapping: torch.Tensor, num_heads: int) -> torch.Tensor:
+               v_cache: torch.Tensor, slot_mapping: torch.Tensor, num_heads: int,
+               keys_out: torch.Tensor | None = None) -> torch.Tensor:
     """Same contract as ``kernels.ops.rope_store``: rotate queries and keys of the fused projection, store
-    keys and values at ``slot_mapping`` (-1: not stored), return the queries [T, Hq, D]."""
+    keys and values at ``slot_mapping`` (-1: not stored), return the queries [T, Hq, D]; the rotated keys
+    also into ``keys_out`` [T, Hkv, D] (unit-stride rows) when given."""
     num_tokens = qkv.shape[0]
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
     q = torch.empty(num_tokens, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
     if num_tokens == 0:
         return q
     assert qkv.stride(-1) == 1 and head_dim & (head_dim - 1) == 0 and k_cache.stride() == v_cache.stride()
+    assert keys_out is None or (keys_out.shape == (num_tokens, num_kv_heads, head_dim) and
+                                keys_out.stride(1) == head_dim and keys_out.stride(2) == 1)
     cos2, sin2 = cos.reshape(num_tokens, head_dim), signed_sin.reshape(num_tokens, head_dim)
     _rope_store_kernel[(num_tokens,)](
-        qkv, cos2, sin2, k_cache, v_cache, slot_mapping, q,
-        qkv.stride(0), cos2.stride(0), sin2.stride(0), q.stride(0),
+        qkv, cos2, sin2, k_cache, v_cache, slot_mapping, q, q if keys_out is None else keys_out,
+        qkv.stride(0), cos2.stride(0), sin2.stride(0), q.stride(0), 0 if keys_out is None else keys_out.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         num_heads, num_kv_heads, k_cache.shape[1],
-        HEAD_DIM=head_dim, BLOCK_H=triton.next_power_of_2(num_heads + num_kv_heads), num_warps=4,
+        HEAD_DIM=head_dim, BLOCK_H=triton.next_power_of_2(num_heads + num_kv_heads), KEYS_OUT=keys_out is not None,
+        num_warps=4,
     )
     return q

@@ -19,8 +19,8 @@ the head runs after the replay, on the rows that sample. Decodes, speculative ve
 batches past ``max_seqs`` sequences or the largest bucket run eagerly.
 
 The metadata's host lists (``query_lens_cpu``, ``seq_lens_cpu``) are bounds, not the step's values:
-the Triton kernels a graph holds read the device tensors only. Prompts long enough for the SDPA path
-(``kernels/ops.FRESH_PROMPT_SDPA_MIN_TOKENS``) are past every bucket.
+the Triton kernels a graph holds read the device tensors only. Its ``fresh_prompts`` is False whatever
+the step holds, so a graph takes the paged kernel, never the SDPA path whose shapes are the step's.
 """
 from __future__ import annotations
 
@@ -32,13 +32,11 @@ import torch
 
 from kvmesh.engine.cuda_graphs import CapturedForwards, bucket_for
 from kvmesh.kernels.attention_metadata import AttentionMetadata
-from kvmesh.kernels.ops import FRESH_PROMPT_SDPA_MIN_TOKENS
 
 log = logging.getLogger("kvmesh.engine")
 
 PREFILL_BUCKETS = (64, 128, 256, 512, 1024, 2048)
 MAX_PROMPTS_PER_REPLAY = 16
-assert PREFILL_BUCKETS[-1] < FRESH_PROMPT_SDPA_MIN_TOKENS  # a graph holds the paged kernel only
 
 
 def prefill_buckets_for(max_num_batched_tokens: int) -> list[int]:
@@ -115,7 +113,7 @@ class PrefillInputs:
             slot_mapping=self.slot_mapping[:num_tokens], block_tables=self.block_tables, seq_lens=self.seq_lens,
             query_start_loc=self.query_start_loc, num_decodes=0, max_query_len=num_tokens,
             max_seq_len=self.max_model_len, seq_lens_cpu=[self.max_model_len] * self.max_seqs,
-            query_lens_cpu=[num_tokens] * self.max_seqs)
+            query_lens_cpu=[num_tokens] * self.max_seqs, fresh_prompts=False)
 
 
 class PrefillGraphs(CapturedForwards):
