@@ -42,7 +42,8 @@ def kv_blocks_for(num_tokens: int, block_size: int = 16) -> int:
 
 
 def gpu_busy(llm, prompts: list[list[int]], steps: int = 20) -> tuple[float, float]:
-    """Graph replay GPU time over engine step wall time at one batch: (busy fraction, step ms). CUDA graphs only."""
+    """Graph replay GPU time over engine step wall time at one batch: (busy fraction, step ms). CUDA graphs only.
+    Each replay's events are read after the loop (reading them per step would wait for a step launched ahead)."""
     from kvmesh.engine.sampling_params import SamplingParams
 
     engine, graphs = llm.engine, llm.engine.runner.graphs
@@ -50,14 +51,15 @@ def gpu_busy(llm, prompts: list[list[int]], steps: int = 20) -> tuple[float, flo
         engine.add_request(p, SamplingParams(max_tokens=steps + 8, temperature=0.0, ignore_eos=True))
     for _ in range(3):
         engine.step()  # prefill, then decodes
-    walls, gpus = [], []
-    start_ev, end_ev = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    walls, events = [], []
     replay = graphs.run
 
-    def timed_run(*args):
+    def timed_run(*args, **kw):
+        start_ev, end_ev = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start_ev.record()
-        out = replay(*args)
+        out = replay(*args, **kw)
         end_ev.record()
+        events.append((start_ev, end_ev))
         return out
 
     graphs.run = timed_run
@@ -66,9 +68,10 @@ def gpu_busy(llm, prompts: list[list[int]], steps: int = 20) -> tuple[float, flo
             t = time.perf_counter()
             engine.step()
             walls.append(time.perf_counter() - t)
-            gpus.append(start_ev.elapsed_time(end_ev) / 1e3)
     finally:
         graphs.run = replay
+    torch.cuda.synchronize()
+    gpus = [start.elapsed_time(end) / 1e3 for start, end in events]
     while engine.has_unfinished():
         engine.step()
     return statistics.median(gpus) / statistics.median(walls), statistics.median(walls) * 1e3
@@ -83,10 +86,10 @@ def kernels_per_layer(llm, prompts: list[list[int]], steps: int = 4) -> float:
     engine = llm.engine
     for p in prompts:
         engine.add_request(p, SamplingParams(max_tokens=steps + 4, temperature=0.0, ignore_eos=True))
-    engine.step()
-    engine.step()
     graphs, engine.runner.graphs = engine.runner.graphs, None  # eager: the profiler sees every launch
     try:
+        engine.step()
+        engine.step()
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(steps):
                 engine.step()

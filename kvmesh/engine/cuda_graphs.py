@@ -146,50 +146,64 @@ class CapturedForwards:
                 "num_replays": self.num_replays}
 
 
+class _Staging:
+    """Pinned host buffers a fill writes and copies from, and what each of their table rows holds."""
+
+    def __init__(self, max_batch: int, width: int, pin: bool):
+        # int64 rows: input ids, positions, slots; int32 rows: seq lens, then the block tables.
+        self.host64 = torch.zeros((3, max_batch), dtype=torch.int64, pin_memory=pin)
+        self.host32 = torch.zeros(max_batch * (1 + width), dtype=torch.int32, pin_memory=pin)
+        self.h64, self.h32 = self.host64.numpy(), self.host32.numpy()  # views of the pinned buffers
+        self.tables = self.h32[max_batch:].reshape(max_batch, width)
+        self.staged_tables: list[list[int] | None] = [None] * max_batch
+        self.h64[2] = -1  # every row padding until filled
+        self.h32[:max_batch] = 1
+        self.num_filled = 0
+
+
 class DecodeInputs:
-    """Persistent, padded inputs of a decode forward (any device) and the metadata that reads them."""
+    """Persistent, padded inputs of a decode forward (any device) and the metadata that reads them.
+
+    Two staging sets take turns, so a step can be filled while the copy out of the previous step's set
+    may still be pending (a step launched before the previous one's tokens are read: the engine's
+    run-ahead); a set is written again only after the step that used it was read."""
 
     def __init__(self, max_batch: int, max_model_len: int, block_size: int, device: torch.device):
         self.max_batch, self.max_model_len, self.block_size = max_batch, max_model_len, block_size
         self.width = -(-max_model_len // block_size)
         self.device = device
         pin = device.type == "cuda"
-        # int64 rows: input ids, positions, slots; int32 rows: seq lens, then the block tables.
-        self._host64 = torch.zeros((3, max_batch), dtype=torch.int64, pin_memory=pin)
-        self._host32 = torch.zeros(max_batch * (1 + self.width), dtype=torch.int32, pin_memory=pin)
+        self._stagings = [_Staging(max_batch, self.width, pin) for _ in range(2)]
+        self._turn = 0
         self._dev64 = torch.zeros((3, max_batch), dtype=torch.int64, device=device)
         self._dev32 = torch.zeros(max_batch * (1 + self.width), dtype=torch.int32, device=device)
         self.input_ids, self.positions, self.slot_mapping = self._dev64[0], self._dev64[1], self._dev64[2]
         self.seq_lens = self._dev32[:max_batch]
         self.block_tables = self._dev32[max_batch:].view(max_batch, self.width)
         self.query_start_loc = torch.arange(max_batch + 1, dtype=torch.int32, device=device)
-        self._h64, self._h32 = self._host64.numpy(), self._host32.numpy()  # views of the pinned buffers
-        self._tables = self._h32[max_batch:].reshape(max_batch, self.width)
-        self._staged_tables: list[list[int] | None] = [None] * max_batch  # what each staged row holds
-        self._h64[2] = -1  # every row padding until filled
-        self._h32[:max_batch] = 1
-        self._num_filled = 0
         self.fill([], [], [], [])
 
-    def fill(self, input_ids: list[int], positions: list[int], block_tables: list[list[int]],
-             seq_lens: list[int], num_rows: int | None = None) -> None:
+    def fill(self, input_ids: list[int] | None, positions: list[int], block_tables: list[list[int]],
+             seq_lens: list[int], num_rows: int | None = None, device_input_ids: torch.Tensor | None = None) -> None:
         """Write one step's rows (padding after them: slot -1, length 1) and copy them to the device
         (non-blocking on CUDA): ids, positions, slots and lengths of every row, block tables of the first
         ``num_rows`` rows (default: all; a replay of bucket ``B`` reads rows below ``B`` only).
+        ``device_input_ids``: the rows' input ids already on the device (a previous step's picks, not yet
+        seen by the host; ``input_ids`` is then None), copied in after the staged rows.
 
         Only what a row's attention reads is written, and only where it changed: a row whose table equals
         the one staged there last time is left as it is, and entries past a table's length keep earlier
-        steps' block ids (valid ids, never read), so nothing is cleared per step. The caller reads the
-        previous step's results before the next ``fill`` (sampling does), so the previous copy out of
-        the staging buffers has finished when they are written again."""
-        n, bs, width = len(input_ids), self.block_size, self.width
+        steps' block ids (valid ids, never read), so nothing is cleared per step."""
+        st = self._stagings[self._turn]
+        self._turn ^= 1
+        n, bs, width = len(positions), self.block_size, self.width
         rows = self.max_batch if num_rows is None else num_rows
-        h64, h32, tables, staged = self._h64, self._h32, self._tables, self._staged_tables
-        if n < self._num_filled:  # rows of the last step past this one's become padding
-            h64[:2, n:self._num_filled] = 0
-            h64[2, n:self._num_filled] = -1
-            h32[n:self._num_filled] = 1
-        self._num_filled = n
+        h64, h32, tables, staged = st.h64, st.h32, st.tables, st.staged_tables
+        if n < st.num_filled:  # rows of the last step past this one's become padding
+            h64[:2, n:st.num_filled] = 0
+            h64[2, n:st.num_filled] = -1
+            h32[n:st.num_filled] = 1
+        st.num_filled = n
         if n:
             for row, table in enumerate(block_tables):  # a decode step mostly repeats last step's tables
                 if staged[row] != table:
@@ -197,13 +211,16 @@ class DecodeInputs:
                         raise ValueError(f"a block table of {len(table)} blocks is past the context limit")
                     tables[row, : len(table)] = table
                     staged[row] = list(table)
-            h64[0, :n] = input_ids
+            if input_ids is not None:
+                h64[0, :n] = input_ids
             h64[1, :n] = positions
             h64[2, :n] = [table[pos // bs] * bs + pos % bs for table, pos in zip(block_tables, positions)]
             h32[:n] = seq_lens
-        self._dev64.copy_(self._host64, non_blocking=True)
+        self._dev64.copy_(st.host64, non_blocking=True)
         end = self.max_batch + rows * width  # the lengths, then the first rows' tables
-        self._dev32[:end].copy_(self._host32[:end], non_blocking=True)
+        self._dev32[:end].copy_(st.host32[:end], non_blocking=True)
+        if device_input_ids is not None:
+            self.input_ids[:n].copy_(device_input_ids)
 
     def metadata(self, batch: int) -> AttentionMetadata:
         """Metadata of the first ``batch`` rows, with fixed shapes (the grid is the bucket's, not the step's)."""
@@ -234,10 +251,11 @@ class DecodeGraphs(CapturedForwards):
     def can_run(self, num_seqs: int) -> bool:
         return bool(self._replays) and bucket_for(self.buckets, num_seqs) is not None
 
-    def run(self, input_ids: list[int], positions: list[int], block_tables: list[list[int]],
-            seq_lens: list[int]) -> torch.Tensor:
+    def run(self, input_ids: list[int] | None, positions: list[int], block_tables: list[list[int]],
+            seq_lens: list[int], device_input_ids: torch.Tensor | None = None) -> torch.Tensor:
         """One decode step by replay: logits [num_seqs, vocab] (a view of the graph's output: read it before
-        the next replay)."""
-        batch = bucket_for(self.buckets, len(input_ids))
-        self.inputs.fill(input_ids, positions, block_tables, seq_lens, num_rows=batch)
-        return self._replay(batch)[: len(input_ids)]
+        the next replay). The input ids come from the host or, already on the device, as ``device_input_ids``."""
+        batch = bucket_for(self.buckets, len(positions))
+        self.inputs.fill(input_ids, positions, block_tables, seq_lens, num_rows=batch,
+                         device_input_ids=device_input_ids)
+        return self._replay(batch)[: len(positions)]

@@ -10,6 +10,10 @@ On CUDA, a decode-only batch (no drafts) replays a captured graph of the forward
 given (``graphs``, ``kvmesh/engine/cuda_graphs.py``), a batch of prompt chunks only one of the
 prompt-step graphs (``prefill_graphs``, ``kvmesh/engine/prefill_graphs.py``); everything else runs eagerly.
 
+Run-ahead (``launch_decode`` / ``collect``): a decode-only greedy step can be launched without waiting for
+its tokens, which stay on the device (``InFlight``); the next step can be launched from them before the host
+reads them (``ahead_of``), so the device computes one step while the host finishes the one before.
+
 Speculative decoding: ``drafts[i]`` turns batch item i (a decode) into a verification
 of ``[last token, d1 .. dk]`` (num_new_tokens = k + 1); it gets back the list of
 tokens the rejection sampler emits (accepted drafts, then one from the target).
@@ -23,7 +27,7 @@ import torch
 
 from kvmesh.engine.cuda_graphs import DecodeGraphs
 from kvmesh.engine.prefill_graphs import PrefillGraphs
-from kvmesh.engine.sampler import sample, top_logprobs
+from kvmesh.engine.sampler import greedy_on_device, greedy_results, sample, top_logprobs
 from kvmesh.engine.sequence import Sequence
 from kvmesh.engine.spec_decode.proposers import Proposal
 from kvmesh.engine.spec_decode.rejection import verify_drafts
@@ -57,6 +61,16 @@ class SampledToken(NamedTuple):
     top: list[tuple[int, float]]  # the most likely alternatives with their logprobs, if asked for
 
 
+class InFlight(NamedTuple):
+    """A decode step launched and not read yet (``ModelRunner.launch_decode``)."""
+
+    batch: list[tuple[Sequence, int]]
+    picks: torch.Tensor  # [3, rows] on the device: greedy token ids, logprobs, finite flags (greedy_on_device)
+    host: torch.Tensor | None  # on CUDA: the pinned buffer the picks are being copied into
+    ready: object | None  # on CUDA: the event recorded after that copy
+    held_block_ids: tuple[int, ...] = ()  # blocks its rows write, held by the engine until it is read
+
+
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, kv_buffer: torch.Tensor, block_size: int):
         self.model = model
@@ -65,6 +79,8 @@ class ModelRunner:
         self.device = kv_buffer.device
         self.graphs: DecodeGraphs | None = None  # set once captured (the engine, on CUDA)
         self.prefill_graphs: PrefillGraphs | None = None
+        self._pick_buffers: list[torch.Tensor] = []  # two pinned buffers, taken in turn by launched steps
+        self._pick_turn = 0
 
     @torch.inference_mode()
     def execute(self, batch: list[tuple[Sequence, int]], drafts: dict[int, Proposal] | None = None
@@ -142,6 +158,55 @@ class ModelRunner:
             logits = self.model.compute_logits(out[item_rows.start:item_rows.stop])
             results[i] = self._verify(batch[i][0], drafts[i], logits.float().cpu())  # k + 1 rows, CPU generators
         return results
+
+    def can_launch(self, num_seqs: int) -> bool:
+        """Whether a decode-only step of ``num_seqs`` rows can be launched by replay (``launch_decode``)."""
+        return self.graphs is not None and self.graphs.can_run(num_seqs)
+
+    @torch.inference_mode()
+    def launch_decode(self, batch: list[tuple[Sequence, int]], ahead_of: InFlight | None = None) -> InFlight:
+        """Start a decode step of greedy rows (one new token each, every row sampling) by graph replay and return
+        without waiting for it. Without ``ahead_of``, row ``i`` computes the last token the host holds. With it,
+        each row computes the token ``ahead_of`` picked for it (still on the device): one position further,
+        in blocks the caller allocated. The caller reads the step with ``collect``; two steps at most are
+        unread at a time (their copies back take two buffers in turn)."""
+        if ahead_of is None:
+            positions = [seq.num_computed_tokens for seq, _ in batch]
+            input_ids = [seq.token_ids(p, p + 1)[0] for (seq, _), p in zip(batch, positions)]
+            device_ids = None
+        else:
+            positions = [seq.num_computed_tokens + 1 for seq, _ in batch]
+            rows = {id(seq): k for k, (seq, _) in enumerate(ahead_of.batch)}
+            picked = [rows[id(seq)] for seq, _ in batch]
+            device_ids = ahead_of.picks[0].long()
+            if picked != list(range(len(ahead_of.batch))):
+                device_ids = device_ids[torch.tensor(picked, device=device_ids.device)]
+            input_ids = None
+        logits = self.graphs.run(input_ids, positions, [seq.block_ids for seq, _ in batch],
+                                 [p + 1 for p in positions], device_input_ids=device_ids)
+        picks = greedy_on_device(logits)
+        if picks.device.type != "cuda":
+            return InFlight(batch, picks, None, None)
+        if not self._pick_buffers:
+            self._pick_buffers = [torch.empty(3 * self.graphs.buckets[-1], dtype=torch.float64, pin_memory=True)
+                                  for _ in range(2)]
+        host = self._pick_buffers[self._pick_turn][: picks.numel()].view(picks.shape)
+        self._pick_turn ^= 1
+        host.copy_(picks, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+        return InFlight(batch, picks, host, ready)
+
+    @staticmethod
+    def collect(flight: InFlight) -> list[SampledToken]:
+        """Wait for a launched step's picks (only for them, not for a step launched after it) and read them."""
+        if flight.ready is not None:
+            flight.ready.synchronize()
+            rows = flight.host.tolist()
+        else:
+            rows = flight.picks.tolist()
+        token_ids, logprobs = greedy_results(rows)
+        return [SampledToken(t, lp, []) for t, lp in zip(token_ids, logprobs)]
 
     @staticmethod
     def _verify(seq: Sequence, draft: Proposal, logits: torch.Tensor) -> list[SampledToken]:

@@ -24,11 +24,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
     # CPU it costs a twentieth of isfinite(logits).all(-1), which was milliseconds a step at batch 32.
     finite = torch.isfinite(logits.sum(dim=-1))
     if logits.device.type != "cpu" and all(p.greedy for p in params):  # one copy back for the whole batch
-        picked = logits.argmax(dim=-1)
-        ids, logprobs, ok = torch.stack((picked.to(torch.float64),
-                                         logprobs_all.gather(1, picked[:, None])[:, 0].to(torch.float64),
-                                         finite.to(torch.float64))).tolist()
-        token_ids = [int(t) if good else NON_FINITE for t, good in zip(ids, ok)]
+        token_ids, logprobs = greedy_results(greedy_on_device(logits, logprobs_all, finite).tolist())
     else:
         token_ids = greedy_tokens(logits)
         ok = finite.tolist()
@@ -48,6 +44,26 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
         logprobs = logprobs_all.gather(1, picked[:, None])[:, 0].tolist()  # one copy back, not one per row
     return token_ids, logprobs, [top_logprobs(logprobs_all[row], p) if p.logprobs and ok[row] else []
                                  for row, p in enumerate(params)]
+
+
+def greedy_on_device(logits: torch.Tensor, logprobs_all: torch.Tensor | None = None,
+                     finite: torch.Tensor | None = None) -> torch.Tensor:
+    """Greedy picks where the logits are, without a copy back: [3, B] float64 rows of token ids, their logprobs
+    and 1.0 where the row's logits are finite (``greedy_results`` reads it on the host). The token ids row is
+    exact in float64 and feeds a next step on the device as it is (``.long()``)."""
+    if logprobs_all is None:
+        logprobs_all = torch.log_softmax(logits, dim=-1)
+    if finite is None:
+        finite = torch.isfinite(logits.sum(dim=-1))
+    picked = logits.argmax(dim=-1)
+    return torch.stack((picked.to(torch.float64), logprobs_all.gather(1, picked[:, None])[:, 0].to(torch.float64),
+                        finite.to(torch.float64)))
+
+
+def greedy_results(rows: list[list[float]]) -> tuple[list[int], list[float]]:
+    """``greedy_on_device``'s rows, on the host -> (token ids, ``NON_FINITE`` for broken rows; logprobs)."""
+    ids, logprobs, ok = rows
+    return [int(t) if good else NON_FINITE for t, good in zip(ids, ok)], logprobs
 
 
 def greedy_tokens(logits: torch.Tensor) -> list[int]:

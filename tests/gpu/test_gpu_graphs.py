@@ -26,13 +26,17 @@ def test_graphs_change_no_greedy_token_in_fp32(model):
     assert graphs is not None and eager.engine.runner.graphs is None
     assert graphs.buckets[-1] == 128 and graphs.capture_s > 0
     vocab = graphed.loaded.config.vocab_size
+    runner, ahead = graphed.engine.runner, []
+    launch = runner.launch_decode
+    runner.launch_decode = lambda batch, ahead_of=None: ahead.append(ahead_of is not None) or launch(batch, ahead_of)
     for batch in (1, 7, 32, 100):
-        before = graphs.num_replays
+        before, launched_ahead = graphs.num_replays, sum(ahead)
         ps = prompts(batch, vocab, seed=batch)
         got = [o.token_ids for o in graphed.generate(ps, GREEDY, use_tqdm=False)]
         want = [o.token_ids for o in eager.generate(ps, GREEDY, use_tqdm=False)]
         assert got == want, f"batch {batch}"
         assert graphs.num_replays - before >= GREEDY.max_tokens - 2  # the decode steps were replays
+        assert sum(ahead) - launched_ahead >= GREEDY.max_tokens - 4  # launched before the previous was read
         graphed.engine.check_integrity()
 
 
