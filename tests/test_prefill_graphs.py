@@ -100,7 +100,7 @@ def test_the_start_up_probe_agrees_with_eager_and_catches_a_replay_of_the_wrong_
     loaded = load_model("tiny-llama", progress=False)
     kv = _kv(loaded, 32)
     monkeypatch.setenv("KVMESH_KERNELS", "triton")
-    graphs = PrefillGraphs(loaded.model, kv, BLOCK, max_num_batched_tokens=256, max_num_seqs=8,
+    graphs = PrefillGraphs(loaded.model, kv, BLOCK, max_num_batched_tokens=64, max_num_seqs=8,
                            max_model_len=256).capture()
     assert graphs.agreement_with_eager(num_kv_blocks=32) > 0.9999
     assert graphs.num_replays == 0  # the probe is not counted as a served step
@@ -119,8 +119,8 @@ def test_an_engine_replaying_prompt_and_decode_steps_generates_what_the_eager_on
     prompt graph for prompt-only steps, the decode graph for decode-only ones, eager for mixed steps, and the
     greedy tokens equal an engine without graphs."""
     monkeypatch.setenv("KVMESH_KERNELS", "triton")
-    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
-    prompts = [list(range(40, 40 + n)) for n in (30, 9, 21)] + [list(range(100, 300))]
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    prompts = [list(range(40, 40 + n)) for n in (30, 9, 21)] + [list(range(100, 260))]
     eager = LLM("tiny-llama", max_num_seqs=4, num_kv_blocks=64, max_num_batched_tokens=128, progress=False)
     want = [o.token_ids for o in eager.generate(prompts, params, use_tqdm=False)]
 
@@ -139,7 +139,8 @@ def test_an_engine_replaying_prompt_and_decode_steps_generates_what_the_eager_on
     got = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert got == want
     # Three prompts and the long one's first chunk (a prompt step of 128 tokens), then its next chunks beside
-    # the others' decodes (mixed: eager), then decodes only.
-    assert kinds[0] is Replayed.PREFILL_GRAPH and kinds[1] is Replayed.EAGER and kinds[-1] is Replayed.DECODE_GRAPH
+    # the others' decodes (mixed: eager), then decodes only (replays, launched ahead: engine.run_ahead).
+    assert kinds[0] is Replayed.PREFILL_GRAPH and kinds[1] is Replayed.EAGER
     assert runner.prefill_graphs.num_replays == kinds.count(Replayed.PREFILL_GRAPH) >= 1
+    assert runner.graphs.num_replays >= 2
     engine.check_integrity()
