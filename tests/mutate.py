@@ -107,6 +107,23 @@ MUTATIONS = (
              "padded[rows, positions // block_size]",
              "padded[rows, (positions + block_size) // block_size % padded.shape[1]]",
              ("tests/test_paged_forward.py", "-k", "metadata_maps")),
+    Mutation("a prompt-step replay keeps the previous step's padding tokens", "kvmesh/engine/prefill_graphs.py",
+             "        if n < self._num_filled:  # tokens of the last step past this one's become padding",
+             "        if False:  # mutation: stale tokens stay",
+             ("tests/test_prefill_graphs.py", "-k", "replayed_prompt_steps")),
+    Mutation("a row that stopped is read again from the step run ahead", "kvmesh/engine/engine.py",
+             "        live = [k for k, (seq, _) in enumerate(flight.batch) if seq.status is RequestStatus.RUNNING]",
+             "        live = list(range(len(flight.batch)))",
+             ("tests/test_run_ahead.py",)),
+    Mutation("the block a step run ahead writes is not held", "kvmesh/engine/engine.py",
+             "            self.pool.touch(held)",
+             "            held = ()",
+             ("tests/test_run_ahead.py", "-k", "held")),
+    Mutation("fresh prompts' SDPA gets the keys before their rotation", "kvmesh/model/llama.py",
+             "            q = ops.rope_store(qkv, *rope, k_cache, v_cache, md, self.num_heads, keys_out=k)",
+             "            q = ops.rope_store(qkv, *rope, k_cache, v_cache, md, self.num_heads, keys_out=k)\n"
+             "            k = qkv[:, self.split_sizes[0]: self.split_sizes[0] + self.split_sizes[1]].view_as(k)",
+             ("tests/test_kernels.py", "-k", "fresh_prompts_take_sdpa")),
 )
 
 
