@@ -43,19 +43,20 @@ class Attention(nn.Module):
         qkv = self.qkv_proj(x)
         k_cache = kv_buffer[:, self.layer_idx, 0]
         v_cache = kv_buffer[:, self.layer_idx, 1]
-        v = qkv[:, self.split_sizes[0] + self.split_sizes[1]:].view(num_tokens, self.num_kv_heads, self.head_dim)
         fresh_kv = None  # the keys and values as computed, for attention that reads them so (kernels/ops)
         if hasattr(self, "q_norm"):
-            q, k, _ = qkv.split(self.split_sizes, dim=-1)
+            q, k, v = qkv.split(self.split_sizes, dim=-1)
             q = self.q_norm(q.reshape(num_tokens, self.num_heads, self.head_dim))
             k = self.k_norm(k.reshape(num_tokens, self.num_kv_heads, self.head_dim))
             q, k = apply_rope(q, k, *rope)
+            v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
             ops.store_kv(k, v, k_cache, v_cache, md)
             if ops.takes_fresh_kv(qkv, md):
                 fresh_kv = (k, v)
         elif ops.takes_fresh_kv(qkv, md):
             k = torch.empty(num_tokens, self.num_kv_heads, self.head_dim, dtype=qkv.dtype, device=qkv.device)
             q = ops.rope_store(qkv, *rope, k_cache, v_cache, md, self.num_heads, keys_out=k)
+            v = qkv[:, self.split_sizes[0] + self.split_sizes[1]:].view(num_tokens, self.num_kv_heads, self.head_dim)
             fresh_kv = (k, v)
         else:  # rotation and the cache write in one kernel call where the CPU kernels are there
             q = ops.rope_store(qkv, *rope, k_cache, v_cache, md, self.num_heads)
