@@ -127,3 +127,31 @@ def test_the_block_a_step_in_flight_writes_is_held_until_that_step_is_read():
     assert engine._in_flight is None and not engine.has_unfinished()
     engine.check_integrity()
     assert engine.pool.usage().num_used == 0
+
+
+@pytest.mark.parametrize("fails", ["launching the step ahead", "reading the step before it"])
+def test_a_failed_run_ahead_step_fails_its_requests_once_and_holds_nothing(fails, monkeypatch):
+    from kvmesh.engine.engine import StepFailed
+
+    llm = _llm(graphs=True)
+    engine = llm.engine
+    greedy = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    seqs = [engine.add_request(p, greedy) for p in PROMPTS[:3]]
+    while engine._in_flight is None:
+        engine.step()
+
+    def failing(*args, **kw):
+        raise RuntimeError("device lost")
+    if fails == "launching the step ahead":
+        monkeypatch.setattr(engine.runner, "launch_decode", lambda batch, ahead_of=None: failing())
+    else:  # the step ahead is launched (the same requests in two steps), then reading the one before fails
+        monkeypatch.setattr(ModelRunner, "collect", staticmethod(failing))
+    with pytest.raises(StepFailed) as failure:
+        engine.step()
+    assert sorted(s.request_id for s in failure.value.failed) == sorted(s.request_id for s in seqs)
+    assert all(s.finish_reason == "error" for s in seqs) and engine._in_flight is None
+    engine.check_integrity()
+    assert engine.pool.usage().num_used == 0  # the failed requests' blocks and the held ones all came back
+    monkeypatch.undo()
+    assert llm.generate(PROMPTS[:1], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True),
+                        use_tqdm=False)[0].token_ids  # the engine goes on

@@ -228,10 +228,12 @@ class LLMEngine:
             drafts = {} if self.speculator is None else self.speculator.propose(batch, self.kv, self.max_model_len)
             return self._run_batch(batch, drafts)
         except Exception as e:  # fail exactly this batch's requests; the engine goes on with the rest
+            for launched in (flight, self._in_flight):
+                if launched is not None:
+                    self._release(launched)
             if self._in_flight is not None:
-                batch, ahead, self._in_flight = batch + self._in_flight.batch, self._in_flight, None
-                self.pool.free(ahead.held_block_ids)
-            failed = [seq for seq, _ in batch if not seq.is_finished]
+                batch, self._in_flight = batch + self._in_flight.batch, None
+            failed = list({id(seq): seq for seq, _ in batch if not seq.is_finished}.values())
             for seq in failed:
                 seq.finish_reason = "error"
                 self.scheduler.finish(seq, RequestStatus.FAILED)
@@ -249,9 +251,14 @@ class LLMEngine:
         ahead = self._next_batch(flight)
         if ahead is not None:
             bs = self.config.block_size
-            held = tuple(seq.block_ids[(seq.num_computed_tokens + 1) // bs] for seq, _ in ahead)
+            held = [seq.block_ids[(seq.num_computed_tokens + 1) // bs] for seq, _ in ahead]
             self.pool.touch(held)
-            self._in_flight = self.runner.launch_decode(ahead, ahead_of=flight)._replace(held_block_ids=held)
+            try:
+                launched = self.runner.launch_decode(ahead, ahead_of=flight)
+            except Exception:
+                self.pool.free(held)
+                raise
+            self._in_flight = launched._replace(held_block_ids=held)
         results = self._read(flight)
         live = [k for k, (seq, _) in enumerate(flight.batch) if seq.status is RequestStatus.RUNNING]
         finished = self.finish_step([flight.batch[k] for k in live], {}, [results[k] for k in live])
@@ -261,8 +268,15 @@ class LLMEngine:
     def _read(self, flight: InFlight) -> list:
         """Wait for a launched step, read its tokens, give back the blocks held for it."""
         results = ModelRunner.collect(flight)
-        self.pool.free(flight.held_block_ids)
+        self._release(flight)
         return results
+
+    def _release(self, flight: InFlight) -> None:
+        """Give back the blocks held for a launched step (once, however often called)."""
+        if flight.held_block_ids:
+            held = list(flight.held_block_ids)
+            flight.held_block_ids.clear()
+            self.pool.free(held)
 
     def _drop_dead_flight(self) -> None:
         """A step launched ahead whose every row has ended is waited for and dropped (nothing in it to read)."""

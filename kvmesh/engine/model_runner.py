@@ -68,7 +68,7 @@ class InFlight(NamedTuple):
     picks: torch.Tensor  # [3, rows] on the device: greedy token ids, logprobs, finite flags (greedy_on_device)
     host: torch.Tensor | None  # on CUDA: the pinned buffer the picks are being copied into
     ready: object | None  # on CUDA: the event recorded after that copy
-    held_block_ids: tuple[int, ...] = ()  # blocks its rows write, held by the engine until it is read
+    held_block_ids: list[int] | None = None  # blocks its rows write, held by the engine until it is read
 
 
 class ModelRunner:
