@@ -199,6 +199,10 @@ def test_fresh_prompts_attention_on_the_computed_keys_equals_the_paged_reference
 @pytest.mark.parametrize("s_lens,hq,hkv,d", [([3, 16, 17, 61], 4, 4, 16), ([200, 9], 9, 3, 40),
                                              ([1000, 3], 8, 2, 32)])  # split-K with an empty split
 def test_triton_decode_attention_matches_reference(s_lens, hq, hkv, d, dtype):
+    """The first shape fills the device with one split per sequence (its output written directly), the others
+    split their contexts and merge."""
+    splits = triton_attn._num_splits(len(s_lens), hkv, max(s_lens), 64)
+    assert (splits == 1) == (s_lens == [3, 16, 17, 61]) or DEVICE == "cuda"
     case = make_case(22, [1] * len(s_lens), s_lens, hq, hkv, d, 16, dtype)
     seq_lens = torch.tensor(s_lens, dtype=torch.int32, device=DEVICE)
     got = triton_attn.decode_attention(case.query, case.k_cache, case.v_cache, case.block_tables, seq_lens, 0.3)

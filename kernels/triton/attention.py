@@ -156,13 +156,14 @@ def prefill_attention(
 
 @triton.jit
 def _decode_split_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, acc_ptr, ml_ptr,
-    scale, q_stride_b, q_stride_h, bt_stride_b, c_stride_block, c_stride_pos, c_stride_h,
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, acc_ptr, ml_ptr, out_ptr,
+    scale, q_stride_b, q_stride_h, bt_stride_b, c_stride_block, c_stride_pos, c_stride_h, o_stride_b, o_stride_h,
     head_dim, group_size, tokens_per_split, num_splits,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, DIRECT: tl.constexpr,
 ):
-    """One (sequence, KV head, split): every query head of the group against ``tokens_per_split`` keys."""
+    """One (sequence, KV head, split): every query head of the group against ``tokens_per_split`` keys.
+    DIRECT (one split per sequence): the normalised output itself, with no partial results to merge."""
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -198,12 +199,16 @@ def _decode_split_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         l_i = l_i * alpha + tl.sum(p, 1)
         m_i = m_new
-    # Partial results, unnormalised: acc [B, Hq, S, D], (m, l) [B, Hq, S, 2].
-    part = (seq * tl.num_programs(1) * group_size + heads) * num_splits + split
     store_rows = row_mask[:, None] & dim_mask[None, :]
-    tl.store(acc_ptr + part[:, None] * head_dim + dims[None, :], acc, mask=store_rows)
-    tl.store(ml_ptr + part * 2, m_i, mask=row_mask)
-    tl.store(ml_ptr + part * 2 + 1, l_i, mask=row_mask)
+    if DIRECT:
+        out = acc / l_i[:, None]
+        tl.store(out_ptr + seq * o_stride_b + heads[:, None] * o_stride_h + dims[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=store_rows)
+    else:  # partial results, unnormalised: acc [B, Hq, S, D], (m, l) [B, Hq, S, 2]
+        part = (seq * tl.num_programs(1) * group_size + heads) * num_splits + split
+        tl.store(acc_ptr + part[:, None] * head_dim + dims[None, :], acc, mask=store_rows)
+        tl.store(ml_ptr + part * 2, m_i, mask=row_mask)
+        tl.store(ml_ptr + part * 2 + 1, l_i, mask=row_mask)
 
 
 @triton.jit
@@ -253,7 +258,9 @@ def decode_attention(
 
     Split-K over the context: program (sequence, KV head, split) runs every query head of the
     KV head's group at once (one read of each key serves the whole group), ``block_n`` keys
-    per step gathered across pages; a second kernel merges the splits' partial softmaxes.
+    per step gathered across pages; a second kernel merges the splits' partial softmaxes. A batch
+    large enough to fill the device with one split per sequence writes its output directly: one
+    launch, no partial results.
     """
     batch, num_heads, head_dim = query.shape
     out = torch.empty_like(query)
@@ -267,17 +274,21 @@ def decode_attention(
     splits = _num_splits(batch, num_kv_heads, max_seq_len, block_n)
     tokens_per_split = -(-max_seq_len // (splits * block_n)) * block_n
     splits = -(-max_seq_len // tokens_per_split)
-    acc = torch.empty(batch, num_heads, splits, head_dim, dtype=torch.float32, device=query.device)
-    ml = torch.empty(batch, num_heads, splits, 2, dtype=torch.float32, device=query.device)
+    direct = splits == 1
+    parts = (batch, num_heads, splits)
+    acc = out if direct else torch.empty(*parts, head_dim, dtype=torch.float32, device=query.device)
+    ml = out if direct else torch.empty(*parts, 2, dtype=torch.float32, device=query.device)
     block_d = max(16, triton.next_power_of_2(head_dim))
     _decode_split_kernel[(batch, num_kv_heads, splits)](
-        query, k_cache, v_cache, block_tables, seq_lens, acc, ml,
+        query, k_cache, v_cache, block_tables, seq_lens, acc, ml, out,
         scale, query.stride(0), query.stride(1), block_tables.stride(0),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), out.stride(0), out.stride(1),
         head_dim, group, tokens_per_split, splits,
         BLOCK_SIZE=block_size, BLOCK_N=block_n, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d,
-        PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        PRECISION="ieee" if query.dtype == torch.float32 else "tf32", DIRECT=direct,
     )
+    if direct:
+        return out
     _decode_reduce_kernel[(batch, num_heads)](
         acc, ml, out, out.stride(0), out.stride(1), head_dim, num_heads, splits,
         BLOCK_S=max(2, triton.next_power_of_2(splits)), BLOCK_D=block_d,
