@@ -105,6 +105,9 @@ def test_the_start_up_probe_agrees_with_eager_and_catches_a_replay_of_the_wrong_
     assert graphs.agreement_with_eager(num_kv_blocks=32) > 0.9999
     assert graphs.num_replays == 0  # the probe is not counted as a served step
     assert graphs.agreement_with_eager(num_kv_blocks=4) is None  # no room for the probe: not checked
+    single = PrefillGraphs(loaded.model, kv, BLOCK, max_num_batched_tokens=64, max_num_seqs=1,
+                           max_model_len=256).capture()
+    assert single.agreement_with_eager(num_kv_blocks=32) > 0.9999  # one prompt a replay: the one over a context
 
     fill = graphs.inputs.fill
 

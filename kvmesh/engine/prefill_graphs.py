@@ -151,22 +151,26 @@ class PrefillGraphs(CapturedForwards):
     @torch.inference_mode()
     def agreement_with_eager(self, num_kv_blocks: int) -> float | None:
         """A start-up check of the captured graphs against the eager forward: a probe step (two prompts in the
-        smallest bucket, the second over one block of context, in blocks from 0, which hold nothing yet) is
-        replayed, then computed eagerly on the same inputs. Returns the lowest cosine similarity of a new
-        token's hidden state between the two (1.0: identical), or None where the probe does not fit. Writes
-        the probe's K/V into those blocks (any later owner overwrites them before reading)."""
+        smallest bucket, the second over one block of context; only that one where a replay takes one prompt)
+        in blocks from 0, which hold nothing yet, is replayed, then computed eagerly on the same inputs.
+        Returns the lowest cosine similarity of a new token's hidden state between the two (1.0: identical),
+        or None where the probe does not fit. Writes the probe's K/V into those blocks (any later owner
+        overwrites them before reading)."""
         bucket, bs = self.buckets[0], self.inputs.block_size
-        query_lens = [bucket // 2 + 1, bucket // 4]
-        if min(query_lens) < 2 or self.max_seqs < 2:
+        probe = [(bucket // 2 + 1, 0), (bucket // 4, bs)][-self.max_seqs:]  # (new tokens, context) per prompt
+        query_lens = [q for q, _ in probe]
+        if min(query_lens) < 2:
             return None
-        seq_lens = [query_lens[0], query_lens[1] + bs]
-        first_blocks = -(-seq_lens[0] // bs)
-        tables = [list(range(first_blocks)), list(range(first_blocks, first_blocks + -(-seq_lens[1] // bs)))]
-        if tables[1][-1] >= num_kv_blocks:
+        seq_lens = [q + c for q, c in probe]
+        tables, num_blocks = [], 0
+        for length in seq_lens:
+            tables.append(list(range(num_blocks, num_blocks + -(-length // bs))))
+            num_blocks += len(tables[-1])
+        if num_blocks > num_kv_blocks:
             return None
         gen = torch.Generator().manual_seed(0)
         input_ids = torch.randint(0, self.model.config.vocab_size, (sum(query_lens),), generator=gen).tolist()
-        positions = list(range(query_lens[0])) + list(range(bs, seq_lens[1]))
+        positions = [p for q, c in probe for p in range(c, c + q)]
         got = self.run(input_ids, positions, query_lens, seq_lens, tables).float()
         device = self.kv_buffer.device
         md = AttentionMetadata.build(query_lens=query_lens, seq_lens=seq_lens, block_tables=tables,
