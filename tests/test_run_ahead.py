@@ -60,7 +60,7 @@ def test_run_ahead_streams_equal_plain_decoding_and_free_every_block(monkeypatch
     assert [round(o.outputs[0].cumulative_logprob, 4) for o in got] == \
         [round(o.outputs[0].cumulative_logprob, 4) for o in want]
     assert counts["ahead"] >= 5 and counts["launched"] > counts["ahead"]
-    assert llm.engine._in_flight is None and not llm.engine.has_unfinished()
+    assert llm.engine.run_ahead.in_flight is None and not llm.engine.has_unfinished()
     llm.engine.check_integrity()
     assert llm.engine.pool.usage() == eager.engine.pool.usage()  # the dropped tokens' blocks all came back
 
@@ -73,7 +73,7 @@ def test_abort_and_arrivals_while_a_step_is_in_flight(monkeypatch):
     engine = llm.engine
     seqs = [engine.add_request(p, greedy) for p in PROMPTS[1:4]]
     counts = _count_launches(monkeypatch, engine.runner)
-    while engine._in_flight is None:
+    while engine.run_ahead.in_flight is None:
         engine.step()
     victim = seqs[1]
     engine.abort(victim)  # its row is in the step in flight: dropped when read
@@ -81,7 +81,7 @@ def test_abort_and_arrivals_while_a_step_is_in_flight(monkeypatch):
         engine.step()
     late = engine.add_request(PROMPTS[0], greedy)  # arrives with a step in flight: that step is read, then admitted
     engine.step()
-    assert engine._in_flight is None  # nothing launched ahead while a request waits
+    assert engine.run_ahead.in_flight is None  # nothing launched ahead while a request waits
     while engine.has_unfinished():
         engine.step()
     assert victim.finish_reason is None and len(victim.output_token_ids) < 10
@@ -112,19 +112,19 @@ def test_the_block_a_step_in_flight_writes_is_held_until_that_step_is_read():
     engine = llm.engine
     greedy = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
     seqs = [engine.add_request(p, greedy) for p in PROMPTS[:2]]
-    while engine._in_flight is None:
+    while engine.run_ahead.in_flight is None:
         engine.step()
-    flight = engine._in_flight
+    flight = engine.run_ahead.in_flight
     held = flight.held_block_ids[0]
     assert flight.batch[0][0] is seqs[0] and held in seqs[0].block_ids
     engine.abort(seqs[0])
-    assert engine._in_flight is flight  # the other row still runs in it
+    assert engine.run_ahead.in_flight is flight  # the other row still runs in it
     assert engine.pool.block_state(held).ref_count == 1  # the request's reference is gone, the step's is not
     engine.check_integrity()
     engine.step()  # reads that step
     assert engine.pool.block_state(held).ref_count == 0
     engine.abort(seqs[1])  # every row of the step now ahead has ended: it is waited for and dropped
-    assert engine._in_flight is None and not engine.has_unfinished()
+    assert engine.run_ahead.in_flight is None and not engine.has_unfinished()
     engine.check_integrity()
     assert engine.pool.usage().num_used == 0
 
@@ -137,7 +137,7 @@ def test_a_failed_run_ahead_step_fails_its_requests_once_and_holds_nothing(fails
     engine = llm.engine
     greedy = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
     seqs = [engine.add_request(p, greedy) for p in PROMPTS[:3]]
-    while engine._in_flight is None:
+    while engine.run_ahead.in_flight is None:
         engine.step()
 
     def failing(*args, **kw):
@@ -149,7 +149,7 @@ def test_a_failed_run_ahead_step_fails_its_requests_once_and_holds_nothing(fails
     with pytest.raises(StepFailed) as failure:
         engine.step()
     assert sorted(s.request_id for s in failure.value.failed) == sorted(s.request_id for s in seqs)
-    assert all(s.finish_reason == "error" for s in seqs) and engine._in_flight is None
+    assert all(s.finish_reason == "error" for s in seqs) and engine.run_ahead.in_flight is None
     engine.check_integrity()
     assert engine.pool.usage().num_used == 0  # the failed requests' blocks and the held ones all came back
     monkeypatch.undo()

@@ -1,16 +1,8 @@
 """LLMEngine: requests in, tokens out, one batched forward per ``step``.
 
 Owns the KV buffer, the block pool (prefix cache), the scheduler and the model
-runner. ``step`` = schedule -> forward -> advance -> stop checks -> free.
-
-Run-ahead (CUDA decode graphs): a decode-only step of greedy rows is launched without waiting for its
-tokens; before reading them, when the next step's batch is already known (the same requests, nothing
-waiting, room in their blocks, none at its length limit), that step is launched too, fed the first one's
-tokens on the device. The device then computes step N + 1 while the host emits step N's tokens and checks
-their stops. A request that stops at step N has computed one token too many in step N + 1, which is
-dropped. The block each row of a step launched ahead writes is held (one more reference) until that step
-is read, so a request ending meanwhile frees it only once the device is done with it: no other request,
-nor a transfer landing outside the device's stream order, gets it while that write is pending.
+runner. ``step`` = schedule -> forward -> advance -> stop checks -> free. On CUDA decode graphs, greedy
+decode steps run one ahead of the host (``engine/run_ahead.py``): a step launched ahead is read first.
 """
 from __future__ import annotations
 
@@ -23,10 +15,11 @@ from dataclasses import dataclass
 import torch
 
 from kvmesh.engine.kv_cache_manager import KVCacheManager
-from kvmesh.engine.model_runner import InFlight, ModelRunner
+from kvmesh.engine.model_runner import ModelRunner
 from kvmesh.engine.outputs import CompletionOutput, RequestOutput
 from kvmesh.engine.pinned_prefixes import PinnedPrefix, PinnedPrefixes
 from kvmesh.engine.request_state import RequestStatus
+from kvmesh.engine.run_ahead import RunAhead
 from kvmesh.engine.sampler import NON_FINITE
 from kvmesh.engine.sampling_params import SamplingParams
 from kvmesh.engine.scheduler import Scheduler, SchedulerConfig
@@ -111,7 +104,8 @@ class LLMEngine:
                                              config.speculative.draft_layers)
             self.speculator = Speculator(config.speculative, proposer)
         self._ids = itertools.count()
-        self._in_flight: InFlight | None = None  # a decode step launched ahead, not read yet
+        self.run_ahead = RunAhead(self.runner, self.scheduler, self.kv, self.pool, self.max_model_len,
+                                  enabled=config.run_ahead and self.speculator is None)
         self.num_steps = 0
         self.on_token: Callable[[Sequence, int], None] | None = None  # called for every sampled token
         # Called after every step that computed prompt tokens: (tokens computed in the step, its seconds).
@@ -201,105 +195,39 @@ class LLMEngine:
         return self.pins.unpin(pin_id)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or self._in_flight is not None
+        return self.scheduler.has_unfinished() or self.run_ahead.in_flight is not None
 
     def abort(self, seq: Sequence) -> None:
         if not seq.is_finished:
             self.scheduler.finish(seq, RequestStatus.ABORTED)
-            self._drop_dead_flight()
+            self.run_ahead.drop_dead()
 
     # ---- one step --------------------------------------------------------------------------
     def step(self) -> list[Sequence]:
         """Run one forward; returns the sequences that finished in it (their blocks are freed), FAILED ones (a
         row of non-finite logits) among them with ``error`` set."""
-        if self._in_flight is not None:
-            flight, self._in_flight = self._in_flight, None
+        flight = self.run_ahead.pop()
+        if flight is not None:
             batch = flight.batch
         else:
             out = self.scheduler.schedule()
             if not out.batch:
                 return []
-            flight, batch = None, out.batch
+            batch = out.batch
         try:
-            if flight is None and self._can_run_ahead(batch):
+            if flight is None and self.run_ahead.takes(batch):
                 flight = self.runner.launch_decode(batch)
             if flight is not None:
-                return self._finish_launched(flight)
+                return self.run_ahead.finish(flight, self.finish_step)
             drafts = {} if self.speculator is None else self.speculator.propose(batch, self.kv, self.max_model_len)
             return self._run_batch(batch, drafts)
         except Exception as e:  # fail exactly this batch's requests; the engine goes on with the rest
-            for launched in (flight, self._in_flight):
-                if launched is not None:
-                    self._release(launched)
-            if self._in_flight is not None:
-                batch, self._in_flight = batch + self._in_flight.batch, None
+            batch = batch + self.run_ahead.abandon(flight)  # the same requests may sit in two launched steps
             failed = list({id(seq): seq for seq, _ in batch if not seq.is_finished}.values())
             for seq in failed:
                 seq.finish_reason = "error"
                 self.scheduler.finish(seq, RequestStatus.FAILED)
             raise StepFailed(f"engine step failed: {type(e).__name__}: {e}", failed) from e
-
-    def _can_run_ahead(self, batch: list[tuple[Sequence, int]]) -> bool:
-        """A scheduled batch the run-ahead takes: decodes only, every row greedy without logprobs and sampling,
-        a replayable size, no speculation."""
-        return self.config.run_ahead and self.speculator is None and self.runner.can_launch(len(batch)) and all(
-            n == 1 and seq.num_computed_tokens + 1 == seq.num_tokens and seq.params.greedy and not seq.params.logprobs
-            for seq, n in batch)
-
-    def _finish_launched(self, flight: InFlight) -> list[Sequence]:
-        """Read a launched step and finish it; first launch the step after it where its batch is known already."""
-        ahead = self._next_batch(flight)
-        if ahead is not None:
-            bs = self.config.block_size
-            held = [seq.block_ids[(seq.num_computed_tokens + 1) // bs] for seq, _ in ahead]
-            self.pool.touch(held)
-            try:
-                launched = self.runner.launch_decode(ahead, ahead_of=flight)
-            except Exception:
-                self.pool.free(held)
-                raise
-            self._in_flight = launched._replace(held_block_ids=held)
-        results = self._read(flight)
-        live = [k for k, (seq, _) in enumerate(flight.batch) if seq.status is RequestStatus.RUNNING]
-        finished = self.finish_step([flight.batch[k] for k in live], {}, [results[k] for k in live])
-        self._drop_dead_flight()
-        return finished
-
-    def _read(self, flight: InFlight) -> list:
-        """Wait for a launched step, read its tokens, give back the blocks held for it."""
-        results = ModelRunner.collect(flight)
-        self._release(flight)
-        return results
-
-    def _release(self, flight: InFlight) -> None:
-        """Give back the blocks held for a launched step (once, however often called)."""
-        if flight.held_block_ids:
-            held = list(flight.held_block_ids)
-            flight.held_block_ids.clear()
-            self.pool.free(held)
-
-    def _drop_dead_flight(self) -> None:
-        """A step launched ahead whose every row has ended is waited for and dropped (nothing in it to read)."""
-        if self._in_flight is not None and \
-                all(seq.status is not RequestStatus.RUNNING for seq, _ in self._in_flight.batch):
-            flight, self._in_flight = self._in_flight, None
-            self._read(flight)
-
-    def _next_batch(self, flight: InFlight) -> list[tuple[Sequence, int]] | None:
-        """The batch of the step after ``flight`` when it can be launched before ``flight`` is read: every
-        running request is a live row of it (nothing else running, nothing waiting), each can take two more
-        tokens under its limits, and their blocks have room for the position after ``flight``'s."""
-        if self.scheduler.waiting:
-            return None
-        live = [(seq, 1) for seq, _ in flight.batch if seq.status is RequestStatus.RUNNING]
-        if not live or len(live) != len(self.scheduler.running) or not self.runner.can_launch(len(live)):
-            return None
-        for seq, _ in live:
-            if len(seq.output_token_ids) + 2 > seq.params.max_tokens or seq.num_tokens + 2 > self.max_model_len:
-                return None
-        if not all(self.kv.allocate(seq, seq.num_computed_tokens + 2) for seq, _ in live):
-            return None
-        return live
 
     def _run_batch(self, batch, drafts: dict | None = None) -> list[Sequence]:
         drafts = drafts or {}
