@@ -108,7 +108,7 @@ MUTATIONS = (
              "padded[rows, (positions + block_size) // block_size % padded.shape[1]]",
              ("tests/test_paged_forward.py", "-k", "metadata_maps")),
     Mutation("a prompt-step replay keeps the previous step's padding tokens", "kvmesh/engine/prefill_graphs.py",
-             "        if n < self._num_filled:  # tokens of the last step past this one's become padding",
+             "        if n < st.num_filled:  # tokens of the last step past this one's become padding",
              "        if False:  # mutation: stale tokens stay",
              ("tests/test_prefill_graphs.py", "-k", "replayed_prompt_steps")),
     Mutation("a row that stopped is read again from the step run ahead", "kvmesh/engine/run_ahead.py",

@@ -37,11 +37,13 @@ def test_inputs_pad_tokens_and_sequences_and_follow_each_step():
     assert inputs.query_start_loc.tolist() == [0, 5, 8, 8, 8]  # padding sequences are empty
     assert inputs.seq_lens.tolist() == [5, 19, 0, 0]
     assert inputs.block_tables[0, :1].tolist() == [7] and inputs.block_tables[1, :2].tolist() == [2, 9]
-    # A smaller next step: the first step's tokens past it become padding again, its tables move.
-    inputs.fill([9, 9], [3, 4], [2], [5], [[2, 9]])
-    assert inputs.slot_mapping[:3].tolist() == [2 * 16 + 3, 2 * 16 + 4, -1]
-    assert inputs.input_ids[:8].tolist() == [9, 9, 0, 0, 0, 0, 0, 0]
-    assert inputs.query_start_loc.tolist() == [0, 2, 2, 2, 2] and inputs.seq_lens.tolist() == [5, 0, 0, 0]
+    # Smaller next steps (two: the staging sets take turns, the second reuses the first step's set): the first
+    # step's tokens past them become padding again, its tables move.
+    for _ in range(2):
+        inputs.fill([9, 9], [3, 4], [2], [5], [[2, 9]])
+        assert inputs.slot_mapping[:3].tolist() == [2 * 16 + 3, 2 * 16 + 4, -1]
+        assert inputs.input_ids[:8].tolist() == [9, 9, 0, 0, 0, 0, 0, 0]
+        assert inputs.query_start_loc.tolist() == [0, 2, 2, 2, 2] and inputs.seq_lens.tolist() == [5, 0, 0, 0]
     with pytest.raises(ValueError):
         inputs.fill([1] * 65, list(range(65)), [65], [65], [[1, 2, 3, 4, 5]])
     with pytest.raises(ValueError):
@@ -65,10 +67,12 @@ def test_replayed_prompt_steps_equal_the_plain_step_and_store_only_their_tokens(
     monkeypatch.setenv("KVMESH_KERNELS", "triton")  # what a graph holds
     graphs.capture()
     assert graphs.buckets == [64, 128] and all(isinstance(r, EagerReplay) for r in graphs._replays.values())
-    # (query lens, seq lens, tables): a fresh prompt past the smallest bucket, chunks over 32 and 5 cached tokens
+    # (query lens, seq lens, tables): a fresh prompt past the smallest bucket, chunks over 32 and 5 cached tokens;
+    # then two smaller steps (the second fills the first step's staging set again)
     steps = [
         ([70, 20, 30], [70, 52, 35], [[3, 40, 11, 12, 13], [20, 21, 22, 23], [30, 31, 32]]),
         ([10], [26], [[5, 6]]),
+        ([12, 9], [12, 25], [[41], [42, 43]]),
     ]
     gen = torch.Generator().manual_seed(1)
     for query_lens, seq_lens, tables in steps:
@@ -93,7 +97,7 @@ def test_replayed_prompt_steps_equal_the_plain_step_and_store_only_their_tokens(
                 written[table[p // BLOCK], p % BLOCK] = True
         untouched = ~written
         assert torch.equal(replayed.permute(0, 3, 1, 2, 4, 5)[untouched], before.permute(0, 3, 1, 2, 4, 5)[untouched])
-    assert graphs.num_replays == 2
+    assert graphs.num_replays == 3
 
 
 def test_the_start_up_probe_agrees_with_eager_and_catches_a_replay_of_the_wrong_tokens(monkeypatch):

@@ -146,6 +146,33 @@ class CapturedForwards:
                 "num_replays": self.num_replays}
 
 
+class StagingTurns:
+    """Two staging sets of pinned host buffers, taken in turn by fills. On CUDA each set's copy to the device
+    is followed by an event, and a set is handed out again only once that copy has run: a fill never
+    rewrites host memory a pending copy still reads, whether or not anything synchronised since (a prompt
+    step that samples no row does not)."""
+
+    def __init__(self, sets: list, device: torch.device):
+        self.sets = sets
+        self._events = [torch.cuda.Event() for _ in sets] if device.type == "cuda" else None
+        self._recorded = [False] * len(sets)
+        self._turn = 0
+
+    def take(self):
+        """The next set, once the copy out of it last time has run."""
+        turn = self._turn
+        if self._events is not None and self._recorded[turn]:
+            self._events[turn].synchronize()
+        return self.sets[turn]
+
+    def copied(self) -> None:
+        """After the copies out of the set ``take`` gave: mark them, and turn to the other set."""
+        if self._events is not None:
+            self._events[self._turn].record()
+            self._recorded[self._turn] = True
+        self._turn = (self._turn + 1) % len(self.sets)
+
+
 class _Staging:
     """Pinned host buffers a fill writes and copies from, and what each of their table rows holds."""
 
@@ -164,17 +191,16 @@ class _Staging:
 class DecodeInputs:
     """Persistent, padded inputs of a decode forward (any device) and the metadata that reads them.
 
-    Two staging sets take turns, so a step can be filled while the copy out of the previous step's set
-    may still be pending (a step launched before the previous one's tokens are read: the engine's
-    run-ahead); a set is written again only after the step that used it was read."""
+    Two staging sets take turns (``StagingTurns``), so a step can be filled while the copy out of the
+    previous step's set may still be pending (a step launched before the previous one's tokens are read:
+    the engine's run-ahead)."""
 
     def __init__(self, max_batch: int, max_model_len: int, block_size: int, device: torch.device):
         self.max_batch, self.max_model_len, self.block_size = max_batch, max_model_len, block_size
         self.width = -(-max_model_len // block_size)
         self.device = device
         pin = device.type == "cuda"
-        self._stagings = [_Staging(max_batch, self.width, pin) for _ in range(2)]
-        self._turn = 0
+        self._staging = StagingTurns([_Staging(max_batch, self.width, pin) for _ in range(2)], device)
         self._dev64 = torch.zeros((3, max_batch), dtype=torch.int64, device=device)
         self._dev32 = torch.zeros(max_batch * (1 + self.width), dtype=torch.int32, device=device)
         self.input_ids, self.positions, self.slot_mapping = self._dev64[0], self._dev64[1], self._dev64[2]
@@ -194,8 +220,7 @@ class DecodeInputs:
         Only what a row's attention reads is written, and only where it changed: a row whose table equals
         the one staged there last time is left as it is, and entries past a table's length keep earlier
         steps' block ids (valid ids, never read), so nothing is cleared per step."""
-        st = self._stagings[self._turn]
-        self._turn ^= 1
+        st = self._staging.take()
         n, bs, width = len(positions), self.block_size, self.width
         rows = self.max_batch if num_rows is None else num_rows
         h64, h32, tables, staged = st.h64, st.h32, st.tables, st.staged_tables
@@ -219,6 +244,7 @@ class DecodeInputs:
         self._dev64.copy_(st.host64, non_blocking=True)
         end = self.max_batch + rows * width  # the lengths, then the first rows' tables
         self._dev32[:end].copy_(st.host32[:end], non_blocking=True)
+        self._staging.copied()
         if device_input_ids is not None:
             self.input_ids[:n].copy_(device_input_ids)
 

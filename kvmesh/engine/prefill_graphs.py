@@ -30,7 +30,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from kvmesh.engine.cuda_graphs import CapturedForwards, bucket_for
+from kvmesh.engine.cuda_graphs import CapturedForwards, StagingTurns, bucket_for
 from kvmesh.kernels.attention_metadata import AttentionMetadata
 
 log = logging.getLogger("kvmesh.engine")
@@ -46,6 +46,21 @@ def prefill_buckets_for(max_num_batched_tokens: int) -> list[int]:
     return [b for b in PREFILL_BUCKETS if b < cap] + [cap]
 
 
+class _PrefillStaging:
+    """Pinned host buffers one fill writes and copies from: int64 token rows (ids, positions, slots), int32
+    sequence lengths, query starts and block tables; and what each table row holds."""
+
+    def __init__(self, max_tokens: int, max_seqs: int, width: int, pin: bool):
+        self.host64 = torch.zeros((3, max_tokens), dtype=torch.int64, pin_memory=pin)
+        self.host32 = torch.zeros(2 * max_seqs + 1 + max_seqs * width, dtype=torch.int32, pin_memory=pin)
+        self.h64, h32 = self.host64.numpy(), self.host32.numpy()
+        self.seq_lens, self.starts = h32[:max_seqs], h32[max_seqs: 2 * max_seqs + 1]
+        self.tables = h32[2 * max_seqs + 1:].reshape(max_seqs, width)
+        self.staged_tables: list[list[int] | None] = [None] * max_seqs
+        self.h64[2] = -1  # every token padding until filled
+        self.num_filled = 0
+
+
 class PrefillInputs:
     """Persistent, padded inputs of a prompt step (any device) and the metadata that reads them."""
 
@@ -55,37 +70,31 @@ class PrefillInputs:
         self.width = -(-max_model_len // block_size)
         pin = device.type == "cuda"
         size32 = 2 * max_seqs + 1 + max_seqs * self.width  # seq lens, query starts, block tables
-        self._host64 = torch.zeros((3, max_tokens), dtype=torch.int64, pin_memory=pin)
-        self._host32 = torch.zeros(size32, dtype=torch.int32, pin_memory=pin)
+        self._staging = StagingTurns([_PrefillStaging(max_tokens, max_seqs, self.width, pin) for _ in range(2)],
+                                     device)
         self._dev64 = torch.zeros((3, max_tokens), dtype=torch.int64, device=device)
         self._dev32 = torch.zeros(size32, dtype=torch.int32, device=device)
         self.input_ids, self.positions, self.slot_mapping = self._dev64[0], self._dev64[1], self._dev64[2]
         self.seq_lens = self._dev32[:max_seqs]
         self.query_start_loc = self._dev32[max_seqs: 2 * max_seqs + 1]
         self.block_tables = self._dev32[2 * max_seqs + 1:].view(max_seqs, self.width)
-        self._h64, self._h32 = self._host64.numpy(), self._host32.numpy()
-        self._seq_lens = self._h32[:max_seqs]
-        self._starts = self._h32[max_seqs: 2 * max_seqs + 1]
-        self._tables = self._h32[2 * max_seqs + 1:].reshape(max_seqs, self.width)
-        self._staged_tables: list[list[int] | None] = [None] * max_seqs
-        self._h64[2] = -1  # every token padding until filled
-        self._num_filled = 0
         self.fill([], [], [], [], [])
 
     def fill(self, input_ids: list[int], positions: list[int], query_lens: list[int], seq_lens: list[int],
              block_tables: list[list[int]]) -> None:
         """Write one step's tokens and sequences (padding after them) and copy them to the device
         (non-blocking on CUDA). Sequence ``i``'s new tokens are the next ``query_lens[i]`` of ``input_ids``,
-        the last of its ``seq_lens[i]`` tokens. As in ``DecodeInputs.fill``, a table equal to the one staged
-        in its row last time is not rewritten, and the caller reads the previous replay's output first."""
+        the last of its ``seq_lens[i]`` tokens. As in ``DecodeInputs.fill``, two staging sets take turns and a
+        table equal to the one staged in its row last time is not rewritten."""
         n, s, bs = len(input_ids), len(query_lens), self.block_size
         if n > self.max_tokens or s > self.max_seqs:
             raise ValueError(f"{n} tokens of {s} sequences: past {self.max_tokens} tokens or {self.max_seqs} sequences")
-        h64, tables, staged = self._h64, self._tables, self._staged_tables
-        if n < self._num_filled:  # tokens of the last step past this one's become padding
-            h64[:2, n:self._num_filled] = 0
-            h64[2, n:self._num_filled] = -1
-        self._num_filled = n
+        st = self._staging.take()
+        h64, tables, staged = st.h64, st.tables, st.staged_tables
+        if n < st.num_filled:  # tokens of the last step past this one's become padding
+            h64[:2, n:st.num_filled] = 0
+            h64[2, n:st.num_filled] = -1
+        st.num_filled = n
         for row, table in enumerate(block_tables):
             if staged[row] != table:
                 if len(table) > self.width:
@@ -98,14 +107,15 @@ class PrefillInputs:
             rows = np.repeat(np.arange(s), query_lens)
             pos = h64[1, :n]
             h64[2, :n] = tables[rows, pos // bs].astype(np.int64) * bs + pos % bs
-        self._seq_lens[:s] = seq_lens
-        self._seq_lens[s:] = 0
-        self._starts[0] = 0
-        np.cumsum(query_lens, out=self._starts[1: s + 1])
-        self._starts[s + 1:] = n
-        self._dev64.copy_(self._host64, non_blocking=True)
+        st.seq_lens[:s] = seq_lens
+        st.seq_lens[s:] = 0
+        st.starts[0] = 0
+        np.cumsum(query_lens, out=st.starts[1: s + 1])
+        st.starts[s + 1:] = n
+        self._dev64.copy_(st.host64, non_blocking=True)
         end = 2 * self.max_seqs + 1 + s * self.width  # lengths, query starts, then the real rows' tables
-        self._dev32[:end].copy_(self._host32[:end], non_blocking=True)
+        self._dev32[:end].copy_(st.host32[:end], non_blocking=True)
+        self._staging.copied()
 
     def metadata(self, num_tokens: int) -> AttentionMetadata:
         """Metadata of a ``num_tokens`` bucket over every sequence row (fixed shapes; host lists are bounds)."""
