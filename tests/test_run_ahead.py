@@ -105,15 +105,20 @@ def test_sampled_rows_and_logprobs_are_never_run_ahead(params, monkeypatch):
     assert counts["launched"] == 0 and llm.engine.runner.graphs.num_replays > 0  # replayed, read at once
 
 
+def _in_flight(num_requests: int):
+    """An engine with ``num_requests`` greedy requests decoding and a step launched ahead."""
+    llm = _llm(graphs=True)
+    greedy = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    seqs = [llm.engine.add_request(p, greedy) for p in PROMPTS[:num_requests]]
+    while llm.engine.run_ahead.in_flight is None:
+        llm.engine.step()
+    return llm, llm.engine, seqs
+
+
 def test_the_block_a_step_in_flight_writes_is_held_until_that_step_is_read():
     """A request aborted (or stopped) while a step launched ahead still writes its next position: that block
     stays referenced, so no other request or transfer gets it before the write; reading the step frees it."""
-    llm = _llm(graphs=True)
-    engine = llm.engine
-    greedy = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
-    seqs = [engine.add_request(p, greedy) for p in PROMPTS[:2]]
-    while engine.run_ahead.in_flight is None:
-        engine.step()
+    _, engine, seqs = _in_flight(2)
     flight = engine.run_ahead.in_flight
     held = flight.held_block_ids[0]
     assert flight.batch[0][0] is seqs[0] and held in seqs[0].block_ids
@@ -133,12 +138,7 @@ def test_the_block_a_step_in_flight_writes_is_held_until_that_step_is_read():
 def test_a_failed_run_ahead_step_fails_its_requests_once_and_holds_nothing(fails, monkeypatch):
     from kvmesh.engine.engine import StepFailed
 
-    llm = _llm(graphs=True)
-    engine = llm.engine
-    greedy = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
-    seqs = [engine.add_request(p, greedy) for p in PROMPTS[:3]]
-    while engine.run_ahead.in_flight is None:
-        engine.step()
+    llm, engine, seqs = _in_flight(3)
 
     def failing(*args, **kw):
         raise RuntimeError("device lost")
