@@ -154,6 +154,7 @@ class StagingTurns:
 
     def __init__(self, sets: list, device: torch.device):
         self.sets = sets
+        self.device = device
         self._events = [torch.cuda.Event() for _ in sets] if device.type == "cuda" else None
         self._recorded = [False] * len(sets)
         self._turn = 0
@@ -168,7 +169,7 @@ class StagingTurns:
     def copied(self) -> None:
         """After the copies out of the set ``take`` gave: mark them, and turn to the other set."""
         if self._events is not None:
-            self._events[self._turn].record()
+            self._events[self._turn].record(torch.cuda.current_stream(self.device))
             self._recorded[self._turn] = True
         self._turn = (self._turn + 1) % len(self.sets)
 

@@ -194,7 +194,7 @@ class ModelRunner:
         self._pick_turn ^= 1
         host.copy_(picks, non_blocking=True)
         ready = torch.cuda.Event()
-        ready.record()
+        ready.record(torch.cuda.current_stream(picks.device))
         return InFlight(batch, picks, host, ready)
 
     @staticmethod
