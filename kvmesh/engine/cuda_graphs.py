@@ -146,6 +146,19 @@ class CapturedForwards:
                 "num_replays": self.num_replays}
 
 
+def stage_tables(tables, staged: list[list[int] | None], block_tables: list[list[int]]) -> None:
+    """Write each row's block table into the pinned ``tables`` [rows, width] where it differs from what
+    ``staged`` says the row holds (a step mostly repeats the last one's tables); entries past a table's
+    length keep earlier ids (valid ids, never read). Raises ValueError for a table past the width."""
+    width = tables.shape[1]
+    for row, table in enumerate(block_tables):
+        if staged[row] != table:
+            if len(table) > width:
+                raise ValueError(f"a block table of {len(table)} blocks is past the context limit")
+            tables[row, : len(table)] = table
+            staged[row] = list(table)
+
+
 class StagingTurns:
     """Two staging sets of pinned host buffers, taken in turn by fills. On CUDA each set's copy to the device
     is followed by an event, and a set is handed out again only once that copy has run: a fill never
@@ -224,19 +237,14 @@ class DecodeInputs:
         st = self._staging.take()
         n, bs, width = len(positions), self.block_size, self.width
         rows = self.max_batch if num_rows is None else num_rows
-        h64, h32, tables, staged = st.h64, st.h32, st.tables, st.staged_tables
+        h64, h32 = st.h64, st.h32
         if n < st.num_filled:  # rows of the last step past this one's become padding
             h64[:2, n:st.num_filled] = 0
             h64[2, n:st.num_filled] = -1
             h32[n:st.num_filled] = 1
         st.num_filled = n
         if n:
-            for row, table in enumerate(block_tables):  # a decode step mostly repeats last step's tables
-                if staged[row] != table:
-                    if len(table) > width:
-                        raise ValueError(f"a block table of {len(table)} blocks is past the context limit")
-                    tables[row, : len(table)] = table
-                    staged[row] = list(table)
+            stage_tables(st.tables, st.staged_tables, block_tables)
             if input_ids is not None:
                 h64[0, :n] = input_ids
             h64[1, :n] = positions

@@ -30,7 +30,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from kvmesh.engine.cuda_graphs import CapturedForwards, StagingTurns, bucket_for
+from kvmesh.engine.cuda_graphs import CapturedForwards, StagingTurns, bucket_for, stage_tables
 from kvmesh.kernels.attention_metadata import AttentionMetadata
 
 log = logging.getLogger("kvmesh.engine")
@@ -90,23 +90,18 @@ class PrefillInputs:
         if n > self.max_tokens or s > self.max_seqs:
             raise ValueError(f"{n} tokens of {s} sequences: past {self.max_tokens} tokens or {self.max_seqs} sequences")
         st = self._staging.take()
-        h64, tables, staged = st.h64, st.tables, st.staged_tables
+        h64 = st.h64
         if n < st.num_filled:  # tokens of the last step past this one's become padding
             h64[:2, n:st.num_filled] = 0
             h64[2, n:st.num_filled] = -1
         st.num_filled = n
-        for row, table in enumerate(block_tables):
-            if staged[row] != table:
-                if len(table) > self.width:
-                    raise ValueError(f"a block table of {len(table)} blocks is past the context limit")
-                tables[row, : len(table)] = table
-                staged[row] = list(table)
+        stage_tables(st.tables, st.staged_tables, block_tables)
         if n:
             h64[0, :n] = input_ids
             h64[1, :n] = positions
             rows = np.repeat(np.arange(s), query_lens)
             pos = h64[1, :n]
-            h64[2, :n] = tables[rows, pos // bs].astype(np.int64) * bs + pos % bs
+            h64[2, :n] = st.tables[rows, pos // bs].astype(np.int64) * bs + pos % bs
         st.seq_lens[:s] = seq_lens
         st.seq_lens[s:] = 0
         st.starts[0] = 0
