@@ -78,7 +78,7 @@ def test_bench_model_rows_per_batch_with_the_static_baseline(tmp_path, capsys):
     """A dummy-weights shape (``--load-format dummy`` on a preset's config), two decode batches, static cache on."""
     path = tmp_path / "model.json"
     assert main(["bench", "model", "--model", "tiny-qwen3", "--load-format", "dummy", "--prefill-lens", "64",
-                 "--batches", "1,4", "--context", "48", "--decode-tokens", "24", "--repeat", "1", "--static",
+                 "--batches", "1,4", "--context", "48", "--decode-tokens", "24", "--repeat", "3", "--static",
                  "--dtype", "float32", "--json", str(path)]) == 0
     res = json.loads(path.read_text())
     assert res["load_format"] == "dummy" and res["shape"]["num_layers"] == 3
