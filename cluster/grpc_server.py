@@ -10,7 +10,6 @@ import queue
 import threading
 from collections.abc import Iterator
 from concurrent import futures
-from dataclasses import replace
 from pathlib import Path
 
 import grpc
@@ -18,8 +17,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from kvmesh.cluster.api_keys import ApiKeys
-from kvmesh.cluster.openai_protocol import MAX_CHOICES
-from kvmesh.cluster.router import Overloaded, Router
+from kvmesh.cluster.openai_protocol import MAX_CHOICES, seeded_choices
+from kvmesh.cluster.router import Overloaded, RequestTimeout, Router
 from kvmesh.engine.sampling_params import SamplingParams
 from kvmesh.errors import InvalidRequestError, KvmeshError
 
@@ -50,7 +49,7 @@ def sampling_from_proto(s) -> list[SamplingParams]:
     n = s.n or 1
     if n > MAX_CHOICES:
         raise InvalidRequestError(f"n must be in 1..{MAX_CHOICES}, got {n}")
-    return [replace(base, seed=base.seed + i) if base.seed is not None else base for i in range(n)]
+    return seeded_choices(base, n)
 
 
 def merged(streams) -> Iterator[tuple[int, object]]:
@@ -134,6 +133,8 @@ class RouterServicer(pb_grpc.RouterServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except Overloaded as e:
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+        except RequestTimeout as e:
+            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(e))
         except KvmeshError as e:
             context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
 
@@ -195,25 +196,39 @@ def _follow_readiness(router: Router, health_servicer, period_s: float = 0.5) ->
     threading.Thread(target=loop, name="kvmesh-grpc-health", daemon=True).start()
 
 
-def start_grpc_server(router: Router, address: str = "127.0.0.1:50051", max_workers: int = 64,
+SPARE_THREADS = 16  # beyond the router's in-flight limit: refusals, health checks, listings
+
+
+def start_grpc_server(router: Router, address: str = "127.0.0.1:50051", max_workers: int | None = None,
                       token: str | ApiKeys | None = None, tls: tuple[bytes, bytes] | None = None
                       ) -> tuple[grpc.Server, int]:
     """Start serving; returns the server and the bound port (``:0`` picks a free one).
 
+    Each call holds a thread while it runs: the pool has one per request the router admits
+    (``max_in_flight``) and ``SPARE_THREADS`` more, so a call past the limit is refused at once
+    (RESOURCE_EXHAUSTED) instead of queueing, and health checks are answered while the router is full.
     ``token``: require ``authorization: Bearer <key>`` (one key, or ``ApiKeys``); ``tls``: (PEM key, PEM
     certificate chain).
     """
+    max_workers = max_workers or router.cfg.max_in_flight + SPARE_THREADS
     keys = token if isinstance(token, ApiKeys) else ApiKeys([token] if token else [])
     interceptors = [BearerTokenInterceptor(keys)] if keys.enabled else []
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), interceptors=interceptors)
+    # grpc.so_reuseport off: a second server on a taken port fails instead of sharing it with the first.
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), interceptors=interceptors,
+                         options=[("grpc.so_reuseport", 0)])
     pb_grpc.add_RouterServicer_to_server(RouterServicer(router, keys), server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-    if tls is not None:
-        port = server.add_secure_port(address, grpc.ssl_server_credentials([tls]))
-    else:
-        port = server.add_insecure_port(address)
+    try:
+        if tls is not None:
+            port = server.add_secure_port(address, grpc.ssl_server_credentials([tls]))
+        else:
+            port = server.add_insecure_port(address)
+    except RuntimeError:  # grpcio raises where older releases returned 0
+        port = 0
+    if port == 0:
+        raise KvmeshError(f"gRPC cannot listen on {address}: the port is taken or the address is not ours")
     server.start()
     _follow_readiness(router, health_servicer)
     return server, port

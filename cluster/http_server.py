@@ -210,6 +210,10 @@ class OpenAIServer:
             messages = body.get("messages")
             if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
                 raise InvalidRequestError("messages must be a non-empty list of {role, content} objects")
+            for m in messages:
+                if m.get("role") not in proto.CHAT_ROLES:
+                    raise InvalidRequestError(f"message role must be one of {', '.join(proto.CHAT_ROLES)}, "
+                                              f"got {m.get('role')!r}")
             messages = [{**m, "content": proto.message_text(m.get("content"))} for m in messages]
             return [self.router.tokenize(self.router.tokenizer.apply_chat_template(messages))]
         return proto.completion_prompts(body, self.router.tokenize)
@@ -270,15 +274,22 @@ class OpenAIServer:
             if include_usage and len(lasts) == len(streams):
                 await send({"id": rid, "object": kind, "created": created, "model": model, "choices": [],
                             "usage": _total_usage([lasts[i] for i in range(len(streams))], n)})
-        except (ConnectionResetError, asyncio.CancelledError):
-            for stream in streams:  # the client went away
+        except ConnectionResetError:  # the client went away: its requests end, nothing to log
+            for stream in streams:
+                stream.close()
+            return response
+        except asyncio.CancelledError:
+            for stream in streams:
                 stream.close()
             raise
         finally:
             for task in pumps:
                 task.cancel()
-        await response.write(b"data: [DONE]\n\n")
-        await response.write_eof()
+        try:
+            await response.write(b"data: [DONE]\n\n")
+            await response.write_eof()
+        except ConnectionResetError:
+            pass
         return response
 
 
@@ -315,5 +326,9 @@ async def start_http_server(router: Router, host: str = "127.0.0.1", port: int =
     runner = web.AppRunner(OpenAIServer(router, token).app, shutdown_timeout=3.0)
     await runner.setup()
     site = web.TCPSite(runner, host, port, ssl_context=ssl_context)
-    await site.start()
+    try:
+        await site.start()
+    except OSError as e:
+        await runner.cleanup()
+        raise KvmeshError(f"HTTP cannot listen on {host}:{port}: {e.strerror or e}") from None
     return runner, site._server.sockets[0].getsockname()[1]

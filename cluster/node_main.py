@@ -89,8 +89,9 @@ def add_node_arguments(p: argparse.ArgumentParser) -> None:
                         "model's first layers); requests whose guesses mostly fail stop guessing for a while")
     p.add_argument("--num-speculative-tokens", type=int, default=4)
     p.add_argument("--no-global-pool", action="store_true", help="local caches only: no global index lookups")
-    p.add_argument("--host-kv-gib", type=float, default=0.0,
-                   help="tier 1: host memory that blocks evicted from the KV buffer move to (0: none; docs/tiers.md)")
+    p.add_argument("--host-kv-gib", type=host_kv_gib, default="auto",
+                   help="tier 1: host memory that blocks evicted from the KV buffer move to (docs/tiers.md; "
+                        "auto: two KV buffers' worth, at most 5%% of this machine's memory; 0: none)")
     p.add_argument("--disk-kv-gib", type=float, default=0.0,
                    help="tier 2: a file on a local disk that the host tier's victims move to (0: none)")
     p.add_argument("--disk-kv-path", default="",
@@ -101,6 +102,17 @@ def add_node_arguments(p: argparse.ArgumentParser) -> None:
                         "a peer pushes here (a mismatch is recomputed, never used)")
     add_secret_arguments(p)
     p.add_argument("--log-level", default="WARNING")
+
+
+def host_kv_gib(value: str) -> str:
+    """``--host-kv-gib``: ``auto`` or a size in GiB (0 or more)."""
+    if value != "auto":
+        try:
+            if float(value) < 0:
+                raise ValueError
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"auto or a size in GiB (0 or more), not {value!r}") from None
+    return value
 
 
 def _gib_to_bytes(flag: str, gib: float) -> int:
@@ -134,7 +146,8 @@ def run_node(role: str, args: argparse.Namespace) -> int:
                      kv_placement=args.kv_placement, core_share="" if args.threads > 0 else args.core_share,
                      enable_prefix_caching=not args.no_prefix_cache, use_global_pool=not args.no_global_pool,
                      speculative=args.speculative, num_speculative_tokens=args.num_speculative_tokens,
-                     host_kv_bytes=_gib_to_bytes("--host-kv-gib", args.host_kv_gib),
+                     host_kv_bytes=-1 if args.host_kv_gib == "auto" else
+                     _gib_to_bytes("--host-kv-gib", float(args.host_kv_gib)),
                      disk_kv_bytes=_gib_to_bytes("--disk-kv-gib", args.disk_kv_gib), disk_kv_path=args.disk_kv_path,
                      verify_kv=args.verify_kv, cluster_token=secret_from_args(args), insecure=args.insecure)
     stop_on_sigterm()  # SIGTERM: deregister and close like Ctrl-C or a closed stdin

@@ -8,10 +8,11 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from kvmesh.engine.sampling_params import SamplingParams
+from kvmesh.engine.sampling_params import SEED_MAX, SamplingParams
 from kvmesh.errors import InvalidRequestError
 
 MAX_CHOICES = 16  # prompts x n in one request
+CHAT_ROLES = ("system", "developer", "user", "assistant")
 
 
 def sampling_params(body: dict, chat: bool) -> SamplingParams:
@@ -111,6 +112,14 @@ def choice_params(body: dict, base: SamplingParams) -> list[SamplingParams]:
         n = 1
     if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_CHOICES:
         raise InvalidRequestError(f"n must be an integer in 1..{MAX_CHOICES}, got {n!r}")
+    return seeded_choices(base, n)
+
+
+def seeded_choices(base: SamplingParams, n: int) -> list[SamplingParams]:
+    """``n`` choices; choice i samples with ``seed + i`` (each within the seed's range: a 400 otherwise)."""
+    if base.seed is not None and base.seed + n - 1 > SEED_MAX:
+        raise InvalidRequestError(f"seed + n - 1 must be at most {SEED_MAX} (choice i samples with seed + i), "
+                                  f"got seed {base.seed} with n={n}")
     return [replace(base, seed=base.seed + j) if base.seed is not None else base for j in range(n)]
 
 

@@ -104,9 +104,10 @@ def exit_now(code: int) -> None:
 
 
 def run_router(args: argparse.Namespace) -> int:
-    from kvmesh.cluster.serve import run_front_ends
+    from kvmesh.cluster.serve import check_front_end_ports, run_front_ends
 
     stop_on_sigterm()
+    check_front_end_ports(args)
     token = secret_from_args(args)
     require_secret("router", [args.host], token, args.insecure)
     if not token:

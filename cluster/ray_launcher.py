@@ -14,11 +14,20 @@ behind) and kills them all.
 
 Ray 2.60 turns token authentication on: every process joining the cluster (a
 worker's ``ray start``, the ``kvmesh launch`` driver) needs ``RAY_AUTH_MODE=token``
-and the head's token (``~/.ray/auth_token`` or ``$RAY_AUTH_TOKEN``).
+and the head's token (``~/.ray/auth_token``, ``$RAY_AUTH_TOKEN_PATH`` or
+``$RAY_AUTH_TOKEN``); ``ray get-auth-token --generate`` makes one on the head.
+A relaunch reattaches to the actors still up only with the cluster token they
+were started with (their etcd actor keeps its digest), and start-up says what it
+waits for (Ray resources no node has free) instead of hanging without a word.
 """
 from __future__ import annotations
 
+import hashlib
+import os
+import sys
+import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import ray
 
@@ -27,6 +36,40 @@ from kvmesh.metadata.registry import wait_for_nodes
 from kvmesh.metadata.keys import DEFAULT_CLUSTER
 
 NAMESPACE = "kvmesh"
+
+
+RAY_TOKEN_HELP = ("this Ray cluster wants a token: run `ray get-auth-token --generate` on the head, copy its "
+                  "~/.ray/auth_token to every machine (or export RAY_AUTH_TOKEN), and start Ray and kvmesh with "
+                  "RAY_AUTH_MODE=token")
+
+
+def ray_token_available() -> bool:
+    """Whether this process has a Ray token: ``$RAY_AUTH_TOKEN``, ``$RAY_AUTH_TOKEN_PATH`` or ~/.ray/auth_token."""
+    if os.environ.get("RAY_AUTH_TOKEN"):
+        return True
+    path = os.environ.get("RAY_AUTH_TOKEN_PATH") or Path.home() / ".ray" / "auth_token"
+    return Path(path).expanduser().is_file()
+
+
+def join_ray(address: str) -> None:
+    """``ray.init`` into the running cluster at ``address`` (token authentication when a token is at hand);
+    KvmeshError saying what to do when there is no cluster there or it wants a token we lack."""
+    from kvmesh.errors import KvmeshError
+
+    if "RAY_AUTH_MODE" not in os.environ and ray_token_available():
+        os.environ["RAY_AUTH_MODE"] = "token"  # Ray 2.60 clusters require it of every joining process
+    try:
+        ray.init(address=address, namespace=NAMESPACE, log_to_driver=False)
+    except ConnectionError as e:
+        raise KvmeshError(f"no Ray cluster at {address!r} ({e}); start one with `ray start --head` first") from None
+    except Exception as e:
+        if "token" in str(e).lower() or type(e).__name__ == "AuthenticationError":
+            raise KvmeshError(f"{RAY_TOKEN_HELP} ({type(e).__name__})") from None
+        raise
+
+
+def token_digest(token: str) -> str:
+    return hashlib.sha256(b"kvmesh-ray-launch:" + token.encode()).hexdigest()
 
 
 def node_ip() -> str:
@@ -40,6 +83,11 @@ class EtcdActor:
         from kvmesh.metadata.embedded_etcd import EmbeddedEtcd
 
         self.server = EmbeddedEtcd(host="0.0.0.0", advertise=node_ip(), token=token).start()
+        self._token_digest = token_digest(token)
+
+    def token_digest(self) -> str:
+        """Which cluster token this etcd (and the nodes launched with it) was started with, as a digest."""
+        return self._token_digest
 
     def endpoint(self) -> str:
         return self.server.endpoint
@@ -93,15 +141,34 @@ class RayCluster:
     def token(self) -> str:
         return self.node_options["cluster_token"]
 
-    def start(self, timeout_s: float = 300.0) -> RayCluster:
-        """Create (or reuse, by name) the etcd and node actors and wait until every node is registered."""
-        if not self.etcd:
-            etcd_actor = EtcdActor.options(name="etcd", namespace=NAMESPACE, get_if_exists=True, num_cpus=0.1,
-                                           lifetime="detached").remote(self.token)
-            self.etcd = ray.get(etcd_actor.endpoint.remote(), timeout=timeout_s)
-            self.actors["etcd"] = etcd_actor
+    def start(self, timeout_s: float = 300.0, say=None) -> RayCluster:
+        """Create (or reuse, by name) the etcd and node actors and wait until every node is registered.
+
+        ``say(line)`` hears what start-up waits for (default: stderr). KvmeshError when actors of an earlier
+        launch are up with another cluster token, when the actors ask for more than the whole Ray cluster has,
+        or when they are not placed within ``timeout_s`` (naming the resources they wait for)."""
+        from kvmesh.errors import KvmeshError
+
+        say = say or (lambda line: print(line, file=sys.stderr, flush=True))
         specs = [("prefill", f"prefill-{i}") for i in range(self.num_prefill)]
         specs += [("decode", f"decode-{i}") for i in range(self.num_decode)]
+        existing = kvmesh_actor_names()
+        if existing:
+            say(f"reattaching to the kvmesh actors already up on this Ray cluster: {', '.join(existing)} "
+                f"(`kvmesh launch --stop` ends them)")
+            if "etcd" in existing and not self.etcd:
+                old = ray.get_actor("etcd", namespace=NAMESPACE)
+                if ray.get(old.token_digest.remote(), timeout=60) != token_digest(self.token):
+                    raise KvmeshError("the kvmesh actors already up were launched with another cluster token: "
+                                      "pass that token (--cluster-token-file or $KVMESH_CLUSTER_TOKEN) to reuse "
+                                      "them, or end them with `kvmesh launch --stop`")
+        missing = [n for _, n in specs if n not in existing] + ([] if self.etcd or "etcd" in existing else ["etcd"])
+        self._check_feasible(missing)
+        if not self.etcd:
+            etcd_actor = EtcdActor.options(name="etcd", namespace=NAMESPACE, get_if_exists=True,
+                                           num_cpus=ETCD_CPUS, lifetime="detached").remote(self.token)
+            self.actors["etcd"] = etcd_actor
+            self.etcd = self._wait_placed({"etcd": etcd_actor.endpoint.remote()}, timeout_s, say)["etcd"]
         for role, node_id in specs:
             where = ({"resources": {self.placement[role]: 0.001}} if role in self.placement
                      else {"scheduling_strategy": "SPREAD"})
@@ -109,9 +176,48 @@ class RayCluster:
                 name=node_id, namespace=NAMESPACE, get_if_exists=True, lifetime="detached",
                 num_cpus=self.cpus_per_node, num_gpus=self.gpus_per_node, **where).remote(role, node_id, self.etcd, self.cluster, self.model,
                                                              self.node_options)
-        ray.get([self.actors[n].info.remote() for _, n in specs], timeout=timeout_s)
+        self._wait_placed({n: self.actors[n].info.remote() for _, n in specs}, timeout_s, say)
         self.wait_registered({n for _, n in specs}, timeout_s)
         return self
+
+    def _check_feasible(self, names: list[str]) -> None:
+        """KvmeshError when the actors still to create ask for more CPUs or GPUs than the Ray cluster has."""
+        from kvmesh.errors import KvmeshError
+
+        nodes = [n for n in names if n != "etcd"]
+        want = {"CPU": self.cpus_per_node * len(nodes) + (ETCD_CPUS if "etcd" in names else 0),
+                "GPU": self.gpus_per_node * len(nodes)}
+        have = ray.cluster_resources()
+        short = {k: (v, have.get(k, 0.0)) for k, v in want.items() if v > have.get(k, 0.0) + 1e-9}
+        if short:
+            detail = ", ".join(f"{v:g} {k} (the cluster has {h:g})" for k, (v, h) in short.items())
+            raise KvmeshError(f"{', '.join(names)} would need {detail}: lower --cpus-per-node / "
+                              f"--gpus-per-node or add Ray nodes")
+
+    def _wait_placed(self, refs: dict, timeout_s: float, say) -> dict:
+        """Each ref's value; every ``WAIT_REPORT_S`` says which actors Ray has not placed and what is free."""
+        from kvmesh.errors import KvmeshError
+
+        deadline = time.monotonic() + timeout_s
+        pending = dict(refs)
+        values = {}
+        while pending:
+            ready, _ = ray.wait(list(pending.values()), num_returns=len(pending),
+                                timeout=min(WAIT_REPORT_S, max(0.1, deadline - time.monotonic())))
+            for name, ref in list(pending.items()):
+                if ref in ready:
+                    values[name] = ray.get(ref)
+                    del pending[name]
+            if not pending:
+                break
+            free = ray.available_resources()
+            line = (f"waiting for Ray to start {', '.join(pending)} (each asks {self.cpus_per_node:g} CPU"
+                    f"{f', {self.gpus_per_node:g} GPU' if self.gpus_per_node else ''}; free now: "
+                    f"{free.get('CPU', 0):g} CPU, {free.get('GPU', 0):g} GPU; `ray status` shows the demand)")
+            if time.monotonic() >= deadline:
+                raise KvmeshError(f"timed out after {timeout_s:.0f} s {line}")
+            say(line)
+        return values
 
     def hosts(self) -> dict[str, str]:
         """Node id -> the address its actor advertises (its Ray node's IP)."""
@@ -120,6 +226,15 @@ class RayCluster:
 
     def wait_registered(self, node_ids: set[str], timeout_s: float = 120.0) -> None:
         wait_for_nodes(self.etcd, self.cluster, node_ids, timeout_s, self.token)
+
+
+ETCD_CPUS = 0.1
+WAIT_REPORT_S = 10.0
+
+
+def kvmesh_actor_names() -> list[str]:
+    """The kvmesh actors alive on this Ray cluster (an earlier launch's, detached), sorted."""
+    return sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["namespace"] == NAMESPACE)
 
 
 def stop_cluster() -> list[str]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import queue
 import threading
 import time
 import uuid
@@ -62,6 +63,28 @@ class RouterConfig:
     migration_wait_s: float = 15.0  # with no decode node left, wait this long for one (a restart) to appear
 
 
+class RequestTimeout(KvmeshError, TimeoutError):
+    """A decode node sent nothing for ``request_timeout_s``: the stream ends with this error."""
+
+
+def first_stop(text: str, stop: tuple[str, ...], start: int = 0) -> int:
+    """Where the earliest stop string begins in ``text`` at or after ``start``, or -1."""
+    found = [i for i in (text.find(s, start) for s in stop) if i >= 0]
+    return min(found, default=-1)
+
+
+def stop_prefix_len(text: str, stop: tuple[str, ...]) -> int:
+    """The length of the longest end of ``text`` that begins some stop string (and is shorter than it): text
+    that must be held back until the next tokens complete the stop string or rule it out."""
+    longest = 0
+    for s in stop:
+        for k in range(min(len(s) - 1, len(text)), longest, -1):
+            if text.endswith(s[:k]):
+                longest = k
+                break
+    return longest
+
+
 class Route(NamedTuple):
     node_id: str
     uncached_tokens: int  # of the prompt, as the index saw the node when it was chosen
@@ -85,9 +108,9 @@ class _Queued:
     def release(self) -> None:
         if self._tokens:
             with self._lock:
-                queue = self._queues.get(self._node, {})
-                queue.pop(id(self), None)
-                if not queue:
+                shares = self._queues.get(self._node, {})
+                shares.pop(id(self), None)
+                if not shares:
                     self._queues.pop(self._node, None)
             self._tokens = 0
 
@@ -256,9 +279,17 @@ class Router:
             self.fetch_costs.record(chunk.node_id, chunk.cache, record.kv_layout.bytes_per_block // self.cfg.block_size)
 
     def _stream(self, events, node_id: str, state: _StreamState, stop: tuple[str, ...] = ()) -> Iterator[Chunk]:
-        """TokenEvents -> Chunks with text deltas; a stop string ends the text (and the stream) where it starts."""
+        """TokenEvents -> Chunks with text deltas; a stop string ends the text (and the stream) where it starts.
+
+        Text that could be the start of a stop string is held back until the next tokens rule that out, so no
+        part of a stop string is ever sent; a node silent for ``request_timeout_s`` ends the stream with
+        ``RequestTimeout`` (the caller aborts the request on the node)."""
         while True:
-            event = events.get(timeout=self.cfg.request_timeout_s)
+            try:
+                event = events.get(timeout=self.cfg.request_timeout_s)
+            except queue.Empty:
+                raise RequestTimeout(f"decode node {node_id} sent nothing for {self.cfg.request_timeout_s:g} s; "
+                                     f"the request was aborted") from None
             if isinstance(event, NodeLost):
                 raise event
             if event.error:
@@ -270,16 +301,20 @@ class Router:
             tops = [list(zip(event.top_token_ids[i * k:(i + 1) * k], event.top_logprobs[i * k:(i + 1) * k]))
                     for i in range(len(event.token_ids))] if logprobs else []
             full = self.tokenizer.decode(state.tokens)
-            hold = full.endswith("\ufffd") and not event.finished  # an incomplete UTF-8 sequence: wait
-            cut = min((full.find(s) for s in stop if s in full), default=-1)
+            cut = first_stop(full, stop, len(state.text))
             if cut >= 0:
                 state.cut_by_stop_string = True
                 yield Chunk(event.token_ids, full[len(state.text):cut], True, "stop", node_id, state.num_prompt,
                             len(state.tokens), dict(event.stats), logprobs, tops)
                 return
-            delta = "" if hold else full[len(state.text):]
-            if not hold:
-                state.text = full
+            if event.finished:
+                sendable = len(full)
+            elif full.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the rest
+                sendable = len(state.text)
+            else:
+                sendable = max(len(state.text), len(full) - stop_prefix_len(full, stop))
+            delta = full[len(state.text):sendable]
+            state.text = full[:sendable]
             if event.finished:
                 yield Chunk(event.token_ids, delta, True, event.finish_reason, node_id, state.num_prompt,
                             len(state.tokens), dict(event.stats), logprobs, tops)

@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import sys
 
 from kvmesh.auth import add_secret_arguments, generate_token, is_loopback, secret_from_args
@@ -20,14 +19,17 @@ from kvmesh.cluster.parts import exit_now
 from kvmesh.cluster.router import Router, RouterConfig
 from kvmesh.errors import KvmeshError
 from kvmesh.metadata.keys import DEFAULT_CLUSTER
-from kvmesh.cluster.node_main import add_scheduling_arguments, scheduling_argument_error
+from kvmesh.cluster.node_main import add_scheduling_arguments, host_kv_gib, scheduling_argument_error
 from kvmesh.node.placement import make_placement
 
 
+MODEL_HELP = "preset (tiny-llama, tiny-qwen3, smollm2-135m, *-dummy shapes), HF directory or .gguf file"
+
+
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--prefill", type=int, default=1)
-    p.add_argument("--decode", type=int, default=1)
+    p.add_argument("--model", default="smollm2-135m", help=MODEL_HELP + " (default: %(default)s)")
+    p.add_argument("--prefill", type=int, default=1, help="prefill nodes (default: %(default)s)")
+    p.add_argument("--decode", type=int, default=1, help="decode nodes (default: %(default)s)")
     p.add_argument("--etcd", default=None, help="host:port of an etcd (default: start a private one)")
     p.add_argument("--cluster", default=DEFAULT_CLUSTER)
     p.add_argument("--max-restarts", type=int, default=5,
@@ -53,8 +55,9 @@ def add_node_share_arguments(p: argparse.ArgumentParser) -> None:
                    help="speculative decoding on the decode nodes (prompt lookup, or the model's first layers)")
     p.add_argument("--enforce-eager", action="store_true",
                    help="on a CUDA device: no CUDA graphs of decode or prompt steps (captured at start-up otherwise)")
-    p.add_argument("--host-kv-gib", type=float, default=0.0,
-                   help="per node: host memory below the KV buffer for evicted blocks (docs/tiers.md; 0: none)")
+    p.add_argument("--host-kv-gib", type=host_kv_gib, default="auto",
+                   help="per node: host memory below the KV buffer for evicted blocks (docs/tiers.md; auto: two "
+                        "KV buffers' worth, at most 5%% of this machine's memory; 0: none)")
     p.add_argument("--disk-kv-gib", type=float, default=0.0, help="per node: a local-disk tier below that (0: none)")
     p.add_argument("--disk-kv-path", default="",
                    help="folder of the nodes' disk-tier files (one per node id, re-adopted by a restart; default: "
@@ -65,7 +68,7 @@ def add_node_share_arguments(p: argparse.ArgumentParser) -> None:
 def node_share_args(args: argparse.Namespace) -> list[str]:
     """The node arguments ``add_node_share_arguments`` adds beyond dtype and threads."""
     out = ["--device", args.device, "--load-format", args.load_format, "--speculative", args.speculative,
-           "--host-kv-gib", repr(args.host_kv_gib), "--disk-kv-gib", repr(args.disk_kv_gib),
+           "--host-kv-gib", args.host_kv_gib, "--disk-kv-gib", repr(args.disk_kv_gib),
            "--kv-placement", args.kv_placement,
            "--long-prefill-token-threshold", str(args.long_prefill_token_threshold)]
     return out + (["--disk-kv-path", args.disk_kv_path] if args.disk_kv_path else []) + \
@@ -73,11 +76,15 @@ def node_share_args(args: argparse.Namespace) -> list[str]:
 
 
 def add_front_end_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--grpc-port", type=int, default=50051)
-    p.add_argument("--http-port", type=int, default=8000)
-    p.add_argument("--routing", default="cache-aware", choices=["cache-aware", "round-robin", "random"])
-    p.add_argument("--max-in-flight", type=int, default=256)
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address the front ends listen on (0.0.0.0: every interface; default: %(default)s)")
+    p.add_argument("--grpc-port", type=int, default=50051, help="gRPC port (0: any free one; default: %(default)s)")
+    p.add_argument("--http-port", type=int, default=8000,
+                   help="OpenAI HTTP port (0: any free one; default: %(default)s)")
+    p.add_argument("--routing", default="cache-aware", choices=["cache-aware", "round-robin", "random"],
+                   help="how the router picks a decode node (default: %(default)s)")
+    p.add_argument("--max-in-flight", type=int, default=256,
+                   help="requests served at once; past it HTTP 429 / RESOURCE_EXHAUSTED (default: %(default)s)")
     p.add_argument("--api-key-file", default=None,
                    help="file holding the bearer token every route but /health and /ready requires (gRPC and "
                         "HTTP; default: $KVMESH_API_KEY, else none)")
@@ -85,6 +92,15 @@ def add_front_end_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tls-cert", default=None, help="PEM certificate: serve gRPC and HTTP over TLS")
     p.add_argument("--tls-key", default=None, help="PEM private key for --tls-cert")
     add_secret_arguments(p, generated=True)
+
+
+def check_front_end_ports(args: argparse.Namespace) -> None:
+    """KvmeshError naming the port when a front end's port is taken: said before anything starts."""
+    from kvmesh.netaddr import port_taken
+
+    for what, port in (("--grpc-port", args.grpc_port), ("--http-port", args.http_port)):
+        if (reason := port_taken(args.host, port)) is not None:
+            raise KvmeshError(f"{what}: {reason}; stop what listens there or choose another port (0: any free one)")
 
 
 def run_front_ends(args: argparse.Namespace, etcd: str, cluster: str, cluster_token: str, supervision=None) -> None:
@@ -140,6 +156,7 @@ def run_serve(args: argparse.Namespace) -> int:
         raise KvmeshError(f"--kv-placement: {e}") from None
     if (error := scheduling_argument_error(args)) is not None:
         raise KvmeshError(error)
+    check_front_end_ports(args)
     print(f"starting etcd, {args.prefill} prefill + {args.decode} decode node(s) of {args.model} ...", file=sys.stderr)
     try:
         with LocalCluster(args.prefill, args.decode, model=args.model, etcd=args.etcd, cluster=args.cluster,
@@ -175,12 +192,11 @@ def add_launch_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run_launch(args: argparse.Namespace) -> int:
-    import ray
+    from kvmesh.cluster.ray_launcher import RayCluster, join_ray, stop_cluster
 
-    from kvmesh.cluster.ray_launcher import RayCluster, stop_cluster
-
-    os.environ.setdefault("RAY_AUTH_MODE", "token")  # Ray 2.60 clusters require it of every joining process
-    ray.init(address=args.address, namespace="kvmesh", log_to_driver=False)
+    if not args.stop:
+        check_front_end_ports(args)
+    join_ray(args.address)
     if args.stop:
         print(f"stopped: {', '.join(stop_cluster()) or 'nothing to stop'}", file=sys.stderr)
         return 0

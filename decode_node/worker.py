@@ -144,7 +144,8 @@ class DecodeWorker(NodeRuntime):
         """Prompt tokens computed here before a new prompt of ``own_tokens`` is (engine thread): those admitted
         and not yet computed, each prompt's share bounded where this node slices prompts (``prompt_tokens_ahead``)."""
         scheduler = self.engine.scheduler
-        queued = [seq.num_prompt_tokens - seq.num_computed_tokens for seq in (*scheduler.waiting, *scheduler.running)
+        queued = [seq.num_prompt_tokens - seq.num_computed_tokens
+                  for seq in (*scheduler.waiting, *scheduler.kv_landed, *scheduler.running)
                   if seq.num_prompt_tokens > seq.num_computed_tokens]
         return prompt_tokens_ahead(queued, scheduler.config.long_prefill_token_threshold, own_tokens)
 

@@ -31,6 +31,8 @@ def _add_generate(sub) -> None:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=-1)
     p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=[], help="a stop string (repeatable): the text ends before it")
+    p.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="auto: bfloat16 on CUDA and on CPUs with AMX or AVX512-BF16, else float32")
     p.add_argument("--device", default="auto", help="auto (the first visible CUDA device, else the CPU), cpu, cuda[:N]")
@@ -42,10 +44,18 @@ def _run_generate(args: argparse.Namespace) -> int:
     from kvmesh.engine.llm import LLM
     from kvmesh.engine.sampling_params import SamplingParams
 
+    from kvmesh.errors import InvalidRequestError
+
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                            top_k=args.top_k, seed=args.seed)
+                            top_k=args.top_k, seed=args.seed, stop=tuple(args.stop), ignore_eos=args.ignore_eos)
     llm = LLM(model=args.model, dtype=args.dtype, device=args.device, progress=sys.stderr.isatty(),
               load_format=args.load_format)
+    context = llm.engine.max_model_len
+    for prompt in args.prompt:  # as the HTTP API: a request that cannot fit its max_tokens is refused
+        num_tokens = len(llm.tokenizer.encode(prompt))
+        if num_tokens + args.max_tokens > context:
+            raise InvalidRequestError(f"prompt ({num_tokens} tokens) + --max-tokens ({args.max_tokens}) exceeds "
+                                      f"the context of {context}")
     start = time.perf_counter()
     outputs = llm.generate(args.prompt, params, use_tqdm=sys.stderr.isatty())
     elapsed = time.perf_counter() - start

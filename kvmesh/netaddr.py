@@ -40,3 +40,20 @@ def advertise_address(bind_host: str, advertise_host: str | None, toward: str) -
     if not is_wildcard(bind_host):
         return bind_host
     return route_source(toward)
+
+
+def port_taken(host: str, port: int) -> str | None:
+    """None when a listener can bind ``host:port`` alone (port 0: any free port); else a one-line reason.
+
+    Binds without ``SO_REUSEPORT``, so a port another server listens on counts as taken even where that
+    server allowed sharing it (gRPC's default); sockets of closed connections (TIME_WAIT) do not count."""
+    if port == 0:
+        return None
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("" if is_wildcard(host) else host, port))
+        except OSError as e:
+            return f"{host}:{port} is taken ({e.strerror or e})"
+    return None

@@ -82,6 +82,8 @@ class PrefixMirror:
             if generation != self._generation:
                 return
             if isinstance(batch, BaseException):
+                if self._stop.is_set():  # our own close cancelled the watch: nothing broke
+                    return
                 log.warning("mirror %s: watch broke (%s); resyncing", self.prefix, type(batch).__name__)
                 self._healthy.clear()
                 return

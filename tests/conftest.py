@@ -1,9 +1,28 @@
-"""Shared fixtures. Triton runs in its interpreter on machines without CUDA."""
+"""Shared fixtures. Triton runs in its interpreter on machines without CUDA.
+
+The suite depends on nothing a machine's past left in ``$HOME``: it runs with a ``HOME`` of its own (a
+temporary folder, removed at exit; every process a test starts inherits it), and its caches of compiled
+kernels and converted models live in the clone (``.kvmesh-cache``) unless ``KVMESH_CACHE_DIR`` says otherwise.
+"""
 from __future__ import annotations
 
+import atexit
 import os
+import secrets
+import shutil
+import tempfile
+from pathlib import Path
 
-import torch
+REPO = Path(__file__).resolve().parent.parent
+os.environ.setdefault("KVMESH_CACHE_DIR", str(REPO / ".kvmesh-cache"))  # before HOME moves: built once per clone
+SUITE_HOME = tempfile.mkdtemp(prefix="kvmesh-test-home-")
+atexit.register(shutil.rmtree, SUITE_HOME, True)
+os.environ["HOME"] = SUITE_HOME
+os.environ["XDG_CACHE_HOME"] = os.path.join(SUITE_HOME, ".cache")
+for _name in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH", "RAY_ADDRESS"):
+    os.environ.pop(_name, None)  # the caller's Ray settings are not the suite's
+
+import torch  # noqa: E402
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first Triton import
@@ -15,6 +34,17 @@ import pytest  # noqa: E402
 from kvmesh.kernels.attention_metadata import AttentionMetadata  # noqa: E402
 from kvmesh.kv.kv_buffer import KVLayout  # noqa: E402
 from kvmesh.model.loader import LoadedModel, load_model  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def ray_auth_env() -> dict[str, str]:
+    """The environment of a process joining the suite's Ray clusters: token authentication on, with a token
+    the suite made itself (Ray 2.60 checks for a token but never creates one for ``ray start``)."""
+    path = Path(SUITE_HOME) / "ray_auth_token"
+    if not path.exists():
+        path.write_text(secrets.token_hex(32))
+        path.chmod(0o600)
+    return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(path)}
 
 
 @pytest.fixture(scope="session")

@@ -194,3 +194,26 @@ def test_the_kv_oracle_sees_blocks_in_the_wrong_slots():
     kv = llm.engine.runner.kv_buffer
     kv[[ids[1], ids[2]]] = kv[[ids[2], ids[1]]].clone()
     assert mismatched_positions(prompt_kv_sums(llm.engine, prompt), want, 2) == list(range(16, 48))
+
+
+def test_remote_kv_never_runs_more_than_max_num_seqs(reference):
+    """Two requests fill ``max_num_seqs`` = 2; a third whose KV a peer wrote waits (``kv_landed``) until one of
+    them finishes instead of joining a batch past the limit, then runs to the reference's tokens."""
+    llm = LLM("tiny-llama", num_kv_blocks=64, max_num_seqs=2, progress=False)
+    engine = llm.engine
+    short = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    firsts = [engine.prepare_request(llm.tokenizer.encode(p), short) for p in PROMPTS[:2]]
+    for seq in firsts:
+        engine.scheduler.add(seq)
+    engine.step()
+    third = engine.prepare_request(llm.tokenizer.encode(PROMPTS[3]), GREEDY, request_id="remote-3")
+    engine.scheduler.add_awaiting_remote_kv(third)
+    engine.scheduler.remote_kv_ready("remote-3", 0)  # nothing arrived: computed here, when there is room
+    most = 0
+    while engine.has_unfinished():
+        engine.step()
+        most = max(most, len(engine.scheduler.running))
+        if all(not s.is_finished for s in firsts):
+            assert third.status is RequestStatus.WAITING_FOR_REMOTE_KV and third in engine.scheduler.kv_landed
+    assert most <= 2 and third.output_token_ids == reference[PROMPTS[3]]
+    engine.check_integrity()

@@ -215,14 +215,14 @@ def test_a_host_link_going_down_and_coming_back(hosts):
 class RayNode:
     """``ray start --block`` inside a host: terminating it stops every Ray process of that node."""
 
-    def __init__(self, host, temp_dir: str, head: str | None, resources: dict):
+    def __init__(self, host, temp_dir: str, head: str | None, resources: dict, env: dict):
         cmd = [*host.exec_prefix, os.path.join(os.path.dirname(sys.executable), "ray"), "start", "--block",
                "--node-ip-address", host.address, "--temp-dir", temp_dir, "--num-cpus", "2",
                "--resources", json.dumps(resources), "--disable-usage-stats"]
         cmd += ["--address", head] if head else ["--head", "--port", "6390", "--include-dashboard", "false"]
         self.log = tempfile.TemporaryFile()  # what `ray start` said, for the message if it never comes up
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT,
-                                     env={**os.environ, "RAY_AUTH_MODE": "token"})
+        self.env = env
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
 
     def joined(self, host, address: str, num_nodes: int) -> bool:
         """Whether the cluster at ``address`` has ``num_nodes`` alive; raises (with its output) if this node's
@@ -231,7 +231,7 @@ class RayNode:
             self.log.seek(0)
             tail = self.log.read().decode(errors="replace")[-2000:]
             raise AssertionError(f"ray start exited ({self.proc.returncode}): {tail}")
-        return alive_ray_nodes(host, address) >= num_nodes
+        return alive_ray_nodes(host, address, self.env) >= num_nodes
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -243,7 +243,7 @@ class RayNode:
 RAY_START_TIMEOUT_S = 300
 
 
-def alive_ray_nodes(host, address: str) -> int:
+def alive_ray_nodes(host, address: str, env: dict) -> int:
     """Ray nodes alive in the cluster at ``address`` (0 while its GCS does not answer yet)."""
     ip, port = address.split(":")
     try:
@@ -254,7 +254,7 @@ def alive_ray_nodes(host, address: str) -> int:
             "print(sum(n['Alive'] for n in ray.nodes()))" % address)
     try:
         res = subprocess.run([*host.exec_prefix, sys.executable, "-c", code], capture_output=True, text=True,
-                             env={**os.environ, "RAY_AUTH_MODE": "token"}, timeout=60)
+                             env=env, timeout=60)
     except subprocess.TimeoutExpired:
         return 0
     lines = res.stdout.strip().splitlines()
@@ -262,22 +262,22 @@ def alive_ray_nodes(host, address: str) -> int:
 
 
 @pytest.mark.timeout(2 * RAY_START_TIMEOUT_S + 300)
-def test_kvmesh_launch_on_a_ray_cluster_spanning_two_hosts(hosts):
+def test_kvmesh_launch_on_a_ray_cluster_spanning_two_hosts(hosts, ray_auth_env):
     """Ray head on host 1, a worker on host 2; ``kvmesh launch`` puts the prefill node on one and the decode
     node on the other, each advertising its own host's address, and serves a request; ``--stop`` cleans up."""
     pytest.importorskip("ray")
     h1, h2 = hosts[1], hosts[2]
     address = f"{h1.address}:6390"
     temp = f"/tmp/kvr{os.getpid()}"  # short: Ray's unix socket paths live below it
-    head = RayNode(h1, f"{temp}-h1", None, {"prefill_host": 1})
+    env = {**os.environ, **ray_auth_env}  # the suite's own token: nothing from an earlier Ray run in HOME
+    head = RayNode(h1, f"{temp}-h1", None, {"prefill_host": 1}, env)
     worker = None
     launch = None
     try:
         # Room for a loaded machine: a Ray head's start-up has taken over 120 s under the full suite.
         wait_until(lambda: head.joined(h1, address, 1), RAY_START_TIMEOUT_S, "the Ray head", poll_s=1.0)
-        worker = RayNode(h2, f"{temp}-h2", address, {"decode_host": 1})
+        worker = RayNode(h2, f"{temp}-h2", address, {"decode_host": 1}, env)
         wait_until(lambda: worker.joined(h1, address, 2), RAY_START_TIMEOUT_S, "the Ray worker to join", poll_s=1.0)
-        env = {**os.environ, "RAY_AUTH_MODE": "token"}
         launch = subprocess.Popen(
             [*h1.exec_prefix, sys.executable, "-m", "kvmesh.cli", "launch", "--address", address, "--model",
              "tiny-llama", "--placement", "prefill=prefill_host", "--placement", "decode=decode_host",

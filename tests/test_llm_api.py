@@ -74,3 +74,18 @@ def test_cli_reports_errors_without_a_traceback():
     assert res.returncode == 2 and "unknown model 'nope'" in res.stderr and "Traceback" not in res.stderr
     res = _cli("generate", "--model", "tiny-llama", "--prompt", "x", "--top-p", "2")
     assert res.returncode == 2 and "top_p" in res.stderr
+
+
+def test_cli_generate_takes_stop_strings_ignore_eos_and_refuses_what_cannot_fit():
+    """``generate`` refuses a max_tokens past the context as the HTTP API does, and takes ``--stop`` and
+    ``--ignore-eos``: the text ends right before the first stop string."""
+    res = _cli("generate", "--model", "tiny-llama", "--prompt", "x", "--max-tokens", "100000")
+    assert res.returncode == 2 and "exceeds the context" in res.stderr and "Traceback" not in res.stderr
+    full = _cli("generate", "--model", "tiny-llama", "--prompt", "abc", "--max-tokens", "40", "--ignore-eos")
+    assert full.returncode == 0, full.stderr
+    text = full.stdout.removeprefix("abc").removesuffix("\n")
+    start = next(i for i in range(1, len(text) - 2) if all(c.isascii() and c.isalnum() for c in text[i:i + 2])
+                 and text.find(text[i:i + 2]) == i)
+    cut = _cli("generate", "--model", "tiny-llama", "--prompt", "abc", "--max-tokens", "40", "--ignore-eos",
+               "--stop", text[start:start + 2])
+    assert cut.returncode == 0 and cut.stdout == "abc" + text[:start] + "\n", (cut.stdout, text, start)

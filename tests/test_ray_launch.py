@@ -17,12 +17,19 @@ GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def ray_instance():
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": os.getcwd()}})
-    yield
-    stop_cluster()
-    ray.shutdown()
+def ray_instance(ray_auth_env):
+    """A local Ray instance with the suite's own token; whatever ``ray.init`` puts in the environment
+    (Ray 2.60 sets ``RAY_AUTH_MODE``) is taken out again afterwards."""
+    with pytest.MonkeyPatch.context() as env:
+        for name, value in ray_auth_env.items():
+            env.setenv(name, value)
+        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
+                 runtime_env={"env_vars": {"PYTHONPATH": os.getcwd()}})
+        try:
+            yield
+        finally:
+            stop_cluster()
+            ray.shutdown()
 
 
 def test_ray_cluster_serves_and_restarts_a_killed_node(ray_instance):
@@ -60,3 +67,32 @@ def test_ray_cluster_serves_and_restarts_a_killed_node(ray_instance):
     finally:
         router.close()
         assert set(stop_cluster()) >= {"etcd", "prefill-0", "decode-0"}
+
+
+def test_launch_says_what_it_waits_for_and_refuses_actors_of_another_token(ray_instance):
+    """A relaunch reattaches to the actors still up only with their token; actors that the whole Ray cluster
+    cannot hold are refused at once, and actors that wait for free resources are named with what is free,
+    never a silent hang."""
+    from kvmesh.errors import KvmeshError
+
+    lines: list[str] = []
+    token = "a" * 64
+    try:
+        RayCluster(num_prefill=0, num_decode=1, cluster="ray-relaunch", cpus_per_node=1,
+                   node_options={"transfer_backend": "zmq", "cluster_token": token}).start(say=lines.append)
+        assert lines == []  # a first launch reattaches to nothing
+        with pytest.raises(KvmeshError, match="another cluster token"):
+            RayCluster(num_prefill=0, num_decode=1, cluster="ray-relaunch",
+                       node_options={"transfer_backend": "zmq", "cluster_token": "b" * 64}).start(say=lines.append)
+        assert "etcd" in lines[-1] and "decode-0" in lines[-1] and "--stop" in lines[-1]
+        with pytest.raises(KvmeshError, match=r"64 CPU \(the cluster has 4\)"):
+            RayCluster(num_prefill=0, num_decode=2, cluster="ray-relaunch", cpus_per_node=64,
+                       node_options={"transfer_backend": "zmq", "cluster_token": token}).start(say=lines.append)
+        started = time.monotonic()
+        with pytest.raises(KvmeshError, match=r"waiting for Ray to start decode-1 .*free now: 2\.9 CPU"):
+            RayCluster(num_prefill=0, num_decode=2, cluster="ray-relaunch", cpus_per_node=3,
+                       node_options={"transfer_backend": "zmq", "cluster_token": token}).start(timeout_s=3,
+                                                                                              say=lines.append)
+        assert time.monotonic() - started < 60
+    finally:
+        assert set(stop_cluster()) >= {"etcd", "decode-0"}

@@ -207,10 +207,20 @@ def _post(url: str, body: bytes) -> tuple[int, dict]:
     (json.dumps({"prompt": [["a"], 1]}).encode(), "prompt must be"),
     (json.dumps({"prompt": "x", "suffix": "y", "tool_choice": "auto"}).encode(), "'suffix', 'tool_choice'"),
     (json.dumps({"prompt": "x", "ignore_eos": "yes"}).encode(), "ignore_eos"),
+    (json.dumps({"prompt": "x", "seed": 2**64}).encode(), "seed must be an integer in"),
+    (json.dumps({"prompt": "x", "seed": -(2**63) - 1}).encode(), "seed must be an integer in"),
+    (json.dumps({"prompt": "x", "seed": 2**63 - 1, "n": 2}).encode(), "seed + n - 1"),
+    (json.dumps({"prompt": "x", "temperature": float("inf")}).encode(), "temperature must be a finite"),
 ])
 def test_http_bad_input_is_a_400_with_a_message(served, body, fragment):
     status, payload = _post(served["http"] + "/v1/completions", body)
     assert status == 400 and fragment in payload["error"]["message"]
+
+
+def test_chat_roles_are_checked(served):
+    status, payload = _post(served["http"] + "/v1/chat/completions", json.dumps(
+        {"messages": [{"role": "wizard", "content": "hi"}], "max_tokens": 2}).encode())
+    assert status == 400 and "role must be one of" in payload["error"]["message"]
 
 
 def test_http_oversize_body_is_refused(served):
@@ -387,9 +397,14 @@ def test_bearer_token_and_tls_on_both_endpoints(served, tmp_path):
             assert http_err.value.code == 401, path
         with urllib.request.urlopen(base + "/health", context=ctx, timeout=10) as r:  # probes stay open
             assert r.status == 200
-        req = urllib.request.Request(url, headers={"Authorization": "Bearer s3cret"})
-        with urllib.request.urlopen(req, context=ctx, timeout=10) as r:
-            assert json.loads(r.read())["data"][0]["id"] == "tiny-llama"
+        for scheme in ("Bearer", "bearer", "BEARER"):  # auth schemes are case-insensitive
+            req = urllib.request.Request(url, headers={"Authorization": f"{scheme} s3cret"})
+            with urllib.request.urlopen(req, context=ctx, timeout=10) as r:
+                assert json.loads(r.read())["data"][0]["id"] == "tiny-llama"
+        with pytest.raises(urllib.error.HTTPError) as http_err:
+            urllib.request.urlopen(urllib.request.Request(url, headers={"Authorization": "Basic s3cret"}),
+                                   context=ctx, timeout=10)
+        assert http_err.value.code == 401
     finally:
         asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(10)
         loop.call_soon_threadsafe(loop.stop)
@@ -545,3 +560,145 @@ def test_the_serve_benchmark_client_times_every_streamed_token(served):
     assert summary["requests"] == 5 and summary["output_tok_s"] == pytest.approx(sum(6 + i for i in range(5)) / seconds)
     with pytest.raises(RuntimeError, match="HTTP 400"):
         serve_bench.drive(target, "tiny-llama", [BenchRequest([], 4)], concurrency=1)
+
+
+def _sse_text(url: str, body: dict) -> tuple[str, list]:
+    """A streamed completion's text and its finish reasons (raw SSE, every event read)."""
+    req = urllib.request.Request(url + "/v1/completions", json.dumps({**body, "stream": True}).encode(),
+                                 {"Content-Type": "application/json"})
+    events = []
+    with urllib.request.urlopen(req, timeout=60) as r:
+        for line in r:
+            line = line.decode().strip()
+            if line.startswith("data: ") and line != "data: [DONE]":
+                events.append(json.loads(line[6:]))
+    choices = [e["choices"][0] for e in events if e.get("choices")]
+    return "".join(c["text"] for c in choices), [c["finish_reason"] for c in choices if c["finish_reason"]]
+
+
+def test_a_stop_string_spanning_tokens_sends_no_part_of_itself(served, reference):
+    """The tiny model's tokens are bytes: a three-character stop string spans three tokens. Text that could
+    begin it is held back, so the answer ends exactly where the stop string starts, streamed or not, and
+    the largest seed is accepted."""
+    from kvmesh.cluster.router import first_stop, stop_prefix_len
+
+    assert stop_prefix_len("a, 6,", (", 6,7",)) == 5 and stop_prefix_len("a, 6", (" 7", ", 6")) == 2
+    assert stop_prefix_len("abc", ("xyz",)) == 0 and first_stop("a 7 b 7", (" b", " 7"), 2) == 3
+    ids = list(range(40, 100))
+    full = reference(ids, SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)).text
+    start = next(i for i in range(3, len(full) - 3) if all(c.isascii() and c.isprintable() for c in full[i:i + 3])
+                 and full.find(full[i:i + 3]) == i)
+    needle = full[start:start + 3]
+    want = full[:start]
+    router = served["router"]
+    chunks = list(router.generate(ids, SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True,
+                                                      stop=(needle, "never " + needle))))
+    assert "".join(c.text for c in chunks) == want and chunks[-1].finish_reason == "stop"
+    body = {"prompt": ids, "max_tokens": 60, "temperature": 0, "ignore_eos": True, "stop": [needle],
+            "seed": 2**63 - 1}
+    assert _sse_text(served["http"], body) == (want, ["stop"])
+    status, payload = _post(served["http"] + "/v1/completions", json.dumps(body).encode())
+    assert status == 200 and payload["choices"][0]["text"] == want
+
+
+def test_a_silent_node_ends_the_stream_with_a_timeout_and_its_request_is_aborted(served):
+    """Both decode nodes stopped (SIGSTOP) for longer than the router's request timeout: the stream ends with
+    RequestTimeout, a KvmeshError (a 503 / an SSE error event / UNAVAILABLE at the front ends), never a hang;
+    once the nodes run again, the request is gone from them."""
+    import signal
+
+    from kvmesh.cluster.router import RequestTimeout
+    from kvmesh.errors import KvmeshError
+
+    cluster = served["cluster"]
+    router = Router(RouterConfig(etcd=cluster.etcd_endpoint, cluster_token=cluster.token, cluster="router",
+                                 request_timeout_s=1.0, liveness_s=120.0))
+    decode = [node for node in cluster.nodes.values() if node.role == "decode"]
+    try:
+        for node in decode:
+            os.kill(node.proc.pid, signal.SIGSTOP)
+        started = time.monotonic()
+        try:
+            with pytest.raises(RequestTimeout, match="sent nothing for 1 s") as err:
+                list(router.generate(list(range(10, 50)), SamplingParams(max_tokens=200, ignore_eos=True)))
+            assert isinstance(err.value, KvmeshError) and time.monotonic() - started < 30
+        finally:
+            for node in decode:
+                os.kill(node.proc.pid, signal.SIGCONT)
+        deadline = time.monotonic() + 30
+        while any(cluster.client(n.node_id).stats()["num_running"] for n in decode):
+            assert time.monotonic() < deadline, "the timed-out request kept running on its node"
+            time.sleep(0.05)
+    finally:
+        router.close()
+
+
+def test_grpc_admits_the_routers_limit_refuses_past_it_and_answers_health_meanwhile(served):
+    """With the decode nodes stopped, 70 streams (more than a fixed pool of 64 threads) are all admitted and
+    held; the 71st is RESOURCE_EXHAUSTED at once, and health checks are answered while the router is full."""
+    import signal
+
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from kvmesh.cluster.grpc_server import pb, pb_grpc, start_grpc_server
+
+    cluster = served["cluster"]
+    limit = 70
+    router = Router(RouterConfig(etcd=cluster.etcd_endpoint, cluster_token=cluster.token, cluster="router",
+                                 max_in_flight=limit, max_in_flight_per_client=limit, liveness_s=120.0))
+    server, port = start_grpc_server(router, "127.0.0.1:0")
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    stub = pb_grpc.RouterStub(channel)
+    decode = [node for node in cluster.nodes.values() if node.role == "decode"]
+    request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=list(range(10, 30))),
+                                 sampling=pb.SamplingParams(max_tokens=4, ignore_eos=True))
+    calls = []
+    try:
+        for node in decode:
+            os.kill(node.proc.pid, signal.SIGSTOP)
+        try:
+            calls = [stub.Generate(request, timeout=60) for _ in range(limit)]
+            deadline = time.monotonic() + 30
+            while router._in_flight < limit:
+                assert time.monotonic() < deadline, f"only {router._in_flight} of {limit} streams were admitted"
+                time.sleep(0.05)
+            with pytest.raises(grpc.RpcError) as err:
+                list(stub.Generate(request, timeout=10))
+            assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
+            assert health.status == health_pb2.HealthCheckResponse.SERVING
+        finally:
+            for node in decode:
+                os.kill(node.proc.pid, signal.SIGCONT)
+        for call in calls:
+            assert sum(len(r.token_ids) for r in call) == 4
+    finally:
+        for call in calls:
+            call.cancel()
+        channel.close()
+        server.stop(grace=1)
+        router.close()
+
+
+def test_a_taken_port_is_refused_before_anything_starts(served):
+    """gRPC never shares a port (no SO_REUSEPORT): a second server on the first's port fails with one line,
+    and ``kvmesh serve`` on a taken port exits with that line before it starts etcd or a node."""
+    import subprocess
+    import sys
+
+    from kvmesh.cluster.grpc_server import start_grpc_server
+    from kvmesh.errors import KvmeshError
+
+    port = int(served["grpc"].rsplit(":", 1)[1])
+    with pytest.raises(KvmeshError, match="gRPC cannot listen on 127.0.0.1:%d" % port):
+        start_grpc_server(served["router"], f"127.0.0.1:{port}")
+    started = time.monotonic()
+    out = subprocess.run([sys.executable, "-m", "kvmesh.cli", "serve", "--model", "tiny-llama", "--grpc-port",
+                          str(port), "--http-port", "0"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and f"--grpc-port: 127.0.0.1:{port} is taken" in out.stderr, out.stderr
+    assert "starting etcd" not in out.stderr and "Traceback" not in out.stderr
+    http_port = int(served["http"].rsplit(":", 1)[1])
+    out = subprocess.run([sys.executable, "-m", "kvmesh.cli", "serve", "--model", "tiny-llama", "--grpc-port", "0",
+                          "--http-port", str(http_port)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and f"--http-port: 127.0.0.1:{http_port} is taken" in out.stderr, out.stderr
+    assert time.monotonic() - started < 60

@@ -36,28 +36,40 @@ def test_migration_when_the_decode_node_dies_mid_stream(reference):
             router.close()
 
 
-def test_kvmesh_serve_end_to_end():
-    """`kvmesh serve` (what `make serve` runs), with the tiny preset and free ports, answered by the openai client."""
+def test_kvmesh_serve_end_to_end(tmp_path):
+    """`kvmesh serve` (what `make serve` runs), with the tiny preset and free ports, answered by the openai client;
+    its nodes have a host KV tier by default; a client that goes away mid-stream and a clean stop log no
+    traceback and no warning."""
     import signal
     import subprocess
     import sys
 
     openai = pytest.importorskip("openai")
+    log = open(tmp_path / "serve.log", "w+")
     proc = subprocess.Popen([sys.executable, "-m", "kvmesh.cli", "serve", "--model", "tiny-llama",
                              "--dtype", "float32", "--grpc-port", "0",
-                             "--http-port", "0"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+                             "--http-port", "0"], stdout=subprocess.PIPE, stderr=log, text=True)
     try:
         endpoints = json.loads(proc.stdout.readline())
         client = openai.OpenAI(base_url=endpoints["http"], api_key="unused")
         out = client.completions.create(model="tiny-llama", prompt="hello kvmesh", max_tokens=5, temperature=0.0)
         assert out.usage.completion_tokens >= 1 and out.choices[0].finish_reason in ("length", "stop")
+        stream = client.completions.create(model="tiny-llama", prompt="go on", max_tokens=900,
+                                           stream=True, extra_body={"ignore_eos": True})
+        next(iter(stream))
+        stream.close()  # the client goes away mid-stream
         from kvmesh.cluster.grpc_server import pb, pb_grpc
 
         stub = pb_grpc.RouterStub(grpc.insecure_channel(endpoints["grpc"]))
         assert list(stub.ListModels(pb.ListModelsRequest(), timeout=10).models) == ["tiny-llama"]
+        for node in stub.ClusterStatus(pb.ClusterStatusRequest(), timeout=30).nodes:
+            assert json.loads(node.stats_json)["tier_host_capacity"] > 0, node.node_id  # on by default
     finally:
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=60) == 0
+    log.seek(0)
+    said = log.read()
+    assert "Traceback" not in said and "WARNING" not in said and "watch broke" not in said, said
 
 
 def test_the_router_loads_no_weights_and_refuses_nodes_with_other_weights(monkeypatch):

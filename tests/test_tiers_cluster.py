@@ -19,7 +19,7 @@ from tests.conftest import assert_same_kv
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 BLOCK_BYTES = 8192  # tiny-llama, float32, 16 tokens per block
-TIER0 = ["--num-kv-blocks", "12", "--transfer-backend", "zmq"]
+TIER0 = ["--num-kv-blocks", "12", "--transfer-backend", "zmq", "--host-kv-gib", "0"]
 
 
 def gib(num_blocks: int) -> str:

@@ -68,14 +68,21 @@ def main() -> None:
     chain_ids = list(range(args.chain)) if args.contiguous else order[: args.chain]
     pool.touch(chain_ids)
     hashes = chain_hashes(args.chain)
-    print(json.dumps({"record": dataclasses.asdict(agent.record), "chain_ids": chain_ids,
-                      "transport": agent.engine.transport}), flush=True)
+
+    def announce() -> None:
+        print(json.dumps({"record": dataclasses.asdict(agent.record), "chain_ids": chain_ids,
+                          "transport": agent.engine.transport}), flush=True)
+
+    if args.delay_ms:  # a holder still "prefilling": announced first, its chain cached block by block afterwards
+        announce()
     parent = -1
     for block, h in zip(chain_ids, hashes):
         if args.delay_ms:
             time.sleep(args.delay_ms / 1000)
         parent = pool.cache([block], [h], parent)[0]
     pool.free(chain_ids)  # cached and free: matchable, evictable only when unpinned
+    if not args.delay_ms:  # announced only once it can serve its whole chain
+        announce()
     for line in sys.stdin:
         cmd = line.strip()
         if cmd == "check":

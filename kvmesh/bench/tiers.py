@@ -51,7 +51,7 @@ def modes(args, size: dict, disk_path: str) -> dict[str, Mode]:
     gib = size["bytes_per_block"] / 2**30
     base = ("--num-kv-blocks", str(size["tier0_blocks"]), "--kv-placement", "cost")
     return {
-        "tier0": Mode("tier0", args.prefill, base, "cache-aware"),
+        "tier0": Mode("tier0", args.prefill, base + ("--host-kv-gib", "0"), "cache-aware"),
         "tier0+host": Mode("tier0+host", args.prefill, base + ("--host-kv-gib", repr(size["host_blocks"] * gib)),
                            "cache-aware"),
         "tier0+host+disk": Mode("tier0+host+disk", args.prefill,

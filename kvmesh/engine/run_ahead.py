@@ -103,7 +103,7 @@ class RunAhead:
         """The batch of the step after ``flight`` when it can be launched before ``flight`` is read: every
         running request is a live row of it (nothing else running, nothing waiting), each can take two more
         tokens under its limits, and their blocks have room for the position after ``flight``'s."""
-        if self.scheduler.waiting:
+        if self.scheduler.waiting or self.scheduler.kv_landed:
             return None
         live = [(seq, 1) for seq, _ in flight.batch if seq.status is RequestStatus.RUNNING]
         if not live or len(live) != len(self.scheduler.running) or not self.runner.can_launch(len(live)):

@@ -8,6 +8,7 @@ stop strings stay with the router, which cuts the text (nodes see token ids only
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from kvmesh.errors import InvalidRequestError
@@ -18,6 +19,7 @@ MIN_PRIORITY, MAX_PRIORITY = -1000, 1000
 MAX_STOP_STRINGS, MAX_STOP_CHARS = 16, 256  # each token event scans the text for every stop string
 MAX_STOP_TOKEN_IDS = 256
 MAX_CACHE_SALT_CHARS = 256
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # a 64-bit signed integer (what a generator's seed and the wire carry)
 GREEDY_BELOW = 1e-5  # a temperature below this is greedy (dividing logits by it overflows float32)
 
 
@@ -42,8 +44,9 @@ class SamplingParams:
         object.__setattr__(self, "stop", stop)
         _check_number("temperature", self.temperature)
         _check_number("top_p", self.top_p)
-        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
-            raise InvalidRequestError(f"seed must be an integer, got {self.seed!r}")
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)
+                                      or not SEED_MIN <= self.seed <= SEED_MAX):
+            raise InvalidRequestError(f"seed must be an integer in {SEED_MIN}..{SEED_MAX}, got {self.seed!r}")
         if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids):
             raise InvalidRequestError("stop_token_ids must be non-negative integers")
         if not all(isinstance(s, str) for s in self.stop):
@@ -52,8 +55,8 @@ class SamplingParams:
             raise InvalidRequestError(f"ignore_eos must be true or false, got {self.ignore_eos!r}")
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise InvalidRequestError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if not self.temperature >= 0.0:
-            raise InvalidRequestError(f"temperature must be >= 0, got {self.temperature!r}")
+        if not (math.isfinite(self.temperature) and self.temperature >= 0.0):
+            raise InvalidRequestError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
         if not 0.0 < self.top_p <= 1.0:
             raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or (self.top_k != -1 and self.top_k < 1):

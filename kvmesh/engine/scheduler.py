@@ -59,6 +59,7 @@ class Scheduler:
         self.waiting: list[Sequence] = []  # sorted by ``_urgency`` at the start of every admission
         self.running: list[Sequence] = []
         self.awaiting_kv: dict[str, Sequence] = {}
+        self.kv_landed: list[Sequence] = []  # remote KV written, waiting for a place among max_num_seqs
         self.num_preemptions = 0
         self.num_steps = 0
         self._arrivals = itertools.count()
@@ -72,8 +73,12 @@ class Scheduler:
         aged = (self.num_steps - seq.arrival_step) // self.config.aging_steps
         return seq.params.priority - aged, seq.arrival
 
+    def has_runnable(self) -> bool:
+        """Work a step can do now (requests awaiting remote KV wait for their transfers, not for steps)."""
+        return bool(self.waiting or self.running or self.kv_landed)
+
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running or self.awaiting_kv)
+        return bool(self.waiting or self.running or self.awaiting_kv or self.kv_landed)
 
     # ---- one step ----------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -81,6 +86,10 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         scheduled: set[int] = set()
+        while self.kv_landed and len(self.running) < self.config.max_num_seqs:  # 0. their KV arrived
+            seq = self.kv_landed.pop(0)
+            transition(seq, RequestStatus.RUNNING)
+            self.running.append(seq)
         for seq in list(self.running):  # 1. decodes
             if budget == 0:
                 break
@@ -192,6 +201,8 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+        elif seq in self.kv_landed:
+            self.kv_landed.remove(seq)
         self.awaiting_kv.pop(seq.request_id, None)
         transition(seq, status)
         self.kv.free(seq)
@@ -215,10 +226,10 @@ class Scheduler:
         return list(range(len(cached), len(seq.block_ids)))
 
     def remote_kv_ready(self, request_id: str, num_computed_tokens: int) -> Sequence:
-        """The peer wrote KV for the first ``num_computed_tokens`` tokens: the request runs."""
+        """The peer wrote KV for the first ``num_computed_tokens`` tokens: the request runs from the next
+        step on which ``running`` has room for it (``max_num_seqs`` holds on this path too)."""
         seq = self.awaiting_kv.pop(request_id)
         seq.num_computed_tokens = min(num_computed_tokens, seq.num_tokens - 1)
         self.kv.cache_full_blocks(seq)
-        transition(seq, RequestStatus.RUNNING)
-        self.running.append(seq)
+        self.kv_landed.append(seq)
         return seq

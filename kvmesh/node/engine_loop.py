@@ -56,7 +56,7 @@ class EngineLoop:
         if self._cores is None:  # fixed threads: what every step runs on
             self.compute_threads = dict.fromkeys(self.compute_threads, torch.get_num_threads())
         while not self._stop.is_set():
-            busy = bool(scheduler.waiting or scheduler.running)
+            busy = scheduler.has_runnable()
             try:
                 fn = self._commands.get_nowait() if busy else self._commands.get(timeout=0.005)
                 fn()
@@ -66,12 +66,13 @@ class EngineLoop:
                 pass
             except Exception:
                 log.exception("%s: command failed", self.name)
-            has_work = bool(scheduler.waiting or scheduler.running)
+            has_work = scheduler.has_runnable()
             if self._cores is not None:
                 self._cores.set_busy(has_work)
             if has_work:
                 if self._cores is not None:
-                    computes_prompts = bool(scheduler.waiting) or any(s.is_prefilling for s in scheduler.running)
+                    computes_prompts = bool(scheduler.waiting or scheduler.kv_landed) or \
+                        any(s.is_prefilling for s in scheduler.running)
                     self.compute_threads["prompt" if computes_prompts else "decode"] = \
                         self._cores.fit_threads(computes_prompts)
                 try:

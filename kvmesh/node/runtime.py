@@ -33,7 +33,7 @@ from kvmesh.device import device_name, resolve_device
 from kvmesh.errors import KvmeshError
 from kvmesh.kv.block_hash import HashNamespace
 from kvmesh.engine.kv_probe import prompt_kv_sums
-from kvmesh.kv.tiers.tiered_cache import TierConfig, TieredCache
+from kvmesh.kv.tiers.tiered_cache import TierConfig, TieredCache, auto_host_bytes
 from kvmesh.metadata.records import ComputeProbe, KVLayoutRecord, ModelCard, NodeRecord
 from kvmesh.model.loader import load_model
 from kvmesh.node.placement import make_placement
@@ -102,7 +102,7 @@ class NodeConfig:
     transfer_rtt_s: float = 0.010  # ... and its fetch overhead beyond the bytes, until it measures fetches
     enable_prefix_caching: bool = True  # off: every prompt is computed in full (a benchmark baseline)
     use_global_pool: bool = True  # off: no lookups in the global index (local caches only, vLLM-style PD)
-    host_kv_bytes: int = 0  # tier 1: host memory below the KV buffer (docs/tiers.md); 0: none
+    host_kv_bytes: int = 0  # tier 1: host memory below the KV buffer (docs/tiers.md); 0: none; -1: sized here
     disk_kv_bytes: int = 0  # tier 2: a file on a local disk; 0: none
     disk_kv_path: str = ""  # its folder ("": a temporary one, removed at exit; a real folder is re-adopted)
     verify_kv: bool = True  # crc32 of lower-tier blocks (promoted, served) and of every pushed block (received)
@@ -168,7 +168,9 @@ class NodeRuntime:
                                    shared_writes=cfg.shared_memory_transfers,
                                    num_landing_slots=cfg.num_landing_slots)
         self.tiers: TieredCache | None = None
-        tier_cfg = TierConfig(cfg.host_kv_bytes, cfg.disk_kv_bytes, cfg.disk_kv_path, cfg.verify_kv)
+        host_kv_bytes = cfg.host_kv_bytes if cfg.host_kv_bytes >= 0 else \
+            auto_host_bytes(self.engine.runner.kv_buffer.numel() * self.engine.runner.kv_buffer.element_size())
+        tier_cfg = TierConfig(host_kv_bytes, cfg.disk_kv_bytes, cfg.disk_kv_path, cfg.verify_kv)
         if tier_cfg.enabled:
             self.tiers = TieredCache(self.pool, self.engine.runner.kv_buffer, tier_cfg, self.engine.kv.root_hash,
                                      name=cfg.node_id)

@@ -48,6 +48,20 @@ log = logging.getLogger("kvmesh.tiers")
 HOST, DISK = 1, 2
 
 
+AUTO_HOST_KV_BUFFERS = 2  # a default host tier holds this many KV buffers' worth of blocks ...
+AUTO_HOST_MEMORY_SHARE = 0.05  # ... and at most this share of the machine's memory
+
+
+def auto_host_bytes(kv_buffer_bytes: int) -> int:
+    """The default host tier (``--host-kv-gib auto``): ``AUTO_HOST_KV_BUFFERS`` KV buffers, at most
+    ``AUTO_HOST_MEMORY_SHARE`` of this machine's physical memory."""
+    try:
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        memory = 0
+    return int(min(AUTO_HOST_KV_BUFFERS * kv_buffer_bytes, AUTO_HOST_MEMORY_SHARE * memory))
+
+
 @dataclass(frozen=True)
 class TierConfig:
     host_bytes: int = 0  # 0: no host tier
