@@ -126,7 +126,8 @@ class RouterServicer(pb_grpc.RouterServicer):
                     reply.usage.prompt_tokens = chunk.prompt_tokens
                     reply.usage.completion_tokens = chunk.completion_tokens
                     for key in ("tokens_reused_local", "tokens_reused_host", "tokens_reused_disk",
-                                "tokens_reused_remote", "tokens_computed", "tokens_from_prefill_node"):
+                                "tokens_reused_remote", "tokens_reused_prefill_node", "tokens_computed",
+                                "tokens_from_prefill_node"):
                         setattr(reply.cache, key, int(chunk.cache.get(key, 0)))
                 yield reply
         except InvalidRequestError as e:

@@ -40,6 +40,7 @@ class RouterMetrics:
         self.requests.labels("ok").inc()
         for source, key in (("local", "tokens_reused_local"), ("host", "tokens_reused_host"),
                             ("disk", "tokens_reused_disk"), ("remote", "tokens_reused_remote"),
+                            ("prefill_node_cache", "tokens_reused_prefill_node"),
                             ("prefill_node", "tokens_from_prefill_node"), ("computed", "tokens_computed")):
             self.prompt_tokens.labels(source).inc(int(cache.get(key, 0)))
         if cache.get("spec_draft_tokens"):

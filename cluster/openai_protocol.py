@@ -91,12 +91,13 @@ def logprobs_object(tokenizer, chunks, chat: bool) -> dict | None:
             "top_logprobs": [{text(a): v for a, v in top} for _, _, top in entries]}
 
 
-REUSED_SOURCES = ("tokens_reused_local", "tokens_reused_host", "tokens_reused_disk", "tokens_reused_remote")
+REUSED_SOURCES = ("tokens_reused_local", "tokens_reused_host", "tokens_reused_disk", "tokens_reused_remote",
+                  "tokens_reused_prefill_node")
 
 
 def usage(chunk) -> dict:
     """OpenAI's usage object; ``cached_tokens``: prompt tokens whose KV was reused from any cache (the KV buffer,
-    the node's host or disk tier, a peer)."""
+    the node's host or disk tier, a peer, a prefill node's cache)."""
     cached = sum(int(chunk.cache.get(key, 0)) for key in REUSED_SOURCES)
     return {"prompt_tokens": chunk.prompt_tokens, "completion_tokens": chunk.completion_tokens,
             "total_tokens": chunk.prompt_tokens + chunk.completion_tokens,

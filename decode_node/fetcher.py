@@ -34,6 +34,7 @@ class FetchOutcome:
     promoted: int  # blocks [num_local, promoted) restored from our own lower tiers
     from_holders: int  # blocks [promoted, from_holders) came from a peer's cache
     got: int  # blocks [from_holders, got) from a prefill node
+    prefill_reused: int = 0  # of those, leading blocks the prefill node had cached (not computed for us)
     tainted: list[int] = field(default_factory=list)  # block ids a stalled writer may still write
     num_host: int = 0
     num_disk: int = 0
@@ -87,10 +88,10 @@ class Fetcher:
         self._from_holders(seq, outcome, split, hits, plan.holder, aborting)
         outcome.got = outcome.from_holders
         if computing is not None:
-            got, tainted = computing.result()
+            got, tainted, reused = computing.result()
             outcome.tainted += tainted
             if outcome.from_holders == split:
-                outcome.got = got
+                outcome.got, outcome.prefill_reused = got, min(reused, got - split)
         return outcome
 
     def _from_holders(self, seq: Sequence, outcome: FetchOutcome, end: int, hits: dict[str, int], planned: str,

@@ -118,16 +118,17 @@ class PrefillNodes:
 
     def compute_and_push(self, seq: Sequence, start: int, end: int, order: list[str], local_s: float,
                          aborting: Callable[[], bool], reserved: tuple[str, int] | None = None
-                         ) -> tuple[int, list[int]]:
+                         ) -> tuple[int, list[int], int]:
         """Blocks ``[start, end)`` of ``seq`` computed by prefill nodes in ``order`` (at most MAX_CANDIDATES)
-        and pushed into its blocks; returns (the first block not received, block ids a writer may still write).
+        and pushed into its blocks; returns (the first block not received, block ids a writer may still write,
+        how many of the received blocks the prefill nodes had cached rather than computed).
 
         ``local_s``: the plan's estimate without peers (0: forced, no limit): a prefill node that cannot deliver
         sooner, its backlog from every decode node included, refuses (BUSY). ``reserved``: the (node, tokens)
         ``reserve``d when this conversation was planned, released here as each conversation counts its own."""
         if reserved is not None:
             self.release(*reserved)
-        asked, got, tainted = time.perf_counter(), start, []
+        asked, got, tainted, reused = time.perf_counter(), start, [], 0
         for node_id in order[:MAX_CANDIDATES]:
             if aborting():
                 break
@@ -152,6 +153,7 @@ class PrefillNodes:
             self._links.record_transfer(node_id, outcome.num_written, outcome.write_s)
             tainted += outcome.tainted_block_ids
             got += outcome.num_written
+            reused += outcome.num_reused
             if outcome.error is None:
                 break
             if isinstance(outcome.error, TransferRefused):
@@ -163,7 +165,7 @@ class PrefillNodes:
                     node_id, seq.request_id, outcome.error)  # busy: a decision (computed here), not a fault
             if got >= end or outcome.tainted_block_ids:
                 break  # tainted blocks cannot be granted again: compute the rest here
-        return got, tainted
+        return got, tainted, reused
 
     def stats(self) -> dict:
         with self._lock:

@@ -49,7 +49,8 @@ class _ClientRequest:
     fetching: bool = False  # peers may still be writing its blocks
     abort_after_fetch: bool = False
     tokens_from_peers: int = 0  # reused from other nodes' caches
-    tokens_from_prefill: int = 0  # pushed by a prefill node
+    tokens_from_prefill: int = 0  # pushed by a prefill node, which computed them
+    tokens_reused_prefill: int = 0  # pushed by a prefill node from its cache (reused, not computed)
     tokens_from_host: int = 0  # promoted from this node's host-memory tier
     tokens_from_disk: int = 0  # ... and from its disk tier
     promote_s: float = 0.0
@@ -242,7 +243,8 @@ class DecodeWorker(NodeRuntime):
         request.tokens_from_peers = (result.from_holders - result.promoted) * bs
         request.tokens_from_host, request.tokens_from_disk = result.num_host * bs, result.num_disk * bs
         request.promote_s = result.promote_s
-        request.tokens_from_prefill = (result.got - result.from_holders) * bs
+        request.tokens_reused_prefill = result.prefill_reused * bs
+        request.tokens_from_prefill = (result.got - result.from_holders - result.prefill_reused) * bs
         if result.tainted:  # a stalled writer may still write these: never let this request (or anyone) use them
             self.num_tainted_swapped += len(result.tainted)
             try:
@@ -294,6 +296,7 @@ class DecodeWorker(NodeRuntime):
         if request is None:
             return
         remote, from_prefill = request.tokens_from_peers, request.tokens_from_prefill
+        prefill_cached = request.tokens_reused_prefill
         host, disk, tier0 = request.tokens_from_host, request.tokens_from_disk, seq.num_prefix_hit_tokens
         if request.promoted_in_place:  # the prefix hit includes what was promoted (unless it was evicted again)
             used = max(0, tier0 - request.tier0_hit_tokens)
@@ -302,8 +305,9 @@ class DecodeWorker(NodeRuntime):
             tier0 -= host + disk
         sources = {"tokens_reused_local": tier0, "tokens_reused_host": host,
                    "tokens_reused_disk": disk, "tokens_reused_remote": remote,
-                   "tokens_from_prefill_node": from_prefill,
-                   "tokens_computed": seq.num_prompt_tokens - tier0 - host - disk - remote - from_prefill}
+                   "tokens_reused_prefill_node": prefill_cached, "tokens_from_prefill_node": from_prefill,
+                   "tokens_computed": seq.num_prompt_tokens - tier0 - host - disk - remote - prefill_cached
+                   - from_prefill}
         self.prompt_token_sources.update(sources)
         stats = {**sources, "kv_wait_ms": request.kv_wait_s * 1e3, "fetch_ms": request.fetch_s * 1e3,
                  "promote_ms": request.promote_s * 1e3}

@@ -38,6 +38,7 @@ class _Prefill:
     prompt_token_ids: list[int]
     hashes: list[BlockHash]
     cache_salt: str = ""
+    first_block: int = 0  # the first block of the chain the requester asked for
     held: list[int] = field(default_factory=list)  # local hits and pulled blocks we keep a reference on
     seq: Sequence | None = None
     released: bool = False
@@ -81,7 +82,7 @@ class PrefillWorker(NodeRuntime):
                     raise TransferRefused(f"busy: this prompt would be ready in {finish_s * 1e3:.0f} ms here, the "
                                           f"requester computes it in {msg.wanted_within_ms} ms",
                                           code=m.ErrorCode.BUSY.value, request_id=msg.request_id)
-            self._prefills[msg.request_id] = _Prefill(list(prompt), hashes, msg.cache_salt)
+            self._prefills[msg.request_id] = _Prefill(list(prompt), hashes, msg.cache_salt, msg.first_block)
         self.workers.submit(self._prepare, msg.request_id)
         return wanted
 
@@ -114,6 +115,14 @@ class PrefillWorker(NodeRuntime):
                               queue_s, len(lower), self.tiers.read_seconds(lower) if lower else 0.0,
                               tuple(HolderOption(n, length, bytes_per_s, rtt_s) for n, length in hits.items()))
         return self.placement.plan(request)
+
+    def num_reused(self, request_id: str) -> int:
+        """Granted blocks (from the first one asked) this node held before computing: cached, promoted, pulled."""
+        with self._lock:
+            prefill = self._prefills.get(request_id)
+        if prefill is None:
+            return 0
+        return max(0, len(prefill.held) - prefill.first_block)
 
     def release(self, request_id: str) -> None:
         with self._lock:

@@ -167,10 +167,35 @@ def test_cross_node_prefix_reuse_by_counters(cluster, reference):
     check_all(cluster)
 
 
+SOURCES = ("tokens_reused_local", "tokens_reused_host", "tokens_reused_disk", "tokens_reused_remote",
+           "tokens_reused_prefill_node", "tokens_from_prefill_node", "tokens_computed")
+
+
+def test_a_prefill_nodes_own_cache_hits_are_counted_as_reused(reference):
+    """A decode node that caches nothing itself (and looks nothing up) sends every prompt to the prefill node;
+    the second prompt sharing an 80-token prefix is pushed partly from the prefill node's cache: those tokens are
+    counted as reused there (``tokens_reused_prefill_node``), not as computed by it, and every source sums to
+    the prompt."""
+    args = REMOTE_ONLY + ["--transfer-backend", "zmq", "--prefill-timeout", "30"]
+    with LocalCluster(1, 1, node_args=args, cluster="prefill-reuse",
+                      per_node_args={"decode-0": ["--no-prefix-cache", "--no-global-pool", "--host-kv-gib", "0"]}) as c:
+        shared = prompt(800, 80)
+        stats = []
+        for tail in (prompt(801, 40), prompt(802, 40)):
+            out = c.client("decode-0").generate(shared + tail, GREEDY)
+            assert out.error == "" and out.token_ids == reference([shared + tail])[0]
+            assert sum(out.stats[k] for k in SOURCES) == len(shared + tail), out.stats
+            stats.append(out.stats)
+        assert stats[0]["tokens_reused_prefill_node"] == 0 and stats[0]["tokens_from_prefill_node"] >= 112
+        assert stats[1]["tokens_reused_prefill_node"] == 80, stats[1]
+        assert stats[1]["tokens_from_prefill_node"] == 32, stats[1]  # the new full blocks only
+        check_all(c)
+
+
 def test_every_prompt_token_is_counted_once(cluster, reference):
     """A mixed workload: prefill-node pushes, peers' caches, local hits, short prompts computed here. Each
     request's four sources sum to its prompt, and the decode nodes' totals are the sums of their requests."""
-    keys = ("tokens_reused_local", "tokens_reused_remote", "tokens_from_prefill_node", "tokens_computed")
+    keys = SOURCES
     before = {n: cluster.client(n).stats() for n in ("decode-0", "decode-1")}
     totals = {n: dict.fromkeys(keys, 0) for n in before}
 

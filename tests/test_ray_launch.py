@@ -20,16 +20,22 @@ GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 def ray_instance(ray_auth_env):
     """A local Ray instance with the suite's own token; whatever ``ray.init`` puts in the environment
     (Ray 2.60 sets ``RAY_AUTH_MODE``) is taken out again afterwards."""
-    with pytest.MonkeyPatch.context() as env:
-        for name, value in ray_auth_env.items():
-            env.setenv(name, value)
+    saved = {name: os.environ.get(name) for name in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN_PATH")}
+    # The token path only: a new local cluster turns token mode on itself (and tells Ray's native config so).
+    os.environ["RAY_AUTH_TOKEN_PATH"] = ray_auth_env["RAY_AUTH_TOKEN_PATH"]
+    try:
         ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
                  runtime_env={"env_vars": {"PYTHONPATH": os.getcwd()}})
-        try:
-            yield
-        finally:
-            stop_cluster()
-            ray.shutdown()
+        assert os.environ.get("RAY_AUTH_MODE") == "token"  # what the actors' processes inherit
+        yield
+    finally:
+        stop_cluster()
+        ray.shutdown()
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def test_ray_cluster_serves_and_restarts_a_killed_node(ray_instance):

@@ -262,7 +262,8 @@ def test_grpc_generate_health_and_reflection(served, reference):
     final = replies[-1]
     assert final.finished and final.usage.prompt_tokens == 70 and final.usage.completion_tokens == 12
     c = final.cache
-    assert c.tokens_reused_local + c.tokens_reused_remote + c.tokens_computed + c.tokens_from_prefill_node == 70
+    assert c.tokens_reused_local + c.tokens_reused_host + c.tokens_reused_disk + c.tokens_reused_remote + \
+        c.tokens_reused_prefill_node + c.tokens_computed + c.tokens_from_prefill_node == 70
     assert list(stub.ListModels(pb.ListModelsRequest()).models) == ["tiny-llama"]
     assert list(stub.Tokenize(pb.TokenizeRequest(text="hi")).token_ids) == [104, 105]
     status = stub.ClusterStatus(pb.ClusterStatusRequest())
@@ -582,7 +583,7 @@ def test_a_stop_string_spanning_tokens_sends_no_part_of_itself(served, reference
     the largest seed is accepted."""
     from kvmesh.cluster.router import first_stop, stop_prefix_len
 
-    assert stop_prefix_len("a, 6,", (", 6,7",)) == 5 and stop_prefix_len("a, 6", (" 7", ", 6")) == 2
+    assert stop_prefix_len("a, 6,", (", 6,7",)) == 4 and stop_prefix_len("a, 6", (" 7", ", 6,")) == 3
     assert stop_prefix_len("abc", ("xyz",)) == 0 and first_stop("a 7 b 7", (" b", " 7"), 2) == 3
     ids = list(range(40, 100))
     full = reference(ids, SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)).text

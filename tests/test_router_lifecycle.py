@@ -95,16 +95,17 @@ def test_the_router_loads_no_weights_and_refuses_nodes_with_other_weights(monkey
 
 
 def test_cached_tokens_count_every_cache_the_prompt_came_from():
-    """The KV buffer, the host and disk tiers and peers are all reuse (usage, /metrics); a prefill node's work is not."""
+    """The KV buffer, the host and disk tiers, peers and a prefill node's cache are all reuse (usage, /metrics); a
+    prefill node's computing is not."""
     from kvmesh.cluster.metrics import RouterMetrics
     from kvmesh.cluster.openai_protocol import usage
     from kvmesh.cluster.router import Chunk
 
     cache = {"tokens_reused_local": 16, "tokens_reused_host": 32, "tokens_reused_disk": 48, "tokens_reused_remote": 64,
-             "tokens_from_prefill_node": 100, "tokens_computed": 5}
-    assert usage(Chunk([], "", True, prompt_tokens=265, cache=cache))["prompt_tokens_details"]["cached_tokens"] == 160
+             "tokens_reused_prefill_node": 80, "tokens_from_prefill_node": 100, "tokens_computed": 5}
+    assert usage(Chunk([], "", True, prompt_tokens=345, cache=cache))["prompt_tokens_details"]["cached_tokens"] == 240
     metrics = RouterMetrics()
     metrics.record_finished(cache)
     text = metrics.exposition().decode()
-    for source, n in (("host", 32), ("disk", 48), ("remote", 64)):
+    for source, n in (("host", 32), ("disk", 48), ("remote", 64), ("prefill_node_cache", 80), ("prefill_node", 100)):
         assert f'kvmesh_prompt_tokens_total{{source="{source}"}} {float(n)}' in text, text

@@ -62,6 +62,10 @@ class ComputeHook(Protocol):
     def release(self, request_id: str) -> None:
         """The conversation ended (done, aborted, expired): drop whatever admit started."""
 
+    def num_reused(self, request_id: str) -> int:
+        """Of the granted blocks, how many (leading) this node had (cached, promoted or pulled) rather than
+        computed for this conversation; asked before ``release``."""
+
 
 @dataclass(slots=True)
 class _Push:
@@ -241,11 +245,13 @@ class KVHolder:
                 push.code, push.error = m.ErrorCode.EXPIRED.value, "deadline passed before every block was written"
         with self._lock:
             self._pushes.pop(push.request_id, None)
+        num_reused = 0
         if push.compute:
+            num_reused = min(self.compute.num_reused(push.request_id), push.num_written)
             self.compute.release(push.request_id)
         self._reply(push.identity, m.PushResult(push.request_id, list(push.written), final=True, code=push.code,
                                                 error=push.error, write_us=int(push.write_s * 1e6),
-                                                checksums=list(push.checksums)))
+                                                checksums=list(push.checksums), num_reused=num_reused))
 
     # ---- writes (worker threads) ----------------------------------------------------------------------
     def _write_next(self, push: _Push) -> None:

@@ -175,11 +175,14 @@ class PushResult:
     error: str = ""
     write_us: int = 0  # time the writer spent in the transfer engine so far (the receiver's bandwidth sample)
     checksums: list[int] = field(default_factory=list)  # crc32 of each written block's source bytes (0: none)
+    num_reused: int = 0  # final, ComputeAndPush: leading written blocks the writer had cached (not computed)
 
     def validate(self) -> None:
         _check_code(self.TYPE, self.code)
         if self.write_us < 0:
             raise MessageError("push_result: negative write_us")
+        if not 0 <= self.num_reused <= len(self.written):
+            raise MessageError("push_result: num_reused must be in 0..len(written)")
         if self.checksums and (len(self.checksums) != len(self.written) or
                                not all(0 <= c < 2**32 for c in self.checksums)):
             raise MessageError("push_result: checksums must be one crc32 per requested block")

@@ -60,6 +60,7 @@ class PushOutcome(NamedTuple):
     tainted_block_ids: list[int]  # stop using these: a writer may still be writing them
     error: TransferError | None
     write_s: float = 0.0  # the writer's time in its transfer engine: bytes / write_s is the link's rate
+    num_reused: int = 0  # of num_written, leading blocks the writer had cached rather than computed (prefill)
 
 
 class _PeerGone(Exception):
@@ -290,7 +291,8 @@ class KVRequester:
                     if msg.code:
                         cls = TransferAborted if msg.code == m.ErrorCode.ABORTED.value else TransferError
                         error = cls(f"{msg.code}: {msg.error}", request_id=cid, peer=peer_id)
-                    return PushOutcome(num, [], error, write_s)  # the dispatcher closed the grant
+                    return PushOutcome(num, [], error, write_s,  # the dispatcher closed the grant
+                                       min(msg.num_reused, num))
         # The caller gives up: stop the writer, fence the grant, keep listening for its final.
         with self._lock:
             conv.abandoned = cid in self._conversations

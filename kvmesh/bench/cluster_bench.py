@@ -151,6 +151,7 @@ def _summarize(records: list[Record], seconds: float, node_delta: dict, slo_ttft
     local = [a + b + c for a, b, c in zip(tier0, host, disk)]
     remote = [r.cache.get("tokens_reused_remote", 0) for r in records]
     from_prefill = sum(r.cache.get("tokens_from_prefill_node", 0) for r in records)
+    prefill_cached = sum(r.cache.get("tokens_reused_prefill_node", 0) for r in records)
     computed_here = sum(r.cache.get("tokens_computed", 0) for r in records)
     share = [min(1.0, r.cache.get("kv_wait_ms", 0.0) / (r.ttft_s * 1e3)) for r in records if r.ttft_s > 0]
     out = {"requests": len(records), "seconds": seconds,
@@ -161,10 +162,10 @@ def _summarize(records: list[Record], seconds: float, node_delta: dict, slo_ttft
            # Requests with a hit in each place (a request may hit several).
            "hit_rate_tier": {name: sum(1 for x in xs if x > 0) / len(records)
                              for name, xs in (("tier0", tier0), ("host", host), ("disk", disk), ("remote", remote))},
-           "tokens_reused": sum(local) + sum(remote), "tokens_reused_remote": sum(remote),
+           "tokens_reused": sum(local) + sum(remote) + prefill_cached, "tokens_reused_remote": sum(remote),
            # Every prompt token once, by where its KV came from (the decode nodes' own accounting).
            "prompt_tokens": {"reused_local": sum(tier0), "reused_host": sum(host), "reused_disk": sum(disk),
-                             "reused_remote": sum(remote),
+                             "reused_remote": sum(remote), "reused_prefill_node": prefill_cached,
                              "from_prefill_node": from_prefill, "computed_here": computed_here},
            "prompt_tokens_total": sum(r.num_prompt for r in records),
            # Computed anywhere: on the decode nodes, plus what prefill nodes really computed (their own
@@ -175,7 +176,8 @@ def _summarize(records: list[Record], seconds: float, node_delta: dict, slo_ttft
            "transfer_share_of_ttft": statistics.mean(share) if share else 0.0}
     # Requests whose KV (some of it) came from another node: what waiting for it cost them.
     def num_fetched(r: Record) -> int:
-        return r.cache.get("tokens_reused_remote", 0) + r.cache.get("tokens_from_prefill_node", 0)
+        return r.cache.get("tokens_reused_remote", 0) + r.cache.get("tokens_from_prefill_node", 0) + \
+            r.cache.get("tokens_reused_prefill_node", 0)
 
     fetched = [r for r in records if num_fetched(r)]
     out["fetched_requests"] = {

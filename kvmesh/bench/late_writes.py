@@ -89,7 +89,8 @@ def run_one(hosts: Hosts, backend: str, path: str, cfg: LateWritesConfig, bar: t
                 if round_no % cfg.far_every == 0 and far_prompts:
                     sent.append(far_prompts.pop(0) + _prompt(rng, lo, hi, 16))
                     out = requester.generate(sent[-1], GREEDY, timeout_s=600)
-                    moved = out.stats.get("tokens_reused_remote", 0) + out.stats.get("tokens_from_prefill_node", 0)
+                    moved = sum(out.stats.get(k, 0) for k in ("tokens_reused_remote", "tokens_from_prefill_node",
+                                                              "tokens_reused_prefill_node"))
                     given_up += moved < cfg.prefix_tokens // 2
                     far.append({k: out.stats.get(k, 0) for k in ("tokens_reused_remote", "tokens_from_prefill_node",
                                                                  "tokens_computed", "kv_wait_ms")})

@@ -79,7 +79,7 @@ def run(json_path: str | None, model: str = "smollm2-135m", prompt_tokens: int =
     for path, r in res["paths"].items():
         u = r["rounds"][-1]["reuse_stats"]
         rows.append([path, f"{r['ttft_full_s'] * 1e3:.0f} ms", f"{r['ttft_reuse_s'] * 1e3:.0f} ms",
-                     f"{r['kv_wait_ms']:.0f} ms", str(u["tokens_reused_remote"] + u["tokens_from_prefill_node"]),
+                     f"{r['kv_wait_ms']:.0f} ms", str(u["tokens_reused_remote"] + u["tokens_from_prefill_node"] + u.get("tokens_reused_prefill_node", 0)),
                      f"{r['reuse_bytes_received'] / 2**20:.1f} MiB", str(u["tokens_computed"]), f"{r['ratio']:.3f}x"])
     print_table(f"{model}: TTFT with the prefix on another node ({prompt_tokens} tokens, new suffix {suffix_tokens})",
                 ["transfer path", "full prefill (median)", "reuse (median)", "reuse: wait for KV",
