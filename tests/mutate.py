@@ -1,15 +1,20 @@
 """``make mutate``: deliberate breakages, each of which some test must catch.
 
 Each mutation replaces one snippet of the implementation, runs the tests that name what it breaks,
-and expects them to fail; the file is restored afterwards whatever happens. Prints a table and exits
-non-zero when a breakage went unnoticed. It edits the working tree while it runs: run nothing else
-from this checkout meanwhile.
+and expects one of them to fail on an assertion; the file is restored afterwards whatever happens.
+A breakage counts as caught only when the same tests pass on the clean tree first and a test then
+fails in its body on an assertion (``assert``, ``pytest.raises``/``pytest.fail``): not on a collection
+or fixture error, an exception of another kind, or a timeout. Prints a table and exits non-zero when a
+breakage went unnoticed. It edits the working tree while it runs: run nothing else from this checkout
+meanwhile.
 """
 from __future__ import annotations
 
 import subprocess
 import sys
+import tempfile
 import time
+import xml.etree.ElementTree as ET
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -119,6 +124,26 @@ MUTATIONS = (
              "            self.pool.touch(held)",
              "            held = ()",
              ("tests/test_run_ahead.py", "-k", "held")),
+    Mutation("a grant admits writes after its deadline", "transfer/grants.py",
+             " or time.monotonic() > grant.expires_at or \\\n",
+             " or \\\n",
+             ("tests/test_landing.py", "-k", "inside_its_blocks")),
+    Mutation("a grant admits writes outside its blocks", "transfer/grants.py",
+             "                        not all(b in allowed for b in range(first, last + 1)):",
+             "                        False:",
+             ("tests/test_landing.py", "-k", "inside_its_blocks")),
+    Mutation("sweep releases a quarantine while its writer's process lives", "transfer/grants.py",
+             "                (g.writer_alive is not None and not _alive(g)) or",
+             "                (g.writer_alive is not None) or",
+             ("tests/test_landing.py", "-k", "live_writers_quarantine")),
+    Mutation("a non-streamed answer cut off midway is returned as a partial 200", "cluster/http_server.py",
+             "            return _error(503, f\"the answer was cut off: {e}\", \"service_unavailable\")",
+             "            rests = [[] for _ in streams]  # mutation: whatever arrived is the answer",
+             ("tests/test_router.py", "-k", "cut_off_midway")),
+    Mutation("n choices ignore their seeds", "cluster/openai_protocol.py",
+             "replace(base, seed=base.seed + j) if base.seed is not None else base",
+             "replace(base, seed=None)",
+             ("tests/test_router.py", "-k", "n_choices")),
     Mutation("fresh prompts' SDPA gets the keys before their rotation", "kvmesh/model/llama.py",
              "            q = ops.rope_store(qkv, *rope, k_cache, v_cache, md, self.num_heads, keys_out=k)",
              "            q = ops.rope_store(qkv, *rope, k_cache, v_cache, md, self.num_heads, keys_out=k)\n"
@@ -127,29 +152,54 @@ MUTATIONS = (
 )
 
 
-def run_one(mutation: Mutation) -> tuple[bool, float]:
-    """Apply, run the tests, restore; returns (caught, seconds)."""
+ASSERTION_FAILURES = ("AssertionError", "assert ", "Failed: DID NOT RAISE", "Failed: ")
+
+
+def _run_tests(tests: tuple[str, ...]) -> tuple[int, list[str]]:
+    """(pytest's exit code, the ids of tests that failed in their body on an assertion)."""
+    with tempfile.NamedTemporaryFile(suffix=".xml") as report:
+        res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
+                              "-p", "no:randomly", f"--junitxml={report.name}", *tests],
+                             cwd=ROOT, capture_output=True, text=True)
+        try:
+            cases = ET.parse(report.name).getroot().iter("testcase")
+        except ET.ParseError:  # no report: pytest itself failed
+            return res.returncode or 1, []
+        asserted = []
+        for case in cases:
+            failure = case.find("failure")
+            message = "" if failure is None else failure.get("message", "")
+            if failure is not None and message.startswith(ASSERTION_FAILURES) and "Timeout" not in message:
+                asserted.append(f"{case.get('classname')}::{case.get('name')}")
+        return res.returncode, asserted
+
+
+def run_one(mutation: Mutation) -> tuple[str, float]:
+    """Run the tests clean, then apply, run them again and restore; returns (verdict, seconds)."""
     path = ROOT / mutation.path
     original = path.read_text()
     if original.count(mutation.old) != 1:
         raise SystemExit(f"{mutation.name}: the snippet to replace is not in {mutation.path} exactly once")
     started = time.monotonic()
+    clean_code, _ = _run_tests(mutation.tests)
+    if clean_code != 0:
+        return "FAILS CLEAN", time.monotonic() - started
     try:
         path.write_text(original.replace(mutation.old, mutation.new))
-        res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
-                              *mutation.tests], cwd=ROOT, capture_output=True, text=True)
+        code, asserted = _run_tests(mutation.tests)
     finally:
         path.write_text(original)
-    return res.returncode != 0, time.monotonic() - started
+    verdict = "caught" if code != 0 and asserted else "MISSED"
+    return verdict, time.monotonic() - started
 
 
 def main() -> int:
     rows = []
     for mutation in MUTATIONS:
-        caught, seconds = run_one(mutation)
-        rows.append((mutation.name, "caught" if caught else "MISSED", f"{seconds:.0f} s"))
-        print(f"{rows[-1][1]:7} {mutation.name} ({rows[-1][2]})", flush=True)
-    missed = [r for r in rows if r[1] == "MISSED"]
+        verdict, seconds = run_one(mutation)
+        rows.append((mutation.name, verdict, f"{seconds:.0f} s"))
+        print(f"{verdict:11} {mutation.name} ({rows[-1][2]})", flush=True)
+    missed = [r for r in rows if r[1] != "caught"]
     print(f"{len(rows) - len(missed)} of {len(rows)} breakages caught")
     return 1 if missed else 0
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import ctypes
+import time
 import zlib
 
 import pytest
@@ -136,3 +137,51 @@ def test_default_zone_size():
     assert default_num_slots(1000, 8192) == 250  # a quarter of the blocks
     assert default_num_slots(100, 8192) == MIN_SLOTS
     assert default_num_slots(10, 8192) == 10  # never more than the buffer
+
+
+def test_a_refusable_grant_admits_writes_only_inside_its_blocks_and_only_until_it_expires():
+    """The zmq backend's guard: a write lands only in whole blocks of an open grant before its deadline."""
+    kv, zone, pool, _ = make()
+    table = GrantTable(pool, kv.data_ptr(), zone.block_bytes, writes_refusable=True)
+    bb, base = zone.block_bytes, kv.data_ptr()
+    blocks = pool.allocate(6)
+    granted = blocks[2:4]
+    written: list[tuple[int, int]] = []
+    grant = table.issue("g/0", "remote", granted, ttl_s=60.0)
+    for b in granted:  # inside: written
+        table.guard_write(grant.grant_id, [(base + b * bb, bb)], lambda b=b: written.append((b, 1)))
+    assert written == [(granted[0], 1), (granted[1], 1)]
+    outside = next(b for b in blocks if b not in granted)
+    for ranges in ([(base + outside * bb, bb)],  # another block of ours
+                   [(base + granted[0] * bb, bb), (base + outside * bb, bb)],  # one range in, one out
+                   [(base + granted[0] * bb + 8, bb)],  # not block-aligned
+                   [(base + granted[0] * bb, bb + 4)],  # runs past its block
+                   [(base - bb, bb)]):  # below the buffer
+        with pytest.raises(PermissionError, match="outside grant"):
+            table.guard_write(grant.grant_id, ranges, lambda: written.append(("bad", 0)))
+    assert ("bad", 0) not in written and table.num_refused_writes == 5
+    brief = table.issue("g/1", "remote", granted, ttl_s=0.01)
+    while time.monotonic() <= brief.expires_at:  # the deadline passes
+        time.sleep(0.005)
+    with pytest.raises(PermissionError, match="no open grant"):
+        table.guard_write(brief.grant_id, [(base + granted[0] * bb, bb)], lambda: written.append(("late", 0)))
+    assert ("late", 0) not in written
+    table.close(grant.grant_id), table.close(brief.grant_id)
+    pool.free(blocks)
+    check(zone, pool, table)
+
+
+def test_sweep_keeps_a_live_writers_quarantine_and_releases_it_once_the_writer_exits():
+    kv, zone, pool, table = make()
+    blocks = pool.allocate(3)
+    alive = [True]
+    grant = table.issue("s/0", "same-host", blocks, 5.0, writer_alive=lambda: alive[0], fence=Fence.PROCESS)
+    held = table.revoke(grant.grant_id)
+    pool.free(blocks)
+    assert held == blocks and table.sweep() == [] and table.num_quarantined_blocks == 3
+    assert table.writer_gone("same-host") == 0  # its lease ended, but its process still writes
+    assert table.num_quarantined_blocks == 3 and all(pool.block_state(b).ref_count == 1 for b in held)
+    alive[0] = False
+    assert table.sweep() == [grant.grant_id] and table.num_quarantined_blocks == 0
+    assert pool.num_free_blocks == pool.num_blocks
+    check(zone, pool, table)

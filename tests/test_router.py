@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -149,6 +150,10 @@ def test_n_choices_and_prompt_lists(served, reference):
     sampled = client.completions.create(model="tiny-llama", prompt=[[5, 6, 7]], max_tokens=12, temperature=1.0,
                                         n=3, seed=7)
     assert len({c.text for c in sampled.choices}) > 1  # independent samples (seeds 7, 8, 9)
+    for i, choice in enumerate(sampled.choices):  # choice i samples with seed + i
+        alone = client.completions.create(model="tiny-llama", prompt=[[5, 6, 7]], max_tokens=12, temperature=1.0,
+                                          seed=7 + i)
+        assert alone.choices[0].text == choice.text, i
     stream = client.chat.completions.create(model="tiny-llama", messages=[{"role": "user", "content": "hi"}],
                                             max_tokens=5, temperature=0.0, n=2, stream=True)
     texts: dict[int, str] = {}
@@ -703,3 +708,57 @@ def test_a_taken_port_is_refused_before_anything_starts(served):
                           "--http-port", str(http_port)], capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and f"--http-port: 127.0.0.1:{http_port} is taken" in out.stderr, out.stderr
     assert time.monotonic() - started < 60
+
+
+@contextlib.contextmanager
+def http_front_end(router):
+    """The OpenAI HTTP front end of ``router`` on a free port, on a loop thread of its own; yields its URL."""
+    from kvmesh.cluster.http_server import start_http_server
+
+    loop = asyncio.new_event_loop()
+    runner, port = loop.run_until_complete(start_http_server(router, "127.0.0.1", 0))
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(10)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+
+
+def _num_first_tokens(router) -> float:
+    return next(s.value for m in router.metrics.ttft.collect() for s in m.samples if s.name.endswith("_count"))
+
+
+def test_a_non_streamed_answer_cut_off_midway_is_a_503_never_a_partial_200(served):
+    """A non-streamed completion whose decode nodes fall silent after its first token (SIGSTOP, past the
+    router's request timeout): the client gets a 503 saying the answer was cut off, not the text so far."""
+    import signal
+
+    cluster = served["cluster"]
+    router = Router(RouterConfig(etcd=cluster.etcd_endpoint, cluster_token=cluster.token, cluster="router",
+                                 request_timeout_s=1.0, liveness_s=120.0))
+    decode = [node for node in cluster.nodes.values() if node.role == "decode"]
+    answer: dict = {}
+    try:
+        with http_front_end(router) as url:
+            body = json.dumps({"prompt": list(range(20, 60)), "max_tokens": 900, "temperature": 0,
+                               "ignore_eos": True}).encode()
+            asking = threading.Thread(target=lambda: answer.update(zip(("status", "body"), _post(
+                url + "/v1/completions", body))))
+            asking.start()
+            deadline = time.monotonic() + 60
+            while _num_first_tokens(router) < 1:  # the answer has begun
+                assert time.monotonic() < deadline, "no first token"
+                time.sleep(0.01)
+            for node in decode:
+                os.kill(node.proc.pid, signal.SIGSTOP)
+            try:
+                asking.join(30)
+            finally:
+                for node in decode:
+                    os.kill(node.proc.pid, signal.SIGCONT)
+        assert answer["status"] == 503 and "cut off" in answer["body"]["error"]["message"], answer
+    finally:
+        router.close()
