@@ -31,6 +31,17 @@ OPEN_PATHS = ("/health", "/ready")  # probes: everything else needs a key when k
 CLIENT = web.RequestKey("client", str)  # the API key's client id, set by the bearer check
 
 
+@web.middleware
+async def _body_size_middleware(request: web.Request, handler):
+    """A body declared larger than the limit is refused before a byte of it is read (never a wait for bytes
+    that will not come)."""
+    if request.content_length is not None and request.content_length > MAX_BODY_BYTES:
+        response = _error(413, f"the body is larger than {MAX_BODY_BYTES} bytes", "invalid_request_error")
+        response.force_close()
+        return response
+    return await handler(request)
+
+
 def _bearer_middleware(keys: ApiKeys):
     @web.middleware
     async def check(request: web.Request, handler):
@@ -48,7 +59,7 @@ class OpenAIServer:
     def __init__(self, router: Router, token: str | ApiKeys | None = None):
         self.router = router
         keys = token if isinstance(token, ApiKeys) else ApiKeys([token] if token else [])
-        middlewares = [_bearer_middleware(keys)] if keys.enabled else []
+        middlewares = [_body_size_middleware] + ([_bearer_middleware(keys)] if keys.enabled else [])
         self.app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=middlewares)
         self.app.router.add_get("/v1/models", self.models)
         self.app.router.add_post("/v1/completions", self.completions)
@@ -253,6 +264,7 @@ class OpenAIServer:
 
         pumps = [asyncio.create_task(pump(i, s, f)) for i, (s, f) in enumerate(zip(streams, firsts))]
         started, lasts, open_choices = set(), {}, len(streams)
+        offsets: dict[int, int] = {}  # per choice: where its next token's text starts (logprobs' text_offset)
         try:
             while open_choices:
                 index, item = await merged.get()
@@ -262,8 +274,11 @@ class OpenAIServer:
                     await send(body)
                     open_choices -= 1
                     continue
+                logprobs = proto.logprobs_object(self.router.tokenizer, [item], chat, offsets.get(index, 0))
+                if logprobs is not None and not chat and logprobs["tokens"]:
+                    offsets[index] = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
                 body = payload(index, item.text, item.finish_reason if item.finished else None, index not in started,
-                               proto.logprobs_object(self.router.tokenizer, [item], chat))
+                               logprobs)
                 started.add(index)
                 if continuous_usage and item.finished:
                     body["usage"] = proto.usage(item)

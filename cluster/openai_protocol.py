@@ -76,8 +76,9 @@ def refuse_unsupported(body: dict, chat: bool) -> None:
         raise InvalidRequestError(f"unknown or unsupported field(s) {', '.join(map(repr, unknown))}")
 
 
-def logprobs_object(tokenizer, chunks, chat: bool) -> dict | None:
-    """The OpenAI ``logprobs`` object of these chunks' tokens (None when none were asked for)."""
+def logprobs_object(tokenizer, chunks, chat: bool, text_start: int = 0) -> dict | None:
+    """The OpenAI ``logprobs`` object of these chunks' tokens (None when none were asked for); completions'
+    ``text_offset``: where each token's text starts in the choice's text (``text_start``: of the first)."""
     entries = [(tok, lp, top) for c in chunks for tok, lp, top in zip(c.token_ids, c.logprobs,
                                                                        c.top_logprobs or [[]] * len(c.logprobs))]
     if not any(c.logprobs for c in chunks):
@@ -87,8 +88,13 @@ def logprobs_object(tokenizer, chunks, chat: bool) -> dict | None:
         return {"content": [{"token": text(t), "logprob": lp, "bytes": list(text(t).encode()),
                              "top_logprobs": [{"token": text(a), "logprob": v, "bytes": list(text(a).encode())}
                                               for a, v in top]} for t, lp, top in entries]}
-    return {"tokens": [text(t) for t, _, _ in entries], "token_logprobs": [lp for _, lp, _ in entries],
-            "top_logprobs": [{text(a): v for a, v in top} for _, _, top in entries]}
+    tokens = [text(t) for t, _, _ in entries]
+    offsets, at = [], text_start
+    for token in tokens:
+        offsets.append(at)
+        at += len(token)
+    return {"tokens": tokens, "token_logprobs": [lp for _, lp, _ in entries],
+            "top_logprobs": [{text(a): v for a, v in top} for _, _, top in entries], "text_offset": offsets}
 
 
 REUSED_SOURCES = ("tokens_reused_local", "tokens_reused_host", "tokens_reused_disk", "tokens_reused_remote",

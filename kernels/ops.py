@@ -37,7 +37,12 @@ def triton_available() -> bool:
 
 
 def use_native(tensor: torch.Tensor) -> bool:
-    """CPU tensors take the native kernels unless ``KVMESH_KERNELS`` asks for another path."""
+    """CPU tensors take the native kernels unless ``KVMESH_KERNELS`` asks for another path. bf16 only on CPUs
+    with AVX-512, where their 16-lane float32 sums round as torch's (and transformers') do; with 8-lane sums
+    (AVX2) a rounding in a few rows moves and greedy streams part from transformers', so torch's kernels
+    serve bf16 there (``--dtype auto`` picks float32 on such CPUs anyway)."""
+    if tensor.dtype == torch.bfloat16 and "avx512f" not in cpu_features():
+        return False
     return tensor.device.type == "cpu" and os.environ.get("KVMESH_KERNELS", "auto") == "auto"
 
 

@@ -121,10 +121,13 @@ def test_logprobs_equal_the_engines_log_softmax(served):
     for i, (tok, logprob, _) in enumerate(expected(prompt, 5, 3)):
         assert lp.tokens[i] == tokenizer.decode([tok]) and abs(lp.token_logprobs[i] - logprob) < 1e-4
         assert 1 <= len(lp.top_logprobs[i]) <= 3  # keyed by text: tokens that decode alike share a key
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
     stream = client.completions.create(model="tiny-llama", prompt=prompt, max_tokens=5, temperature=0.0,
                                        logprobs=3, stream=True)
-    streamed = [v for c in stream if c.choices[0].logprobs for v in c.choices[0].logprobs.token_logprobs]
+    pieces = [c.choices[0].logprobs for c in stream if c.choices[0].logprobs]
+    streamed = [v for p in pieces for v in p.token_logprobs]
     assert streamed == pytest.approx(lp.token_logprobs, abs=1e-4)  # cached prefix or not: summed in another order
+    assert [o for p in pieces for o in p.text_offset] == lp.text_offset  # offsets run on across chunks
     messages = [{"role": "user", "content": "hi"}]
     chat = client.chat.completions.create(model="tiny-llama", messages=messages, max_tokens=4, temperature=0.0,
                                           logprobs=True, top_logprobs=2)
@@ -232,6 +235,15 @@ def test_http_oversize_body_is_refused(served):
     status, payload = _post(served["http"] + "/v1/completions",
                             json.dumps({"prompt": "x" * (2 << 20)}).encode())
     assert status == 413
+    import socket
+
+    host, port = served["http"].removeprefix("http://").split(":")
+    started = time.monotonic()
+    with socket.create_connection((host, int(port)), timeout=10) as s:  # declares 10^12 bytes, sends 2
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: 1000000000000\r\n\r\n{}")
+        answer = s.recv(4096).decode(errors="replace")
+    assert answer.startswith("HTTP/1.1 413") and time.monotonic() - started < 5, answer
 
 
 def test_grpc_generate_health_and_reflection(served, reference):
