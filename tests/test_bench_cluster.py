@@ -5,6 +5,8 @@ what is asserted is what the counters must show whatever the timing.
 """
 from __future__ import annotations
 
+import pytest
+
 import json
 
 from kvmesh.cli import main
@@ -63,3 +65,26 @@ def test_mooncake_trace_workload(tmp_path):
                  "--json", str(path)]) == 0
     kvmesh = json.loads(path.read_text())["modes"]["kvmesh"]
     assert kvmesh["requests"] == 6 and kvmesh["tokens_reused"] > 0  # hash id 1 is a shared 512-token prefix
+
+
+@pytest.mark.parametrize("span_ms", [(30.0, 90.0), (12.0, 4000.0), (0.5, 60000.0)])
+def test_the_ttft_axis_labels_never_overlap(span_ms):
+    """Within a decade and over several: the log axis's visible labels never overlap and there are some."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from kvmesh.bench.plots import log_axis
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot([span_ms[0], span_ms[1]], [0, 1])
+    log_axis(ax.xaxis, *span_ms)
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    boxes = [t.get_window_extent(renderer) for t in ax.get_xticklabels(minor=False) + ax.get_xticklabels(minor=True)
+             if t.get_visible() and t.get_text() and ax.get_xlim()[0] <= t.get_position()[0] <= ax.get_xlim()[1]]
+    plt.close(fig)
+    assert len(boxes) >= 2
+    boxes.sort(key=lambda b: b.x0)
+    assert all(a.x1 <= b.x0 for a, b in zip(boxes, boxes[1:])), [(b.x0, b.x1) for b in boxes]

@@ -4,6 +4,19 @@ from __future__ import annotations
 from pathlib import Path
 
 
+def log_axis(axis, low: float, high: float) -> None:
+    """A log scale for data in ``low..high``, labelled in plain numbers at 1, 2 and 5 of each decade, or at
+    the decades alone over more than two; minor ticks unlabelled (matplotlib's default labels minor
+    ticks where the data span less than a decade, and they overlap)."""
+    from matplotlib.ticker import LogLocator, NullFormatter, StrMethodFormatter
+
+    axis.axes.set_xscale("log") if axis.axis_name == "x" else axis.axes.set_yscale("log")
+    many_decades = low > 0 and high / low > 100  # then the decades alone
+    axis.set_major_locator(LogLocator(base=10, subs=(1.0,) if many_decades else (1.0, 2.0, 5.0)))
+    axis.set_major_formatter(StrMethodFormatter("{x:g}"))
+    axis.set_minor_formatter(NullFormatter())
+
+
 def plot_cluster_results(res: dict, folder: str) -> list[str]:
     import matplotlib
 
@@ -21,7 +34,8 @@ def plot_cluster_results(res: dict, folder: str) -> list[str]:
         ax.step(values, [(i + 1) / len(values) for i in range(len(values))], where="post", label=name)
     ax.set_xlabel("TTFT (ms)")
     ax.set_ylabel("fraction of requests")
-    ax.set_xscale("log")
+    every = [v for m in modes.values() for v in m["ttft_ms_all"] if v > 0]
+    log_axis(ax.xaxis, min(every, default=1.0), max(every, default=1.0))
     ax.set_title(f"TTFT CDF: {res['workload']}, {res['model']}")
     ax.legend()
     paths.append(_save(plt, fig, out / "ttft_cdf.png"))
