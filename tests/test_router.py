@@ -774,3 +774,43 @@ def test_a_non_streamed_answer_cut_off_midway_is_a_503_never_a_partial_200(serve
         assert answer["status"] == 503 and "cut off" in answer["body"]["error"]["message"], answer
     finally:
         router.close()
+
+
+def test_documented_request_fields_and_limits(served, monkeypatch):
+    """``max_completion_tokens``, ``continuous_usage_stats``, the context boundary (prompt + max_tokens equal to
+    the context is served, one more is a 400) and the pin cap (a quarter of the smallest decode node's blocks)."""
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=served["http"] + "/v1", api_key="unused")
+    router = served["router"]
+    out = client.completions.create(model="tiny-llama", prompt="abc", temperature=0.0,
+                                    extra_body={"max_completion_tokens": 3, "ignore_eos": True})
+    assert out.usage.completion_tokens == 3 and out.choices[0].finish_reason == "length"
+    stream = client.completions.create(model="tiny-llama", prompt="abc", max_tokens=4, temperature=0.0, stream=True,
+                                       stream_options={"include_usage": True, "continuous_usage_stats": True},
+                                       extra_body={"ignore_eos": True})
+    chunks = list(stream)
+    finals = [c for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert len(finals) == 1 and finals[0].usage.completion_tokens == 4  # usage on the choice's last chunk too
+    assert chunks[-1].usage.completion_tokens == 4 and chunks[-1].choices == []
+    prompt = list(range(10, 20))
+    fits = router.max_model_len - len(prompt)
+    router.validate(prompt, SamplingParams(max_tokens=fits))
+    status, payload = _post(served["http"] + "/v1/completions",
+                            json.dumps({"prompt": prompt, "max_tokens": fits + 1}).encode())
+    assert status == 400 and "exceeds the context" in payload["error"]["message"]
+    decode_blocks = [r.kv_layout.num_blocks for r in router.directory.nodes.values() if r.role == "decode"]
+    assert router.max_pinned_blocks() == min(decode_blocks) // 4
+    monkeypatch.setattr(router, "max_pinned_blocks", lambda: 3)  # the cap's arithmetic at a small size
+    pinned = router.pin(list(range(1, 33)), "two blocks")
+    try:
+        assert pinned["num_blocks"] == 2
+        from kvmesh.errors import InvalidRequestError
+
+        with pytest.raises(InvalidRequestError, match="would pin 4 blocks: at most 3"):
+            router.pin(list(range(100, 132)), "two more")
+    finally:
+        assert router.unpin(pinned["id"])
+    deadline = time.monotonic() + 30
+    while any(served["cluster"].client(n).stats()["num_pinned"] for n in served["cluster"].nodes):
+        assert time.monotonic() < deadline, "the pin outlived its unpinning"
+        time.sleep(0.05)

@@ -120,3 +120,34 @@ def test_a_row_of_non_finite_logits_fails_that_request_only(monkeypatch):
     assert outs[1].outputs[0].finish_reason == "error" and outs[1].token_ids == []
     llm.engine.pool.check_integrity()
     assert llm.engine.pool.num_free_blocks == llm.engine.pool.num_blocks  # the failed request freed its blocks
+
+
+@pytest.mark.parametrize("field,ok,bad", [
+    ("stop", tuple(f"s{i}" for i in range(16)), tuple(f"s{i}" for i in range(17))),
+    ("stop", ("x" * 256,), ("x" * 257,)),
+    ("stop_token_ids", tuple(range(256)), tuple(range(257))),
+    ("logprobs", 20, 21),
+    ("priority", 1000, 1001),
+    ("priority", -1000, -1001),
+    ("cache_salt", "s" * 256, "s" * 257),
+    ("seed", 2**63 - 1, 2**63),
+    ("seed", -(2**63), -(2**63) - 1),
+])
+def test_request_caps_hold_at_their_exact_boundaries(field, ok, bad):
+    """Each cap admits its limit and refuses one past it, naming the field."""
+    assert getattr(SamplingParams(**{field: ok}), field) == ok
+    with pytest.raises(InvalidRequestError, match=field.split("_")[0]):
+        SamplingParams(**{field: bad})
+
+
+def test_n_choices_boundaries_and_their_seeds():
+    from kvmesh.cluster.openai_protocol import MAX_CHOICES, choice_params
+
+    base = SamplingParams(seed=5)
+    assert [p.seed for p in choice_params({"n": MAX_CHOICES}, base)] == list(range(5, 5 + MAX_CHOICES))
+    with pytest.raises(InvalidRequestError, match="n must be"):
+        choice_params({"n": MAX_CHOICES + 1}, base)
+    top = SamplingParams(seed=2**63 - 3)
+    assert [p.seed for p in choice_params({"n": 3}, top)] == [2**63 - 3, 2**63 - 2, 2**63 - 1]
+    with pytest.raises(InvalidRequestError, match="seed \\+ n - 1"):
+        choice_params({"n": 4}, top)

@@ -22,12 +22,15 @@ _NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 class Serve:
     """``kvmesh serve --model tiny-llama`` on free ports; ``process(name)`` reads /ready's supervisor view."""
 
-    def __init__(self, *args: str):
+    def __init__(self, *args: str, api_key: str = ""):
         self.proc = subprocess.Popen([sys.executable, "-m", "kvmesh.cli", "serve", "--model", "tiny-llama",
                                       "--dtype", "float32",
                                       "--grpc-port", "0", "--http-port", "0", "--routing", "round-robin", *args],
                                      stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-        self.url = json.loads(self.proc.stdout.readline())["http"].removesuffix("/v1")
+        endpoints = json.loads(self.proc.stdout.readline())
+        self.url, self.grpc = endpoints["http"].removesuffix("/v1"), endpoints["grpc"]
+        self.headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {api_key}"} if api_key
+                                                               else {})}
 
     def ready(self) -> tuple[int, dict]:
         try:
@@ -44,7 +47,7 @@ class Serve:
         they arrive when given, so another thread can wait for the stream to have started."""
         body = json.dumps({"model": "tiny-llama", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
                            "ignore_eos": True, "stream": True}).encode()
-        req = urllib.request.Request(self.url + "/v1/completions", body, {"Content-Type": "application/json"})
+        req = urllib.request.Request(self.url + "/v1/completions", body, self.headers)
         events = [] if events is None else events
         with _NO_PROXY.open(req, timeout=120) as r:
             for line in r:
@@ -58,7 +61,7 @@ class Serve:
     def complete(self, prompt: list[int], max_tokens: int = 8) -> dict:
         body = json.dumps({"model": "tiny-llama", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
                            "ignore_eos": True}).encode()
-        req = urllib.request.Request(self.url + "/v1/completions", body, {"Content-Type": "application/json"})
+        req = urllib.request.Request(self.url + "/v1/completions", body, self.headers)
         with _NO_PROXY.open(req, timeout=120) as r:
             return json.loads(r.read())
 
@@ -138,10 +141,36 @@ def test_serve_survives_decode_prefill_and_etcd_deaths(llm):
         serve.close()
 
 
-def test_a_stream_that_cannot_be_migrated_ends_with_an_error():
-    """One decode node, no restarts: its death cuts the stream, which must end in an error, not "stop"."""
-    serve = Serve("--prefill", "0", "--decode", "1", "--max-restarts", "0")
+def test_a_stream_that_cannot_be_migrated_ends_with_an_error(tmp_path):
+    """One decode node, no restarts: its death cuts the streams, which must end in an error, not "stop": over
+    HTTP an error event, over gRPC UNAVAILABLE, then gRPC health NOT_SERVING. The front ends take the key of
+    ``--api-key-file`` and refuse calls without it."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from kvmesh.cluster.grpc_server import pb, pb_grpc
+
+    key_file = tmp_path / "keys"
+    key_file.write_text("k3y-one\n")
+    key_file.chmod(0o600)
+    serve = Serve("--prefill", "0", "--decode", "1", "--max-restarts", "0", "--api-key-file", str(key_file),
+                  api_key="k3y-one")
     try:
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            _NO_PROXY.open(urllib.request.Request(serve.url + "/v1/models"), timeout=10)
+        assert refused.value.code == 401
+        channel = grpc.insecure_channel(serve.grpc)
+        stub = pb_grpc.RouterStub(channel)
+        auth = [("authorization", "Bearer k3y-one")]
+        with pytest.raises(grpc.RpcError) as denied:
+            stub.ListModels(pb.ListModelsRequest(), timeout=10)
+        assert denied.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        grpc_stream = stub.Generate(pb.GenerateRequest(token_ids=pb.TokenIds(ids=list(range(70, 120))),
+                                                       sampling=pb.SamplingParams(max_tokens=950, ignore_eos=True,
+                                                                                  temperature=0.0)),
+                                    metadata=auth, timeout=120)
+        first_reply = next(grpc_stream)
+        assert first_reply.token_ids
         events: list[str] = []
         thread = threading.Thread(target=serve.stream, args=(list(range(5, 60)), 950, events))
         thread.start()
@@ -152,6 +181,14 @@ def test_a_stream_that_cannot_be_migrated_ends_with_an_error():
         _, reasons = text_of(events)
         assert reasons == ["error"], reasons
         assert any("error" in json.loads(e) for e in events if e != "[DONE]")
+        with pytest.raises(grpc.RpcError) as cut:
+            for reply in grpc_stream:
+                assert not reply.finished, "a cut-off gRPC stream ended as if it were complete"
+        assert cut.value.code() == grpc.StatusCode.UNAVAILABLE, cut.value
+        health = health_pb2_grpc.HealthStub(channel)
+        wait_until(lambda: health.Check(health_pb2.HealthCheckRequest(), timeout=10).status ==
+                   health_pb2.HealthCheckResponse.NOT_SERVING, 60, "gRPC health to say NOT_SERVING")
+        channel.close()
         wait_until(lambda: serve.ready()[0] == 503, 60, "/ready to say no decode node is up")
         status, detail = serve.ready()
         assert detail["degraded"] and serve.process("decode-0")["state"] == "failed"
