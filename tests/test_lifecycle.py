@@ -111,3 +111,29 @@ def test_a_stopping_process_restarts_no_child():
     finally:
         lifecycle.stopping.clear()
         supervisor.close()
+
+
+def test_supervisor_backoff_doubles_and_max_restarts_count_within_the_window():
+    """The restart policy on its own clock: 0.5, 1, 2 s backoffs (capped), left down at the window's limit;
+    restarts older than the window no longer count."""
+    from collections import deque
+    from types import SimpleNamespace
+
+    from kvmesh.cluster.supervisor import ProcessState, Supervisor
+
+    proc = SimpleNamespace(returncode=-9, pid=1)
+    cluster = SimpleNamespace(nodes={"decode-0": SimpleNamespace(role="decode", proc=proc)}, supervises_etcd=False)
+    sup = Supervisor(cluster, max_restarts=3, window_s=60.0, base_backoff_s=0.5, max_backoff_s=1.5)
+    s = sup._procs["decode-0"]
+    waits = []
+    for now in (100.0, 101.0, 103.0):
+        sup._died(s, now)
+        assert s.state is ProcessState.RESTARTING and s.last_exit == -9
+        waits.append(s.next_start - now)
+        s.restarts.append(s.next_start)  # what _restart records
+    assert waits == [0.5, 1.0, 1.5]  # doubling, capped at max_backoff_s
+    sup._died(s, 106.0)  # a fourth death within 60 s of the first restart
+    assert s.state is ProcessState.FAILED and sup.status()["degraded"]
+    s.state, s.restarts = ProcessState.UP, deque([10.0, 20.0, 30.0])
+    sup._died(s, 100.0)  # those restarts are older than the window: the count starts over
+    assert s.state is ProcessState.RESTARTING and s.next_start == 100.5 and list(s.restarts) == []
