@@ -53,7 +53,8 @@ def modes(num_prefill: int, placement: str = "cost") -> dict[str, Mode]:
     return {
         "kvmesh": Mode("kvmesh", num_prefill, disaggregated, "cache-aware"),
         "local-rr": Mode("local-rr", num_prefill, disaggregated + ("--no-global-pool",), "round-robin"),
-        "no-cache": Mode("no-cache", num_prefill, disaggregated + ("--no-prefix-cache",), "round-robin"),
+        "no-cache": Mode("no-cache", num_prefill, disaggregated + ("--no-prefix-cache", "--host-kv-gib", "0"),
+                         "round-robin"),
         "colocated": Mode("colocated", 0, ("--kv-placement", "threshold:100000000", "--no-global-pool"),
                           "round-robin", num_extra_decode=num_prefill),
     }

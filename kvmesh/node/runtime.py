@@ -168,8 +168,10 @@ class NodeRuntime:
                                    shared_writes=cfg.shared_memory_transfers,
                                    num_landing_slots=cfg.num_landing_slots)
         self.tiers: TieredCache | None = None
-        host_kv_bytes = cfg.host_kv_bytes if cfg.host_kv_bytes >= 0 else \
-            auto_host_bytes(self.engine.runner.kv_buffer.numel() * self.engine.runner.kv_buffer.element_size())
+        host_kv_bytes = cfg.host_kv_bytes
+        if host_kv_bytes < 0:  # sized here: none without a prefix cache (nothing would ever be reused from it)
+            kv_bytes = self.engine.runner.kv_buffer.numel() * self.engine.runner.kv_buffer.element_size()
+            host_kv_bytes = auto_host_bytes(kv_bytes) if cfg.enable_prefix_caching else 0
         tier_cfg = TierConfig(host_kv_bytes, cfg.disk_kv_bytes, cfg.disk_kv_path, cfg.verify_kv)
         if tier_cfg.enabled:
             self.tiers = TieredCache(self.pool, self.engine.runner.kv_buffer, tier_cfg, self.engine.kv.root_hash,
