@@ -61,7 +61,7 @@ class _ClientRequest:
 
 
 PROMPT_TOKEN_SOURCES = ("tokens_reused_local", "tokens_reused_host", "tokens_reused_disk", "tokens_reused_remote",
-                        "tokens_from_prefill_node", "tokens_computed")
+                        "tokens_reused_prefill_node", "tokens_from_prefill_node", "tokens_computed")
 
 
 class DecodeWorker(NodeRuntime):

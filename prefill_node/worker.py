@@ -138,6 +138,9 @@ class PrefillWorker(NodeRuntime):
             prefill = self._prefills.get(request_id)
         if prefill is None:
             return
+        if not self.cfg.enable_prefix_caching:  # the baseline: every prompt computed in full, nothing reused
+            self.call_soon(lambda: self._start(request_id, prefill))
+            return
         hashes = prefill.hashes
         held = self.pool.match(hashes, hold="ref")  # referenced: a concurrent allocation cannot take them
         if len(held) >= len(hashes):

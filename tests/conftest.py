@@ -116,3 +116,10 @@ def assert_same_kv(client, reference_llm, token_ids: list[int], min_blocks: int)
     compared, mismatched = compare_with_engine(reference_llm, [(list(token_ids), got)])
     assert compared >= min_blocks, (got["num_blocks"], compared)
     assert mismatched == []
+
+
+def pytest_terminal_summary(terminalreporter, config) -> None:
+    """A shuffled run (``make test ORDER=``) says how to replay its order, even under ``-q``."""
+    seed = getattr(config.option, "randomly_seed", None)
+    if seed is not None and config.pluginmanager.has_plugin("randomly"):
+        terminalreporter.write_line(f"test order shuffled: replay it with make test ORDER=--randomly-seed={seed}")
