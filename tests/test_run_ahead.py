@@ -120,6 +120,7 @@ def test_the_block_a_step_in_flight_writes_is_held_until_that_step_is_read():
     stays referenced, so no other request or transfer gets it before the write; reading the step frees it."""
     _, engine, seqs = _in_flight(2)
     flight = engine.run_ahead.in_flight
+    assert len(flight.held_block_ids) == len(flight.batch), "a row of the step in flight holds no block"
     held = flight.held_block_ids[0]
     assert flight.batch[0][0] is seqs[0] and held in seqs[0].block_ids
     engine.abort(seqs[0])
