@@ -26,7 +26,8 @@ def test_freezing_moves_what_is_alive_out_of_the_collectors_walks():
     kept = [[i] for i in range(1000)]  # tracked objects alive now
     try:
         frozen = freeze_start_up()
-        assert frozen >= 1000 and gc.get_freeze_count() == frozen
+        # Other threads (earlier tests' daemons) may free frozen objects meanwhile: the count only falls.
+        assert frozen >= 1000 and 0 <= frozen - gc.get_freeze_count() < 1000
         assert not any(obj is kept for obj in gc.get_objects(2))  # frozen objects are in no generation
     finally:
         gc.unfreeze()

@@ -86,7 +86,7 @@ def test_launch_says_what_it_waits_for_and_refuses_actors_of_another_token(ray_i
     try:
         RayCluster(num_prefill=0, num_decode=1, cluster="ray-relaunch", cpus_per_node=1,
                    node_options={"transfer_backend": "zmq", "cluster_token": token}).start(say=lines.append)
-        assert lines == []  # a first launch reattaches to nothing
+        assert not [line for line in lines if "reattaching" in line]  # a first launch reattaches to nothing
         with pytest.raises(KvmeshError, match="another cluster token"):
             RayCluster(num_prefill=0, num_decode=1, cluster="ray-relaunch",
                        node_options={"transfer_backend": "zmq", "cluster_token": "b" * 64}).start(say=lines.append)

@@ -34,6 +34,9 @@ from kvmesh.transfer.engine import mooncake_available
 
 PATHS = ("holder", "prefill")
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+# How long the requester may be silent before the client pings it and gives up: its capped link is full of the
+# pushes this benchmark lets drain, so a ping waits behind them (seconds at 0.5 Mbit/s, longer on a busy CPU).
+LIVENESS_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -77,7 +80,7 @@ def run_one(hosts: Hosts, backend: str, path: str, cfg: LateWritesConfig, bar: t
         far_prompts = [_prompt(rng, lo, hi, cfg.prefix_tokens) for _ in range(num_far)]
         if path == "holder":  # decode-0 holds every X, and the requester's index mirror knows it, before the cap
             for x in far_prompts:
-                assert not source.generate(x, GREEDY, timeout_s=600).error
+                assert not source.generate(x, GREEDY, timeout_s=600, liveness_s=LIVENESS_S).error
             revision = _published_revision(cluster, num_far * blocks_per_x)
             _wait_until(lambda: requester.stats()["index_revision"] >= revision, "the requester's index mirror")
         hosts.set_rate(3, cfg.link_mbit)
@@ -88,7 +91,7 @@ def run_one(hosts: Hosts, backend: str, path: str, cfg: LateWritesConfig, bar: t
                     break
                 if round_no % cfg.far_every == 0 and far_prompts:
                     sent.append(far_prompts.pop(0) + _prompt(rng, lo, hi, 16))
-                    out = requester.generate(sent[-1], GREEDY, timeout_s=600)
+                    out = requester.generate(sent[-1], GREEDY, timeout_s=600, liveness_s=LIVENESS_S)
                     moved = sum(out.stats.get(k, 0) for k in ("tokens_reused_remote", "tokens_from_prefill_node",
                                                               "tokens_reused_prefill_node"))
                     given_up += moved < cfg.prefix_tokens // 2
@@ -98,7 +101,7 @@ def run_one(hosts: Hosts, backend: str, path: str, cfg: LateWritesConfig, bar: t
                 y = _prompt(rng, lo, hi, cfg.local_tokens)
                 for p in (y, y[: cfg.local_tokens - 8] + _prompt(rng, lo, hi, 24)):
                     sent.append(p)
-                    outs.append(requester.generate(p, GREEDY, timeout_s=600))
+                    outs.append(requester.generate(p, GREEDY, timeout_s=600, liveness_s=LIVENESS_S))
                 if bar is not None:
                     bar.update(len(outs) - bar.n)
                 if len(outs) >= cfg.num_requests:
