@@ -444,7 +444,8 @@ class Router:
                                       f"block), got {len(prompt_ids)}")
         pin_id = hashes[-1].hex()
         num_tokens = len(hashes) * self.cfg.block_size
-        pinned = {p: len(r.token_ids) // self.cfg.block_size for p, r in self.pin_registry.snapshot().items()}
+        # The store itself, not the mirror: a pin made a moment ago counts against the cap.
+        pinned = {p: len(r.token_ids) // self.cfg.block_size for p, r in self.pin_registry.read().items()}
         pinned[pin_id] = len(hashes)
         limit = self.max_pinned_blocks()
         if sum(pinned.values()) > limit:

@@ -40,8 +40,23 @@ class PinRegistry:
         self.store.delete_many([self.keys.pin(self.namespace, prefix_id)])
 
     def snapshot(self) -> dict[str, PinRecord]:
+        """The pins as this process's mirror has them (a write of a moment ago may not be here yet)."""
         with self._lock:
             return dict(self.pins)
+
+    def read(self) -> dict[str, PinRecord]:
+        """The pins as the store has them now (every write made before this call included; malformed ones
+        left out)."""
+        items, _ = self.store.get_prefix(self.keys.pins_of_namespace(self.namespace))
+        pins = {}
+        for kv in items:
+            pin_id = self.keys.parse_pin(kv.key, self.namespace)
+            try:
+                if pin_id is not None:
+                    pins[pin_id] = PinRecord.decode(kv.value)
+            except RecordError:
+                continue
+        return pins
 
     def _apply(self, kind: str, key: str, value: bytes, lease: int = 0) -> None:
         record = None
