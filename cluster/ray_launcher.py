@@ -168,7 +168,8 @@ class RayCluster:
             etcd_actor = EtcdActor.options(name="etcd", namespace=NAMESPACE, get_if_exists=True,
                                            num_cpus=ETCD_CPUS, lifetime="detached").remote(self.token)
             self.actors["etcd"] = etcd_actor
-            self.etcd = self._wait_placed({"etcd": etcd_actor.endpoint.remote()}, timeout_s, say)["etcd"]
+            self.etcd = self._wait_placed({"etcd": etcd_actor.endpoint.remote()}, timeout_s, say,
+                                          f"{ETCD_CPUS:g} CPU")["etcd"]
         for role, node_id in specs:
             where = ({"resources": {self.placement[role]: 0.001}} if role in self.placement
                      else {"scheduling_strategy": "SPREAD"})
@@ -176,7 +177,8 @@ class RayCluster:
                 name=node_id, namespace=NAMESPACE, get_if_exists=True, lifetime="detached",
                 num_cpus=self.cpus_per_node, num_gpus=self.gpus_per_node, **where).remote(role, node_id, self.etcd, self.cluster, self.model,
                                                              self.node_options)
-        self._wait_placed({n: self.actors[n].info.remote() for _, n in specs}, timeout_s, say)
+        asks = f"{self.cpus_per_node:g} CPU" + (f", {self.gpus_per_node:g} GPU" if self.gpus_per_node else "")
+        self._wait_placed({n: self.actors[n].info.remote() for _, n in specs}, timeout_s, say, asks)
         self.wait_registered({n for _, n in specs}, timeout_s)
         return self
 
@@ -194,8 +196,9 @@ class RayCluster:
             raise KvmeshError(f"{', '.join(names)} would need {detail}: lower --cpus-per-node / "
                               f"--gpus-per-node or add Ray nodes")
 
-    def _wait_placed(self, refs: dict, timeout_s: float, say) -> dict:
-        """Each ref's value; every ``WAIT_REPORT_S`` says which actors Ray has not placed and what is free."""
+    def _wait_placed(self, refs: dict, timeout_s: float, say, asks: str) -> dict:
+        """Each ref's value; every ``WAIT_REPORT_S`` says which actors Ray has not placed, what each asks
+        (``asks``) and what is free."""
         from kvmesh.errors import KvmeshError
 
         deadline = time.monotonic() + timeout_s
@@ -211,8 +214,7 @@ class RayCluster:
             if not pending:
                 break
             free = ray.available_resources()
-            line = (f"waiting for Ray to start {', '.join(pending)} (each asks {self.cpus_per_node:g} CPU"
-                    f"{f', {self.gpus_per_node:g} GPU' if self.gpus_per_node else ''}; free now: "
+            line = (f"waiting for Ray to start {', '.join(pending)} (each asks {asks}; free now: "
                     f"{free.get('CPU', 0):g} CPU, {free.get('GPU', 0):g} GPU; `ray status` shows the demand)")
             if time.monotonic() >= deadline:
                 raise KvmeshError(f"timed out after {timeout_s:.0f} s {line}")
