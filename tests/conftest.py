@@ -31,6 +31,8 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 import pytest  # noqa: E402
 
+pytest_plugins = ["tests.router_support"]  # the router files' running cluster (``served``, ``reference``)
+
 from kvmesh.kernels.attention_metadata import AttentionMetadata  # noqa: E402
 from kvmesh.kv.kv_buffer import KVLayout  # noqa: E402
 from kvmesh.model.loader import LoadedModel, load_model  # noqa: E402

@@ -142,7 +142,7 @@ MUTATIONS = (
     Mutation("a non-streamed answer cut off midway is returned as a partial 200", "cluster/http_server.py",
              "            return _error(503, f\"the answer was cut off: {e}\", \"service_unavailable\")",
              "            rests = [[] for _ in streams]  # mutation: whatever arrived is the answer",
-             ("tests/test_router.py", "-k", "cut_off_midway")),
+             ("tests/test_router_limits.py", "-k", "cut_off_midway")),
     Mutation("n choices ignore their seeds", "cluster/openai_protocol.py",
              "replace(base, seed=base.seed + j) if base.seed is not None else base",
              "replace(base, seed=None)",
