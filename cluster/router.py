@@ -23,7 +23,7 @@ from kvmesh.cluster.fetch_costs import FetchCosts
 from kvmesh.cluster.metrics import RouterMetrics
 from kvmesh.cluster.node_connection import NodeConnection, NodeLost
 from kvmesh.cluster.routing import Candidate, make_policy
-from kvmesh.engine.sampling_params import SamplingParams, to_wire
+from kvmesh.engine.sampling_params import SamplingParams, first_stop, stop_prefix_len, to_wire
 from kvmesh.errors import InvalidRequestError, KvmeshError
 from kvmesh.kv.block_hash import hash_blocks, salted_root
 from kvmesh.kv.prefix_hasher import PrefixHasher
@@ -65,24 +65,6 @@ class RouterConfig:
 
 class RequestTimeout(KvmeshError, TimeoutError):
     """A decode node sent nothing for ``request_timeout_s``: the stream ends with this error."""
-
-
-def first_stop(text: str, stop: tuple[str, ...], start: int = 0) -> int:
-    """Where the earliest stop string begins in ``text`` at or after ``start``, or -1."""
-    found = [i for i in (text.find(s, start) for s in stop) if i >= 0]
-    return min(found, default=-1)
-
-
-def stop_prefix_len(text: str, stop: tuple[str, ...]) -> int:
-    """The length of the longest end of ``text`` that begins some stop string (and is shorter than it): text
-    that must be held back until the next tokens complete the stop string or rule it out."""
-    longest = 0
-    for s in stop:
-        for k in range(min(len(s) - 1, len(text)), longest, -1):
-            if text.endswith(s[:k]):
-                longest = k
-                break
-    return longest
 
 
 class Route(NamedTuple):

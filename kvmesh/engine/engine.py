@@ -21,7 +21,7 @@ from kvmesh.engine.pinned_prefixes import PinnedPrefix, PinnedPrefixes
 from kvmesh.engine.request_state import RequestStatus
 from kvmesh.engine.run_ahead import RunAhead
 from kvmesh.engine.sampler import NON_FINITE
-from kvmesh.engine.sampling_params import SamplingParams
+from kvmesh.engine.sampling_params import SamplingParams, first_stop
 from kvmesh.engine.scheduler import Scheduler, SchedulerConfig
 from kvmesh.engine.sequence import Sequence
 from kvmesh.engine.spec_decode.speculator import SpeculativeConfig, Speculator
@@ -288,7 +288,7 @@ class LLMEngine:
             return True
         if params.stop:
             text = self.tokenizer.decode(seq.output_token_ids)
-            cut = min((text.find(s) for s in params.stop if s in text), default=-1)
+            cut = first_stop(text, params.stop)
             if cut >= 0:
                 seq.output_text = text[:cut]
                 seq.finish_reason = "stop"

@@ -107,3 +107,21 @@ def from_wire(fields: dict) -> SamplingParams:
 def _check_number(name: str, value) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise InvalidRequestError(f"{name} must be a number, got {value!r}")
+
+
+def first_stop(text: str, stop: tuple[str, ...], start: int = 0) -> int:
+    """Where the earliest stop string begins in ``text`` at or after ``start``, or -1."""
+    found = [i for i in (text.find(s, start) for s in stop) if i >= 0]
+    return min(found, default=-1)
+
+
+def stop_prefix_len(text: str, stop: tuple[str, ...]) -> int:
+    """The length of the longest end of ``text`` that begins some stop string (and is shorter than it): text
+    that must be held back until the next tokens complete the stop string or rule it out."""
+    longest = 0
+    for s in stop:
+        for k in range(min(len(s) - 1, len(text)), longest, -1):
+            if text.endswith(s[:k]):
+                longest = k
+                break
+    return longest
