@@ -13,6 +13,8 @@ HAS_NVIDIA := $(shell test -e /proc/driver/nvidia/version && echo 1)
 PYTEST_ARGS ?=
 # Tests run in file order; `make test ORDER=` shuffles them (pytest-randomly; the seed is printed first).
 ORDER ?= -p no:randomly
+# Test files spread over this many processes (pytest-xdist, a file's tests stay together); 0 runs them in one.
+WORKERS ?= 2
 
 .PHONY: all install test test-latest mutate test-gpu gpu-check generate serve clean
 
@@ -42,7 +44,7 @@ endif
 install: $(STAMP)
 
 test: $(STAMP)
-	$(PY) -m pytest -q -rs --durations=30 $(ORDER) $(PYTEST_ARGS) --ignore=tests/gpu tests
+	$(PY) -m pytest -q -rs --durations=30 -n $(WORKERS) --dist loadfile $(ORDER) $(PYTEST_ARGS) --ignore=tests/gpu tests
 
 # The suite against the newest release of every dependency (no constraints), in a venv of its own: finds
 # upstream breaks before a fresh install meets them. Prints what it installed beside what constraints.txt pins.
@@ -56,7 +58,7 @@ test-latest:
 	@$(LATEST)/bin/python -m pip freeze | grep -v '^-e\|^#' | sed 's/+cpu//' | sort > $(LATEST)/freeze.txt
 	@echo "versions that differ from $(CONSTRAINTS):"; \
 	  grep -v '^#' $(CONSTRAINTS) | sed 's/ .*//' | sort | comm -13 - $(LATEST)/freeze.txt || true
-	$(LATEST)/bin/python -m pytest -q -rs --durations=30 $(ORDER) $(PYTEST_ARGS) --ignore=tests/gpu tests
+	$(LATEST)/bin/python -m pytest -q -rs --durations=30 -n $(WORKERS) --dist loadfile $(ORDER) $(PYTEST_ARGS) --ignore=tests/gpu tests
 
 # Deliberate breakages (tests/mutate.py): each must make a test fail. Edits the tree while it runs.
 mutate: $(STAMP)

@@ -74,7 +74,8 @@ def add_node_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enforce-eager", action="store_true",
                    help="on a CUDA device: no CUDA graphs of decode or prompt steps (captured at start-up otherwise)")
     p.add_argument("--holder-timeout", type=float, default=5.0,
-                   help="decode nodes give up on a holder's push of cached blocks after this many seconds")
+                   help="nodes give up on a holder's push of cached blocks after this many seconds (a decode node's "
+                        "fetch, a prefill node's pull of a prefix)")
     p.add_argument("--landing-slots", type=int, default=-1,
                    help="one-sided backends (Mooncake): blocks of host memory where pushes land before a checked "
                         "copy into the KV buffer (-1: a quarter of the KV blocks, at most 1 GiB)")

@@ -437,8 +437,8 @@ class Router:
         return {"id": pin_id, "num_blocks": len(hashes), "num_tokens": num_tokens, "label": label}
 
     def unpin(self, pin_id: str) -> bool:
-        """False when no such pin exists."""
-        if pin_id not in self.pin_registry.snapshot():
+        """False when no such pin exists (asked of the store: a pin made a moment ago is there)."""
+        if pin_id not in self.pin_registry.read():
             return False
         self.pin_registry.delete(pin_id)
         return True
@@ -452,7 +452,7 @@ class Router:
         """Every pin, with how many of its blocks each node holds pinned right now."""
         held = {n["node_id"]: n["stats"].get("pinned_prefixes", {}) for n in self.status()}
         out = []
-        for pin_id, record in sorted(self.pin_registry.snapshot().items()):
+        for pin_id, record in sorted(self.pin_registry.read().items()):
             num_blocks = len(record.token_ids) // self.cfg.block_size
             out.append({"id": pin_id, "label": record.label, "num_blocks": num_blocks,
                         "num_tokens": len(record.token_ids), "pinned_at": record.pinned_at,

@@ -36,6 +36,9 @@ def _add_generate(sub) -> None:
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="auto: bfloat16 on CUDA and on CPUs with AMX or AVX512-BF16, else float32")
     p.add_argument("--device", default="auto", help="auto (the first visible CUDA device, else the CPU), cpu, cuda[:N]")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="split the model over this many ranks (processes; gloo on the CPU, NCCL on CUDA): it must "
+                        "divide the attention heads, the MLP and the vocabulary")
     p.add_argument("--verbose", action="store_true", help="print load time and token ids")
     p.set_defaults(func=_run_generate)
 
@@ -44,12 +47,19 @@ def _run_generate(args: argparse.Namespace) -> int:
     from kvmesh.engine.llm import LLM
     from kvmesh.engine.sampling_params import SamplingParams
 
-    from kvmesh.errors import InvalidRequestError
-
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed, stop=tuple(args.stop), ignore_eos=args.ignore_eos)
     llm = LLM(model=args.model, dtype=args.dtype, device=args.device, progress=sys.stderr.isatty(),
-              load_format=args.load_format)
+              load_format=args.load_format, tensor_parallel_size=args.tensor_parallel_size)
+    try:
+        return _generate_with(llm, args, params)
+    finally:
+        llm.close()
+
+
+def _generate_with(llm, args: argparse.Namespace, params) -> int:
+    from kvmesh.errors import InvalidRequestError
+
     context = llm.engine.max_model_len
     for prompt in args.prompt:  # as the HTTP API: a request that cannot fit its max_tokens is refused
         num_tokens = len(llm.tokenizer.encode(prompt))

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 from pathlib import Path
 from typing import Protocol
 
@@ -88,9 +90,16 @@ class HFTokenizer:
         if (cache_dir / "tokenizer.json").is_file():
             return cls(PreTrainedTokenizerFast.from_pretrained(str(cache_dir), local_files_only=True), eos_token_ids)
         tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
-        try:
-            cache_dir.mkdir(parents=True, exist_ok=True)
-            tok.save_pretrained(str(cache_dir))
+        try:  # saved whole into a folder of its own, then renamed: a process starting meanwhile never reads half
+            cache_dir.parent.mkdir(parents=True, exist_ok=True)
+            staging = tempfile.mkdtemp(dir=cache_dir.parent, prefix=f".{cache_dir.name}.")
         except OSError:
-            pass  # a read-only home only costs the next start its conversion time
+            return cls(tok, eos_token_ids)  # a read-only home only costs the next start its conversion time
+        try:
+            tok.save_pretrained(staging)
+            os.rename(staging, cache_dir)
+        except OSError:
+            pass  # another process converting the same file renamed its copy first
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
         return cls(tok, eos_token_ids)

@@ -161,7 +161,7 @@ class PrefillWorker(NodeRuntime):
                 try:
                     pulled = self.agent.pull_prefix(node_id, hashes[len(held):length],
                                                     parent_block_id=held[-1] if held else NO_BLOCK,
-                                                    timeout_s=self.cfg.prefill_timeout_s,
+                                                    timeout_s=self.cfg.holder_timeout_s,
                                                     request_id=f"pull:{request_id}")
                     self.tokens_pulled += len(pulled) * self.cfg.block_size
                     held += pulled

@@ -34,6 +34,14 @@ class Mutation:
 
 
 MUTATIONS = (
+    Mutation("tensor parallelism: the MLP's partial sums are never all-reduced", "kvmesh/model/layers.py",
+             "        return out if self.group is None else self.group.all_reduce(out)",
+             "        return out",
+             ("tests/test_tensor_parallel.py", "-k", "one_rank_streams")),
+    Mutation("tensor parallelism: a rank takes another rank's KV heads", "kvmesh/model/tp_shard.py",
+             "            first = self.kv_head_ids[0]",
+             "            first = 0",
+             ("tests/test_tensor_parallel.py", "-k", "one_rank_streams")),
     Mutation("aborts are dropped on their way to the node", "cluster/node_connection.py",
              "        self._send(encode(nm.AbortRequest(request_id)))",
              "        pass  # mutation: the abort never leaves",

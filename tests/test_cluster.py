@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import random
+import signal
 import time
 
 import pytest
@@ -261,6 +262,29 @@ def test_dead_prefill_node_and_etcd_outage_do_not_lose_requests(reference):
         out = c.client("decode-0").generate_many(more, GREEDY, timeout_s=120)
         assert [o.token_ids for o in out] == reference(more)
         c.start_etcd()
+        check_all(c)
+
+
+def test_a_silent_holder_is_given_up_on_after_the_holder_timeout(reference):
+    """decode-0 holds a prefix and stops answering (SIGSTOP, its lease still valid): decode-1 plans to fetch the
+    prefix from it, waits ``--holder-timeout`` for the push (well under the 5 s default), then gets the blocks
+    elsewhere and answers correctly, counting nothing as reused from that holder."""
+    args = ["--transfer-backend", "zmq", "--holder-timeout", "0.5", "--prefill-timeout", "30"]
+    per_node = {"decode-0": ["--kv-placement", "threshold:100000"], "decode-1": ["--kv-placement", "threshold:0"]}
+    with LocalCluster(num_prefill=1, num_decode=2, node_args=args, cluster="holder-timeout",
+                      per_node_args=per_node) as c:
+        prefix = prompt(4000, 96)
+        first, second = prefix + prompt(4001, 20), prefix + prompt(4002, 20)
+        assert c.client("decode-0").generate(first, GREEDY).token_ids == reference([first])[0]
+        wait_until_published(c, prefix, 6)
+        c.nodes["decode-0"].proc.send_signal(signal.SIGSTOP)
+        try:
+            out = c.client("decode-1").generate(second, GREEDY, timeout_s=60)
+        finally:
+            c.nodes["decode-0"].proc.send_signal(signal.SIGCONT)
+        assert out.error == "" and out.token_ids == reference([second])[0]
+        assert out.stats["tokens_reused_remote"] == 0, out.stats  # nothing came from the silent holder
+        assert 500 <= out.stats["kv_wait_ms"] < 5000, out.stats  # it waited the holder timeout, not the default
         check_all(c)
 
 

@@ -5,7 +5,6 @@ Runs where root and ``ip netns`` exist; elsewhere each test is skipped with the 
 from __future__ import annotations
 
 import functools
-import glob
 import json
 import os
 import random
@@ -85,6 +84,16 @@ def still_running(pid: int) -> bool:
         return False
 
 
+def _argv_after(pid: int, flag: str) -> list[str]:
+    """The values following ``flag`` in ``pid``'s command line (none when it has gone)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            argv = f.read().decode(errors="replace").split("\0")
+    except OSError:
+        return []
+    return [argv[i + 1] for i, arg in enumerate(argv[:-1]) if arg == flag]
+
+
 def processes_matching(*parts: str) -> list[int]:
     """Pids whose command line contains every one of ``parts`` (read from /proc, no pgrep needed)."""
     pids = []
@@ -143,17 +152,18 @@ def test_three_hosts_parity_and_cross_host_reuse(hosts):
     node on host 3; etcd stops cleanly on SIGTERM."""
     placement = {"prefill-0": 2, "decode-0": 3}
     args = ["--transfer-backend", BACKEND, "--kv-placement", "threshold:0"]
-    data_dirs = set(glob.glob(os.path.join(tempfile.gettempdir(), "kvmesh-etcd-*")))
     token = generate_token()
     etcd, endpoint = start_etcd(hosts[1], token)
     assert endpoint == f"{hosts[1].address}:2379"  # 0.0.0.0 advertised as the address routing out of host 1
     below = descendants(etcd.pid)  # ours: the etcd server `kvmesh etcd` started (no other job's process)
+    data_dirs = {os.path.dirname(arg) for pid in below for arg in _argv_after(pid, "--data-dir")}
+    assert data_dirs, "no etcd data dir among the processes of kvmesh etcd"
     try:
         _three_hosts(hosts, endpoint, placement, args, token)
     finally:
         etcd.terminate()
         assert etcd.wait(timeout=30) == 0
-    assert set(glob.glob(os.path.join(tempfile.gettempdir(), "kvmesh-etcd-*"))) <= data_dirs  # its data dir went
+    assert not [d for d in data_dirs if os.path.exists(d)], "etcd's data dir outlived kvmesh etcd"
     assert below and not [pid for pid in below if still_running(pid)], "etcd outlived kvmesh etcd"
 
 
@@ -321,8 +331,7 @@ def test_kvmesh_launch_on_a_ray_cluster_spanning_two_hosts(hosts, ray_auth_env):
         stop = subprocess.run([*h1.exec_prefix, sys.executable, "-m", "kvmesh.cli", "launch", "--address", address,
                                "--stop"], capture_output=True, text=True, env=env, timeout=120)
         assert all(name in stop.stderr for name in ("etcd", "prefill-0", "decode-0")), stop.stderr
-        etcd_port = placed["etcd"].rsplit(":", 1)[1]
-        assert not processes_matching("--listen-client-urls", f":{etcd_port}"), "launch --stop left etcd running"
+        assert not processes_matching("--listen-client-urls", placed["etcd"]), "launch --stop left etcd running"
     finally:
         if launch is not None and launch.poll() is None:
             launch.kill()

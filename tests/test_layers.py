@@ -16,7 +16,7 @@ LAYERS = [
     ("kernels", ["kvmesh.kernels"]),
     ("model", ["kvmesh.model", "kvmesh.tokenizer"]),
     ("kv", ["kvmesh.kv"]),
-    ("engine", ["kvmesh.engine"]),
+    ("engine", ["kvmesh.engine", "kvmesh.parallel"]),
     ("metadata", ["kvmesh.metadata"]),
     ("transfer", ["kvmesh.transfer"]),
     ("node", ["kvmesh.node"]),

@@ -104,3 +104,37 @@ def test_unsupported_architectures_are_refused(tmp_path):
     (hf_dir / "config.json").write_text(json.dumps({"model_type": "mamba", "architectures": ["MambaForCausalLM"]}))
     with pytest.raises(UnsupportedModelError, match="mamba"):
         load_model(str(hf_dir))
+
+
+def test_converted_weights_are_cached_whole_by_concurrent_writers(tmp_path, monkeypatch, tiny_llama):
+    """Two processes converting one GGUF at once (two nodes starting on one machine): each writes under a name
+    of its own and renames, so a reader never sees a half-written file and a failed write leaves nothing."""
+    from kvmesh.model import gguf_loader
+
+    state = {k: v.clone() for k, v in list(tiny_llama.model.hf_state_dict().items())[:3]}
+    monkeypatch.setenv("KVMESH_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(gguf_loader, "load_gguf", lambda path, progress=True: (tiny_llama.config, state))
+    source = tmp_path / "model.gguf"
+    source.write_bytes(b"stand-in: load_gguf is replaced")
+    entry = tmp_path / "cache" / "gguf" / gguf_loader.file_identity_key(source)
+    seen = []
+
+    def inner_writer(tmp):  # a second conversion runs to its end while the first is mid-write
+        seen.append(sorted(p.name for p in entry.iterdir()))
+        tmp.write_bytes(b"partial")
+        gguf_loader._write_into_place(entry / "config.json", lambda t: t.write_text("{}"))
+        assert (entry / "config.json").read_text() == "{}"
+        raise OSError("the first writer dies mid-write")
+
+    entry.mkdir(parents=True)
+    with pytest.raises(OSError):
+        gguf_loader._write_into_place(entry / "config.json", inner_writer)
+    assert seen[0] and "config.json" not in seen[0]  # the final name appears only by rename
+    assert sorted(p.name for p in entry.iterdir()) == ["config.json"]  # the dead writer's temp file is gone
+    (entry / "config.json").unlink()
+    config, loaded = gguf_loader.load_gguf_cached(source)
+    assert config == tiny_llama.config and sorted(p.name for p in entry.iterdir()) == ["config.json",
+                                                                                        "model.safetensors"]
+    monkeypatch.setattr(gguf_loader, "load_gguf", lambda *a, **k: pytest.fail("the cached copy was not used"))
+    config, again = gguf_loader.load_gguf_cached(source)
+    assert config == tiny_llama.config and all(torch.equal(again[k], state[k]) for k in state)

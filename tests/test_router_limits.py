@@ -249,6 +249,9 @@ def test_documented_request_fields_and_limits(served, monkeypatch):
 
         with pytest.raises(InvalidRequestError, match="would pin 4 blocks: at most 3"):
             router.pin(list(range(100, 132)), "two more")
+        # Listing and unpinning ask the store: a pin this mirror has not seen yet is listed and unpinned.
+        monkeypatch.setattr(router.pin_registry, "snapshot", lambda: {})
+        assert pinned["id"] in [p["id"] for p in router.pins()]
     finally:
         assert router.unpin(pinned["id"])
     deadline = time.monotonic() + 30

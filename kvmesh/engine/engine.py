@@ -75,7 +75,8 @@ class LLMEngine:
         self.tokenizer = loaded.tokenizer
         self.max_model_len = min(config.max_model_len or loaded.config.max_position_embeddings,
                                  loaded.config.max_position_embeddings)
-        self.layout = KVLayout.for_model(loaded.config, loaded.dtype, config.block_size,
+        # With tensor parallelism the model's config is this rank's part: the buffer holds this rank's KV heads.
+        self.layout = KVLayout.for_model(loaded.model.config, loaded.dtype, config.block_size,
                                          num_blocks=config.num_kv_blocks,
                                          memory_bytes=int(config.kv_cache_memory_gib * 2**30))
         if config.eviction_policy not in POLICIES:
@@ -91,7 +92,7 @@ class LLMEngine:
         kv_buffer = kv_allocator(self.layout.shape, self.layout.dtype) if kv_allocator is not None and on_host \
             else self.layout.allocate(loaded.device)
         self.runner = ModelRunner(loaded.model, kv_buffer, config.block_size)
-        if kv_buffer.is_cuda and not config.enforce_eager:
+        if kv_buffer.is_cuda and not config.enforce_eager and loaded.tp_size == 1:  # tensor parallel: eager
             self._capture_graphs()
         self.pins = PinnedPrefixes(self.pool)
         self.speculator = None

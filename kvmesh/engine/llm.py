@@ -26,10 +26,22 @@ class LLM:
                  enable_prefix_caching: bool = True, long_prefill_token_threshold: int = 0,
                  max_num_partial_prefills: int = 4, eviction_policy: str = "tail-first-lru",
                  speculative: SpeculativeConfig | None = None, progress: bool = True, enforce_eager: bool = False,
-                 load_format: str = "auto"):
+                 load_format: str = "auto", tensor_parallel_size: int = 1):
         """``enforce_eager``: on CUDA, no CUDA graphs of decode or prompt steps (``kvmesh/engine/cuda_graphs.py``).
-        ``load_format="dummy"``: seeded weights of the model's shape, made on the device (``model/dummy_weights.py``)."""
-        self.loaded = load_model(model, dtype=dtype, device=device, progress=progress, load_format=load_format)
+        ``load_format="dummy"``: seeded weights of the model's shape, made on the device (``model/dummy_weights.py``).
+        ``tensor_parallel_size`` N > 1: the model split over N ranks, this process and N - 1 it starts
+        (``kvmesh/parallel/ranks.py``; on the CPU they split the cores); ``close`` stops them (so does exit).
+        ``kv_cache_memory_gib`` is then each rank's."""
+        self.ranks = None
+        if tensor_parallel_size > 1:
+            from kvmesh.parallel.ranks import TensorParallelRanks
+
+            self.ranks = TensorParallelRanks(model, tensor_parallel_size, dtype=dtype, device=device,
+                                             load_format=load_format, progress=progress)
+            self.loaded = self.ranks.loaded
+        else:
+            self.loaded = load_model(model, dtype=dtype, device=device, progress=progress, load_format=load_format,
+                                     tp=(0, tensor_parallel_size, None))
         scheduler = SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
                                     long_prefill_token_threshold=long_prefill_token_threshold,
                                     max_num_partial_prefills=max_num_partial_prefills)
@@ -37,6 +49,11 @@ class LLM:
             block_size=block_size, num_kv_blocks=num_kv_blocks, kv_cache_memory_gib=kv_cache_memory_gib,
             max_model_len=max_model_len, enable_prefix_caching=enable_prefix_caching, speculative=speculative,
             eviction_policy=eviction_policy, scheduler=scheduler, enforce_eager=enforce_eager))
+
+    def close(self) -> None:
+        """Stops the other tensor-parallel ranks, if any (the engine cannot step afterwards)."""
+        if self.ranks is not None:
+            self.ranks.close()
 
     @property
     def tokenizer(self):

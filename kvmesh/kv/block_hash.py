@@ -27,27 +27,24 @@ _BLOCK_HASHER = hashlib.blake2b(digest_size=16, person=_KV_PERSON)
 
 @dataclass(frozen=True)
 class HashNamespace:
-    """What must match for two nodes to share KV: model, block size, KV dtype, TP shard, tenant."""
+    """What must match for two nodes to share KV: model, block size, KV dtype, tenant. Never the tensor-parallel
+    size: a block is the same KV whichever ranks hold its heads, so nodes of every TP size share one pool."""
 
     model_fingerprint: str
     block_size: int
     kv_dtype: str
-    tp_rank: int = 0
-    tp_size: int = 1
     cache_salt: str = ""
 
     def encode(self) -> bytes:
-        return (f"{self.model_fingerprint}|{self.block_size}|{self.kv_dtype}|"
-                f"{self.tp_rank}/{self.tp_size}|{self.cache_salt}").encode()
+        return f"{self.model_fingerprint}|{self.block_size}|{self.kv_dtype}|{self.cache_salt}".encode()
 
     def root(self) -> BlockHash:
         return root_hash(self.encode())
 
     @classmethod
-    def for_model(cls, fingerprint: str, block_size: int, kv_dtype: str, cache_salt: str = "",
-                  tp_rank: int = 0, tp_size: int = 1) -> HashNamespace:
+    def for_model(cls, fingerprint: str, block_size: int, kv_dtype: str, cache_salt: str = "") -> HashNamespace:
         """``kv_dtype``: the KV buffer's dtype name ("bfloat16", "float32")."""
-        return cls(fingerprint, block_size, kv_dtype, tp_rank, tp_size, cache_salt)
+        return cls(fingerprint, block_size, kv_dtype, cache_salt)
 
 
 def root_hash(namespace: bytes) -> BlockHash:

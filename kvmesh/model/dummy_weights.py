@@ -43,12 +43,37 @@ def _std_of(name: str, param: torch.Tensor) -> tuple[float, float]:
 
 
 @torch.no_grad()
-def fill_dummy_weights(model: torch.nn.Module, seed: int) -> None:
-    """Draw every parameter of ``model`` in place on its own device and dtype (tied ones once)."""
+def fill_dummy_weights(model: torch.nn.Module, seed: int, shard=None) -> None:
+    """Draw every parameter of ``model`` in place on its own device and dtype (tied ones once).
+
+    ``shard``: ``model`` is one tensor-parallel rank's part (``kvmesh/model/tp_shard.py``): each parameter is
+    drawn whole, as the whole model draws it, and cut to this rank's part, one parameter at a time (no rank
+    holds more than one whole parameter), so every TP size gets the same weights."""
+    whole = None
+    if shard is not None and shard.size > 1:
+        from kvmesh.model.llama import LlamaForCausalLM
+
+        with torch.device("meta"):
+            whole = dict(LlamaForCausalLM.uninitialized(shard.config).named_parameters())
     for name, param in model.named_parameters():
         generator = torch.Generator(device=param.device).manual_seed(parameter_seed(seed, name))
-        mean, std = _std_of(name, param)
-        param.normal_(mean, std, generator=generator)
+        if whole is None:
+            mean, std = _std_of(name, param)
+            param.normal_(mean, std, generator=generator)
+            continue
+        mean, std = _std_of(name, whole[name])
+        drawn = torch.empty(whole[name].shape, dtype=param.dtype, device=param.device)
+        drawn.normal_(mean, std, generator=generator)
+        param.copy_(_cut(name, drawn, shard))
+
+
+def _cut(name: str, tensor: torch.Tensor, shard) -> torch.Tensor:
+    """A kvmesh-named (fused) tensor of the whole model cut to ``shard``'s part."""
+    from kvmesh.model.weight_names import fuse_hf_state_dict, split_to_hf
+
+    pieces = shard.shard_state_dict(split_to_hf({name: tensor}, shard.config))
+    (fused,) = fuse_hf_state_dict(pieces, shard.local_config()).values()
+    return fused
 
 
 def dummy_fingerprint(config: ModelConfig, dtype: torch.dtype, device: torch.device, seed: int) -> str:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import tempfile
 from dataclasses import asdict
 from pathlib import Path
 
@@ -129,11 +130,21 @@ def load_gguf_cached(path: Path, progress: bool = True) -> tuple[ModelConfig, di
         config = ModelConfig(**cfg, rope_scaling=RopeScaling(**scaling) if scaling else None)
         return config, load_file(str(entry / "model.safetensors"))
     config, state = load_gguf(path, progress=progress)
-    try:
+    try:  # each file written under a name of its own and renamed: processes converting at once never mix
         entry.mkdir(parents=True, exist_ok=True)
-        save_file(state, str(entry / "model.safetensors.tmp"))
-        os.replace(entry / "model.safetensors.tmp", entry / "model.safetensors")
-        (entry / "config.json").write_text(json.dumps(asdict(config)))
+        _write_into_place(entry / "model.safetensors", lambda tmp: save_file(state, str(tmp)))
+        _write_into_place(entry / "config.json", lambda tmp: tmp.write_text(json.dumps(asdict(config))))
     except OSError:
         pass
     return config, state
+
+
+def _write_into_place(path: Path, write) -> None:
+    """``write(tmp)`` to a fresh temporary file beside ``path``, then rename it to ``path``."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    os.close(fd)
+    try:
+        write(Path(tmp))
+        os.replace(tmp, path)
+    finally:
+        Path(tmp).unlink(missing_ok=True)

@@ -24,10 +24,14 @@ class RMSNorm(nn.Module):
 
 
 class SwiGLU(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int):
+    def __init__(self, hidden_size: int, intermediate_size: int, group=None):
+        """``group``: a tensor-parallel group (``kvmesh/parallel``); ``intermediate_size`` is then this rank's part
+        and ``down_proj``'s partial sums are all-reduced."""
         super().__init__()
         self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)  # gate rows, then up rows
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.group = group
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(ops.silu_mul(self.gate_up_proj(x)))
+        out = self.down_proj(ops.silu_mul(self.gate_up_proj(x)))
+        return out if self.group is None else self.group.all_reduce(out)

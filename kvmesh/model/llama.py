@@ -22,8 +22,10 @@ from kvmesh.model.weight_names import fuse_hf_state_dict, split_to_hf
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, group=None):
+        """``cfg``: with tensor parallelism (``group``), this rank's heads (``TPShard.local_config``)."""
         super().__init__()
+        self.group = group
         self.layer_idx = layer_idx
         self.num_heads = cfg.num_heads
         self.num_kv_heads = cfg.num_kv_heads
@@ -61,14 +63,15 @@ class Attention(nn.Module):
         else:  # rotation and the cache write in one kernel call where the CPU kernels are there
             q = ops.rope_store(qkv, *rope, k_cache, v_cache, md, self.num_heads)
         out = ops.paged_attention(q, k_cache, v_cache, md, self.scale, fresh_kv)
-        return self.o_proj(out.reshape(num_tokens, -1))
+        out = self.o_proj(out.reshape(num_tokens, -1))
+        return out if self.group is None else self.group.all_reduce(out)  # o_proj is row-parallel
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, group=None):
         super().__init__()
-        self.self_attn = Attention(cfg, layer_idx)
-        self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
+        self.self_attn = Attention(cfg, layer_idx, group)
+        self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, group)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -86,10 +89,10 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaBackbone(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, group=None):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, group) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
@@ -108,15 +111,19 @@ class LlamaForCausalLM(nn.Module):
     """Call ``forward`` under ``torch.inference_mode``; it mutates ``kv_buffer`` in place."""
 
     @classmethod
-    def uninitialized(cls, cfg: ModelConfig) -> LlamaForCausalLM:
+    def uninitialized(cls, cfg: ModelConfig, group=None, vocab_start: int = 0) -> LlamaForCausalLM:
         """A model whose parameters hold garbage until ``load_weights_assign``."""
         with _uninitialized_parameters():
-            return cls(cfg)
+            return cls(cfg, group, vocab_start)
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, group=None, vocab_start: int = 0):
+        """``group``: a tensor-parallel group (``kvmesh/parallel``): ``cfg`` is then this rank's part of the model
+        (``TPShard.local_config``), whose vocabulary rows start at ``vocab_start``."""
         super().__init__()
         self.config = cfg
-        self.model = LlamaBackbone(cfg)
+        self.group = group
+        self.vocab_start = vocab_start
+        self.model = LlamaBackbone(cfg, group)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -129,15 +136,26 @@ class LlamaForCausalLM(nn.Module):
         ``num_layers``: run only the first layers (then the final norm), storing K/V of those layers
         only: an early-exit draft of the same model (speculative decoding's self-draft).
         """
-        x = self.model.embed_tokens(input_ids)
+        x = self._embed(input_ids)
         rope = self.rope.lookup(positions, x.dtype)
         pending = None
         for layer in self.model.layers[:num_layers]:
             x, pending = layer(x, pending, rope, kv_buffer, md)
         return self.model.norm(x) if pending is None else self.model.norm.add_forward(x, pending)[1]
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.group is None:
+            return self.model.embed_tokens(input_ids)
+        local = input_ids - self.vocab_start  # this rank's rows; the others' ids look up zeros, summed away
+        outside = (local < 0) | (local >= self.config.vocab_size)
+        x = self.model.embed_tokens(local.masked_fill(outside, 0))
+        return self.group.all_reduce(x.masked_fill(outside.unsqueeze(-1), 0))
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Logits [rows, vocab] in float32; with tensor parallelism the whole vocabulary on rank 0, None on the
+        other ranks (each computes its rows of the vocabulary, gathered to rank 0)."""
+        logits = self.lm_head(hidden).float()
+        return logits if self.group is None else self.group.gather_columns(logits)
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         """The weights under Hugging Face's names (for exporting and for reference models)."""

@@ -24,26 +24,36 @@ from kvmesh.model.llama import LlamaForCausalLM
 from kvmesh.model.presets import PRESETS, random_state_dict
 from kvmesh.model.card import directory_tokenizer, load_tokenizer, preset_tokenizer
 from kvmesh.model.dummy_weights import dummy_fingerprint, fill_dummy_weights
+from kvmesh.model.tp_shard import TPShard
 from kvmesh.tokenizer import HFTokenizer, Tokenizer
 
 
 @dataclass(frozen=True)
 class LoadedModel:
     name: str
-    config: ModelConfig
+    config: ModelConfig  # the whole model's (with tensor parallelism, ``model.config`` is this rank's part)
     model: LlamaForCausalLM
     tokenizer: Tokenizer
     dtype: torch.dtype
     device: torch.device
-    fingerprint: str
+    fingerprint: str  # the whole model's: the same at every tensor-parallel size
     load_seconds: float
+    tp_size: int = 1
 
 
 def build_model(config: ModelConfig, state_dict: dict[str, torch.Tensor], dtype: torch.dtype,
-                device: torch.device) -> LlamaForCausalLM:
-    """Instantiate without a throwaway random init, adopt the given weights, pack them on the CPU."""
-    with torch.device(device):
-        model = LlamaForCausalLM.uninitialized(config)
+                device: torch.device, shard: TPShard | None = None, group=None) -> LlamaForCausalLM:
+    """Instantiate without a throwaway random init, adopt the given weights, pack them on the CPU.
+
+    ``shard``/``group``: one tensor-parallel rank's part of the model (``kvmesh/parallel``), cut from the whole
+    ``state_dict``."""
+    if shard is not None and shard.size > 1:
+        state_dict = shard.shard_state_dict(state_dict)
+        with torch.device(device):
+            model = LlamaForCausalLM.uninitialized(shard.local_config(), group, shard.vocab_range()[0])
+    else:
+        with torch.device(device):
+            model = LlamaForCausalLM.uninitialized(config)
     model.load_weights_assign({k: v.to(device=device, dtype=dtype) for k, v in state_dict.items()})
     if can_pack(device, dtype):
         pack_linears(model)
@@ -54,31 +64,46 @@ LOAD_FORMATS = ("auto", "dummy")
 DUMMY_SEED = 0  # the seed of ``--load-format dummy`` for models that are not dummy presets
 
 
-def load_dummy(name_or_path: str, dtype: torch.dtype, device: torch.device, start: float) -> LoadedModel:
+def load_dummy(name_or_path: str, dtype: torch.dtype, device: torch.device, start: float,
+               tp: tuple[int, int, object] | None = None) -> LoadedModel:
     """Config and tokenizer read (no weights); parameters drawn in place on ``device`` in ``dtype``."""
     preset = PRESETS.get(name_or_path)
     card = load_tokenizer(name_or_path)
     seed = preset.seed if preset is not None and preset.seed is not None else DUMMY_SEED
+    shard, group = _shard_of(card.config, tp)
     saved_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype)  # parameters made in their dtype: no float32 copy (RoPE tables stay float32)
     try:
         with torch.device(device):
-            model = LlamaForCausalLM.uninitialized(card.config)
+            model = LlamaForCausalLM.uninitialized(card.config) if shard is None else \
+                LlamaForCausalLM.uninitialized(shard.local_config(), group, shard.vocab_range()[0])
     finally:
         torch.set_default_dtype(saved_dtype)
-    fill_dummy_weights(model, seed)
+    fill_dummy_weights(model, seed, shard)
     if can_pack(device, dtype):
         pack_linears(model)
     return LoadedModel(
         name=name_or_path, config=card.config, model=model.eval(), tokenizer=card.tokenizer, dtype=dtype,
         device=device, fingerprint=dummy_fingerprint(card.config, dtype, device, seed),
-        load_seconds=time.perf_counter() - start,
+        load_seconds=time.perf_counter() - start, tp_size=1 if shard is None else shard.size,
     )
 
 
+def _shard_of(config: ModelConfig, tp: tuple[int, int, object] | None) -> tuple[TPShard | None, object]:
+    """``tp``: (rank, size, group) or None; the shard (None at size 1, checked against ``config``) and group."""
+    if tp is None:
+        return None, None
+    rank, size, group = tp
+    shard = TPShard(config, rank, size)
+    return (shard, group) if size > 1 else (None, None)
+
+
 def load_model(name_or_path: str, dtype: str | torch.dtype = "float32", device: str | torch.device = "cpu",
-               progress: bool = True, load_format: str = "auto") -> LoadedModel:
-    """Load a model for ``device``; ``load_format``: ``auto`` (its weights) or ``dummy`` (seeded, made on the device)."""
+               progress: bool = True, load_format: str = "auto", tp: tuple[int, int, object] | None = None
+               ) -> LoadedModel:
+    """Load a model for ``device``; ``load_format``: ``auto`` (its weights) or ``dummy`` (seeded, made on the device).
+    ``tp``: (rank, size, ``TPGroup``): this tensor-parallel rank's part only (``kvmesh/parallel``); a size the
+    model cannot be split by raises TensorParallelError."""
     if load_format not in LOAD_FORMATS:
         raise UnknownModelError(f"unknown load format {load_format!r} (choose from {', '.join(LOAD_FORMATS)})")
     start = time.perf_counter()
@@ -87,7 +112,7 @@ def load_model(name_or_path: str, dtype: str | torch.dtype = "float32", device: 
     preset = PRESETS.get(name_or_path)
     path = Path(name_or_path).expanduser()
     if load_format == "dummy" or (preset is not None and preset.dummy):
-        return load_dummy(name_or_path, torch_dtype, torch_device, start)
+        return load_dummy(name_or_path, torch_dtype, torch_device, start, tp)
     if preset is not None and preset.config is not None:
         config = preset.config
         state = random_state_dict(config, preset.seed or 0)
@@ -109,9 +134,10 @@ def load_model(name_or_path: str, dtype: str | torch.dtype = "float32", device: 
             f"unknown model {name_or_path!r}: not a preset ({', '.join(PRESETS)}), "
             "a directory with config.json, or a .gguf file"
         )
-    model = build_model(config, state, torch_dtype, torch_device)
+    shard, group = _shard_of(config, tp)
+    model = build_model(config, state, torch_dtype, torch_device, shard, group)
     return LoadedModel(
         name=name_or_path, config=config, model=model, tokenizer=tokenizer, dtype=torch_dtype,
         device=torch_device, fingerprint=model_fingerprint(config, torch_dtype, weights_digest),
-        load_seconds=time.perf_counter() - start,
+        load_seconds=time.perf_counter() - start, tp_size=1 if shard is None else shard.size,
     )

@@ -95,7 +95,7 @@ class NodeConfig:
     shared_memory_transfers: bool = True  # same-host pushes by one copy into a peer's memfd KV buffer
     lease_ttl_s: int = 10
     prefill_timeout_s: float = 10.0
-    holder_timeout_s: float = 5.0  # decode: a holder's push of blocks it already has
+    holder_timeout_s: float = 5.0  # a holder's push of blocks it already has (a decode node's fetch, a prefill node's pull)
     num_landing_slots: int = -1  # one-sided backends: where pushes land before a checked copy (-1: auto)
     kv_placement: str = "cost"  # where uncached KV comes from (kvmesh.node.placement): cost, cost:request, threshold:N
     transfer_gib_per_s: float = 1.0  # assumed by the cost model until it measures transfers

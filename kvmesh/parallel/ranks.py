@@ -1,0 +1,154 @@
+"""One engine over ``size`` tensor-parallel ranks: rank 0 is the caller's process (scheduler, sampling, the
+world), ranks 1.. are processes it starts (``kvmesh/parallel/rank_main.py``) that hold their part of the
+model and their own KV buffer and only run forwards.
+
+Rank 0's engine calls ``TensorParallelModel`` as it calls a model. Each call is first sent to the other ranks
+over their stdin pipes (a step's inputs: token ids, positions, attention metadata, the KV buffer's shape),
+then every rank runs it together, meeting in the model's collectives (``kvmesh/parallel/group.py``); logits
+are gathered to rank 0. Between steps the other ranks wait on their pipes, which cannot time out; inside a
+step every collective does (a dead or hung rank fails the step with an error, never a hang). The other ranks
+die with rank 0 (a closed pipe, or the kernel's parent-death signal).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import pickle
+import subprocess
+import sys
+import threading
+import weakref
+
+import torch
+
+from kvmesh.device import resolve_device
+from kvmesh.lifecycle import die_with_parent
+from kvmesh.model.config import parse_dtype
+from kvmesh.model.loader import load_model
+from kvmesh.model.card import load_tokenizer
+from kvmesh.model.tp_shard import TensorParallelError, check_tp_size
+from kvmesh.parallel.group import DEFAULT_TIMEOUT_S, TPGroup, open_store
+
+
+def cpu_md(md):
+    """Attention metadata with its tensors on the host, its per-step caches dropped: what is sent."""
+    changes = {f.name: getattr(md, f.name).cpu() for f in dataclasses.fields(md)
+               if isinstance(getattr(md, f.name), torch.Tensor)}
+    return dataclasses.replace(md, per_step={}, **changes)
+
+
+class TensorParallelModel:
+    """Rank 0's model: the engine's calls, run by every rank. ``config`` is rank 0's part (its KV heads size
+    the KV buffer); the whole model's config is ``LoadedModel.config``."""
+
+    def __init__(self, local, ranks: TensorParallelRanks):
+        self.local = local
+        self.config = local.config
+        self._ranks = ranks
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_buffer: torch.Tensor, md,
+                 num_layers: int | None = None) -> torch.Tensor:
+        self._ranks.send(("forward", input_ids.cpu(), positions.cpu(), tuple(kv_buffer.shape), kv_buffer.dtype,
+                          cpu_md(md), num_layers))
+        return self.local(input_ids, positions, kv_buffer, md, num_layers)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        self._ranks.send(("logits", hidden.cpu()))
+        return self.local.compute_logits(hidden)
+
+    def hf_state_dict(self) -> dict[str, torch.Tensor]:
+        raise TensorParallelError("a tensor-parallel model's weights are spread over its ranks: export at size 1")
+
+
+class TensorParallelRanks:
+    """Starts ranks 1..size-1, joins them in one group, loads rank 0's part. ``close`` (also at garbage
+    collection and exit) stops them."""
+
+    def __init__(self, model: str, size: int, *, dtype: str = "float32", device: str = "cpu",
+                 load_format: str = "auto", progress: bool = True, timeout_s: float = DEFAULT_TIMEOUT_S):
+        check_tp_size(load_tokenizer(model).config, size)  # before any rank starts
+        self.size = size
+        self._lock = threading.Lock()
+        devices = rank_devices(resolve_device(device) if isinstance(device, str) else torch.device(device), size)
+        dtype_name = str(parse_dtype(dtype, devices[0])).removeprefix("torch.")
+        threads = max(1, (os.cpu_count() or 1) // size)  # on the CPU the ranks split the cores
+        store = open_store(0, size, True, timeout_s)
+        init = {"model": model, "dtype": dtype_name, "load_format": load_format, "size": size, "port": store.port,
+                "timeout_s": timeout_s, "threads": threads}
+        self._procs: list[subprocess.Popen] = []
+        self._finalizer = weakref.finalize(self, _stop, self._procs)
+        try:
+            for rank in range(1, size):
+                proc = subprocess.Popen([sys.executable, "-m", "kvmesh.parallel.rank_main"], stdin=subprocess.PIPE,
+                                        stdout=subprocess.PIPE, preexec_fn=die_with_parent())
+                self._procs.append(proc)
+                pickle.dump({**init, "rank": rank, "device": str(devices[rank])}, proc.stdin)
+                proc.stdin.flush()
+            if devices[0].type == "cpu":
+                torch.set_num_threads(threads)
+            self._read_status("joining")
+            self.group = TPGroup(store, 0, size, devices[0], timeout_s)
+            loaded = load_model(model, dtype=dtype_name, device=devices[0], progress=progress,
+                                load_format=load_format, tp=(0, size, self.group))
+            self._read_status("ready")
+        except BaseException:
+            self.close()
+            raise
+        self.loaded = dataclasses.replace(loaded, model=TensorParallelModel(loaded.model, self))
+
+    def _read_status(self, expected: str) -> None:
+        """Each other rank's next status line; raises on an error line or a rank that exited."""
+        for rank, proc in enumerate(self._procs, start=1):
+            line = proc.stdout.readline()
+            reply = json.loads(line) if line else {"error": f"exited with status {proc.wait()}"}
+            if expected not in reply:
+                raise TensorParallelError(f"tensor-parallel rank {rank} failed to start: {reply.get('error', reply)}")
+
+    def send(self, message: tuple) -> None:
+        """Hands one call to every other rank (in the order rank 0 makes its calls)."""
+        data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+        with self._lock:
+            for rank, proc in enumerate(self._procs, start=1):
+                if proc.poll() is not None:
+                    raise TensorParallelError(f"tensor-parallel rank {rank} is gone (exit status {proc.returncode})")
+                try:
+                    proc.stdin.write(data)
+                    proc.stdin.flush()
+                except (BrokenPipeError, ValueError):
+                    raise TensorParallelError(f"tensor-parallel rank {rank} is gone "
+                                              f"(exit status {proc.poll()})") from None
+
+    def close(self) -> None:
+        """Stops the other ranks (idempotent)."""
+        self._finalizer()
+        group = getattr(self, "group", None)
+        if group is not None:
+            group.close()
+
+
+def rank_devices(device: torch.device, size: int) -> list[torch.device]:
+    """The device of each rank: the CPU for all, or one CUDA device each from ``device``'s index on."""
+    if device.type != "cuda":
+        return [device] * size
+    first = device.index or 0
+    if first + size > torch.cuda.device_count():
+        raise TensorParallelError(f"tensor-parallel size {size} from {device} needs {first + size} CUDA devices, "
+                                  f"this machine shows {torch.cuda.device_count()}")
+    return [torch.device("cuda", first + rank) for rank in range(size)]
+
+
+def _stop(procs: list[subprocess.Popen]) -> None:
+    for proc in procs:
+        try:
+            proc.stdin.close()  # a rank ends when its pipe does
+        except OSError:
+            pass
+    for proc in procs:
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        if proc.stdout is not None:
+            proc.stdout.close()
