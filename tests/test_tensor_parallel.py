@@ -76,8 +76,25 @@ def test_two_ranks_generate_the_one_rank_streams_and_logits(model):
             want = [float(logp[len(prompt) - 1 + i, t]) for i, t in enumerate(seq.output_token_ids)]
             assert seq.output_logprobs == pytest.approx(want, abs=1e-4)
         split.engine.check_integrity()
+        assert_same_kv_per_rank(split, whole, PROMPTS[0])
     finally:
         split.close()
+
+
+def assert_same_kv_per_rank(split: LLM, whole: LLM, prompt: list[int]) -> None:
+    """The KV oracle per rank: each rank's cached KV of ``prompt`` is exactly the whole model's KV of the heads
+    that rank holds (looked up through each engine's own prefix cache)."""
+    def cached_blocks(llm: LLM) -> list[int]:
+        return llm.engine.kv.pool.match(llm.engine.kv.hash_prompt(prompt))
+
+    whole_blocks, split_blocks = cached_blocks(whole), cached_blocks(split)
+    assert len(whole_blocks) == len(split_blocks) == len(prompt) // 16 >= 3
+    reference = whole.engine.runner.kv_buffer[torch.tensor(whole_blocks)]
+    parts = split.loaded.model.read_kv(split.engine.runner.kv_buffer, split_blocks)
+    assert len(parts) == 2
+    for rank, part in enumerate(parts):
+        heads = TPShard(whole.loaded.config, rank, 2).kv_head_ids
+        assert torch.allclose(part, reference[..., heads, :], rtol=1e-5, atol=1e-5), f"rank {rank}'s KV heads"
 
 
 def test_dummy_weights_are_drawn_whole_and_cut_the_same_at_every_size():

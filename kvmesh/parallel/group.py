@@ -67,6 +67,11 @@ class TPGroup:
         self._wait(self._pg.gather([], [x], opts), "gather")
         return None
 
+    def gather_stack(self, x: torch.Tensor) -> torch.Tensor | None:
+        """Rank 0: every rank's ``x`` (all of one shape) stacked [size, ...]; other ranks: None."""
+        parts = self.gather_columns(x.reshape(-1, 1))
+        return None if parts is None else parts.t().reshape(self.size, *x.shape)
+
     def close(self) -> None:
         try:
             self._pg.shutdown()

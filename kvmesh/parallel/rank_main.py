@@ -55,6 +55,9 @@ def serve(init: dict, calls, status) -> None:
                 model(input_ids.to(device), positions.to(device), kv_buffers[(shape, dtype)], md, num_layers)
             elif call[0] == "logits":
                 model.compute_logits(call[1].to(device))
+            elif call[0] == "read_kv":
+                (kv,) = kv_buffers.values()
+                group.gather_stack(kv[torch.tensor(call[1], device=device)].cpu())
             else:
                 raise ValueError(f"unknown call {call[0]!r}")
 

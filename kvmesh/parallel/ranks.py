@@ -57,6 +57,13 @@ class TensorParallelModel:
         self._ranks.send(("logits", hidden.cpu()))
         return self.local.compute_logits(hidden)
 
+    def read_kv(self, kv_buffer: torch.Tensor, block_ids: list[int]) -> list[torch.Tensor]:
+        """Each rank's KV of ``block_ids`` ([blocks, layers, 2, block_size, its KV heads, head_dim], rank order):
+        what the KV oracle compares with a whole model's heads (``TPShard.kv_head_ids``)."""
+        self._ranks.send(("read_kv", list(block_ids)))
+        mine = kv_buffer[torch.tensor(block_ids, device=kv_buffer.device)].cpu()
+        return list(self.local.group.gather_stack(mine).unbind(0))
+
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         raise TensorParallelError("a tensor-parallel model's weights are spread over its ranks: export at size 1")
 
