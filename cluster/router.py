@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
+from kvmesh.cluster.detokenizer import IncrementalDetokenizer
 from kvmesh.cluster.fetch_costs import FetchCosts
 from kvmesh.cluster.metrics import RouterMetrics
 from kvmesh.cluster.node_connection import NodeConnection, NodeLost
@@ -102,6 +103,7 @@ class _StreamState:
     """What a client has been sent so far (survives a migration to another node)."""
 
     num_prompt: int
+    detokenizer: IncrementalDetokenizer
     tokens: list[int] = field(default_factory=list)
     text: str = ""
     first_token_at: float | None = None
@@ -200,7 +202,7 @@ class Router:
             self._in_flight += 1
             self._in_flight_by_client[client] += 1
         self.metrics.in_flight.inc()
-        state = _StreamState(len(prompt_ids))
+        state = _StreamState(len(prompt_ids), IncrementalDetokenizer(self.tokenizer))
         lost: set[tuple[str, str]] = set()  # (node id, request endpoint): a restarted node is a new incarnation
         conn, rid = None, ""
         queued = _Queued(self._queued, self._lock)
@@ -275,14 +277,14 @@ class Router:
             if isinstance(event, NodeLost):
                 raise event
             if event.error:
-                raise (InvalidRequestError if "vocabulary" in event.error or "empty" in event.error
+                raise (InvalidRequestError if event.error_kind == nm.ERROR_INVALID
                        else KvmeshError)(f"decode node {node_id}: {event.error}")
             state.tokens += event.token_ids
             logprobs = list(event.logprobs)
             k = len(event.top_token_ids) // len(event.token_ids) if event.token_ids else 0
             tops = [list(zip(event.top_token_ids[i * k:(i + 1) * k], event.top_logprobs[i * k:(i + 1) * k]))
                     for i in range(len(event.token_ids))] if logprobs else []
-            full = self.tokenizer.decode(state.tokens)
+            full = state.detokenizer.update(state.tokens, final=event.finished)  # each token decoded about twice
             cut = first_stop(full, stop, len(state.text))
             if cut >= 0:
                 state.cut_by_stop_string = True
@@ -291,9 +293,7 @@ class Router:
                 return
             if event.finished:
                 sendable = len(full)
-            elif full.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the rest
-                sendable = len(state.text)
-            else:
+            else:  # (the detokenizer settles no incomplete UTF-8 sequence before the stream's end)
                 sendable = max(len(state.text), len(full) - stop_prefix_len(full, stop))
             delta = full[len(state.text):sendable]
             state.text = full[:sendable]

@@ -31,7 +31,7 @@ from kvmesh.decode_node.link_probe import probe_shared_memory_round_trip
 from kvmesh.node.planner import FetchPlan, HolderOption, PlanRequest, prompt_tokens_ahead
 from kvmesh.decode_node.prefill_nodes import PrefillNodes
 from kvmesh.engine.sequence import Sequence
-from kvmesh.errors import KvmeshError, OutOfBlocksError
+from kvmesh.errors import InvalidRequestError, KvmeshError, OutOfBlocksError
 from kvmesh.kv.block_pool import NO_BLOCK
 from kvmesh.node import messages as nm
 from kvmesh.node.runtime import NodeRuntime
@@ -153,13 +153,14 @@ class DecodeWorker(NodeRuntime):
     def _admit(self, identity: bytes, msg: nm.GenerateRequest) -> None:
         rid = msg.request_id
         if rid in self._requests:
-            self._send_error(identity, rid, f"request id {rid!r} is already in use")
+            self._send_error(identity, rid, f"request id {rid!r} is already in use", nm.ERROR_INTERNAL)
             return
         try:
             seq = self.engine.prepare_request(msg.prompt_token_ids, msg.sampling_params(), request_id=rid)
         except Exception as e:  # any refusal must reach the caller, never leave it waiting
-            error = str(e) if isinstance(e, (KvmeshError, ValueError, TypeError)) else f"{type(e).__name__}: {e}"
-            self._send_error(identity, rid, error)
+            invalid = isinstance(e, (InvalidRequestError, ValueError, TypeError))
+            error = str(e) if invalid or isinstance(e, KvmeshError) else f"{type(e).__name__}: {e}"
+            self._send_error(identity, rid, error, nm.ERROR_INVALID if invalid else nm.ERROR_INTERNAL)
             return
         request = self._requests[rid] = _ClientRequest(identity, seq)
         num_local = len(self.engine.kv.find_cached_prefix(seq))
@@ -271,8 +272,9 @@ class DecodeWorker(NodeRuntime):
             self.engine.abort(request.seq)
             self.num_aborted += 1
 
-    def _send_error(self, identity: bytes, request_id: str, error: str) -> None:
-        self.endpoint.send(identity, encode(nm.TokenEvent(request_id, [], finished=True, error=error)))
+    def _send_error(self, identity: bytes, request_id: str, error: str, kind: str) -> None:
+        self.endpoint.send(identity, encode(nm.TokenEvent(request_id, [], finished=True, error=error,
+                                                          error_kind=kind)))
 
     def on_token(self, seq: Sequence, token_id: int) -> None:
         request = self._requests.get(seq.request_id)
@@ -289,7 +291,8 @@ class DecodeWorker(NodeRuntime):
         request = self._requests.pop(seq.request_id, None)
         if request is not None:
             self.endpoint.send(request.identity, encode(nm.TokenEvent(seq.request_id, [], finished=True,
-                                                                      finish_reason="error", error=error)))
+                                                                      finish_reason="error", error=error,
+                                                                      error_kind=nm.ERROR_INTERNAL)))
 
     def on_finish(self, seq: Sequence) -> None:
         request = self._requests.pop(seq.request_id, None)

@@ -25,9 +25,16 @@ class GenerateRequest:
         return from_wire(self.sampling)
 
 
+ERROR_INVALID = "invalid"  # the request cannot be served as asked (the client's fault)
+ERROR_INTERNAL = "internal"  # the node failed it
+ERROR_KINDS = ("", ERROR_INVALID, ERROR_INTERNAL)
+
+
 @dataclass(frozen=True)
 class TokenEvent:
-    """Decode node -> client: new tokens; the last event has ``finished`` (and stats, or an error)."""
+    """Decode node -> client: new tokens; the last event has ``finished`` (and stats, or an error).
+    ``error_kind`` says whose fault an error is: ``ERROR_INVALID`` the request's (a client error), else the
+    node's (``ERROR_INTERNAL``)."""
 
     TYPE: ClassVar[str] = "tokens"
     request_id: str
@@ -35,6 +42,7 @@ class TokenEvent:
     finished: bool = False
     finish_reason: str = ""
     error: str = ""
+    error_kind: str = ""
     stats: dict = field(default_factory=dict)  # tokens_reused_local / _remote, tokens_computed
     logprobs: list[float] = field(default_factory=list)  # per token of token_ids, when asked for
     top_token_ids: list[int] = field(default_factory=list)  # k alternatives per token, flattened
@@ -43,6 +51,8 @@ class TokenEvent:
     def validate(self) -> None:
         if self.logprobs and len(self.logprobs) != len(self.token_ids):
             raise MessageError("tokens: one logprob per token")
+        if self.error_kind not in ERROR_KINDS or bool(self.error_kind) != bool(self.error):
+            raise MessageError(f"tokens: error kind {self.error_kind!r} with error {self.error!r}")
         if len(self.top_token_ids) != len(self.top_logprobs):
             raise MessageError("tokens: top_token_ids and top_logprobs differ in length")
 

@@ -290,7 +290,8 @@ class NodeRuntime:
             msg = decode(payload, nm.REQUESTS)
         except MessageError as e:
             log.warning("%s: refused a malformed request: %s", self.cfg.node_id, e)
-            self.endpoint.send(identity, encode(nm.TokenEvent("", [], finished=True, error=f"malformed: {e}")))
+            self.endpoint.send(identity, encode(nm.TokenEvent("", [], finished=True, error=f"malformed: {e}",
+                                                              error_kind=nm.ERROR_INVALID)))
             return
         if isinstance(msg, nm.StatsRequest):
             if msg.check or msg.kv_probe:  # integrity checks and KV reads need the engine between steps
@@ -366,7 +367,8 @@ class NodeRuntime:
     # ---- role hooks -----------------------------------------------------------------------------------
     def handle(self, identity: bytes, msg) -> None:
         self.endpoint.send(identity, encode(nm.TokenEvent(getattr(msg, "request_id", ""), [], finished=True,
-                                                          error=f"{self.cfg.role} node does not take {msg.TYPE}")))
+                                                          error=f"{self.cfg.role} node does not take {msg.TYPE}",
+                                                          error_kind=nm.ERROR_INVALID)))
 
     def on_token(self, seq: Sequence, token_id: int) -> None:
         pass
