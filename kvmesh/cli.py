@@ -103,6 +103,9 @@ def _add_bench(sub) -> None:
     m.add_argument("--prefill-lens", default="512,2048", help="comma-separated prompt lengths")
     m.add_argument("--dtype", default="auto", help="both implementations run in this dtype (auto: see generate)")
     m.add_argument("--device", default="cpu", help="both run here: cpu, cuda or cuda:N (auto: CUDA when visible)")
+    m.add_argument("--tp", type=int, default=1,
+                   help="N > 1: the model at tensor-parallel size 1 against size N instead (first batch size, first "
+                        "prefill length; the share of a step spent in collectives)")
     m.set_defaults(func=_run_bench_model)
     t = which.add_parser("transfer", help="KV pushes between two processes vs memcpy and TCP ceilings")
     t.add_argument("--json", default=None)
@@ -328,6 +331,14 @@ def _run_bench_model(args: argparse.Namespace) -> int:
 
     lens = tuple(int(x) for x in args.prefill_lens.split(",") if x)
     batches = (args.batch,) if args.batch else tuple(int(x) for x in args.batches.split(",") if x)
+    if args.tp > 1:
+        from kvmesh.bench import tensor_parallel
+
+        tensor_parallel.run(args.model, args.tp, args.json, batch=batches[0], context=args.context,
+                            decode_tokens=args.decode_tokens, prefill_len=lens[0] if lens else 512, repeat=args.repeat,
+                            dtype=args.dtype, device=args.device,
+                            load_format=args.load_format)
+        return 0
     model.run(args.model, args.json, prefill_lens=lens, batches=batches, context=args.context,
               decode_tokens=args.decode_tokens, repeat=args.repeat, dtype=args.dtype, device=args.device,
               load_format=args.load_format, static=args.static)

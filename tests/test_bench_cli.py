@@ -74,6 +74,19 @@ def test_bench_index_measures_both_designs_on_one_fleet(tmp_path):
     assert res["extrapolated"]["blocks"] == 100_000_000 and set(res["ratios"]) >= {"publish", "etcd_rss_per_block"}
 
 
+def test_bench_model_tp_compares_two_sizes_of_one_model(tmp_path, capsys):
+    path = tmp_path / "tp.json"
+    assert main(["bench", "model", "--model", "tiny-llama", "--tp", "2", "--prefill-lens", "64", "--batches", "4",
+                 "--context", "32", "--decode-tokens", "12", "--repeat", "2", "--json", str(path)]) == 0
+    res = json.loads(path.read_text())
+    assert res["same_streams"] and [r["tensor_parallel_size"] for r in res["rows"]] == [1, 2]
+    one, two = res["rows"]
+    assert one["collective_share"] == 0 and 0 < two["collective_share"] < 1
+    assert all(r["decode_tok_s"] > 0 and r["prefill_s"] > 0 for r in res["rows"])
+    assert res["decode_ratio"] == two["decode_tok_s"] / one["decode_tok_s"]
+    assert "size 2 / size 1" in capsys.readouterr().out
+
+
 def test_bench_model_rows_per_batch_with_the_static_baseline(tmp_path, capsys):
     """A dummy-weights shape (``--load-format dummy`` on a preset's config), two decode batches, static cache on."""
     path = tmp_path / "model.json"

@@ -6,6 +6,7 @@ node's ranks run on one machine. Every collective ends within ``timeout_s`` (rai
 from __future__ import annotations
 
 import datetime
+import time
 
 import torch
 import torch.distributed as dist
@@ -28,6 +29,7 @@ class TPGroup:
         """Blocks until all ``size`` ranks have joined (or ``timeout_s``)."""
         self.rank, self.size, self.device = rank, size, torch.device(device)
         self.timeout_s = timeout_s
+        self.collective_s = 0.0  # time this rank spent in collectives (issuing and waiting): their share of a step
         timeout = datetime.timedelta(seconds=timeout_s)
         prefixed = dist.PrefixStore(f"{name}/", store)
         if self.device.type == "cuda":
@@ -44,16 +46,19 @@ class TPGroup:
         """Sums ``x`` over the ranks, in place; returns it."""
         if not x.is_contiguous():
             x = x.contiguous()
-        self._wait(self._pg.allreduce([x]), "all-reduce")
+        self._run("all-reduce", lambda: self._pg.allreduce([x]))
         return x
 
-    def _wait(self, work, what: str) -> None:
+    def _run(self, what: str, start) -> None:
+        began = time.perf_counter()
         try:
-            work.wait()
+            start().wait()
         except RuntimeError as e:  # gloo/NCCL: a peer closed its connection, or the timeout passed
             first = str(e).splitlines()[0] if str(e) else type(e).__name__
             raise TensorParallelError(f"tensor-parallel rank {self.rank} of {self.size}: a {what} failed (a rank died "
                                       f"or did not answer within {self.timeout_s:g} s): {first}") from None
+        finally:
+            self.collective_s += time.perf_counter() - began
 
     def gather_columns(self, x: torch.Tensor) -> torch.Tensor | None:
         """Rank 0: every rank's ``x`` [rows, n] side by side [rows, n * size]; other ranks: None."""
@@ -62,9 +67,9 @@ class TPGroup:
         opts.rootRank = 0
         if self.rank == 0:
             parts = [torch.empty_like(x) for _ in range(self.size)]
-            self._wait(self._pg.gather([parts], [x], opts), "gather")
+            self._run("gather", lambda: self._pg.gather([parts], [x], opts))
             return torch.cat(parts, dim=-1)
-        self._wait(self._pg.gather([], [x], opts), "gather")
+        self._run("gather", lambda: self._pg.gather([], [x], opts))
         return None
 
     def gather_stack(self, x: torch.Tensor) -> torch.Tensor | None:
