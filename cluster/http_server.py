@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
 import uuid
 
@@ -69,6 +70,7 @@ class OpenAIServer:
         self.app.router.add_get("/metrics", self.metrics)
         self.app.router.add_post("/tokenize", self.tokenize)
         self.app.router.add_post("/detokenize", self.detokenize)
+        self.app.router.add_get("/admin/status", self.cluster_status)
         self.app.router.add_get("/admin/pins", self.list_pins)
         self.app.router.add_post("/admin/pins", self.pin)
         self.app.router.add_delete("/admin/pins/{pin_id}", self.unpin)
@@ -128,6 +130,10 @@ class OpenAIServer:
             return _error(404, f"no pin {pin_id!r}", "not_found_error")
         return web.json_response({"id": pin_id, "unpinned": True})
 
+    async def cluster_status(self, request: web.Request) -> web.Response:
+        """The cluster as ``kvmesh status`` shows it (``Router.cluster_view``)."""
+        return web.json_response(await asyncio.to_thread(self.router.cluster_view))
+
     async def list_pins(self, request: web.Request) -> web.Response:
         return web.json_response({"pins": await asyncio.to_thread(self.router.pins)})
 
@@ -175,12 +181,11 @@ class OpenAIServer:
                                           f"{proto.MAX_CHOICES} choices")
             user = str(body.get("user") or "")
             client = request.get(CLIENT) or request.remote or ""
-            streams = [self.router.generate(p, sp, user, client) for p in prompts for sp in params]
-            firsts = await asyncio.gather(*(asyncio.to_thread(next, s) for s in streams), return_exceptions=True)
+            streams = [_Stream(self.router.generate(p, sp, user, client)) for p in prompts for sp in params]
+            firsts = await asyncio.gather(*(asyncio.to_thread(s.next) for s in streams), return_exceptions=True)
             failure = next((f for f in firsts if isinstance(f, BaseException)), None)
             if failure is not None:  # validation or admission failed for one: none of them runs
-                for stream in streams:
-                    stream.close()
+                _close_all(streams)
                 raise failure
         except web.HTTPRequestEntityTooLarge:
             return _error(413, f"the body is larger than {MAX_BODY_BYTES} bytes", "invalid_request_error")
@@ -196,11 +201,10 @@ class OpenAIServer:
             return await self._stream(request, streams, firsts, rid, chat, bool(options.get("include_usage")),
                                       bool(options.get("continuous_usage_stats")), len(params))
         try:
-            rests = await asyncio.gather(*(asyncio.to_thread(list, s) if not f.finished else _nothing()
+            rests = await asyncio.gather(*(asyncio.to_thread(s.rest) if not f.finished else _nothing()
                                            for s, f in zip(streams, firsts)))
         except KvmeshError as e:  # cut off mid-generation and not migratable: never a partial 200
-            for stream in streams:
-                stream.close()
+            _close_all(streams)
             return _error(503, f"the answer was cut off: {e}", "service_unavailable")
         choices, lasts = [], []
         for index, (first, rest) in enumerate(zip(firsts, rests)):
@@ -245,7 +249,7 @@ class OpenAIServer:
                     await merged.put((index, chunk))
                     if chunk.finished:
                         return
-                    chunk = await asyncio.to_thread(next, stream, None)
+                    chunk = await asyncio.to_thread(stream.next)
                     if chunk is None:
                         raise KvmeshError("the stream ended without a final chunk")
             except KvmeshError as e:
@@ -290,12 +294,10 @@ class OpenAIServer:
                 await send({"id": rid, "object": kind, "created": created, "model": model, "choices": [],
                             "usage": _total_usage([lasts[i] for i in range(len(streams))], n)})
         except ConnectionResetError:  # the client went away: its requests end, nothing to log
-            for stream in streams:
-                stream.close()
+            _close_all(streams)
             return response
         except asyncio.CancelledError:
-            for stream in streams:
-                stream.close()
+            _close_all(streams)
             raise
         finally:
             for task in pumps:
@@ -310,6 +312,36 @@ class OpenAIServer:
 
 async def _nothing() -> list:
     return []
+
+
+class _Stream:
+    """A router stream read in executor threads: a read and a close never run at once (a generator cannot be
+    closed while another thread is inside it), so a close waits for a read in flight to return."""
+
+    def __init__(self, generator):
+        self._generator = generator
+        self._lock = threading.Lock()
+
+    def next(self):
+        with self._lock:
+            return next(self._generator, None)
+
+    def rest(self) -> list:
+        with self._lock:
+            return list(self._generator)
+
+    def close(self) -> None:
+        """Ends the stream (its request is aborted on the node)."""
+        with self._lock:
+            self._generator.close()
+
+
+def _close_all(streams: list[_Stream]) -> None:
+    """Close every stream in the background: a read in flight (until the node's next chunk or the router's
+    timeout) never holds up the event loop."""
+    loop = asyncio.get_running_loop()
+    for stream in streams:
+        loop.run_in_executor(None, stream.close)
 
 
 def _total_usage(lasts: list, n: int) -> dict:

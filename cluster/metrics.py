@@ -64,6 +64,17 @@ class _NodeCollector:
             "bytes_sent": GaugeMetricFamily("kvmesh_node_bytes_sent", "KV bytes pushed to peers", labels=["node"]),
             "num_cached_blocks": GaugeMetricFamily("kvmesh_node_cached_blocks", "Cached free blocks",
                                                    labels=["node"]),
+            "num_used_blocks": GaugeMetricFamily("kvmesh_node_used_blocks", "KV blocks held by running requests",
+                                                 labels=["node"]),
+            "num_kv_blocks": GaugeMetricFamily("kvmesh_node_kv_blocks", "KV blocks of the node's buffer",
+                                               labels=["node"]),
+            "bytes_sent_shared_memory": GaugeMetricFamily(
+                "kvmesh_node_bytes_sent_shared_memory", "KV bytes pushed to peers on the same host through shared "
+                "memory (the rest of kvmesh_node_bytes_sent went through the transfer engine)", labels=["node"]),
+            "tier_host_blocks": GaugeMetricFamily("kvmesh_node_host_tier_blocks", "KV blocks in the host tier",
+                                                  labels=["node"]),
+            "fetch_rtt_s": GaugeMetricFamily("kvmesh_node_fetch_rtt_seconds", "What a fetch into the node costs beyond "
+                                             "its bytes, as the router measured it", labels=["node"]),
         }
         gc_pause = GaugeMetricFamily("kvmesh_node_gc_max_pause_seconds", "Longest garbage-collector pause of the "
                                      "node's process since it began serving, per generation (2: full collections)",

@@ -153,7 +153,9 @@ class NodeConnection:
                     self._fail_all(NodeLost(f"node {self.node_id} refused our requests: the cluster token differs"))
                     continue
                 try:
-                    self._dispatch(decode(self._auth.open(frame), (nm.TokenEvent, nm.StatsReply)))
+                    msg = decode(self._auth.open(frame), (nm.TokenEvent, nm.TokenBatch, nm.StatsReply))
+                    for one in msg.unpack() if isinstance(msg, nm.TokenBatch) else (msg,):
+                        self._dispatch(one)
                 except (MessageError, AuthError):
                     continue
             elif self._streams and time.monotonic() - last_heard > self.liveness_s:

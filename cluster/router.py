@@ -23,6 +23,7 @@ from kvmesh.cluster.detokenizer import IncrementalDetokenizer
 from kvmesh.cluster.fetch_costs import FetchCosts
 from kvmesh.cluster.metrics import RouterMetrics
 from kvmesh.cluster.node_connection import NodeConnection, NodeLost
+from kvmesh.cluster.recent_requests import RecentRequests
 from kvmesh.cluster.routing import Candidate, make_policy
 from kvmesh.engine.sampling_params import SamplingParams, first_stop, stop_prefix_len, to_wire
 from kvmesh.errors import InvalidRequestError, KvmeshError
@@ -150,11 +151,12 @@ class Router:
         self._in_flight_by_client: Counter[str] = Counter()
         self._queued: dict[str, dict[int, int]] = {}  # node -> each request's uncached tokens awaiting a first token
         self.fetch_costs = FetchCosts()  # what fetches into each decode node have cost, end to end
+        self.recent = RecentRequests()  # the last minute's finished requests by prompt-token source
         self._ids = itertools.count()
         self.num_migrations = 0
         self.supervision: Callable[[], dict] | None = None  # set by launchers that restart dead processes
         self.closed = threading.Event()  # set by close(): helpers that follow the router stop
-        self.metrics = RouterMetrics(lambda: {n["node_id"]: n["stats"] for n in self.status()}, self.readiness)
+        self.metrics = RouterMetrics(self._node_metrics, self.readiness)
         self.index.mirror.wait_healthy(10)
 
     # ---- requests ----------------------------------------------------------------------------------
@@ -258,6 +260,7 @@ class Router:
         if state.first_token_at is not None and len(state.tokens) > 1:
             self.metrics.tpot.observe((now - state.first_token_at) / (len(state.tokens) - 1))
         self.metrics.record_finished(chunk.cache)
+        self.recent.record(chunk.cache)
         record = self.directory.nodes.get(chunk.node_id)
         if record is not None and record.kv_layout.bytes_per_block > 0:
             self.fetch_costs.record(chunk.node_id, chunk.cache, record.kv_layout.bytes_per_block // self.cfg.block_size)
@@ -411,6 +414,37 @@ class Router:
             out.append({"node_id": node_id, "role": record.role, "requests": record.request_endpoint,
                         "in_flight": conn.num_open, "stats": stats})
         return out
+
+    def _node_metrics(self) -> dict[str, dict]:
+        """Each node's counters with what the router knows of it (its buffer's size, the fetch cost it measured)."""
+        out = {}
+        for entry in self.status():
+            record = self.directory.nodes.get(entry["node_id"])
+            out[entry["node_id"]] = {**entry["stats"], "fetch_rtt_s": self.fetch_costs.rtt_s(entry["node_id"]),
+                                     **({"num_kv_blocks": record.kv_layout.num_blocks} if record is not None else {})}
+        return out
+
+    def cluster_view(self) -> dict:
+        """What ``kvmesh status`` shows: every node's role, load, KV use, hit rate and links, the router's load,
+        and the last minute's requests by prompt-token source."""
+        costs = self.fetch_costs.describe()
+        nodes = []
+        for entry in self.status():
+            stats, record = entry["stats"], self.directory.nodes.get(entry["node_id"])
+            nodes.append({
+                "node_id": entry["node_id"], "role": entry["role"], "answering": bool(stats),
+                "in_flight": entry["in_flight"], "running": stats.get("num_running", 0),
+                "kv_blocks_used": stats.get("num_used_blocks", 0), "kv_blocks_cached": stats.get("num_cached_blocks", 0),
+                "kv_blocks": record.kv_layout.num_blocks if record is not None else 0,
+                "hit_rate": stats.get("hit_rate", 0.0), "host_tier_blocks": stats.get("tier_host_blocks", 0),
+                "transfer_gib_per_s": stats.get("transfer_gib_per_s_measured", 0.0),
+                "rtt_ms": stats.get("rtt_ms_measured", 0.0),
+                "fetch_rtt_ms": costs.get(entry["node_id"], {}).get("rtt_ms"),
+                **({"process": stats["process"]} if "process" in stats else {})})
+        with self._lock:
+            in_flight = self._in_flight
+        return {"model": self.cfg.model, "cluster": self.cfg.cluster, "in_flight": in_flight,
+                "max_in_flight": self.cfg.max_in_flight, "recent": self.recent.totals(), "nodes": nodes}
 
     # ---- pinned prefixes ---------------------------------------------------------------------------
     def pin(self, prompt_ids: list[int], label: str = "") -> dict:

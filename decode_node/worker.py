@@ -285,14 +285,13 @@ class DecodeWorker(NodeRuntime):
             top = seq.output_top_logprobs[-1]
             event = nm.TokenEvent(seq.request_id, [token_id], logprobs=[seq.output_logprobs[-1]],
                                   top_token_ids=[t for t, _ in top], top_logprobs=[v for _, v in top])
-        self.endpoint.send(request.identity, encode(event))
+        self.send_event(request.identity, event)
 
     def on_failed(self, seq: Sequence, error: str) -> None:
         request = self._requests.pop(seq.request_id, None)
         if request is not None:
-            self.endpoint.send(request.identity, encode(nm.TokenEvent(seq.request_id, [], finished=True,
-                                                                      finish_reason="error", error=error,
-                                                                      error_kind=nm.ERROR_INTERNAL)))
+            self.send_event(request.identity, nm.TokenEvent(seq.request_id, [], finished=True, finish_reason="error",
+                                                            error=error, error_kind=nm.ERROR_INTERNAL))
 
     def on_finish(self, seq: Sequence) -> None:
         request = self._requests.pop(seq.request_id, None)
@@ -316,9 +315,8 @@ class DecodeWorker(NodeRuntime):
                  "promote_ms": request.promote_s * 1e3}
         if seq.num_draft_tokens:
             stats.update(spec_draft_tokens=seq.num_draft_tokens, spec_accepted_tokens=seq.num_accepted_tokens)
-        self.endpoint.send(request.identity, encode(nm.TokenEvent(seq.request_id, [], finished=True,
-                                                                  finish_reason=seq.finish_reason or "",
-                                                                  stats=stats)))
+        self.send_event(request.identity, nm.TokenEvent(seq.request_id, [], finished=True,
+                                                        finish_reason=seq.finish_reason or "", stats=stats))
 
     def close(self) -> None:
         super().close()

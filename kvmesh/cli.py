@@ -7,6 +7,7 @@
     launch                       the cluster on Ray (--stop ends it)
     hosts                        simulated hosts on this machine (network namespaces)
     pin                          pin / unpin / list prefixes kept cached on every node
+    status                       a live view of a cluster through its router (--once, --json)
     bench ...                    benchmarks: JSON + a readable table
 """
 from __future__ import annotations
@@ -417,6 +418,14 @@ def _run_local_cluster(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_status(sub) -> None:
+    from kvmesh.cluster.status_cli import add_status_arguments, run_status
+
+    p = sub.add_parser("status", help="a live view of a cluster through its router (nodes, load, KV, sources)")
+    add_status_arguments(p)
+    p.set_defaults(func=run_status)
+
+
 def _add_pin(sub) -> None:
     from kvmesh.cluster.pin_cli import add_pin_arguments, run_pin
 
@@ -462,6 +471,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_local_cluster(sub)
     _add_serve(sub)
     _add_pin(sub)
+    _add_status(sub)
     _add_parts(sub)
     _add_hosts(sub)
     return parser

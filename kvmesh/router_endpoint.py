@@ -5,7 +5,7 @@ in-process PUSH socket per thread to the one thread that owns the ROUTER. Every
 incoming frame must carry the cluster MAC (``kvmesh.auth``): a frame that does
 not (or a stale or replayed one) is refused with the ``REFUSED`` marker and counted
 (``num_refused``), and never reaches ``on_message``. Replies are sealed the same
-way. With a cluster token the socket is a CurveZMQ server: a peer without the
+way, by the serving thread. With a cluster token the socket is a CurveZMQ server: a peer without the
 token never completes a handshake (counted in ``num_refused`` as well).
 
 Construction binds the socket; ``start`` starts the serving thread.
@@ -54,13 +54,14 @@ class RouterEndpoint:
         return self
 
     def send(self, identity: bytes, payload: bytes) -> None:
-        """Send ``payload`` (sealed here) to the peer ``identity``; callable from any thread."""
+        """Send ``payload`` to the peer ``identity``; callable from any thread. The endpoint's own thread seals it
+        (the caller, often an engine thread, only hands it over)."""
         sock = getattr(self._local, "push", None)
         if sock is None:
             sock = self._local.push = self._ctx.socket(zmq.PUSH)
             sock.linger = 1000
             sock.connect(self._outbox_addr)
-        sock.send_multipart([identity, self._auth.seal(payload)])
+        sock.send_multipart([identity, payload], copy=False)
 
     def _serve(self) -> None:
         poller = zmq.Poller()
@@ -74,7 +75,8 @@ class RouterEndpoint:
                 self._count_refused(self._handshakes.drain(), "failed handshake(s)")
             if self._outbox in events:
                 while self._outbox.poll(0):
-                    self._router.send_multipart(self._outbox.recv_multipart())
+                    identity, payload = self._outbox.recv_multipart()
+                    self._router.send_multipart([identity, self._auth.seal(payload)])
             if self._router in events:
                 frames = self._router.recv_multipart()
                 if len(frames) != 2:

@@ -224,13 +224,20 @@ def test_every_prompt_token_is_counted_once(cluster, reference):
 
 
 def test_two_hundred_concurrent_requests(cluster, reference):
+    """...streamed in batched frames: one per step per connection, not one per token per request."""
     prompts = [prompt(1000 + i, 20 + (i * 7) % 60) for i in range(200)]
     expected = reference(prompts)
+    before = {n: cluster.client(n).stats() for n in ("decode-0", "decode-1")}
     halves = [cluster.client("decode-0").generate_many(prompts[:100], GREEDY, timeout_s=300),
               cluster.client("decode-1").generate_many(prompts[100:], GREEDY, timeout_s=300)]
     got = [c.token_ids for half in halves for c in half]
     assert [c.error for half in halves for c in half] == [""] * 200
     assert got == expected
+    for node, old in before.items():
+        new = cluster.client(node).stats()
+        events, frames = (new[k] - old[k] for k in ("num_events_sent", "num_event_frames"))
+        assert events >= 100 * (GREEDY.max_tokens + 1)  # every token and every end
+        assert frames * 4 <= events, (events, frames)  # many requests' tokens share a step's frame
     check_all(cluster)
 
 

@@ -41,3 +41,40 @@ def test_a_request_to_an_idle_connection_is_sent_at_once(monkeypatch, echo_node)
         assert conn.num_open == 0
     finally:
         conn.close()
+
+
+def test_a_batched_frame_reaches_each_stream_in_order_and_a_malformed_one_nothing():
+    """A node sends one frame per step (``TokenBatch``) holding several requests' events: each lands on its own
+    request's queue in the order sent; a batch holding a malformed event is dropped whole."""
+    auth = ClusterAuth("test-token")
+    endpoint: RouterEndpoint
+    pending: list[tuple[bytes, str]] = []
+
+    def on_message(identity: bytes, payload: bytes) -> None:
+        msg = decode(payload, (nm.GenerateRequest, nm.StatsRequest))
+        if not isinstance(msg, nm.GenerateRequest):
+            return
+        pending.append((identity, msg.request_id))
+        if len(pending) == 2:  # both requests' tokens and ends in one frame, interleaved as a step emits them
+            (ident, a), (_, b) = pending
+            bad = encode(nm.TokenEvent("ghost", [1])).replace(b"ghost", b"ghos\xff")
+            endpoint.send(ident, encode(nm.TokenBatch([encode(nm.TokenEvent(a, [5])), bad])))
+            events = [nm.TokenEvent(a, [1]), nm.TokenEvent(b, [2]), nm.TokenEvent(a, [3]),
+                      nm.TokenEvent(b, [], finished=True, finish_reason="length"),
+                      nm.TokenEvent(a, [], finished=True, finish_reason="stop")]
+            endpoint.send(ident, encode(nm.TokenBatch([encode(e) for e in events])))
+
+    endpoint = RouterEndpoint("127.0.0.1", on_message, name="batch-node", auth=auth).start()
+    conn = NodeConnection("batch", endpoint.endpoint, auth=auth)
+    try:
+        qa, qb = conn.submit(nm.GenerateRequest("a", [1])), conn.submit(nm.GenerateRequest("b", [1]))
+        got_a = [qa.get(timeout=30) for _ in range(3)]
+        got_b = [qb.get(timeout=30) for _ in range(2)]
+        assert [(e.token_ids, e.finished) for e in got_a] == [([1], False), ([3], False), ([], True)]
+        assert [(e.token_ids, e.finished) for e in got_b] == [([2], False), ([], True)]
+        assert qa.empty() and conn.num_open == 0  # the malformed batch's [5] never arrived
+    finally:
+        conn.close()
+        endpoint.close()
+    with pytest.raises(nm.MessageError):
+        nm.TokenBatch([b"\x00"]).unpack()

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import json
 import os
+import socket
 import threading
 import time
 import urllib.error
@@ -259,3 +260,31 @@ def test_documented_request_fields_and_limits(served, monkeypatch):
         assert time.monotonic() < deadline, "the pin outlived its unpinning"
         time.sleep(0.05)
 
+
+
+def test_kvmesh_status_shows_the_cluster_and_the_last_minutes_sources(served, capsys):
+    """``kvmesh status --once --json`` and its table against the running cluster: every node with its role and
+    KV, the router's load, and requests finished in the last minute by prompt-token source."""
+    from kvmesh.cli import main
+
+    body = json.dumps({"model": "tiny-llama", "prompt": list(range(40, 90)), "max_tokens": 4,
+                       "temperature": 0}).encode()
+    assert _post(served["http"] + "/v1/completions", body)[0] == 200
+    assert main(["status", "--url", served["http"], "--once", "--json"]) == 0
+    view = json.loads(capsys.readouterr().out)
+    assert sorted((n["node_id"], n["role"]) for n in view["nodes"]) == [
+        ("decode-0", "decode"), ("decode-1", "decode"), ("prefill-0", "prefill")]
+    assert all(n["answering"] and n["kv_blocks"] > 0 for n in view["nodes"])
+    recent = view["recent"]
+    assert recent["num_requests"] >= 1 and sum(recent["prompt_tokens"].values()) >= 50
+    assert view["max_in_flight"] == served["router"].cfg.max_in_flight
+    assert main(["status", "--url", served["http"], "--once"]) == 0
+    table = capsys.readouterr().out
+    assert "decode-1" in table and "prompt tokens by source" in table
+    assert any(f"{source} {count} (" in table for source, count in recent["prompt_tokens"].items() if count)
+    closed = socket.socket()
+    closed.bind(("127.0.0.1", 0))
+    port = closed.getsockname()[1]
+    closed.close()  # nothing listens there now
+    assert main(["status", "--url", f"http://127.0.0.1:{port}", "--once"]) == 1
+    assert "cannot reach the router" in capsys.readouterr().err

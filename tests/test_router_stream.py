@@ -47,3 +47,35 @@ def test_node_errors_are_classified_by_their_kind_not_their_wording(kind, error_
 def test_an_error_without_its_kind_is_a_malformed_event():
     with pytest.raises(nm.MessageError):
         nm.TokenEvent("r", [], finished=True, error="boom").validate()
+
+
+def test_closing_a_stream_while_a_thread_reads_it_waits_for_the_read():
+    """A client that leaves while a chunk is being read: the close waits for that read (a generator cannot be
+    closed while another thread runs it: "generator already executing"), then the request's cleanup runs."""
+    import threading
+
+    from kvmesh.cluster.http_server import _Stream
+
+    inside, release, cleaned = threading.Event(), threading.Event(), threading.Event()
+
+    def generator():
+        try:
+            inside.set()
+            release.wait(30)
+            yield "chunk"
+            yield "never read"
+        finally:
+            cleaned.set()
+
+    stream = _Stream(generator())
+    reader = threading.Thread(target=stream.next)
+    reader.start()
+    assert inside.wait(30)
+    closer = threading.Thread(target=stream.close)
+    closer.start()
+    closer.join(0.2)
+    assert closer.is_alive() and not cleaned.is_set()  # waiting for the read in flight, not raising
+    release.set()
+    reader.join(30)
+    closer.join(30)
+    assert cleaned.is_set() and not closer.is_alive()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -11,6 +12,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import pytest
 
@@ -137,8 +139,28 @@ def test_serve_survives_decode_prefill_and_etcd_deaths(llm):
         metrics = _metrics(serve)
         assert 'kvmesh_process_restarts{process="decode-0",role="decode"} 1.0' in metrics
         assert "kvmesh_ready 1.0" in metrics
+        missing = dashboard_metrics() - exposed_metrics(metrics)
+        assert not missing, f"deploy/grafana/kvmesh.json names metrics /metrics does not have: {sorted(missing)}"
     finally:
         serve.close()
+
+
+_SUFFIXES = re.compile(r"_(bucket|count|sum|total|created)$")
+
+
+def dashboard_metrics() -> set[str]:
+    """Every metric the Grafana dashboard's queries name (histogram and counter suffixes taken off)."""
+    dashboard = json.loads((Path(__file__).resolve().parent.parent / "deploy/grafana/kvmesh.json").read_text())
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
+    assert len(exprs) >= 16
+    return {_SUFFIXES.sub("", name) for e in exprs for name in re.findall(r"\bkvmesh_[a-z0-9_]+", e)}
+
+
+def exposed_metrics(exposition: str) -> set[str]:
+    """Every metric family /metrics declares (``# TYPE`` lines) or has a sample of."""
+    names = {line.split("{")[0].split(" ")[0] for line in exposition.splitlines() if line.startswith("kvmesh_")}
+    names |= {line.split()[2] for line in exposition.splitlines() if line.startswith("# TYPE kvmesh_")}
+    return {_SUFFIXES.sub("", name) for name in names}
 
 
 def test_a_stream_that_cannot_be_migrated_ends_with_an_error(tmp_path):

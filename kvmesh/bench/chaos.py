@@ -293,7 +293,9 @@ class _Run:
         """Wait until no node holds a referenced block (quarantines lifted); integrity checked on each."""
         deadline = time.monotonic() + timeout_s
         while True:
-            stats = {n: self.cluster.client(n).stats(check=True) for n in self.cluster.nodes}
+            # A node's integrity checks run on its engine thread between steps: on a loaded machine (the suite on
+            # two processes, a CPU burn) an answer may take longer than a plain stats call's 10 s.
+            stats = {n: self.cluster.client(n).stats(check=True, timeout_s=60.0) for n in self.cluster.nodes}
             leaked = sum(s["num_used_blocks"] + s["num_pinned"] for s in stats.values())
             if leaked == 0 or time.monotonic() > deadline:
                 keep = ("num_used_blocks", "num_pinned", "num_quarantined_total", "num_quarantined_blocks",

@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from kvmesh.engine.sampling_params import SamplingParams, from_wire
-from kvmesh.wire import MessageError, register
+from kvmesh.wire import MessageError, decode, register
 
 
 @dataclass(frozen=True)
@@ -92,5 +92,22 @@ class StatsReply:
         pass
 
 
-register(GenerateRequest, TokenEvent, AbortRequest, StatsRequest, StatsReply)
+@dataclass(frozen=True)
+class TokenBatch:
+    """Decode node -> client: one step's TokenEvents for the requests of one connection, in order, each encoded
+    as it would be sent alone (one frame and one seal per step, not one per token per request)."""
+
+    TYPE: ClassVar[str] = "token_batch"
+    events: list[bytes]
+
+    def validate(self) -> None:
+        if not self.events:
+            raise MessageError("token_batch: no events")
+
+    def unpack(self) -> list[TokenEvent]:
+        """The events, each decoded and validated (a MessageError for any malformed one)."""
+        return [decode(event, (TokenEvent,)) for event in self.events]
+
+
+register(GenerateRequest, TokenEvent, TokenBatch, AbortRequest, StatsRequest, StatsReply)
 REQUESTS = (GenerateRequest, AbortRequest, StatsRequest)

@@ -181,7 +181,10 @@ class NodeRuntime:
             self.agent.holder.source = TieredSource(self.pool, self.agent.base_addr, self.agent.block_bytes,
                                                     self.tiers, self.agent.memory.stage_out)
         self.gc_pauses = GCPauses()  # installed when serving starts (stats: every collection's pause)
-        self.loop = EngineLoop(self.engine, cfg.node_id, self.on_finish, self.on_failed, self._publish,
+        # Engine thread: the events of this step per client connection, sent as one frame at its end.
+        self._outbox: dict[bytes, list[bytes]] = {}
+        self.num_events_sent = self.num_event_frames = 0
+        self.loop = EngineLoop(self.engine, cfg.node_id, self.on_finish, self.on_failed, self._after_step,
                                cores=CoreShare.from_argument(cfg.core_share) if cfg.core_share else None)
         self.workers = ThreadPoolExecutor(16, thread_name_prefix=f"kvmesh-{cfg.node_id}")
         self.endpoint = RouterEndpoint(cfg.host, self._on_request, f"requests-{cfg.node_id}", self.auth,
@@ -274,6 +277,19 @@ class NodeRuntime:
         return ProbeMeasurement(list(best.items()), decode_step_s)
 
     # ---- engine-thread hooks ---------------------------------------------------------------------------
+    def send_event(self, identity: bytes, event: nm.TokenEvent) -> None:
+        """Engine thread: queue ``event`` for its connection; every connection's events of a step leave together,
+        in order, when the step ends (one sealed frame: the event alone, or a ``TokenBatch``)."""
+        self._outbox.setdefault(identity, []).append(encode(event))
+
+    def _after_step(self) -> None:
+        outbox, self._outbox = self._outbox, {}
+        for identity, events in outbox.items():
+            self.endpoint.send(identity, events[0] if len(events) == 1 else encode(nm.TokenBatch(events)))
+            self.num_events_sent += len(events)
+            self.num_event_frames += 1
+        self._publish()
+
     def _publish(self) -> None:
         publisher = self.membership.publisher
         if publisher is None:
@@ -355,6 +371,7 @@ class NodeRuntime:
                  "landing": self.agent.landing.describe() if self.agent.landing is not None else {},
                  "device": device_name(self.device), "kv_memory": self.agent.memory.describe(),
                  "num_failed_steps": self.loop.num_failed_steps, "compute_threads": self.loop.compute_threads,
+                 "num_events_sent": self.num_events_sent, "num_event_frames": self.num_event_frames,
                  **self.gc_pauses.stats(),
                  **self.role_stats(),
                  **(self.tiers.stats() if self.tiers is not None else {}),
