@@ -28,6 +28,7 @@ from kvmesh.metadata.sealed_store import open_store
 from kvmesh.metadata.keys import KeyLayout
 from kvmesh.transfer.engine import mooncake_available
 from tests.conftest import assert_same_kv
+from tests.processes import still_running
 
 BACKEND = "mooncake" if mooncake_available() else "zmq"
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
@@ -73,15 +74,6 @@ def descendants(pid: int) -> list[int]:
         except OSError:
             continue
     return found
-
-
-def still_running(pid: int) -> bool:
-    """Whether ``pid`` exists and is not a zombie."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def _argv_after(pid: int, flag: str) -> list[str]:

@@ -17,6 +17,7 @@ from kvmesh.errors import KvmeshError
 from kvmesh.model.presets import PRESETS
 from kvmesh.model.tp_shard import TensorParallelError, TPShard, check_tp_size
 from tests.conftest import hf_reference
+from tests.processes import still_running
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 PROMPTS = [list(range(5, 60)), list(range(100, 140)), [7, 8, 9]]
@@ -26,18 +27,11 @@ def streams(llm: LLM, prompts, params=GREEDY) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
 
 
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 def wait_gone(pids: list[int], timeout_s: float = 30.0) -> None:
     deadline = time.monotonic() + timeout_s
-    while any(alive(p) for p in pids):
-        assert time.monotonic() < deadline, f"tensor-parallel ranks still running: {[p for p in pids if alive(p)]}"
+    while any(still_running(p) for p in pids):
+        left = [p for p in pids if still_running(p)]
+        assert time.monotonic() < deadline, f"tensor-parallel ranks still running: {left}"
         time.sleep(0.05)
 
 
@@ -146,7 +140,7 @@ def test_ranks_die_with_their_process():
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     try:
         pids = [int(p) for p in proc.stdout.readline().split()]
-        assert pids and all(alive(p) for p in pids)
+        assert pids and all(still_running(p) for p in pids)
     finally:
         proc.kill()
         proc.wait()
