@@ -117,7 +117,9 @@ def test_smollm2_over_three_ranks_and_a_size_that_does_not_divide_its_heads():
 
 
 def test_a_killed_rank_fails_the_step_with_an_error_and_close_leaves_nothing():
+    threads = torch.get_num_threads()
     llm = LLM("tiny-llama", num_kv_blocks=64, progress=False, tensor_parallel_size=2)
+    assert torch.get_num_threads() == max(1, (os.cpu_count() or 1) // 2)  # the ranks split the cores
     pids = [p.pid for p in llm.ranks._procs]
     try:
         assert streams(llm, PROMPTS[:1])
@@ -130,6 +132,7 @@ def test_a_killed_rank_fails_the_step_with_an_error_and_close_leaves_nothing():
     finally:
         llm.close()
     wait_gone(pids)
+    assert torch.get_num_threads() == threads  # given back
 
 
 def test_ranks_die_with_their_process():

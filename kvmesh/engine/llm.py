@@ -30,7 +30,8 @@ class LLM:
         """``enforce_eager``: on CUDA, no CUDA graphs of decode or prompt steps (``kvmesh/engine/cuda_graphs.py``).
         ``load_format="dummy"``: seeded weights of the model's shape, made on the device (``model/dummy_weights.py``).
         ``tensor_parallel_size`` N > 1: the model split over N ranks, this process and N - 1 it starts
-        (``kvmesh/parallel/ranks.py``; on the CPU they split the cores); ``close`` stops them (so does exit).
+        (``kvmesh/parallel/ranks.py``; on the CPU they split the cores, this process's torch threads included, until
+        ``close``); ``close`` stops them (so does exit).
         ``kv_cache_memory_gib`` is then each rank's."""
         self.ranks = None
         if tensor_parallel_size > 1:

@@ -77,6 +77,7 @@ class TensorParallelRanks:
         check_tp_size(load_tokenizer(model).config, size)  # before any rank starts
         self.size = size
         self._lock = threading.Lock()
+        self._threads_before = 0
         devices = rank_devices(resolve_device(device) if isinstance(device, str) else torch.device(device), size)
         dtype_name = str(parse_dtype(dtype, devices[0])).removeprefix("torch.")
         threads = max(1, (os.cpu_count() or 1) // size)  # on the CPU the ranks split the cores
@@ -93,6 +94,7 @@ class TensorParallelRanks:
                 pickle.dump({**init, "rank": rank, "device": str(devices[rank])}, proc.stdin)
                 proc.stdin.flush()
             if devices[0].type == "cpu":
+                self._threads_before = torch.get_num_threads()  # given back by close
                 torch.set_num_threads(threads)
             self._read_status("joining")
             self.group = TPGroup(store, 0, size, devices[0], timeout_s)
@@ -127,11 +129,14 @@ class TensorParallelRanks:
                                               f"(exit status {proc.poll()})") from None
 
     def close(self) -> None:
-        """Stops the other ranks (idempotent)."""
+        """Stops the other ranks and gives this process its compute threads back (idempotent)."""
         self._finalizer()
         group = getattr(self, "group", None)
         if group is not None:
             group.close()
+        if self._threads_before:
+            torch.set_num_threads(self._threads_before)
+            self._threads_before = 0
 
 
 def rank_devices(device: torch.device, size: int) -> list[torch.device]:
