@@ -6,6 +6,10 @@ import gc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 
+# A request's prompt tokens by where their KV came from: the decode node's stats key -> the source label.
+PROMPT_SOURCES = (("tokens_reused_local", "local"), ("tokens_reused_host", "host"), ("tokens_reused_disk", "disk"),
+                  ("tokens_reused_remote", "remote"), ("tokens_reused_prefill_node", "prefill_node_cache"),
+                  ("tokens_from_prefill_node", "prefill_node"), ("tokens_computed", "computed"))
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
 
@@ -38,10 +42,7 @@ class RouterMetrics:
 
     def record_finished(self, cache: dict) -> None:
         self.requests.labels("ok").inc()
-        for source, key in (("local", "tokens_reused_local"), ("host", "tokens_reused_host"),
-                            ("disk", "tokens_reused_disk"), ("remote", "tokens_reused_remote"),
-                            ("prefill_node_cache", "tokens_reused_prefill_node"),
-                            ("prefill_node", "tokens_from_prefill_node"), ("computed", "tokens_computed")):
+        for key, source in PROMPT_SOURCES:
             self.prompt_tokens.labels(source).inc(int(cache.get(key, 0)))
         if cache.get("spec_draft_tokens"):
             self.spec_tokens.labels("drafted").inc(int(cache["spec_draft_tokens"]))

@@ -9,10 +9,7 @@ import threading
 import time
 from collections import deque
 
-# A request's prompt tokens by source: the stats key -> the name shown (the /metrics source label's).
-SOURCES = (("tokens_reused_local", "local"), ("tokens_reused_host", "host"), ("tokens_reused_disk", "disk"),
-           ("tokens_reused_remote", "remote"), ("tokens_reused_prefill_node", "prefill_node_cache"),
-           ("tokens_from_prefill_node", "prefill_node"), ("tokens_computed", "computed"))
+from kvmesh.cluster.metrics import PROMPT_SOURCES
 
 
 class RecentRequests:
@@ -23,7 +20,7 @@ class RecentRequests:
         self._finished: deque[tuple[float, dict[str, int]]] = deque()
 
     def record(self, stats: dict) -> None:
-        tokens = {name: int(stats.get(key, 0)) for key, name in SOURCES}
+        tokens = {name: int(stats.get(key, 0)) for key, name in PROMPT_SOURCES}
         with self._lock:
             self._finished.append((self._clock(), tokens))
             self._forget()
@@ -32,7 +29,7 @@ class RecentRequests:
         """{"window_s", "num_requests", "prompt_tokens": {source: tokens}} over the window."""
         with self._lock:
             self._forget()
-            prompt_tokens = {name: sum(t[name] for _, t in self._finished) for _, name in SOURCES}
+            prompt_tokens = {name: sum(t[name] for _, t in self._finished) for _, name in PROMPT_SOURCES}
             return {"window_s": self.window_s, "num_requests": len(self._finished), "prompt_tokens": prompt_tokens}
 
     def _forget(self) -> None:

@@ -47,13 +47,10 @@ def build_model(config: ModelConfig, state_dict: dict[str, torch.Tensor], dtype:
 
     ``shard``/``group``: one tensor-parallel rank's part of the model (``kvmesh/parallel``), cut from the whole
     ``state_dict``."""
-    if shard is not None and shard.size > 1:
+    if shard is not None:
         state_dict = shard.shard_state_dict(state_dict)
-        with torch.device(device):
-            model = LlamaForCausalLM.uninitialized(shard.local_config(), group, shard.vocab_range()[0])
-    else:
-        with torch.device(device):
-            model = LlamaForCausalLM.uninitialized(config)
+    with torch.device(device):
+        model = _uninitialized(config, shard, group)
     model.load_weights_assign({k: v.to(device=device, dtype=dtype) for k, v in state_dict.items()})
     if can_pack(device, dtype):
         pack_linears(model)
@@ -75,8 +72,7 @@ def load_dummy(name_or_path: str, dtype: torch.dtype, device: torch.device, star
     torch.set_default_dtype(dtype)  # parameters made in their dtype: no float32 copy (RoPE tables stay float32)
     try:
         with torch.device(device):
-            model = LlamaForCausalLM.uninitialized(card.config) if shard is None else \
-                LlamaForCausalLM.uninitialized(shard.local_config(), group, shard.vocab_range()[0])
+            model = _uninitialized(card.config, shard, group)
     finally:
         torch.set_default_dtype(saved_dtype)
     fill_dummy_weights(model, seed, shard)
@@ -87,6 +83,13 @@ def load_dummy(name_or_path: str, dtype: torch.dtype, device: torch.device, star
         device=device, fingerprint=dummy_fingerprint(card.config, dtype, device, seed),
         load_seconds=time.perf_counter() - start, tp_size=1 if shard is None else shard.size,
     )
+
+
+def _uninitialized(config: ModelConfig, shard: TPShard | None, group) -> LlamaForCausalLM:
+    """The whole model of ``config``, or with a shard that rank's part of it."""
+    if shard is None:
+        return LlamaForCausalLM.uninitialized(config)
+    return LlamaForCausalLM.uninitialized(shard.local_config(), group, shard.vocab_range()[0])
 
 
 def _shard_of(config: ModelConfig, tp: tuple[int, int, object] | None) -> tuple[TPShard | None, object]:

@@ -15,6 +15,7 @@ def serve(init: dict, calls, status) -> None:
     """Load and run calls until ``calls`` ends."""
     from kvmesh.model.loader import load_model
     from kvmesh.parallel.group import TPGroup, open_store
+    from kvmesh.parallel.ranks import metadata_on
 
     def say(**line) -> None:
         status.write(json.dumps(line) + "\n")
@@ -51,7 +52,7 @@ def serve(init: dict, calls, status) -> None:
                 if (shape, dtype) not in kv_buffers:  # rank 0's buffer shape: every rank holds as many heads
                     kv_buffers.clear()
                     kv_buffers[(shape, dtype)] = torch.zeros(shape, dtype=dtype, device=device)
-                md = _to_device(md, device)
+                md = metadata_on(md, device)
                 model(input_ids.to(device), positions.to(device), kv_buffers[(shape, dtype)], md, num_layers)
             elif call[0] == "logits":
                 model.compute_logits(call[1].to(device))
@@ -60,15 +61,6 @@ def serve(init: dict, calls, status) -> None:
                 group.gather_stack(kv[torch.tensor(call[1], device=device)].cpu())
             else:
                 raise ValueError(f"unknown call {call[0]!r}")
-
-
-def _to_device(md, device: torch.device):
-    if device.type == "cpu":
-        return md
-    import dataclasses
-
-    return dataclasses.replace(md, **{f.name: getattr(md, f.name).to(device) for f in dataclasses.fields(md)
-                                      if isinstance(getattr(md, f.name), torch.Tensor)})
 
 
 def main() -> int:

@@ -31,9 +31,10 @@ from kvmesh.model.tp_shard import TensorParallelError, check_tp_size
 from kvmesh.parallel.group import DEFAULT_TIMEOUT_S, TPGroup, open_store
 
 
-def cpu_md(md):
-    """Attention metadata with its tensors on the host, its per-step caches dropped: what is sent."""
-    changes = {f.name: getattr(md, f.name).cpu() for f in dataclasses.fields(md)
+def metadata_on(md, device: torch.device | str):
+    """Attention metadata with its tensors on ``device`` and its per-step caches dropped: rank 0 sends it with
+    its tensors on the host, the other ranks move them to their device."""
+    changes = {f.name: getattr(md, f.name).to(device) for f in dataclasses.fields(md)
                if isinstance(getattr(md, f.name), torch.Tensor)}
     return dataclasses.replace(md, per_step={}, **changes)
 
@@ -50,7 +51,7 @@ class TensorParallelModel:
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_buffer: torch.Tensor, md,
                  num_layers: int | None = None) -> torch.Tensor:
         self._ranks.send(("forward", input_ids.cpu(), positions.cpu(), tuple(kv_buffer.shape), kv_buffer.dtype,
-                          cpu_md(md), num_layers))
+                          metadata_on(md, "cpu"), num_layers))
         return self.local(input_ids, positions, kv_buffer, md, num_layers)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
