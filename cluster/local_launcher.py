@@ -45,13 +45,14 @@ class LocalCluster:
                  etcd: str | None = None, cluster: str = "local", node_args: list[str] | None = None,
                  start_timeout_s: float = 120.0, cluster_token: str | None = None, hosts: Hosts | None = None,
                  placement: dict[str, int] | None = None, dtype: str = "float32", threads_per_node: int = 0,
-                 per_node_args: dict[str, list[str]] | None = None):
+                 per_node_args: dict[str, list[str]] | None = None, role_args: dict[str, list[str]] | None = None):
         """``cluster_token``: default $KVMESH_CLUSTER_TOKEN, else a fresh random one (``self.token``).
 
         ``dtype``: the nodes' model dtype ("auto" resolves on each node). ``threads_per_node``: compute threads
         of each node; 0: the nodes divide this machine's cores among those with work at each step (a
-        ``CoreTable``), or on simulated ``hosts`` split them evenly (at least one each). ``per_node_args``: node
-        id -> arguments added to that node's command line only (after ``node_args``).
+        ``CoreTable``), or on simulated ``hosts`` split them evenly (at least one each). ``role_args``: role ->
+        arguments of that role's nodes (after ``node_args``); ``per_node_args``: node id -> arguments added to
+        that node's command line only (after those).
         """
         self.num_prefill, self.num_decode = num_prefill, num_decode
         self.hosts = hosts
@@ -67,6 +68,7 @@ class LocalCluster:
         self.model, self.cluster = model, cluster
         self.node_args = node_args or []
         self.per_node_args = dict(per_node_args or {})
+        self.role_args = dict(role_args or {})
         self.dtype = dtype
         self.cores = CoreTable() if threads_per_node == 0 and hosts is None else None
         self.threads_per_node = threads_per_node or max(1, (os.cpu_count() or 1) // max(1, num_prefill + num_decode))
@@ -99,7 +101,8 @@ class LocalCluster:
         """Start (or restart) one node process; with ``wait``, until it is registered."""
         cmd = [sys.executable, "-m", "kvmesh.cli", f"{role}-node", "--node-id", node_id, "--etcd",
                self.etcd_endpoint, "--cluster", self.cluster, "--model", self.model, "--dtype", self.dtype,
-               *self._thread_args(node_id), *self.node_args, *self.per_node_args.get(node_id, ()), *extra_args]
+               *self._thread_args(node_id), *self.node_args, *self.role_args.get(role, ()),
+               *self.per_node_args.get(node_id, ()), *extra_args]
         if self.hosts is not None:
             host = self.hosts[self.placement.setdefault(node_id, self.hosts.hosts[-1].index)]
             cmd = [*host.exec_prefix, *cmd, "--host", host.address]
@@ -107,6 +110,9 @@ class LocalCluster:
         proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
                                 pass_fds=(self.cores.fd,) if self.cores is not None else ())
         node = self.nodes[node_id] = NodeProcess(node_id, role, proc, {})
+        stale = self._clients.pop(node_id, None)  # a restarted node listens elsewhere
+        if stale is not None:
+            stale.close()
         if wait:
             line = proc.stdout.readline()
             if not line:

@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import logging
+import signal
 
 from kvmesh.auth import InsecureClusterError, add_secret_arguments, secret_from_args
 from kvmesh.lifecycle import stop_on_sigterm
@@ -49,8 +51,11 @@ def add_node_arguments(p: argparse.ArgumentParser) -> None:
                         "memory with GPUDirect RDMA) or a pinned host mirror copied per transfer (host-staging); "
                         "auto picks and logs why")
     p.add_argument("--threads", type=int, default=0,
-                   help="compute threads of this node (0: torch's default, every core, or with --core-share the "
-                        "cores the machine's other nodes leave)")
+                   help="compute threads of this node, its tensor-parallel ranks together (0: torch's default, every "
+                        "core, or with --core-share the cores the machine's other nodes leave)")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="split the model over N processes of this node (the CPU; a size that does not divide the "
+                        "model's heads is refused; peers of any size share its KV)")
     p.add_argument("--core-share", default="", metavar="FD:SLOT:CORES",
                    help="set by serve and local-cluster: the inherited table through which the nodes of one machine "
                         "divide its cores among those with work (kvmesh/node/core_share.py)")
@@ -150,8 +155,10 @@ def run_node(role: str, args: argparse.Namespace) -> int:
                      host_kv_bytes=-1 if args.host_kv_gib == "auto" else
                      _gib_to_bytes("--host-kv-gib", float(args.host_kv_gib)),
                      disk_kv_bytes=_gib_to_bytes("--disk-kv-gib", args.disk_kv_gib), disk_kv_path=args.disk_kv_path,
-                     verify_kv=args.verify_kv, cluster_token=secret_from_args(args), insecure=args.insecure)
+                     verify_kv=args.verify_kv, cluster_token=secret_from_args(args), insecure=args.insecure,
+                     tensor_parallel_size=args.tensor_parallel_size)
     stop_on_sigterm()  # SIGTERM: deregister and close like Ctrl-C or a closed stdin
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 PID`: every thread's stack on stderr
     try:
         node = create_node(cfg)
     except KeyboardInterrupt:
@@ -159,7 +166,7 @@ def run_node(role: str, args: argparse.Namespace) -> int:
     except (DeviceError, ValueError, InsecureClusterError) as e:  # a flag this machine or network cannot honour
         raise SystemExit(f"{args.node_id}: {e}") from None
     node.serve_forever()
-    return 0
+    return 1 if node.broken else 0
 
 
 def create_node(cfg):

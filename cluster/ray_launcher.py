@@ -131,6 +131,9 @@ class RayCluster:
     cpus_per_node: float = 1
     node_options: dict = field(default_factory=dict)
     placement: dict = field(default_factory=dict)  # role -> a custom resource offered by the nodes for that role
+    # role -> its nodes' tensor-parallel size: a node actor asks N times the CPUs and GPUs (one Ray node holds all
+    # of a node's ranks: they are processes of its actor, which die with it and come back with its restart)
+    tensor_parallel_sizes: dict = field(default_factory=dict)
     etcd: str = ""
     actors: dict = field(default_factory=dict)
 
@@ -173,22 +176,27 @@ class RayCluster:
         for role, node_id in specs:
             where = ({"resources": {self.placement[role]: 0.001}} if role in self.placement
                      else {"scheduling_strategy": "SPREAD"})
+            tp = self._tp(role)
             self.actors[node_id] = NodeActor.options(
                 name=node_id, namespace=NAMESPACE, get_if_exists=True, lifetime="detached",
-                num_cpus=self.cpus_per_node, num_gpus=self.gpus_per_node, **where).remote(role, node_id, self.etcd, self.cluster, self.model,
-                                                             self.node_options)
-        asks = f"{self.cpus_per_node:g} CPU" + (f", {self.gpus_per_node:g} GPU" if self.gpus_per_node else "")
+                num_cpus=self.cpus_per_node * tp, num_gpus=self.gpus_per_node * tp, **where).remote(
+                    role, node_id, self.etcd, self.cluster, self.model, {**self.node_options, "tensor_parallel_size": tp})
+        asks = f"{self.cpus_per_node:g} CPU" + (f", {self.gpus_per_node:g} GPU" if self.gpus_per_node else "") + \
+            " per rank"
         self._wait_placed({n: self.actors[n].info.remote() for _, n in specs}, timeout_s, say, asks)
         self.wait_registered({n for _, n in specs}, timeout_s)
         return self
+
+    def _tp(self, role: str) -> int:
+        return int(self.tensor_parallel_sizes.get(role, 1))
 
     def _check_feasible(self, names: list[str]) -> None:
         """KvmeshError when the actors still to create ask for more CPUs or GPUs than the Ray cluster has."""
         from kvmesh.errors import KvmeshError
 
-        nodes = [n for n in names if n != "etcd"]
-        want = {"CPU": self.cpus_per_node * len(nodes) + (ETCD_CPUS if "etcd" in names else 0),
-                "GPU": self.gpus_per_node * len(nodes)}
+        ranks = sum(self._tp(n.split("-")[0]) for n in names if n != "etcd")
+        want = {"CPU": self.cpus_per_node * ranks + (ETCD_CPUS if "etcd" in names else 0),
+                "GPU": self.gpus_per_node * ranks}
         have = ray.cluster_resources()
         short = {k: (v, have.get(k, 0.0)) for k, v in want.items() if v > have.get(k, 0.0) + 1e-9}
         if short:

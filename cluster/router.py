@@ -279,6 +279,8 @@ class Router:
                                      f"the request was aborted") from None
             if isinstance(event, NodeLost):
                 raise event
+            if event.error_kind == nm.ERROR_NODE_LOST:  # the node is leaving: the stream migrates
+                raise NodeLost(f"decode node {node_id}: {event.error}")
             if event.error:
                 raise (InvalidRequestError if event.error_kind == nm.ERROR_INVALID
                        else KvmeshError)(f"decode node {node_id}: {event.error}")

@@ -62,7 +62,30 @@ def add_node_share_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--disk-kv-path", default="",
                    help="folder of the nodes' disk-tier files (one per node id, re-adopted by a restart; default: "
                         "temporary folders removed at exit)")
+    add_tensor_parallel_arguments(p)
     add_scheduling_arguments(p)
+
+
+def add_tensor_parallel_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="split each node's model over N processes (the CPU; nodes of any sizes share KV)")
+    for role in ("prefill", "decode"):
+        p.add_argument(f"--{role}-tensor-parallel-size", type=int, default=0,
+                       help=f"the {role} nodes' size instead (0: --tensor-parallel-size)")
+
+
+def tensor_parallel_sizes(args: argparse.Namespace) -> dict[str, int]:
+    """Role -> its nodes' tensor-parallel size (KvmeshError for a size below 1)."""
+    sizes = {role: getattr(args, f"{role}_tensor_parallel_size") or args.tensor_parallel_size
+             for role in ("prefill", "decode")}
+    if min(sizes.values()) < 1:
+        raise KvmeshError(f"tensor-parallel sizes must be 1 or more, got {sizes}")
+    return sizes
+
+
+def role_args(args: argparse.Namespace) -> dict[str, list[str]]:
+    """Role -> the node arguments only that role's nodes get (their tensor-parallel size)."""
+    return {role: ["--tensor-parallel-size", str(size)] for role, size in tensor_parallel_sizes(args).items()}
 
 
 def node_share_args(args: argparse.Namespace) -> list[str]:
@@ -161,7 +184,7 @@ def run_serve(args: argparse.Namespace) -> int:
     try:
         with LocalCluster(args.prefill, args.decode, model=args.model, etcd=args.etcd, cluster=args.cluster,
                           start_timeout_s=600, dtype=args.dtype, threads_per_node=args.threads,
-                          node_args=node_share_args(args),
+                          node_args=node_share_args(args), role_args=role_args(args),
                           cluster_token=secret_from_args(args) or None) as cluster, \
                 Supervisor(cluster, max_restarts=args.max_restarts) as supervisor:
             run_front_ends(args, cluster.etcd_endpoint, args.cluster, cluster.token, supervisor.status)
@@ -188,6 +211,7 @@ def add_launch_arguments(p: argparse.ArgumentParser) -> None:
                    help="the node actors' device: auto (the GPU Ray assigned, else the CPU), cpu, cuda or cuda:N")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="the node actors' model dtype (auto: bfloat16 on CUDA and on CPUs with AMX or AVX512-BF16)")
+    add_tensor_parallel_arguments(p)
     add_front_end_arguments(p)
 
 
@@ -209,7 +233,7 @@ def run_launch(args: argparse.Namespace) -> int:
     cluster = RayCluster(args.prefill, args.decode, args.model, args.cluster, args.gpus_per_node,
                          args.cpus_per_node, etcd=args.etcd or "",
                          node_options={"cluster_token": token, "device": args.device, "dtype": args.dtype},
-                         placement=placement).start()
+                         placement=placement, tensor_parallel_sizes=tensor_parallel_sizes(args)).start()
     print(json.dumps({"etcd": cluster.etcd, "nodes": cluster.hosts()}), flush=True)
     run_front_ends(args, cluster.etcd, args.cluster, token)  # Ray restarts dead node actors
     return 0

@@ -289,9 +289,17 @@ class DecodeWorker(NodeRuntime):
 
     def on_failed(self, seq: Sequence, error: str) -> None:
         request = self._requests.pop(seq.request_id, None)
-        if request is not None:
-            self.send_event(request.identity, nm.TokenEvent(seq.request_id, [], finished=True, finish_reason="error",
-                                                            error=error, error_kind=nm.ERROR_INTERNAL))
+        if request is not None:  # a broken node (a dead rank) fails every step: the request may run elsewhere
+            self.send_event(request.identity, nm.TokenEvent(
+                seq.request_id, [], finished=True, finish_reason="error", error=error,
+                error_kind=nm.ERROR_NODE_LOST if self.broken else nm.ERROR_INTERNAL))
+
+    def abandon_requests(self, why: str) -> None:
+        requests, self._requests = self._requests, {}  # the engine loop has stopped: this thread owns them now
+        for rid, request in requests.items():
+            self.endpoint.send(request.identity, encode(nm.TokenEvent(
+                rid, [], finished=True, finish_reason="error", error=f"the node is leaving: {why}",
+                error_kind=nm.ERROR_NODE_LOST)))
 
     def on_finish(self, seq: Sequence) -> None:
         request = self._requests.pop(seq.request_id, None)

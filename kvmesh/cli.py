@@ -382,7 +382,7 @@ def _run_local_cluster(args: argparse.Namespace) -> int:
 
     from kvmesh.auth import token_from_env
     from kvmesh.cluster.local_launcher import LocalCluster
-    from kvmesh.cluster.serve import node_share_args
+    from kvmesh.cluster.serve import node_share_args, role_args
     from kvmesh.cluster.supervisor import Supervisor
     from kvmesh.lifecycle import stop_on_sigterm
 
@@ -393,7 +393,7 @@ def _run_local_cluster(args: argparse.Namespace) -> int:
     try:
         with LocalCluster(args.prefill, args.decode, model=args.model, etcd=args.etcd, start_timeout_s=600,
                           dtype=args.dtype, threads_per_node=args.threads,
-                          node_args=node_share_args(args)) as cluster, \
+                          node_args=node_share_args(args), role_args=role_args(args)) as cluster, \
                 Supervisor(cluster, max_restarts=args.max_restarts):
             generated = not token_from_env()
             if generated:  # a secret never goes to stdout (logs): a file only this user can read, removed at exit

@@ -30,6 +30,7 @@ class KVLayoutRecord:
     shared_memory: str = ""  # same-host writers open it (transfer/shared_memory.py); "" nowhere
     landing_addr: int = 0  # one-sided writers target slots there (transfer/landing.py)
     num_landing_slots: int = 0
+    tp_size: int = 1  # the node's tensor-parallel ranks; its registered buffer holds every KV head whatever the size
 
 
 @dataclass(frozen=True)

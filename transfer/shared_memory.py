@@ -95,6 +95,20 @@ def _names_region(name: str, region: SharedRegion) -> bool:
     return name.startswith(f"/memfd:{_NAME_PREFIX}{region.tag}")
 
 
+def open_region(region: SharedRegion) -> int:
+    """An fd (read-write) of ``region``'s memfd, checked to be that region (name and size); raises OSError or
+    ValueError. The caller closes it."""
+    path = _path(region)
+    name = os.readlink(path)
+    if not _names_region(name, region):
+        raise ValueError(f"{path} is {name!r}, not the region {region.tag}")
+    fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+    if os.fstat(fd).st_size != region.num_bytes:
+        os.close(fd)
+        raise ValueError(f"{path} is not {region.num_bytes} bytes")
+    return fd
+
+
 class SharedKVAllocator:
     """Allocates a node's KV buffer in a memfd (zeroed, like ``KVLayout.allocate``); ``region`` describes it.
 

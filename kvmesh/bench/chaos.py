@@ -43,6 +43,7 @@ from tqdm import tqdm
 
 from kvmesh.auth import REFUSED, ClusterAuth
 from kvmesh.bench.report import machine, print_table, write_json
+from kvmesh.cluster.client import RequestFailed
 from kvmesh.cluster.hosts import Hosts, HostsError, can_create
 from kvmesh.cluster.local_launcher import LocalCluster
 from kvmesh.cluster.node_connection import NodeConnection, NodeLost
@@ -112,8 +113,10 @@ class _Run:
                 events: queue.Queue = queue.Queue()
                 sent = {}
                 for i in range(start, start + wave):
-                    if i % 4 == 0:
-                        self.prompts += _prompt_group(self.rng)
+                    if i % 4 == 0:  # past num_requests (faults still under way) earlier prompts come again: the
+                        # reference's work stays bounded however long the faults take on a loaded machine
+                        self.prompts += _prompt_group(self.rng) if i < self.num_requests else \
+                            [self.prompts[self.rng.randrange(self.num_requests)] for _ in range(4)]
                     rid = f"c{i}-{uuid.uuid4().hex[:6]}"
                     node = f"decode-{i % 2}"
                     conns[node].submit(nm.GenerateRequest(rid, self.prompts[i], to_wire(GREEDY)), events)
@@ -282,10 +285,12 @@ class _Run:
 
     def probe_kv(self, results: list[dict]) -> dict[int, tuple[str, dict]]:
         """Prompt index -> (decode node, its KV fingerprint of the prompt) for every completed request."""
-        probes = {}
+        probes, seen = {}, set()
         for r in results:
-            if r["final"] is not None and not r["final"].error and not r["aborted"]:
-                prompt = self.prompts[r["index"]]
+            prompt = self.prompts[r["index"]]
+            if r["final"] is not None and not r["final"].error and not r["aborted"] \
+                    and (r["node"], tuple(prompt)) not in seen:  # once per prompt and node
+                seen.add((r["node"], tuple(prompt)))
                 probes[r["index"]] = (r["node"], self.cluster.client(r["node"]).stats(kv_probe=prompt)["kv_probe"])
         return probes
 
@@ -295,7 +300,7 @@ class _Run:
         while True:
             # A node's integrity checks run on its engine thread between steps: on a loaded machine (the suite on
             # two processes, a CPU burn) an answer may take longer than a plain stats call's 10 s.
-            stats = {n: self.cluster.client(n).stats(check=True, timeout_s=60.0) for n in self.cluster.nodes}
+            stats = {n: self._checked_stats(n) for n in self.cluster.nodes}
             leaked = sum(s["num_used_blocks"] + s["num_pinned"] for s in stats.values())
             if leaked == 0 or time.monotonic() > deadline:
                 keep = ("num_used_blocks", "num_pinned", "num_quarantined_total", "num_quarantined_blocks",
@@ -304,6 +309,19 @@ class _Run:
                         "num_prefills", "num_pending_pushes", "num_failed_steps")
                 return {n: {k: s[k] for k in keep if k in s} for n, s in stats.items()}, leaked
             time.sleep(0.2)
+
+
+    def _checked_stats(self, node_id: str) -> dict:
+        """A node's stats after its integrity checks; a node that does not answer dumps its threads' stacks (to
+        its stderr: this run's log) before the error is raised."""
+        try:
+            return self.cluster.client(node_id).stats(check=True, timeout_s=60.0)
+        except RequestFailed:
+            proc = self.cluster.nodes[node_id].proc
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGUSR1)
+                time.sleep(1.0)  # the dump is written by the node's own signal handler
+            raise
 
 
 def _run_on_hosts(backend: str, num_requests: int, abort_every: int, seed: int, bar: tqdm) -> dict:
@@ -331,7 +349,10 @@ def _reference(prompts: list[list[int]], probes: dict[int, tuple[str, dict]]
     from kvmesh.engine.kv_probe import compare_with_engine
 
     llm = LLM("tiny-llama", num_kv_blocks=4096, progress=False)
-    outputs = [o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+    unique = list(dict.fromkeys(map(tuple, prompts)))  # a prompt sent again is computed once
+    by_prompt = dict(zip(unique, (o.token_ids for o in llm.generate([list(u) for u in unique], GREEDY,
+                                                                      use_tqdm=False))))
+    outputs = [by_prompt[tuple(p)] for p in prompts]
     order = sorted(probes)
     checked, bad = compare_with_engine(llm, [(prompts[i], probes[i][1]) for i in order])
     return outputs, checked, [(order[i], probes[order[i]][0], positions) for i, positions in bad]

@@ -31,6 +31,7 @@ from kvmesh.kv.block_pool import BlockPool
 from kvmesh.kv.eviction import POLICIES
 from kvmesh.kv.kv_buffer import KVLayout
 from kvmesh.model.loader import LoadedModel
+from kvmesh.transfer.shared_memory import SharedKVAllocator
 
 log = logging.getLogger("kvmesh.engine")
 
@@ -66,17 +67,19 @@ class EngineConfig:
 
 
 class LLMEngine:
-    def __init__(self, loaded: LoadedModel, config: EngineConfig,
-                 kv_allocator: Callable[[tuple[int, ...], torch.dtype], torch.Tensor] | None = None):
-        """``kv_allocator(shape, dtype)``: a zeroed host buffer for the KV cache (nodes: in shared memory,
-        ``transfer/shared_memory.py``); used only when the model is on the CPU. Default: ``torch.zeros``."""
+    def __init__(self, loaded: LoadedModel, config: EngineConfig, kv_allocator: SharedKVAllocator | None = None):
+        """``kv_allocator``: allocates the KV cache in shared memory (nodes: for same-host peers,
+        ``transfer/shared_memory.py``); used only when the model is on the CPU. Default: ``torch.zeros``, or at
+        tensor-parallel size > 1 on the CPU an allocator of the engine's own (the ranks map the buffer)."""
         self.loaded = loaded
         self.config = config
         self.tokenizer = loaded.tokenizer
         self.max_model_len = min(config.max_model_len or loaded.config.max_position_embeddings,
                                  loaded.config.max_position_embeddings)
-        # With tensor parallelism the model's config is this rank's part: the buffer holds this rank's KV heads.
-        self.layout = KVLayout.for_model(loaded.model.config, loaded.dtype, config.block_size,
+        # With tensor parallelism the model sizes the buffer: every KV head where its ranks share one (the CPU), else
+        # rank 0's heads.
+        self.layout = KVLayout.for_model(getattr(loaded.model, "kv_config", loaded.model.config), loaded.dtype,
+                                         config.block_size,
                                          num_blocks=config.num_kv_blocks,
                                          memory_bytes=int(config.kv_cache_memory_gib * 2**30))
         if config.eviction_policy not in POLICIES:
@@ -89,8 +92,15 @@ class LLMEngine:
         self.kv = KVCacheManager(self.pool, config.block_size, self.namespace.root(), config.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv)
         on_host = torch.device(loaded.device).type == "cpu"
-        kv_buffer = kv_allocator(self.layout.shape, self.layout.dtype) if kv_allocator is not None and on_host \
+        shares_kv = getattr(loaded.model, "shares_kv", False)
+        self._own_allocator = SharedKVAllocator() if shares_kv and kv_allocator is None else None
+        kv_allocator = kv_allocator or self._own_allocator
+        kv_buffer = kv_allocator.allocate(self.layout.shape, self.layout.dtype) if kv_allocator is not None and on_host \
             else self.layout.allocate(loaded.device)
+        if shares_kv:
+            loaded.model.attach_kv(kv_buffer, kv_allocator.region)
+            if self._own_allocator is not None:  # mapped by every rank: the fd is no longer needed
+                self._own_allocator.close()
         self.runner = ModelRunner(loaded.model, kv_buffer, config.block_size)
         if kv_buffer.is_cuda and not config.enforce_eager and loaded.tp_size == 1:  # tensor parallel: eager
             self._capture_graphs()

@@ -20,6 +20,7 @@ import torch
 from kvmesh.engine.engine import LLMEngine, StepFailed
 from kvmesh.engine.request_state import RequestStatus
 from kvmesh.engine.sequence import Sequence
+from kvmesh.model.tp_shard import TensorParallelError
 from kvmesh.node.core_share import CoreShare
 
 log = logging.getLogger("kvmesh.node")
@@ -28,12 +29,15 @@ log = logging.getLogger("kvmesh.node")
 class EngineLoop:
     def __init__(self, engine: LLMEngine, name: str, on_finish: Callable[[Sequence], None],
                  on_failed: Callable[[Sequence, str], None], after_step: Callable[[], None],
-                 cores: CoreShare | None = None):
+                 cores: CoreShare | None = None, on_broken: Callable[[str], None] | None = None):
+        """``on_broken(why)``: a step failed because the model's tensor-parallel group broke (called before the
+        batch's ``on_failed``): the engine cannot step again."""
         self.engine = engine
         self.name = name
         self._on_finish = on_finish
         self._on_failed = on_failed
         self._after_step = after_step
+        self._on_broken = on_broken
         self._cores = cores
         self._commands: queue.Queue[Callable[[], None]] = queue.Queue()
         self._stop = threading.Event()
@@ -84,6 +88,8 @@ class EngineLoop:
                 except StepFailed as e:
                     self.num_failed_steps += 1
                     log.exception("%s: %s (%d requests failed)", self.name, e, len(e.failed))
+                    if isinstance(e.__cause__, TensorParallelError) and self._on_broken is not None:
+                        self._on_broken(str(e))
                     for seq in e.failed:
                         self._on_failed(seq, str(e))
             self._after_step()

@@ -27,14 +27,15 @@ class GenerateRequest:
 
 ERROR_INVALID = "invalid"  # the request cannot be served as asked (the client's fault)
 ERROR_INTERNAL = "internal"  # the node failed it
-ERROR_KINDS = ("", ERROR_INVALID, ERROR_INTERNAL)
+ERROR_NODE_LOST = "node-lost"  # the node is leaving (it cannot compute any more): run the request elsewhere
+ERROR_KINDS = ("", ERROR_INVALID, ERROR_INTERNAL, ERROR_NODE_LOST)
 
 
 @dataclass(frozen=True)
 class TokenEvent:
     """Decode node -> client: new tokens; the last event has ``finished`` (and stats, or an error).
     ``error_kind`` says whose fault an error is: ``ERROR_INVALID`` the request's (a client error), else the
-    node's (``ERROR_INTERNAL``)."""
+    node's (``ERROR_INTERNAL``; ``ERROR_NODE_LOST``: the node is leaving, the request may run elsewhere)."""
 
     TYPE: ClassVar[str] = "tokens"
     request_id: str

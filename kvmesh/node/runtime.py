@@ -16,11 +16,15 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
+import signal
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import NamedTuple
+
+import torch
 
 from kvmesh.auth import ClusterAuth, require_secret
 from kvmesh.gc_pauses import GCPauses, freeze_start_up
@@ -112,6 +116,7 @@ class NodeConfig:
     core_share: str = ""  # FD:SLOT:CORES of the launcher's CoreTable: compute threads shared with this machine's nodes
     cluster_token: str = field(default="", repr=False)  # authenticates every frame (kvmesh.auth)
     insecure: bool = False  # may bind beyond loopback without a cluster token
+    tensor_parallel_size: int = 1  # ranks of this node (kvmesh/parallel): the model split over N processes
 
 
 def index_namespace(namespace: HashNamespace) -> str:
@@ -130,8 +135,14 @@ class NodeRuntime:
             log.warning("%s: no cluster token ($KVMESH_CLUSTER_TOKEN / --cluster-token-file): any process that "
                         "reaches this node can submit work and make it write KV", cfg.node_id)
         self.device = resolve_device(cfg.device)
-        self.loaded = load_model(cfg.model, dtype=cfg.dtype, device=self.device, progress=False,
-                                 load_format=cfg.load_format)
+        self.broken = ""  # why this node can no longer compute (a tensor-parallel rank died): it leaves
+        self.ranks = None
+        if cfg.tensor_parallel_size > 1:
+            self.ranks = self._start_ranks()
+            self.loaded = self.ranks.loaded
+        else:
+            self.loaded = load_model(cfg.model, dtype=cfg.dtype, device=self.device, progress=False,
+                                     load_format=cfg.load_format)
         self.shared_kv = SharedKVAllocator() if cfg.shared_memory_transfers else None
         self.engine = LLMEngine(self.loaded, EngineConfig(
             block_size=cfg.block_size, num_kv_blocks=cfg.num_kv_blocks, track_pool_changes=True,
@@ -143,7 +154,7 @@ class NodeRuntime:
             scheduler=SchedulerConfig(max_num_seqs=cfg.max_num_seqs,
                                       max_num_batched_tokens=cfg.max_num_batched_tokens,
                                       long_prefill_token_threshold=max(cfg.long_prefill_token_threshold, 0))),
-            kv_allocator=self.shared_kv.allocate if self.shared_kv is not None else None)
+            kv_allocator=self.shared_kv)
         self.pool = self.engine.pool
         # Seeded by a start-up measurement, then kept current by every step that computes prompt tokens.
         probe = self._probe()
@@ -185,11 +196,35 @@ class NodeRuntime:
         self._outbox: dict[bytes, list[bytes]] = {}
         self.num_events_sent = self.num_event_frames = 0
         self.loop = EngineLoop(self.engine, cfg.node_id, self.on_finish, self.on_failed, self._after_step,
-                               cores=CoreShare.from_argument(cfg.core_share) if cfg.core_share else None)
+                               cores=CoreShare.from_argument(cfg.core_share) if cfg.core_share else None,
+                               on_broken=self._break)
         self.workers = ThreadPoolExecutor(16, thread_name_prefix=f"kvmesh-{cfg.node_id}")
         self.endpoint = RouterEndpoint(cfg.host, self._on_request, f"requests-{cfg.node_id}", self.auth,
                                        advertise=self.advertise_host)
         self.call_soon = self.loop.call_soon
+
+    def _start_ranks(self):
+        """This node's tensor-parallel ranks (the CPU only: its ranks share one KV buffer of every head, the format
+        transfers, tiers and probes read)."""
+        from kvmesh.parallel.ranks import TensorParallelRanks
+
+        if self.device.type != "cpu":
+            raise ValueError(f"--tensor-parallel-size {self.cfg.tensor_parallel_size} on {self.device}: nodes run "
+                             f"tensor-parallel on the CPU only so far (the ranks of one node must map one KV buffer)")
+        ranks = TensorParallelRanks(self.cfg.model, self.cfg.tensor_parallel_size, dtype=self.cfg.dtype,
+                                    device=str(self.device), load_format=self.cfg.load_format, progress=False,
+                                    num_threads=torch.get_num_threads())
+        ranks.on_rank_lost = self._break
+        return ranks
+
+    def _break(self, why: str) -> None:
+        """A rank died or a collective failed (any thread): the node cannot compute any more, so it leaves
+        (SIGTERM to itself: the clean stop; decode nodes tell their clients to go elsewhere)."""
+        if self.broken:
+            return
+        self.broken = why
+        log.error("%s: %s; this node leaves the cluster", self.cfg.node_id, why)
+        os.kill(os.getpid(), signal.SIGTERM)
 
     def start(self) -> NodeRuntime:
         """Start the transfer agent, then (after ``before_serving``) the engine thread, the tiers, the request
@@ -218,7 +253,7 @@ class NodeRuntime:
             transport=self.agent.engine.transport, dtype=str(self.loaded.dtype).removeprefix("torch."),
             device=device_name(self.device), kv_memory=self.agent.memory.mode,
             shared_memory=self.agent.record.shared_memory, landing_addr=self.agent.record.landing_addr,
-            num_landing_slots=self.agent.record.num_landing_slots)
+            num_landing_slots=self.agent.record.num_landing_slots, tp_size=self.cfg.tensor_parallel_size)
         card = ModelCard(self.cfg.model, self.loaded.fingerprint, self.engine.kv.root_hash.hex(),
                          index_namespace(self.engine.namespace))
         disk = self.tiers.read_rates[2].per_s if self.tiers is not None and self.tiers.disk is not None else 0.0
@@ -399,6 +434,10 @@ class NodeRuntime:
     def role_stats(self) -> dict:
         return {}
 
+    def abandon_requests(self, why: str) -> None:
+        """The node is broken and stopping (its engine loop stopped): tell clients their requests must run
+        elsewhere."""
+
     # ---- life ---------------------------------------------------------------------------------------------
     def announce(self) -> None:
         """One JSON line on stdout for launchers: the node is registered and serving."""
@@ -420,6 +459,8 @@ class NodeRuntime:
         self.gc_pauses.uninstall()
         self.loop.close()
         self.membership.close()
+        if self.broken:
+            self.abandon_requests(self.broken)
         self.endpoint.close()
         self.agent.close()
         if self.shared_kv is not None:
@@ -427,3 +468,5 @@ class NodeRuntime:
         if self.tiers is not None:
             self.tiers.close()
         self.workers.shutdown(wait=False, cancel_futures=True)
+        if self.ranks is not None:
+            self.ranks.close()

@@ -55,7 +55,7 @@ class TPGroup:
             start().wait()
         except RuntimeError as e:  # gloo/NCCL: a peer closed its connection, or the timeout passed
             first = str(e).splitlines()[0] if str(e) else type(e).__name__
-            raise TensorParallelError(f"tensor-parallel rank {self.rank} of {self.size}: a {what} failed (a rank died "
+            raise TensorParallelError(f"tensor-parallel rank {self.rank} of {self.size}: the {what} failed (a rank died "
                                       f"or did not answer within {self.timeout_s:g} s): {first}") from None
         finally:
             self.collective_s += time.perf_counter() - began

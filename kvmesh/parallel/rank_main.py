@@ -5,6 +5,7 @@ or ``{"error": ...}`` when it cannot start."""
 from __future__ import annotations
 
 import json
+import math
 import pickle
 import sys
 
@@ -15,7 +16,7 @@ def serve(init: dict, calls, status) -> None:
     """Load and run calls until ``calls`` ends."""
     from kvmesh.model.loader import load_model
     from kvmesh.parallel.group import TPGroup, open_store
-    from kvmesh.parallel.ranks import metadata_on
+    from kvmesh.parallel.ranks import head_slice, metadata_on
 
     def say(**line) -> None:
         status.write(json.dumps(line) + "\n")
@@ -41,6 +42,7 @@ def serve(init: dict, calls, status) -> None:
         raise SystemExit(1) from None
     say(ready=init["rank"])
     model, kv_buffers = loaded.model, {}
+    heads = head_slice(loaded.config, init["rank"], init["size"])
     with torch.inference_mode():
         while True:
             try:
@@ -54,6 +56,16 @@ def serve(init: dict, calls, status) -> None:
                     kv_buffers[(shape, dtype)] = torch.zeros(shape, dtype=dtype, device=device)
                 md = metadata_on(md, device)
                 model(input_ids.to(device), positions.to(device), kv_buffers[(shape, dtype)], md, num_layers)
+            elif call[0] == "map_kv":  # rank 0's buffer of every head (the CPU): this rank's heads are a view of it
+                _, region, shape, dtype = call
+                try:
+                    whole = map_shared_kv(region, shape, dtype)
+                except (OSError, ValueError) as e:
+                    say(error=f"cannot map rank 0's KV buffer: {e}")
+                    raise SystemExit(1) from None
+                kv_buffers.clear()
+                kv_buffers[(shape, dtype)] = whole[..., heads, :]
+                say(mapped=init["rank"])
             elif call[0] == "logits":
                 model.compute_logits(call[1].to(device))
             elif call[0] == "read_kv":
@@ -61,6 +73,27 @@ def serve(init: dict, calls, status) -> None:
                 group.gather_stack(kv[torch.tensor(call[1], device=device)].cpu())
             else:
                 raise ValueError(f"unknown call {call[0]!r}")
+
+
+def map_shared_kv(region_text: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """The KV buffer rank 0 allocated in a memfd (``transfer/shared_memory.py``), mapped here."""
+    import mmap
+    import os
+
+    from kvmesh.transfer.shared_memory import SharedRegion, open_region
+
+    region = SharedRegion.decode(region_text)
+    if region is None:
+        raise ValueError(f"malformed region {region_text!r}")
+    fd = open_region(region)
+    try:
+        mapping = mmap.mmap(fd, region.num_bytes)
+    finally:
+        os.close(fd)
+    tensor = torch.frombuffer(mapping, dtype=torch.uint8).view(dtype)
+    if tensor.numel() != math.prod(shape):
+        raise ValueError(f"region of {region.num_bytes} bytes for a buffer of shape {shape}")
+    return tensor.view(*shape)
 
 
 def main() -> int:
