@@ -143,6 +143,9 @@ def _add_bench(sub) -> None:
     ru.add_argument("--suffix-tokens", type=int, default=32)
     ru.add_argument("--rounds", type=int, default=3)
     ru.add_argument("--dtype", default="float32", help="the nodes' dtype (auto: bfloat16 where the CPU has it)")
+    ru.add_argument("--holder-tp", type=int, default=1,
+                    help="the prefill node and decode-0 (every holder) at this tensor-parallel size, the fetching "
+                         "decode node at 1: reuse across sizes")
     ru.add_argument("--paths", default="shared-memory,engine",
                     help="transfer paths to measure, each on its own cluster: shared-memory (same-host copies), "
                          "engine (every push through the transfer engine, as between hosts); the first is the "
@@ -291,7 +294,8 @@ def _run_bench_reuse(args: argparse.Namespace) -> int:
 
     try:
         reuse.run(args.json, args.model, args.prompt_tokens, args.suffix_tokens, args.rounds,
-                  paths=tuple(p.strip() for p in args.paths.split(",") if p.strip()), dtype=args.dtype)
+                  paths=tuple(p.strip() for p in args.paths.split(",") if p.strip()), dtype=args.dtype,
+                  holder_tp=args.holder_tp)
     except ValueError as e:
         raise SystemExit(f"kvmesh bench reuse: {e}") from None
     return 0

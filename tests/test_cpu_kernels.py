@@ -195,6 +195,39 @@ def test_native_rope_store_equals_rotate_then_store(dtype, num_tokens):
     assert torch.equal(buffers[0], buffers[1])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_kernels_take_a_tensor_parallel_ranks_heads_of_a_whole_buffer(dtype):
+    """A rank's KV heads are a view of a buffer of every head (positions further apart than its heads): the
+    kernels read and write through that view as the torch path does on a contiguous copy, and never touch
+    the other ranks' heads."""
+    hq, hkv_whole, d, bs, num_blocks = 4, 4, 32, 16, 12
+    gen = torch.Generator().manual_seed(5)
+    whole = torch.randn(num_blocks, 2, 2, bs, hkv_whole, d, generator=gen).to(dtype)
+    mine = whole[..., 1:3, :]  # heads 1 and 2 of 4: this rank's
+    k_cache, v_cache = mine[:, 1, 0], mine[:, 1, 1]
+    assert native.can_attend(torch.empty(3, hq, d, dtype=dtype), k_cache, v_cache)
+    tables = torch.randperm(num_blocks, generator=gen)[:8].view(2, 4).to(torch.int32)
+    query = torch.randn(2, hq, d, generator=gen).to(dtype)
+    seq_lens = torch.tensor([50, 37], dtype=torch.int32)
+    ours = native.decode_attention(query, k_cache, v_cache, tables, seq_lens, 0.2)
+    ref = ref_attn.decode_attention(query, k_cache.contiguous(), v_cache.contiguous(), tables, seq_lens, 50, 0.2)
+    assert (ours.float() - ref.float()).abs().max().item() <= (1e-5 if dtype == torch.float32 else 0.02)
+    prompt = torch.randn(20, hq, d, generator=gen).to(dtype)
+    ours = native.prefill_attention(prompt, k_cache, v_cache, tables[:1], [20], [50], 0.2)
+    ref = native.prefill_attention(prompt, k_cache.contiguous(), v_cache.contiguous(), tables[:1], [20], [50], 0.2)
+    assert torch.equal(ours, ref)  # the same kernel over the same values: only the addresses differ
+    qkv = torch.randn(5, (hq + 2 * 2) * d, generator=gen).to(dtype)
+    angles = torch.randn(5, d, generator=gen)
+    before = whole.clone()
+    block_ids, offsets = torch.tensor([3, 3, 7, 0, 11]), torch.tensor([0, 1, 15, 4, 9])
+    native.rope_store(qkv, angles.cos().to(dtype), angles.sin().to(dtype), k_cache, v_cache, block_ids, offsets, hq)
+    contiguous = before[..., 1:3, :].contiguous()
+    native.rope_store(qkv, angles.cos().to(dtype), angles.sin().to(dtype), contiguous[:, 1, 0], contiguous[:, 1, 1],
+                      block_ids, offsets, hq)
+    assert torch.equal(mine, contiguous)
+    assert torch.equal(whole[..., [0, 3], :], before[..., [0, 3], :])  # the other ranks' heads untouched
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_engine_streams_equal_with_and_without_the_native_kernels(dtype, monkeypatch):
     """The whole decode path (rope+store, norms with fused adds, paged decode and prefill attention, the prompts

@@ -189,11 +189,14 @@ def test_the_kv_oracle_sees_blocks_in_the_wrong_slots():
     prompt = list(range(40, 140))  # 100 tokens: 6 full blocks
     llm.generate([prompt], SamplingParams(max_tokens=2, temperature=0.0), use_tqdm=False)
     want = prompt_kv_sums(llm.engine, prompt)
-    assert want["num_blocks"] == 6 and mismatched_positions(want, want, 2) == []
+    assert want["num_blocks"] == 6 and mismatched_positions(want, want, 2, 2) == []
     ids = llm.engine.pool.match(llm.engine.kv.hash_prompt(prompt))
     kv = llm.engine.runner.kv_buffer
     kv[[ids[1], ids[2]]] = kv[[ids[2], ids[1]]].clone()
-    assert mismatched_positions(prompt_kv_sums(llm.engine, prompt), want, 2) == list(range(16, 48))
+    assert mismatched_positions(prompt_kv_sums(llm.engine, prompt), want, 2, 2) == list(range(16, 48))
+    kv[ids[4]] = kv[ids[4]].flip(-2).clone()  # the two KV heads of block 4 trade places (their sum unchanged)
+    assert mismatched_positions(prompt_kv_sums(llm.engine, prompt), want, 2, 2) == \
+        list(range(16, 48)) + list(range(64, 80))
 
 
 def test_remote_kv_never_runs_more_than_max_num_seqs(reference):

@@ -13,8 +13,9 @@
  *
  * Key t of sequence b sits in block block_tables[b][t / block_size] at offset t % block_size:
  *
- *   k_cache + block_id * block_stride + ((t % block_size) * num_kv_heads + kv_head) * head_dim
- *             `-- one layer's K of one block: [block_size, num_kv_heads, head_dim] contiguous
+ *   k_cache + block_id * block_stride + (t % block_size) * row_stride + kv_head * head_dim
+ *             `-- one layer's K of one block: [block_size, num_kv_heads, head_dim], rows row_stride
+ *                 apart (num_kv_heads * head_dim, or more for a tensor-parallel rank's heads of a whole buffer)
  *
  * A query head h reads KV head h / (num_heads / num_kv_heads) (grouped-query attention); the group's
  * query rows are processed together so every key row is loaded once per KV head.
@@ -115,10 +116,10 @@ INLINE void prefetch_block(const char *k, const char *v, size_t bytes) {
  * row are adjacent), the next block prefetched. scratch holds (h1 - h0) * group * (n + 2 * head_dim)
  * floats: scores [heads * group, n], then the queries and the accumulators [heads * group, head_dim]. */
 INLINE void attend(const void *query, const void *k_cache, const void *v_cache, int64_t block_stride,
-                   const int32_t *table, int n, int h0, int h1, int group, int num_kv_heads, int head_dim,
+                   int64_t row, const int32_t *table, int n, int h0, int h1, int group, int head_dim,
                    int block_size, float scale, float *scratch, void *out, int bf16) {
     size_t elem = bf16 ? 2 : 4, rows = (size_t)(h1 - h0) * group;
-    int64_t row = (int64_t)num_kv_heads * head_dim, num_blocks = (n + block_size - 1) / block_size;
+    int64_t num_blocks = (n + block_size - 1) / block_size;
     size_t block_bytes = (size_t)block_size * row * elem;
     float *scores = scratch, *q = scores + rows * n, *acc = q + rows * head_dim;
     const char *qh = (const char *)query + (size_t)h0 * group * head_dim * elem;
@@ -155,10 +156,12 @@ INLINE void attend(const void *query, const void *k_cache, const void *v_cache, 
 /* Work items are whole sequences when there are enough of them to keep every thread busy, else
  * (sequence, KV head) pairs, so a single long sequence still uses every thread. */
 INLINE int decode_attention(const void *query, const void *k_cache, const void *v_cache, int64_t block_stride,
-                            const int32_t *block_tables, int64_t table_stride, const int32_t *seq_lens, int batch,
-                            int num_heads, int num_kv_heads, int head_dim, int block_size, float scale, void *out,
-                            int num_threads, int bf16) {
-    if (head_dim % LANES || num_kv_heads <= 0 || num_heads % num_kv_heads) return -2;
+                            int64_t row_stride, const int32_t *block_tables, int64_t table_stride,
+                            const int32_t *seq_lens, int batch, int num_heads, int num_kv_heads, int head_dim,
+                            int block_size, float scale, void *out, int num_threads, int bf16) {
+    if (head_dim % LANES || num_kv_heads <= 0 || num_heads % num_kv_heads ||
+        row_stride < (int64_t)num_kv_heads * head_dim)
+        return -2;
     int group = num_heads / num_kv_heads, max_len = 0, failed = 0;
     for (int b = 0; b < batch; b++) max_len = seq_lens[b] > max_len ? seq_lens[b] : max_len;
     int split = batch < num_threads ? num_kv_heads : 1;
@@ -179,11 +182,11 @@ INLINE int decode_attention(const void *query, const void *k_cache, const void *
             char *o = (char *)out + (size_t)b * num_heads * head_dim * elem;
             if (!scratch) continue;
             if (bf16) /* a literal per branch: the outlined region would otherwise compile a generic copy */
-                attend(q, k_cache, v_cache, block_stride, table, seq_lens[b], h0, h0 + heads_per_item, group,
-                       num_kv_heads, head_dim, block_size, scale, scratch, o, 1);
+                attend(q, k_cache, v_cache, block_stride, row_stride, table, seq_lens[b], h0, h0 + heads_per_item,
+                       group, head_dim, block_size, scale, scratch, o, 1);
             else
-                attend(q, k_cache, v_cache, block_stride, table, seq_lens[b], h0, h0 + heads_per_item, group,
-                       num_kv_heads, head_dim, block_size, scale, scratch, o, 0);
+                attend(q, k_cache, v_cache, block_stride, row_stride, table, seq_lens[b], h0, h0 + heads_per_item,
+                       group, head_dim, block_size, scale, scratch, o, 0);
         }
         free(scratch);
     }
@@ -191,17 +194,17 @@ INLINE int decode_attention(const void *query, const void *k_cache, const void *
 }
 
 int decode_attention_bf16(const void *query, const void *k_cache, const void *v_cache, int64_t block_stride,
-                          const int32_t *block_tables, int64_t table_stride, const int32_t *seq_lens, int batch,
-                          int num_heads, int num_kv_heads, int head_dim, int block_size, float scale, void *out,
+                          int64_t row_stride, const int32_t *block_tables, int64_t table_stride, const int32_t *seq_lens,
+                          int batch, int num_heads, int num_kv_heads, int head_dim, int block_size, float scale, void *out,
                           int num_threads) {
-    return decode_attention(query, k_cache, v_cache, block_stride, block_tables, table_stride, seq_lens, batch,
-                            num_heads, num_kv_heads, head_dim, block_size, scale, out, num_threads, 1);
+    return decode_attention(query, k_cache, v_cache, block_stride, row_stride, block_tables, table_stride, seq_lens,
+                            batch, num_heads, num_kv_heads, head_dim, block_size, scale, out, num_threads, 1);
 }
 
 int decode_attention_f32(const void *query, const void *k_cache, const void *v_cache, int64_t block_stride,
-                         const int32_t *block_tables, int64_t table_stride, const int32_t *seq_lens, int batch,
-                         int num_heads, int num_kv_heads, int head_dim, int block_size, float scale, void *out,
+                         int64_t row_stride, const int32_t *block_tables, int64_t table_stride, const int32_t *seq_lens,
+                         int batch, int num_heads, int num_kv_heads, int head_dim, int block_size, float scale, void *out,
                          int num_threads) {
-    return decode_attention(query, k_cache, v_cache, block_stride, block_tables, table_stride, seq_lens, batch,
-                            num_heads, num_kv_heads, head_dim, block_size, scale, out, num_threads, 0);
+    return decode_attention(query, k_cache, v_cache, block_stride, row_stride, block_tables, table_stride, seq_lens,
+                            batch, num_heads, num_kv_heads, head_dim, block_size, scale, out, num_threads, 0);
 }

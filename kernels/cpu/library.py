@@ -41,10 +41,10 @@ FLAGS = ("-O3", "-march=native", "-mtune=generic", "-fno-trapping-math", "-fno-m
 _P, _I64, _INT, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 _SIGNATURES = {
     # each takes torch's intra-op thread count last (OpenMP's own default is per calling thread)
-    "decode_attention": [_P, _P, _P, _I64, _P, _I64, _P, _INT, _INT, _INT, _INT, _INT, _F, _P, _INT],
-    "prefill_attention": [_P, _P, _P, _I64, _P, _INT, _INT, _INT, _INT, _INT, _INT, _F, _P, _INT],
+    "decode_attention": [_P, _P, _P, _I64, _I64, _P, _I64, _P, _INT, _INT, _INT, _INT, _INT, _F, _P, _INT],
+    "prefill_attention": [_P, _P, _P, _I64, _I64, _P, _INT, _INT, _INT, _INT, _INT, _INT, _F, _P, _INT],
     "rms_norm": [_P, _P, _P, _I64, _I64, _F, _P, _INT],
-    "rope_store": [_P, _I64, _INT, _INT, _INT, _P, _P, _P, _P, _I64, _P, _P, _P, _INT],
+    "rope_store": [_P, _I64, _INT, _INT, _INT, _P, _P, _P, _P, _I64, _I64, _P, _P, _P, _INT],
 }
 _SUFFIXES = {torch.bfloat16: "bf16", torch.float32: "f32"}
 
@@ -125,10 +125,12 @@ def _as(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _is_layer_view(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
-    """One layer's K and V of the block-major buffer: [blocks, block_size, H_kv, D], rows contiguous."""
+    """One layer's K and V of the block-major buffer: [blocks, block_size, H_kv, D], each position's heads
+    contiguous; positions ``stride(1)`` apart (further than H_kv * D for a tensor-parallel rank's heads of a buffer
+    of every head)."""
     _, _, num_kv_heads, head_dim = k_cache.shape
     return (k_cache.stride() == v_cache.stride() and k_cache.dtype == v_cache.dtype
-            and tuple(k_cache.stride()[1:]) == (num_kv_heads * head_dim, head_dim, 1))
+            and tuple(k_cache.stride()[2:]) == (head_dim, 1) and k_cache.stride(1) >= num_kv_heads * head_dim)
 
 
 def can_attend(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
@@ -154,9 +156,9 @@ def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     tables, lens = _as(block_tables, torch.int32), _as(seq_lens, torch.int32)
     out = torch.empty_like(query)
     status = getattr(lib, f"decode_attention_{_SUFFIXES[query.dtype]}")(
-        query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0), tables.data_ptr(),
-        tables.stride(0), lens.data_ptr(), batch, num_heads, num_kv_heads, head_dim, block_size, scale,
-        out.data_ptr(), torch.get_num_threads())
+        query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0), k_cache.stride(1),
+        tables.data_ptr(), tables.stride(0), lens.data_ptr(), batch, num_heads, num_kv_heads, head_dim, block_size,
+        scale, out.data_ptr(), torch.get_num_threads())
     if status != 0:
         raise NativeKernelError(f"decode_attention returned {status} for query {tuple(query.shape)}, "
                                 f"cache {tuple(k_cache.shape)}")
@@ -179,8 +181,8 @@ def prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     start, row_bytes = 0, num_heads * head_dim * query.element_size()
     for i, (q_len, s_len) in enumerate(zip(query_lens, seq_lens)):
         status = fn(query.data_ptr() + start * row_bytes, k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0),
-                    tables[i].data_ptr(), s_len - q_len, q_len, num_heads, num_kv_heads, head_dim, block_size, scale,
-                    out.data_ptr() + start * row_bytes, torch.get_num_threads())
+                    k_cache.stride(1), tables[i].data_ptr(), s_len - q_len, q_len, num_heads, num_kv_heads, head_dim,
+                    block_size, scale, out.data_ptr() + start * row_bytes, torch.get_num_threads())
         if status != 0:
             raise NativeKernelError(f"prefill_attention returned {status} for {q_len} tokens over {s_len}, "
                                     f"query {tuple(query.shape)}, cache {tuple(k_cache.shape)}")
@@ -235,8 +237,8 @@ def rope_store(qkv: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, k
     ids, offs = _as(block_ids, torch.int64), _as(offsets, torch.int64)
     status = getattr(load(), f"rope_store_{_SUFFIXES[qkv.dtype]}")(
         qkv.data_ptr(), num_tokens, num_heads, num_kv_heads, head_dim, cos.data_ptr(), signed_sin.data_ptr(),
-        k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0), ids.data_ptr(), offs.data_ptr(), q.data_ptr(),
-        torch.get_num_threads())
+        k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0), k_cache.stride(1), ids.data_ptr(), offs.data_ptr(),
+        q.data_ptr(), torch.get_num_threads())
     if status != 0:
         raise NativeKernelError(f"rope_store returned {status} for qkv {tuple(qkv.shape)}, head_dim {head_dim}")
     return q

@@ -140,12 +140,12 @@ INLINE void value_tile(const float *restrict p, int rows, int64_t stride, int64_
 
 /* One item: KV head h, tokens [i0, i1). scratch: q [rows, D], acc [rows, D], kt [D, KEYS], scores [rows, n + KEYS]. */
 INLINE void attend_tile(const void *query, const void *k_cache, const void *v_cache, int64_t block_stride,
-                        const int32_t *table, int context_len, int i0, int i1, int h, int num_heads,
+                        int64_t row_stride, const int32_t *table, int context_len, int i0, int i1, int h, int num_heads,
                         int num_kv_heads, int head_dim, int block_size, float scale, float *scratch, void *out,
                         int bf16) {
     size_t elem = bf16 ? 2 : 4;
     int group = num_heads / num_kv_heads, rows = (i1 - i0) * group;
-    int64_t n = context_len + i1, stride = n + KEYS, row_stride = (int64_t)num_kv_heads * head_dim;
+    int64_t n = context_len + i1, stride = n + KEYS;
     float *q = scratch, *acc = q + rows * head_dim, *kt = acc + rows * head_dim, *scores = kt + head_dim * KEYS;
     for (int i = i0; i < i1; i++)
         for (int g = 0; g < group; g++)
@@ -182,10 +182,10 @@ INLINE void attend_tile(const void *query, const void *k_cache, const void *v_ca
 }
 
 INLINE int prefill_attention(const void *query, const void *k_cache, const void *v_cache, int64_t block_stride,
-                             const int32_t *table, int context_len, int q_len, int num_heads, int num_kv_heads,
+                             int64_t row_stride, const int32_t *table, int context_len, int q_len, int num_heads, int num_kv_heads,
                              int head_dim, int block_size, float scale, void *out, int num_threads, int bf16) {
     if (head_dim % LANES || num_kv_heads <= 0 || num_heads % num_kv_heads || q_len <= 0 || context_len < 0 ||
-        block_size <= 0)
+        block_size <= 0 || row_stride < (int64_t)num_kv_heads * head_dim)
         return -2;
     int group = num_heads / num_kv_heads, tiles = (q_len + TILE_TOKENS - 1) / TILE_TOKENS;
     int items = num_kv_heads * tiles, rows = TILE_TOKENS * group, failed = 0;
@@ -204,11 +204,11 @@ INLINE int prefill_attention(const void *query, const void *k_cache, const void 
             int i1 = i0 + TILE_TOKENS < q_len ? i0 + TILE_TOKENS : q_len;
             if (!scratch) continue;
             if (bf16) /* a literal per branch (see decode_attention.c) */
-                attend_tile(query, k_cache, v_cache, block_stride, table, context_len, i0, i1, h, num_heads,
-                            num_kv_heads, head_dim, block_size, scale, scratch, out, 1);
+                attend_tile(query, k_cache, v_cache, block_stride, row_stride, table, context_len, i0, i1, h,
+                            num_heads, num_kv_heads, head_dim, block_size, scale, scratch, out, 1);
             else
-                attend_tile(query, k_cache, v_cache, block_stride, table, context_len, i0, i1, h, num_heads,
-                            num_kv_heads, head_dim, block_size, scale, scratch, out, 0);
+                attend_tile(query, k_cache, v_cache, block_stride, row_stride, table, context_len, i0, i1, h,
+                            num_heads, num_kv_heads, head_dim, block_size, scale, scratch, out, 0);
         }
         free(scratch);
     }
@@ -216,15 +216,15 @@ INLINE int prefill_attention(const void *query, const void *k_cache, const void 
 }
 
 int prefill_attention_bf16(const void *query, const void *k_cache, const void *v_cache, int64_t block_stride,
-                           const int32_t *table, int context_len, int q_len, int num_heads, int num_kv_heads,
+                           int64_t row_stride, const int32_t *table, int context_len, int q_len, int num_heads, int num_kv_heads,
                            int head_dim, int block_size, float scale, void *out, int num_threads) {
-    return prefill_attention(query, k_cache, v_cache, block_stride, table, context_len, q_len, num_heads,
+    return prefill_attention(query, k_cache, v_cache, block_stride, row_stride, table, context_len, q_len, num_heads,
                              num_kv_heads, head_dim, block_size, scale, out, num_threads, 1);
 }
 
 int prefill_attention_f32(const void *query, const void *k_cache, const void *v_cache, int64_t block_stride,
-                          const int32_t *table, int context_len, int q_len, int num_heads, int num_kv_heads,
+                          int64_t row_stride, const int32_t *table, int context_len, int q_len, int num_heads, int num_kv_heads,
                           int head_dim, int block_size, float scale, void *out, int num_threads) {
-    return prefill_attention(query, k_cache, v_cache, block_stride, table, context_len, q_len, num_heads,
+    return prefill_attention(query, k_cache, v_cache, block_stride, row_stride, table, context_len, q_len, num_heads,
                              num_kv_heads, head_dim, block_size, scale, out, num_threads, 0);
 }

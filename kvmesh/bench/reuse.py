@@ -7,7 +7,8 @@ node that holds it and computes (or has the prefill node compute) only the suffi
 TTFTs are measured by the client, in the same cluster. Paths: ``shared-memory`` (the
 nodes share this host: pushes are one copy into the receiver's memfd KV buffer) and
 ``engine`` (``--no-shared-memory-transfers``: every push through the transfer engine, as
-between hosts; Mooncake over TCP here).
+between hosts; Mooncake over TCP here). ``holder_tp`` N > 1: the prefill node and decode-0, every holder
+of the prefixes, at tensor-parallel size N while decode-1 stays at 1 (KV fetched across sizes).
 """
 from __future__ import annotations
 
@@ -28,15 +29,17 @@ def _token_range(model: str) -> tuple[int, int]:
 
 
 def _measure(path: str, model: str, prompt_tokens: int, suffix_tokens: int, rounds: int,
-             num_kv_blocks: int, dtype: str) -> dict:
+             num_kv_blocks: int, dtype: str, holder_tp: int = 1) -> dict:
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     rng = random.Random(0)
     lo, hi = _token_range(model)
     args = ["--num-kv-blocks", str(num_kv_blocks), "--prefill-timeout", "120", "--kv-placement", "cost",
             *PATHS[path]]
     res: dict = {"rounds": []}
+    holders = {n: ["--tensor-parallel-size", str(holder_tp)] for n in ("prefill-0", "decode-0")} if holder_tp > 1 \
+        else {}
     with LocalCluster(1, 2, model=model, node_args=args, cluster=f"bench-reuse-{path}", start_timeout_s=600,
-                      dtype=dtype) as cluster:
+                      dtype=dtype, per_node_args=holders) as cluster:
         d0, d1 = cluster.client("decode-0"), cluster.client("decode-1")
         warm = [rng.randrange(lo, hi) for _ in range(64)]
         d0.generate(warm, params, timeout_s=300)  # warm-up
@@ -64,14 +67,15 @@ def _measure(path: str, model: str, prompt_tokens: int, suffix_tokens: int, roun
 
 def run(json_path: str | None, model: str = "smollm2-135m", prompt_tokens: int = 2048, suffix_tokens: int = 32,
         rounds: int = 3, num_kv_blocks: int = 1024, paths: tuple[str, ...] = tuple(PATHS),
-        dtype: str = "float32") -> dict:
+        dtype: str = "float32", holder_tp: int = 1) -> dict:
     unknown = set(paths) - set(PATHS)
     if unknown or not paths:
         raise ValueError(f"unknown transfer path(s) {sorted(unknown)} (choose from {', '.join(PATHS)})")
     res: dict = {"machine": machine(), "model": model, "dtype": dtype, "prompt_tokens": prompt_tokens,
-                 "suffix_tokens": suffix_tokens, "paths": {}}
+                 "suffix_tokens": suffix_tokens, "holder_tensor_parallel_size": holder_tp, "paths": {}}
     for path in paths:
-        res["paths"][path] = _measure(path, model, prompt_tokens, suffix_tokens, rounds, num_kv_blocks, dtype)
+        res["paths"][path] = _measure(path, model, prompt_tokens, suffix_tokens, rounds, num_kv_blocks, dtype,
+                                      holder_tp)
     first = res["paths"][paths[0]]  # the headline: the first path asked for (default: shared memory)
     res.update(path=paths[0], ttft_full_s=first["ttft_full_s"], ttft_reuse_s=first["ttft_reuse_s"],
                ratio=first["ratio"])
@@ -81,7 +85,9 @@ def run(json_path: str | None, model: str = "smollm2-135m", prompt_tokens: int =
         rows.append([path, f"{r['ttft_full_s'] * 1e3:.0f} ms", f"{r['ttft_reuse_s'] * 1e3:.0f} ms",
                      f"{r['kv_wait_ms']:.0f} ms", str(u["tokens_reused_remote"] + u["tokens_from_prefill_node"] + u.get("tokens_reused_prefill_node", 0)),
                      f"{r['reuse_bytes_received'] / 2**20:.1f} MiB", str(u["tokens_computed"]), f"{r['ratio']:.3f}x"])
-    print_table(f"{model}: TTFT with the prefix on another node ({prompt_tokens} tokens, new suffix {suffix_tokens})",
+    sizes = f", holders at tensor-parallel size {holder_tp}, the fetching node at 1" if holder_tp > 1 else ""
+    print_table(f"{model}: TTFT with the prefix on another node ({prompt_tokens} tokens, new suffix {suffix_tokens}"
+                f"{sizes})",
                 ["transfer path", "full prefill (median)", "reuse (median)", "reuse: wait for KV",
                  "reuse: tokens received", "reuse: KV moved", "reuse: tokens computed", "reuse / full"], rows)
     write_json(json_path, res)
