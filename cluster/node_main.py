@@ -9,6 +9,7 @@ import signal
 from kvmesh.auth import InsecureClusterError, add_secret_arguments, secret_from_args
 from kvmesh.lifecycle import stop_on_sigterm
 from kvmesh.metadata.keys import DEFAULT_CLUSTER
+from kvmesh.tracing import add_tracing_arguments
 
 
 def add_scheduling_arguments(p: argparse.ArgumentParser) -> None:
@@ -62,6 +63,7 @@ def add_node_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-kv-blocks", type=int, default=1024)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one engine step")
+    add_tracing_arguments(p)
     add_scheduling_arguments(p)
     p.add_argument("--host", default="127.0.0.1", help="bind every listener here (0.0.0.0: all interfaces)")
     p.add_argument("--advertise-host", default="",
@@ -156,7 +158,8 @@ def run_node(role: str, args: argparse.Namespace) -> int:
                      _gib_to_bytes("--host-kv-gib", float(args.host_kv_gib)),
                      disk_kv_bytes=_gib_to_bytes("--disk-kv-gib", args.disk_kv_gib), disk_kv_path=args.disk_kv_path,
                      verify_kv=args.verify_kv, cluster_token=secret_from_args(args), insecure=args.insecure,
-                     tensor_parallel_size=args.tensor_parallel_size)
+                     tensor_parallel_size=args.tensor_parallel_size, otlp_endpoint=args.otlp_endpoint,
+                     trace_sample_ratio=args.trace_sample_ratio)
     stop_on_sigterm()  # SIGTERM: deregister and close like Ctrl-C or a closed stdin
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 PID`: every thread's stack on stderr
     try:

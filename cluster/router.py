@@ -38,6 +38,7 @@ from kvmesh.auth import ClusterAuth
 from kvmesh.model.card import load_tokenizer
 from kvmesh.node import messages as nm
 from kvmesh.node.planner import HolderOption
+from kvmesh.tracing import NO_SPAN, Tracer
 
 
 log = logging.getLogger("kvmesh.router")
@@ -63,6 +64,8 @@ class RouterConfig:
     max_migrations: int = 5  # a stream moves to another decode node at most this often
     wait_for_nodes_s: float = 60.0  # the model's fingerprint and hash namespace come from the first node
     migration_wait_s: float = 15.0  # with no decode node left, wait this long for one (a restart) to appear
+    otlp_endpoint: str = ""  # traces of requests (kvmesh/tracing.py); "": none
+    trace_sample_ratio: float = 1.0
 
 
 class RequestTimeout(KvmeshError, TimeoutError):
@@ -157,6 +160,7 @@ class Router:
         self.supervision: Callable[[], dict] | None = None  # set by launchers that restart dead processes
         self.closed = threading.Event()  # set by close(): helpers that follow the router stop
         self.metrics = RouterMetrics(self._node_metrics, self.readiness)
+        self.tracer = Tracer("kvmesh-router", cfg.otlp_endpoint, cfg.trace_sample_ratio)
         self.index.mirror.wait_healthy(10)
 
     # ---- requests ----------------------------------------------------------------------------------
@@ -208,18 +212,22 @@ class Router:
         lost: set[tuple[str, str]] = set()  # (node id, request endpoint): a restarted node is a new incarnation
         conn, rid = None, ""
         queued = _Queued(self._queued, self._lock)
+        span = self.tracer.start("request", None, {"kvmesh.prompt_tokens": len(prompt_ids),
+                                                   "kvmesh.max_tokens": params.max_tokens})
         try:
             while True:
                 context = list(prompt_ids) + state.tokens
+                route = self.tracer.start("route", span)
                 node_id, uncached = self._choose_node_waiting(context, session_id, lost, params.cache_salt) \
-                    if lost else self._choose_node(context, session_id, cache_salt=params.cache_salt)
+                    if lost else self._choose_node(context, session_id, cache_salt=params.cache_salt, span=route)
+                route.end()
                 queued.add(node_id, uncached)
                 if not lost:
                     self.metrics.queue.observe(time.perf_counter() - arrived)
                 conn = self._connection(node_id)
                 rid = f"r{next(self._ids)}-{uuid.uuid4().hex[:8]}"
                 remaining = replace(params, max_tokens=params.max_tokens - len(state.tokens))
-                events = conn.submit(nm.GenerateRequest(rid, context, to_wire(remaining)))
+                events = conn.submit(nm.GenerateRequest(rid, context, to_wire(remaining), trace_context=span.context))
                 try:
                     for chunk in self._stream(events, node_id, state, params.stop):
                         if chunk.token_ids:
@@ -227,23 +235,29 @@ class Router:
                         if state.first_token_at is None and chunk.token_ids:
                             state.first_token_at = time.perf_counter()
                             self.metrics.ttft.observe(state.first_token_at - arrived)
+                            span.add_event("first_token", {"kvmesh.node": node_id})
                         if chunk.finished:
                             self._record_finished(chunk, state, arrived)
+                            span.set_attributes({"kvmesh.completion_tokens": len(state.tokens),
+                                                 "kvmesh.finish_reason": chunk.finish_reason or ""})
                         yield chunk
                     if not state.cut_by_stop_string:
                         conn = None  # the node finished: nothing to abort
                     return
-                except NodeLost:
+                except NodeLost as e:
                     lost.add((node_id, conn.endpoint))
                     conn = None  # its node is gone: nothing to abort there
+                    span.add_event("migrated", {"kvmesh.node_lost": node_id, "kvmesh.why": str(e)})
                     if len(lost) > self.cfg.max_migrations:
                         raise KvmeshError(f"the stream lost {len(lost)} decode nodes; giving up") from None
                     self.num_migrations += 1
                     self.metrics.migrations.inc()
-        except KvmeshError:
+        except KvmeshError as e:
             self.metrics.requests.labels("error").inc()
+            span.record_error(str(e))
             raise
         finally:
+            span.end()
             queued.release()
             if conn is not None:
                 conn.abort(rid)
@@ -353,7 +367,8 @@ class Router:
             time.sleep(0.1)
 
     def _choose_node(self, prompt_ids: list[int], session_id: str, exclude: set[tuple[str, str]] = frozenset(),
-                     cache_salt: str | None = None) -> Route:
+                     cache_salt: str | None = None, span=NO_SPAN) -> Route:
+        """The decode node for this prompt (``span``: the routing span, given the choice and the candidates)."""
         decode_nodes = {n: r for n, r in self.directory.nodes.items()
                         if r.role == "decode" and (n, r.request_endpoint) not in exclude
                         and self._serves_our_model(n, r)}
@@ -373,6 +388,12 @@ class Router:
                       for n, r in sorted(decode_nodes.items())]
         chosen_id = self.policy.choose(candidates, session_id)
         chosen = next(c for c in candidates if c.node_id == chosen_id)
+        if span is not NO_SPAN:
+            span.set_attributes({"kvmesh.node": chosen_id, "kvmesh.routing": self.cfg.routing,
+                                 "kvmesh.cached_tokens": chosen.cached_tokens,
+                                 "kvmesh.candidates": [f"{c.node_id}: {c.cached_tokens} tokens cached, {c.load} in "
+                                                       f"flight, {len(c.holders)} holders, predicted TTFT "
+                                                       f"{c.predicted_ttft_s() * 1e3:.1f} ms" for c in candidates]})
         return Route(chosen.node_id, max(0, len(prompt_ids) - chosen.cached_tokens))
 
     def _connection(self, node_id: str) -> NodeConnection:
@@ -503,3 +524,4 @@ class Router:
         self.index.close()
         self.directory.close()
         self.store.close()
+        self.tracer.close()

@@ -21,6 +21,7 @@ from kvmesh.errors import KvmeshError
 from kvmesh.metadata.keys import DEFAULT_CLUSTER
 from kvmesh.cluster.node_main import add_scheduling_arguments, host_kv_gib, scheduling_argument_error
 from kvmesh.node.placement import make_placement
+from kvmesh.tracing import add_tracing_arguments
 
 
 MODEL_HELP = "preset (tiny-llama, tiny-qwen3, smollm2-135m, *-dummy shapes), HF directory or .gguf file"
@@ -94,6 +95,8 @@ def node_share_args(args: argparse.Namespace) -> list[str]:
            "--host-kv-gib", args.host_kv_gib, "--disk-kv-gib", repr(args.disk_kv_gib),
            "--kv-placement", args.kv_placement,
            "--long-prefill-token-threshold", str(args.long_prefill_token_threshold)]
+    if getattr(args, "otlp_endpoint", ""):  # the front ends' collector: the nodes' spans join the router's traces
+        out += ["--otlp-endpoint", args.otlp_endpoint, "--trace-sample-ratio", repr(args.trace_sample_ratio)]
     return out + (["--disk-kv-path", args.disk_kv_path] if args.disk_kv_path else []) + \
         (["--enforce-eager"] if args.enforce_eager else [])
 
@@ -115,6 +118,7 @@ def add_front_end_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tls-cert", default=None, help="PEM certificate: serve gRPC and HTTP over TLS")
     p.add_argument("--tls-key", default=None, help="PEM private key for --tls-cert")
     add_secret_arguments(p, generated=True)
+    add_tracing_arguments(p)
 
 
 def check_front_end_ports(args: argparse.Namespace) -> None:
@@ -133,7 +137,8 @@ def run_front_ends(args: argparse.Namespace, etcd: str, cluster: str, cluster_to
     from kvmesh.gc_pauses import freeze_start_up
 
     router = Router(RouterConfig(etcd=etcd, model=args.model, cluster=cluster, routing=args.routing,
-                                 max_in_flight=args.max_in_flight, cluster_token=cluster_token))
+                                 max_in_flight=args.max_in_flight, cluster_token=cluster_token,
+                                 otlp_endpoint=args.otlp_endpoint, trace_sample_ratio=args.trace_sample_ratio))
     router.supervision = supervision
     tls_files = (args.tls_cert, args.tls_key) if args.tls_cert else None
     tls_pem = tuple(open(f, "rb").read() for f in (args.tls_key, args.tls_cert)) if tls_files else None
@@ -205,8 +210,9 @@ def add_launch_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill", type=int, default=1)
     p.add_argument("--decode", type=int, default=1)
     p.add_argument("--gpus-per-node", type=float, default=0,
-                   help="GPUs Ray reserves for each node actor (the actor computes on the one Ray assigns)")
-    p.add_argument("--cpus-per-node", type=float, default=1)
+                   help="GPUs Ray reserves for each node actor, per tensor-parallel rank (the actor computes on "
+                        "the one Ray assigns)")
+    p.add_argument("--cpus-per-node", type=float, default=1, help="CPUs Ray reserves for each node actor, per rank")
     p.add_argument("--device", default="auto",
                    help="the node actors' device: auto (the GPU Ray assigned, else the CPU), cpu, cuda or cuda:N")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
@@ -232,7 +238,9 @@ def run_launch(args: argparse.Namespace) -> int:
     token = secret_from_args(args) or generate_token()
     cluster = RayCluster(args.prefill, args.decode, args.model, args.cluster, args.gpus_per_node,
                          args.cpus_per_node, etcd=args.etcd or "",
-                         node_options={"cluster_token": token, "device": args.device, "dtype": args.dtype},
+                         node_options={"cluster_token": token, "device": args.device, "dtype": args.dtype,
+                                       "otlp_endpoint": args.otlp_endpoint,
+                                       "trace_sample_ratio": args.trace_sample_ratio},
                          placement=placement, tensor_parallel_sizes=tensor_parallel_sizes(args)).start()
     print(json.dumps({"etcd": cluster.etcd, "nodes": cluster.hosts()}), flush=True)
     run_front_ends(args, cluster.etcd, args.cluster, token)  # Ray restarts dead node actors

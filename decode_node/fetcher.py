@@ -61,11 +61,12 @@ class Fetcher:
         self._holder_timeout_s = holder_timeout_s
         self._conversations = conversations
 
-    def fetch(self, seq: Sequence, plan: FetchPlan, hits: dict[str, int], aborting: Callable[[], bool]
-              ) -> FetchOutcome:
+    def fetch(self, seq: Sequence, plan: FetchPlan, hits: dict[str, int], aborting: Callable[[], bool],
+              trace_context: str = "") -> FetchOutcome:
         """Worker thread. ``hits``: index hits by node (blocks from the prompt's start). The planned prefill
-        conversation must have been ``reserve``d with ``PrefillNodes`` when it was planned (it is released here). Never raises for a peer's failure: what did
-        not arrive is computed."""
+        conversation must have been ``reserve``d with ``PrefillNodes`` when it was planned (it is released
+        here). Never raises for a peer's failure: what did not arrive is computed. ``trace_context``: the
+        fetch's span, which a prefill node's continues."""
         start, split, end = plan.num_local, plan.holders_end, plan.end
         outcome = FetchOutcome.nothing(start)
         computing = None
@@ -75,7 +76,7 @@ class Fetcher:
             try:
                 order = self._prefill_nodes.candidates(hits, plan.prefill_node)
                 computing = self._conversations.submit(self._prefill_nodes.compute_and_push, seq, split, end,
-                                                       order, plan.local_seconds, aborting, reserved)
+                                                       order, plan.local_seconds, aborting, reserved, trace_context)
             except BaseException:
                 self._prefill_nodes.release(*reserved)  # the conversation never starts: nor does its count
                 raise

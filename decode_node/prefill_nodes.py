@@ -117,8 +117,8 @@ class PrefillNodes:
         return sorted(nodes, key=lambda n: (rank.get(n, len(rank)), -hits.get(n, 0), load.get(n, 0), rotation[n]))
 
     def compute_and_push(self, seq: Sequence, start: int, end: int, order: list[str], local_s: float,
-                         aborting: Callable[[], bool], reserved: tuple[str, int] | None = None
-                         ) -> tuple[int, list[int], int]:
+                         aborting: Callable[[], bool], reserved: tuple[str, int] | None = None,
+                         trace_context: str = "") -> tuple[int, list[int], int]:
         """Blocks ``[start, end)`` of ``seq`` computed by prefill nodes in ``order`` (at most MAX_CANDIDATES)
         and pushed into its blocks; returns (the first block not received, block ids a writer may still write,
         how many of the received blocks the prefill nodes had cached rather than computed).
@@ -142,7 +142,8 @@ class PrefillNodes:
                 outcome = self._requester.compute_and_push(
                     node_id, seq.block_ids[got:end], list(seq.prompt_token_ids), got,
                     request_id=f"{seq.request_id}/prefill", timeout_s=self._timeout_s,
-                    wanted_within_s=wanted_within_s, cache_salt=seq.params.cache_salt or "")
+                    wanted_within_s=wanted_within_s, cache_salt=seq.params.cache_salt or "",
+                    trace_context=trace_context)
             finally:
                 with self._lock:
                     self._in_flight[node_id] -= 1

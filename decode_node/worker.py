@@ -35,6 +35,7 @@ from kvmesh.errors import InvalidRequestError, KvmeshError, OutOfBlocksError
 from kvmesh.kv.block_pool import NO_BLOCK
 from kvmesh.node import messages as nm
 from kvmesh.node.runtime import NodeRuntime
+from kvmesh.tracing import NO_SPAN
 from kvmesh.wire import encode
 
 log = logging.getLogger("kvmesh.decode")
@@ -58,6 +59,8 @@ class _ClientRequest:
     tier0_hit_tokens: int = 0  # ... beyond these, which were in tier 0 already
     kv_wait_s: float = 0.0  # from the fetch's start to its blocks joining the engine (a step boundary)
     fetch_s: float = 0.0  # ... of which the fetch thread's own time
+    span: object = NO_SPAN  # the request's trace span here (kvmesh/tracing.py), and its fetch's
+    fetch_span: object = NO_SPAN
 
 
 PROMPT_TOKEN_SOURCES = ("tokens_reused_local", "tokens_reused_host", "tokens_reused_disk", "tokens_reused_remote",
@@ -163,6 +166,8 @@ class DecodeWorker(NodeRuntime):
             self._send_error(identity, rid, error, nm.ERROR_INVALID if invalid else nm.ERROR_INTERNAL)
             return
         request = self._requests[rid] = _ClientRequest(identity, seq)
+        request.span = self.tracer.start("decode.request", msg.trace_context, {
+            "kvmesh.node": self.cfg.node_id, "kvmesh.prompt_tokens": seq.num_prompt_tokens})
         num_local = len(self.engine.kv.find_cached_prefix(seq))
         bs = self.cfg.block_size
         end = (seq.num_prompt_tokens - 1) // bs  # the last token is always computed here
@@ -178,6 +183,11 @@ class DecodeWorker(NodeRuntime):
             plan, hits = self._plan(seq, num_local, end, local_queue_s, num_streams, lookup)
         if plan is not None and plan.promote_end > num_local and not plan.needs_fetch:
             self._promote_now(request, num_local, plan.promote_end)  # our own tiers only: no fetch thread
+        if request.span is not NO_SPAN:  # (no attributes built for a request that is not traced)
+            request.span.add_event("admitted", {
+                "kvmesh.tokens_cached_here": num_local * bs, "kvmesh.fetch": bool(plan and plan.needs_fetch),
+                "kvmesh.holder": plan.holder if plan else "", "kvmesh.prefill_node": plan.prefill_node if plan else "",
+                "kvmesh.index_lookup": lookup})
         if plan is None or not plan.needs_fetch:
             self._add_local(seq)
             return
@@ -191,7 +201,11 @@ class DecodeWorker(NodeRuntime):
         if plan.prefill_node:  # the next admission prices that node with this conversation in its queue
             self.prefill_nodes.reserve(plan.prefill_node, (plan.end - plan.holders_end) * bs)
         request.fetching, request.fetch_started = True, time.perf_counter()
-        self.workers.submit(self._fetch, seq, plan._replace(num_local=seq.num_prefix_hit_tokens // bs), hits)
+        request.fetch_span = self.tracer.start("fetch", request.span, {
+            "kvmesh.holder": plan.holder, "kvmesh.prefill_node": plan.prefill_node,
+            "kvmesh.blocks": plan.end - num_local, "kvmesh.transfer_backend": self.agent.engine.name})
+        self.workers.submit(self._fetch, seq, plan._replace(num_local=seq.num_prefix_hit_tokens // bs), hits,
+                            request.fetch_span.context)
 
     def _add_local(self, seq: Sequence) -> None:
         with self._lock:
@@ -213,11 +227,11 @@ class DecodeWorker(NodeRuntime):
         self.pool.free(held)
 
     # ---- fetching (worker thread) -----------------------------------------------------------------------
-    def _fetch(self, seq: Sequence, plan: FetchPlan, hits: dict[str, int]) -> None:
+    def _fetch(self, seq: Sequence, plan: FetchPlan, hits: dict[str, int], trace_context: str) -> None:
         outcome = FetchOutcome.nothing(plan.num_local)
         started = time.perf_counter()
         try:
-            outcome = self.fetcher.fetch(seq, plan, hits, lambda: self._aborting(seq))
+            outcome = self.fetcher.fetch(seq, plan, hits, lambda: self._aborting(seq), trace_context)
         except Exception:
             log.exception("%s: fetching KV for %s failed", self.cfg.node_id, seq.request_id)
         finally:
@@ -246,6 +260,16 @@ class DecodeWorker(NodeRuntime):
         request.promote_s = result.promote_s
         request.tokens_reused_prefill = result.prefill_reused * bs
         request.tokens_from_prefill = (result.got - result.from_holders - result.prefill_reused) * bs
+        if request.fetch_span is not NO_SPAN:
+            request.fetch_span.set_attributes({
+                "kvmesh.kv_wait_ms": request.kv_wait_s * 1e3, "kvmesh.fetch_ms": result.fetch_s * 1e3,
+                "kvmesh.step_boundary_wait_ms": max(0.0, request.kv_wait_s - result.fetch_s) * 1e3,
+                "kvmesh.blocks_from_holder": result.from_holders - result.promoted, "kvmesh.holder_used": result.holder,
+                "kvmesh.blocks_from_prefill_node": result.got - result.from_holders,
+                "kvmesh.blocks_from_lower_tiers": result.promoted - result.num_local,
+                "kvmesh.bytes_received": (result.got - result.promoted) * self.agent.block_bytes,
+                "kvmesh.blocks_tainted": len(result.tainted)})
+            request.fetch_span.end()
         if result.tainted:  # a stalled writer may still write these: never let this request (or anyone) use them
             self.num_tainted_swapped += len(result.tainted)
             try:
@@ -268,6 +292,8 @@ class DecodeWorker(NodeRuntime):
             self.agent.requester.abort(request_id, "the client aborted the request")
             return
         del self._requests[request_id]
+        request.span.add_event("aborted")
+        request.span.end()
         if not request.seq.is_finished:
             self.engine.abort(request.seq)
             self.num_aborted += 1
@@ -281,6 +307,8 @@ class DecodeWorker(NodeRuntime):
         if request is None or seq.is_finished:
             return
         event = nm.TokenEvent(seq.request_id, [token_id])
+        if len(seq.output_token_ids) == 1:
+            request.span.add_event("first_token")
         if seq.params.logprobs is not None:
             top = seq.output_top_logprobs[-1]
             event = nm.TokenEvent(seq.request_id, [token_id], logprobs=[seq.output_logprobs[-1]],
@@ -290,6 +318,8 @@ class DecodeWorker(NodeRuntime):
     def on_failed(self, seq: Sequence, error: str) -> None:
         request = self._requests.pop(seq.request_id, None)
         if request is not None:  # a broken node (a dead rank) fails every step: the request may run elsewhere
+            request.span.record_error(error)
+            request.span.end()
             self.send_event(request.identity, nm.TokenEvent(
                 seq.request_id, [], finished=True, finish_reason="error", error=error,
                 error_kind=nm.ERROR_NODE_LOST if self.broken else nm.ERROR_INTERNAL))
@@ -323,6 +353,10 @@ class DecodeWorker(NodeRuntime):
                  "promote_ms": request.promote_s * 1e3}
         if seq.num_draft_tokens:
             stats.update(spec_draft_tokens=seq.num_draft_tokens, spec_accepted_tokens=seq.num_accepted_tokens)
+        if request.span is not NO_SPAN:
+            request.span.set_attributes({f"kvmesh.{key}": value for key, value in stats.items()})
+            request.span.set_attribute("kvmesh.completion_tokens", len(seq.output_token_ids))
+            request.span.end()
         self.send_event(request.identity, nm.TokenEvent(seq.request_id, [], finished=True,
                                                         finish_reason=seq.finish_reason or "", stats=stats))
 

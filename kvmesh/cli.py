@@ -374,8 +374,10 @@ def _add_local_cluster(sub) -> None:
     p.add_argument("--etcd", default=None, help="use this etcd instead of starting one")
     p.add_argument("--max-restarts", type=int, default=5, help="restarts of one dead process per minute")
     from kvmesh.cluster.serve import add_node_share_arguments
+    from kvmesh.tracing import add_tracing_arguments
 
     add_node_share_arguments(p)
+    add_tracing_arguments(p)
     p.set_defaults(func=_run_local_cluster)
 
 

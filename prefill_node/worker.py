@@ -23,6 +23,7 @@ from kvmesh.engine.sequence import Sequence
 from kvmesh.kv.block_hash import BlockHash
 from kvmesh.kv.block_pool import NO_BLOCK
 from kvmesh.node.runtime import NodeRuntime
+from kvmesh.tracing import NO_SPAN
 from kvmesh.transfer import messages as m
 from kvmesh.transfer.errors import TransferError, TransferRefused
 
@@ -42,6 +43,7 @@ class _Prefill:
     held: list[int] = field(default_factory=list)  # local hits and pulled blocks we keep a reference on
     seq: Sequence | None = None
     released: bool = False
+    span: object = NO_SPAN  # its trace span (kvmesh/tracing.py): acceptance to the conversation's end
 
 
 class PrefillWorker(NodeRuntime):
@@ -82,7 +84,10 @@ class PrefillWorker(NodeRuntime):
                     raise TransferRefused(f"busy: this prompt would be ready in {finish_s * 1e3:.0f} ms here, the "
                                           f"requester computes it in {msg.wanted_within_ms} ms",
                                           code=m.ErrorCode.BUSY.value, request_id=msg.request_id)
-            self._prefills[msg.request_id] = _Prefill(list(prompt), hashes, msg.cache_salt, msg.first_block)
+            prefill = self._prefills[msg.request_id] = _Prefill(list(prompt), hashes, msg.cache_salt, msg.first_block)
+        prefill.span = self.tracer.start("prefill.compute", msg.trace_context, {
+            "kvmesh.node": self.cfg.node_id, "kvmesh.prompt_tokens": len(prompt), "kvmesh.first_block": msg.first_block,
+            "kvmesh.blocks": len(msg.dst_block_ids), "kvmesh.landing": msg.landing})
         self.workers.submit(self._prepare, msg.request_id)
         return wanted
 
@@ -129,6 +134,11 @@ class PrefillWorker(NodeRuntime):
             prefill = self._prefills.pop(request_id, None)
         if prefill is not None:
             prefill.released = True
+            seq = prefill.seq
+            prefill.span.set_attributes({
+                "kvmesh.blocks_reused": max(0, len(prefill.held) - prefill.first_block),
+                "kvmesh.tokens_computed": seq.num_computed_tokens - seq.num_prefix_hit_tokens if seq else 0})
+            prefill.span.end()
             self.call_soon(lambda: self._drop(prefill))
 
     # ---- preparing and computing -------------------------------------------------------------------------
@@ -169,6 +179,7 @@ class PrefillWorker(NodeRuntime):
                 except TransferError as e:
                     log.warning("%s: pulling from %s failed (%s); computing instead", self.cfg.node_id, node_id, e)
         prefill.held = held
+        prefill.span.add_event("prefix_ready", {"kvmesh.blocks_held": len(held)})
         self.call_soon(lambda: self._start(request_id, prefill))
 
     def _start(self, request_id: str, prefill: _Prefill) -> None:

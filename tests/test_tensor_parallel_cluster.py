@@ -105,3 +105,39 @@ def test_a_dead_rank_takes_its_node_out_and_its_stream_moves(reference):
             assert not still_running(rank)
         finally:
             router.close()
+
+
+def test_serve_and_launch_take_a_size_per_role(monkeypatch):
+    """``-tp`` for every node, a role's own flag over it; a size below 1 refused before anything starts; a Ray
+    node actor asks for its CPUs and GPUs once per rank."""
+    import argparse
+
+    from kvmesh.cluster.ray_launcher import RayCluster
+    from kvmesh.cluster.serve import add_serve_arguments, role_args, tensor_parallel_sizes
+    from kvmesh.errors import KvmeshError
+
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser)
+    args = parser.parse_args(["-tp", "2", "--decode-tensor-parallel-size", "1"])
+    assert role_args(args) == {"prefill": ["--tensor-parallel-size", "2"], "decode": ["--tensor-parallel-size", "1"]}
+    with pytest.raises(KvmeshError, match="1 or more"):
+        tensor_parallel_sizes(parser.parse_args(["--prefill-tensor-parallel-size", "-1"]))
+    ray_cluster = RayCluster(2, 1, cpus_per_node=1.5, gpus_per_node=1, tensor_parallel_sizes={"prefill": 4},
+                             node_options={"cluster_token": "t"})
+    assert [ray_cluster._tp(r) for r in ("prefill", "decode")] == [4, 1]
+    import kvmesh.cluster.ray_launcher as rl
+
+    monkeypatch.setattr(rl.ray, "cluster_resources", lambda: {"CPU": 100.0, "GPU": 8.0})
+    with pytest.raises(KvmeshError, match="9 GPU"):  # 2 prefill nodes of 4 ranks and a decode node of 1
+        ray_cluster._check_feasible(["prefill-0", "prefill-1", "decode-0"])
+
+
+def test_a_node_refuses_a_size_its_model_cannot_be_split_by(tmp_path):
+    """SmolLM2-135M has 9 attention heads: a node at size 2 exits at start-up saying so (nothing left running)."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "kvmesh.cli", "decode-node", "--node-id", "d", "--etcd",
+                           "127.0.0.1:1", "--model", "smollm2-135m-dummy", "-tp", "2"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0 and "does not divide" in proc.stderr, proc.stderr[-2000:]

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import ClassVar
 
+from kvmesh.tracing import check_trace_context
 from kvmesh.wire import MessageError, encode, register
 from kvmesh.wire import decode as _decode
 
@@ -123,9 +124,11 @@ class ComputeAndPush:
     landing: bool = False  # dst ids are landing slots, not KV blocks
     in_place: bool = False  # a writer on our host may copy into our shared memory (we fence it by its process)
     cache_salt: str = ""  # the request's (its chain's root is salted with it)
+    trace_context: str = ""  # the requester's span (W3C traceparent: kvmesh/tracing.py); "": not traced
 
     def validate(self) -> None:
         _check_grant(self.TYPE, self.grant_id, self.dst_block_ids, self.deadline_ms)
+        check_trace_context(self.TYPE, self.trace_context)
         if not isinstance(self.cache_salt, str) or len(self.cache_salt) > 256:
             raise MessageError("compute_and_push: cache_salt must be a string of at most 256 characters")
         if not self.prompt_token_ids or any(t < 0 for t in self.prompt_token_ids):

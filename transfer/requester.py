@@ -123,12 +123,12 @@ class KVRequester:
 
     def compute_and_push(self, peer_id: str, block_ids: list[int], prompt_token_ids: list[int], first_block: int,
                          *, request_id: str, timeout_s: float, wanted_within_s: float = 0.0,
-                         cache_salt: str = "") -> PushOutcome:
+                         cache_salt: str = "", trace_context: str = "") -> PushOutcome:
         """Ask prefill node ``peer_id`` to compute the prompt and write blocks ``first_block..`` into ``block_ids``.
 
         ``wanted_within_s``: we would have them sooner by computing them ourselves; the prefill node refuses
         (BUSY) when it cannot beat that (0: no limit). A refusal comes back as a TransferRefused error with
-        nothing written or tainted.
+        nothing written or tainted. ``trace_context``: the span the prefill node's own continues.
         """
         deadline_ms = max(1, min(int(timeout_s * 1000), m.MAX_WAIT_MS))
         wanted_ms = max(1, int(wanted_within_s * 1000)) if wanted_within_s > 0 else 0
@@ -136,7 +136,8 @@ class KVRequester:
                               lambda cid, g, offset: m.ComputeAndPush(
                                   cid, self.node_id, g.grant_id, list(prompt_token_ids), first_block + offset,
                                   list(g.block_ids), deadline_ms, wanted_ms, landing=g.fence is Fence.LANDING,
-                                  in_place=g.fence is Fence.PROCESS, cache_salt=cache_salt),
+                                  in_place=g.fence is Fence.PROCESS, cache_salt=cache_salt,
+                                  trace_context=trace_context),
                               compute=True)
 
     def abort(self, request_id: str, reason: str = "aborted by the requester") -> int:

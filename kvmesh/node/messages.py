@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from kvmesh.engine.sampling_params import SamplingParams, from_wire
+from kvmesh.tracing import check_trace_context
 from kvmesh.wire import MessageError, decode, register
 
 
@@ -16,10 +17,12 @@ class GenerateRequest:
     request_id: str
     prompt_token_ids: list[int]
     sampling: dict = field(default_factory=dict)  # SamplingParams fields
+    trace_context: str = ""  # the caller's span (W3C traceparent: kvmesh/tracing.py); "": not traced
 
     def validate(self) -> None:
         if not self.request_id:
             raise MessageError("generate: empty request_id")
+        check_trace_context("generate", self.trace_context)
 
     def sampling_params(self) -> SamplingParams:
         return from_wire(self.sampling)

@@ -48,6 +48,7 @@ from kvmesh.netaddr import advertise_address
 from kvmesh.node.membership import ClusterMembership
 from kvmesh.rate_meter import CostFit
 from kvmesh.router_endpoint import RouterEndpoint
+from kvmesh.tracing import Tracer
 from kvmesh.transfer.block_source import TieredSource
 from kvmesh.transfer.engine import create_transfer_engine
 from kvmesh.transfer.kv_agent import TransferAgent
@@ -117,6 +118,8 @@ class NodeConfig:
     cluster_token: str = field(default="", repr=False)  # authenticates every frame (kvmesh.auth)
     insecure: bool = False  # may bind beyond loopback without a cluster token
     tensor_parallel_size: int = 1  # ranks of this node (kvmesh/parallel): the model split over N processes
+    otlp_endpoint: str = ""  # traces of the requests this node serves (kvmesh/tracing.py); "": none
+    trace_sample_ratio: float = 1.0
 
 
 def index_namespace(namespace: HashNamespace) -> str:
@@ -135,6 +138,7 @@ class NodeRuntime:
             log.warning("%s: no cluster token ($KVMESH_CLUSTER_TOKEN / --cluster-token-file): any process that "
                         "reaches this node can submit work and make it write KV", cfg.node_id)
         self.device = resolve_device(cfg.device)
+        self.tracer = Tracer(f"kvmesh-{cfg.role}", cfg.otlp_endpoint, cfg.trace_sample_ratio, instance=cfg.node_id)
         self.broken = ""  # why this node can no longer compute (a tensor-parallel rank died): it leaves
         self.ranks = None
         if cfg.tensor_parallel_size > 1:
@@ -470,3 +474,4 @@ class NodeRuntime:
         self.workers.shutdown(wait=False, cancel_futures=True)
         if self.ranks is not None:
             self.ranks.close()
+        self.tracer.close()
