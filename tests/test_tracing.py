@@ -45,7 +45,9 @@ class Collector:
                                 spans.append({"service": service, "name": s.name, "trace": s.trace_id.hex(),
                                               "id": s.span_id.hex(), "parent": s.parent_span_id.hex(),
                                               "attributes": {a.key: a.value for a in s.attributes},
-                                              "events": [e.name for e in s.events]})
+                                              "events": [e.name for e in s.events],
+                                              "start_ns": s.start_time_unix_nano, "end_ns": s.end_time_unix_nano,
+                                              "event_ns": [e.time_unix_nano for e in s.events]})
                 self.send_response(200)
                 self.send_header("Content-Type", "application/x-protobuf")
                 self.end_headers()
