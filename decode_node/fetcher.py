@@ -41,6 +41,8 @@ class FetchOutcome:
     promote_s: float = 0.0
     asked_prefill: bool = False  # a prefill node was asked for blocks [from_holders, end)
     holder: str = ""  # the peer that sent blocks [promoted, from_holders)
+    fences: list[str] = field(default_factory=list)  # what fenced each conversation's writes (holders', prefill's)
+    num_rounds: int = 0  # conversations in all (landing rounds included)
     fetch_s: float = 0.0  # the fetch thread's time on it (the request's KV wait adds the hops to the engine thread)
 
     @classmethod
@@ -89,10 +91,12 @@ class Fetcher:
         self._from_holders(seq, outcome, split, hits, plan.holder, aborting)
         outcome.got = outcome.from_holders
         if computing is not None:
-            got, tainted, reused = computing.result()
-            outcome.tainted += tainted
+            computed = computing.result()
+            outcome.tainted += computed.tainted
+            outcome.fences += computed.fences
+            outcome.num_rounds += computed.num_rounds
             if outcome.from_holders == split:
-                outcome.got, outcome.prefill_reused = got, min(reused, got - split)
+                outcome.got, outcome.prefill_reused = computed.got, min(computed.reused, computed.got - split)
         return outcome
 
     def _from_holders(self, seq: Sequence, outcome: FetchOutcome, end: int, hits: dict[str, int], planned: str,
@@ -107,6 +111,8 @@ class Fetcher:
                                           request_id=f"{seq.request_id}/hold", timeout_s=self._holder_timeout_s)
             self._links.record_transfer(node_id, pushed.num_written, pushed.write_s)
             outcome.tainted += pushed.tainted_block_ids
+            outcome.fences.append(pushed.fence)
+            outcome.num_rounds += pushed.num_rounds
             if pushed.error is not None:
                 log.warning("holder %s for %s: %s", node_id, seq.request_id, pushed.error)
             if pushed.num_written or pushed.tainted_block_ids:

@@ -15,6 +15,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable
+from typing import NamedTuple
 
 from kvmesh.decode_node.cost_model import PeerLinks
 from kvmesh.node.planner import PrefillOption
@@ -26,6 +27,14 @@ from kvmesh.transfer.errors import TransferRefused
 log = logging.getLogger("kvmesh.decode")
 
 MAX_CANDIDATES = 3  # prefill nodes one request tries before computing the rest here
+
+
+class PrefillResult(NamedTuple):
+    got: int  # the first block not received
+    tainted: list[int]  # block ids a writer may still write
+    reused: int  # received blocks the prefill nodes had cached rather than computed
+    fences: list[str]  # per conversation, what fenced its writes (``transfer.grants.Fence``)
+    num_rounds: int  # conversations in all (landing rounds included)
 
 
 class PrefillNodes:
@@ -118,10 +127,11 @@ class PrefillNodes:
 
     def compute_and_push(self, seq: Sequence, start: int, end: int, order: list[str], local_s: float,
                          aborting: Callable[[], bool], reserved: tuple[str, int] | None = None,
-                         trace_context: str = "") -> tuple[int, list[int], int]:
+                         trace_context: str = "") -> PrefillResult:
         """Blocks ``[start, end)`` of ``seq`` computed by prefill nodes in ``order`` (at most MAX_CANDIDATES)
-        and pushed into its blocks; returns (the first block not received, block ids a writer may still write,
-        how many of the received blocks the prefill nodes had cached rather than computed).
+        and pushed into its blocks; returns the first block not received, block ids a writer may still write,
+        how many of the received blocks the prefill nodes had cached rather than computed, and how the writes
+        were fenced.
 
         ``local_s``: the plan's estimate without peers (0: forced, no limit): a prefill node that cannot deliver
         sooner, its backlog from every decode node included, refuses (BUSY). ``reserved``: the (node, tokens)
@@ -129,6 +139,7 @@ class PrefillNodes:
         if reserved is not None:
             self.release(*reserved)
         asked, got, tainted, reused = time.perf_counter(), start, [], 0
+        fences, rounds = [], 0
         for node_id in order[:MAX_CANDIDATES]:
             if aborting():
                 break
@@ -155,6 +166,8 @@ class PrefillNodes:
             tainted += outcome.tainted_block_ids
             got += outcome.num_written
             reused += outcome.num_reused
+            fences.append(outcome.fence)
+            rounds += outcome.num_rounds
             if outcome.error is None:
                 break
             if isinstance(outcome.error, TransferRefused):
@@ -166,7 +179,7 @@ class PrefillNodes:
                     node_id, seq.request_id, outcome.error)  # busy: a decision (computed here), not a fault
             if got >= end or outcome.tainted_block_ids:
                 break  # tainted blocks cannot be granted again: compute the rest here
-        return got, tainted, reused
+        return PrefillResult(got, tainted, reused, fences, rounds)
 
     def stats(self) -> dict:
         with self._lock:

@@ -268,7 +268,8 @@ class DecodeWorker(NodeRuntime):
                 "kvmesh.blocks_from_prefill_node": result.got - result.from_holders,
                 "kvmesh.blocks_from_lower_tiers": result.promoted - result.num_local,
                 "kvmesh.bytes_received": (result.got - result.promoted) * self.agent.block_bytes,
-                "kvmesh.blocks_tainted": len(result.tainted)})
+                "kvmesh.blocks_tainted": len(result.tainted), "kvmesh.fences": list(result.fences),
+                "kvmesh.transfer_rounds": result.num_rounds})
             request.fetch_span.end()
         if result.tainted:  # a stalled writer may still write these: never let this request (or anyone) use them
             self.num_tainted_swapped += len(result.tainted)

@@ -97,6 +97,8 @@ def test_one_trace_follows_a_request_through_router_decode_and_prefill_nodes():
         assert fetch["attributes"]["kvmesh.prefill_node"].string_value == "prefill-0"
         assert fetch["attributes"]["kvmesh.blocks_from_prefill_node"].int_value == 4  # 70 tokens: 4 full blocks
         assert fetch["attributes"]["kvmesh.bytes_received"].int_value > 0
+        assert [v.string_value for v in fetch["attributes"]["kvmesh.fences"].array_value.values] == ["process"]
+        assert fetch["attributes"]["kvmesh.transfer_rounds"].int_value == 1
         assert fetch["attributes"]["kvmesh.step_boundary_wait_ms"].double_value >= 0
         assert decode_span["attributes"]["kvmesh.tokens_from_prefill_node"].int_value == 64
         assert request["attributes"]["kvmesh.completion_tokens"].int_value == 4

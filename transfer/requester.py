@@ -61,6 +61,8 @@ class PushOutcome(NamedTuple):
     error: TransferError | None
     write_s: float = 0.0  # the writer's time in its transfer engine: bytes / write_s is the link's rate
     num_reused: int = 0  # of num_written, leading blocks the writer had cached rather than computed (prefill)
+    fence: str = ""  # what fenced the writes (``Fence``: refusable, process, landing)
+    num_rounds: int = 0  # conversations it took (landing: one per slotful of blocks)
 
 
 class _PeerGone(Exception):
@@ -196,19 +198,22 @@ class KVRequester:
                                        compute, alive, fence), len(targets)
 
         outcome, asked = round_from(0)
+        rounds = 1
         refused = outcome.error
         if isinstance(refused, TransferRefused) and refused.code == m.ErrorCode.NEEDS_LANDING.value and \
                 fence is not Fence.LANDING and self.grants.landing is not None:
             fence = Fence.LANDING  # the writer cannot reach our shared memory: through landing slots instead
             outcome, asked = round_from(0)
+            rounds += 1
         # Fewer landing slots than blocks: another round while the last one got all it asked for.
         got_all = asked > 0 and outcome.num_written == asked
         while fence is Fence.LANDING and outcome.error is None and got_all and outcome.num_written < len(block_ids):
             more, asked = round_from(outcome.num_written)
+            rounds += 1
             got_all = asked > 0 and more.num_written == asked
             outcome = PushOutcome(outcome.num_written + more.num_written, more.tainted_block_ids, more.error,
                                   outcome.write_s + more.write_s)
-        return outcome
+        return outcome._replace(fence=fence.value, num_rounds=rounds)
 
     def _converse_once(self, peer: PeerRecord, block_ids: list[int], slots: list[int], offset: int,
                        request_id: str, timeout_s: float, grant_s: float, make_msg, compute: bool,
