@@ -88,7 +88,7 @@ class Fetcher:
             outcome.promoted = outcome.from_holders = outcome.got = start + restored.num_blocks
             outcome.num_host, outcome.num_disk, outcome.promote_s = restored.num_host, restored.num_disk, \
                 restored.seconds
-        self._from_holders(seq, outcome, split, hits, plan.holder, aborting)
+        self._from_holders(seq, outcome, split, hits, plan.holder, aborting, trace_context)
         outcome.got = outcome.from_holders
         if computing is not None:
             computed = computing.result()
@@ -100,7 +100,7 @@ class Fetcher:
         return outcome
 
     def _from_holders(self, seq: Sequence, outcome: FetchOutcome, end: int, hits: dict[str, int], planned: str,
-                      aborting: Callable[[], bool]) -> None:
+                      aborting: Callable[[], bool], trace_context: str = "") -> None:
         """The planned holder pushes its prefix into our blocks; after a failure, the next longest holder."""
         got = outcome.from_holders
         for node_id, length in sorted(hits.items(), key=lambda kv: (kv[0] != planned, -kv[1])):
@@ -108,7 +108,8 @@ class Fetcher:
             if length <= got or aborting():
                 continue
             pushed = self._requester.push(node_id, seq.block_ids[got:length], seq.block_hashes[got:length],
-                                          request_id=f"{seq.request_id}/hold", timeout_s=self._holder_timeout_s)
+                                          request_id=f"{seq.request_id}/hold", timeout_s=self._holder_timeout_s,
+                                          trace_context=trace_context)
             self._links.record_transfer(node_id, pushed.num_written, pushed.write_s)
             outcome.tainted += pushed.tainted_block_ids
             outcome.fences.append(pushed.fence)

@@ -81,15 +81,18 @@ def test_one_trace_follows_a_request_through_router_decode_and_prefill_nodes():
             finally:
                 router.close()  # flushes the router's spans
             wait_until(lambda: collector.named("request") and collector.named("prefill.compute")
-                       and collector.named("decode.request") and collector.named("fetch"), timeout_s=60)
+                       and collector.named("decode.request") and collector.named("fetch")
+                       and collector.named("holder.push"), timeout_s=60)
         (request,) = collector.named("request")
         (route,) = collector.named("route")
         (decode_span,) = collector.named("decode.request")
         (fetch,) = collector.named("fetch")
         (prefill,) = collector.named("prefill.compute")
-        assert {s["trace"] for s in (request, route, decode_span, fetch, prefill)} == {request["trace"]}
-        assert (route["parent"], decode_span["parent"], fetch["parent"], prefill["parent"]) == \
-            (request["id"], request["id"], decode_span["id"], fetch["id"])
+        (push,) = collector.named("holder.push")  # the prefill node's holder writing what it computed
+        assert {s["trace"] for s in (request, route, decode_span, fetch, prefill, push)} == {request["trace"]}
+        assert (route["parent"], decode_span["parent"], fetch["parent"], prefill["parent"], push["parent"]) == \
+            (request["id"], request["id"], decode_span["id"], fetch["id"], fetch["id"])
+        assert push["service"] == "kvmesh-prefill" and push["attributes"]["kvmesh.blocks_written"].int_value == 4
         assert [s["service"] for s in (request, decode_span, prefill)] == \
             ["kvmesh-router", "kvmesh-decode", "kvmesh-prefill"]
         assert route["attributes"]["kvmesh.node"].string_value == "decode-0"

@@ -36,6 +36,7 @@ from typing import Protocol
 
 from kvmesh.kv.block_hash import BlockHash
 from kvmesh.kv.block_pool import BlockPool
+from kvmesh.tracing import NO_SPAN, Tracer
 from kvmesh.transfer import messages as m
 from kvmesh.transfer.block_source import BlockSource, PoolSource
 from kvmesh.transfer.coalesce import address_descriptors
@@ -89,14 +90,17 @@ class _Push:
     checksums: list[int] = field(default_factory=list)  # per block, when the holder checksums what it sends
     landing: bool = False  # dst ids are the requester's landing slots
     in_place: bool = False  # the requester fences same-host copies into its shared memory (else: the engine)
+    span: object = NO_SPAN  # its trace span (kvmesh/tracing.py), when the requester's request is traced
 
 
 class KVHolder:
     def __init__(self, node_id: str, pool: BlockPool, engine: TransferEngine, base_addr: int, block_bytes: int,
                  directory: PeerDirectory, reply: Callable[[bytes, m.Message], None], num_workers: int = 4,
-                 stage_out: Callable[[list[int]], None] | None = None):
+                 stage_out: Callable[[list[int]], None] | None = None, tracer: Tracer | None = None):
         """``reply(identity, msg)`` sends on the side channel (any thread). ``stage_out(block_ids)`` copies
-        pool blocks into the registered memory before they are written (``transfer/kv_memory.py``)."""
+        pool blocks into the registered memory before they are written (``transfer/kv_memory.py``). ``tracer``:
+        a ``holder.push`` span per push of a traced request."""
+        self.tracer = tracer or Tracer("")
         self.node_id = node_id
         self.pool = pool
         self.engine = engine
@@ -149,6 +153,9 @@ class KVHolder:
                      ready=not is_compute, compute=is_compute, landing=msg.landing, in_place=msg.in_place)
         if not is_compute:
             push.block_hashes = list(msg.block_hashes)
+        push.span = self.tracer.start("holder.push", msg.trace_context, {
+            "kvmesh.node": self.node_id, "kvmesh.requester": msg.requester_id, "kvmesh.blocks": len(msg.dst_block_ids),
+            "kvmesh.landing": msg.landing, "kvmesh.compute": is_compute})
         with self._lock:
             if msg.request_id in self._pushes:
                 code = m.ErrorCode.BUSY
@@ -249,6 +256,11 @@ class KVHolder:
         if push.compute:
             num_reused = min(self.compute.num_reused(push.request_id), push.num_written)
             self.compute.release(push.request_id)
+        if push.span is not NO_SPAN:
+            push.span.set_attributes({"kvmesh.blocks_written": push.num_written, "kvmesh.write_ms": push.write_s * 1e3,
+                                      "kvmesh.bytes_sent": push.num_written * self.block_bytes,
+                                      "kvmesh.checksummed": bool(push.checksums), "kvmesh.code": push.code})
+            push.span.end()
         self._reply(push.identity, m.PushResult(push.request_id, list(push.written), final=True, code=push.code,
                                                 error=push.error, write_us=int(push.write_s * 1e6),
                                                 checksums=list(push.checksums), num_reused=num_reused))

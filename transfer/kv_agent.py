@@ -46,13 +46,14 @@ class TransferAgent:
                  directory: PeerDirectory, auth: ClusterAuth | None = None, host: str = "127.0.0.1",
                  num_workers: int = 4, advertise: str | None = None, verify_kv: bool = False,
                  kv_memory: str = "auto", shared_region: SharedRegion | None = None, shared_writes: bool = True,
-                 num_landing_slots: int = -1):
+                 num_landing_slots: int = -1, tracer=None):
         """``verify_kv``: send a crc32 of every pushed block and check the ones received (registered memory
         the CPU can read); blocks through landing slots are checked always. ``kv_memory``: direct, host-staging
         or auto (``transfer/kv_memory.py``). ``shared_region``: where ``kv_buffer`` lives in shared memory
         (``SharedKVAllocator``): published so that peers on this host write into it directly. ``shared_writes``:
         write to such peers that way. ``num_landing_slots``: the landing zone of a one-sided engine (-1: sized
-        from the buffer, ``transfer/landing.py``; ignored for an engine whose receiver refuses stray writes)."""
+        from the buffer, ``transfer/landing.py``; ignored for an engine whose receiver refuses stray writes).
+        ``tracer``: the node's (``kvmesh/tracing.py``): its holder's pushes of traced requests are spans."""
         self.node_id = node_id
         self.pool = pool
         self.engine = engine
@@ -88,7 +89,7 @@ class TransferAgent:
         self.side_channel = self._endpoint.endpoint
         self.holder = KVHolder(node_id, pool, engine, self.base_addr, self.block_bytes, directory,
                                lambda identity, msg: self._endpoint.send(identity, m.encode(msg)), num_workers,
-                               stage_out=self.memory.stage_out)
+                               stage_out=self.memory.stage_out, tracer=tracer)
         self.shared_writer = SharedMemoryWriter(node_id) if shared_writes else None
         self.holder.shared = self.shared_writer
         self.requester = KVRequester(node_id, self.grants, directory, self.auth)

@@ -89,9 +89,11 @@ class PushRequest:
     wait_ms: int = 0  # how long to wait for blocks still being computed (<= deadline_ms)
     landing: bool = False  # dst ids are landing slots, not KV blocks
     in_place: bool = False  # a writer on our host may copy into our shared memory (we fence it by its process)
+    trace_context: str = ""  # the requester's span (W3C traceparent: kvmesh/tracing.py); "": not traced
 
     def validate(self) -> None:
         _check_grant(self.TYPE, self.grant_id, self.dst_block_ids, self.deadline_ms)
+        check_trace_context(self.TYPE, self.trace_context)
         if not 0 <= self.wait_ms <= self.deadline_ms:
             raise MessageError("push_request: wait_ms must be within 0..deadline_ms")
         if len(self.dst_block_ids) != len(self.block_hashes):

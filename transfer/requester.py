@@ -113,15 +113,17 @@ class KVRequester:
 
     # ---- calls (any thread) ---------------------------------------------------------------------------
     def push(self, peer_id: str, block_ids: list[int], block_hashes: list[BlockHash], *, request_id: str,
-             timeout_s: float = 10.0, wait_ms: int = 0) -> PushOutcome:
-        """Ask ``peer_id`` to write ``block_hashes`` into our ``block_ids`` (which the caller owns)."""
+             timeout_s: float = 10.0, wait_ms: int = 0, trace_context: str = "") -> PushOutcome:
+        """Ask ``peer_id`` to write ``block_hashes`` into our ``block_ids`` (which the caller owns);
+        ``trace_context``: the span the holder's own continues."""
         deadline_ms = max(1, min(int(timeout_s * 1000), m.MAX_WAIT_MS))
         wait_ms = min(wait_ms, deadline_ms)
         return self._converse(peer_id, block_ids, request_id, timeout_s, deadline_ms / 1000,
                               lambda cid, g, offset: m.PushRequest(
                                   cid, self.node_id, g.grant_id, list(g.block_ids),
                                   list(block_hashes[offset:offset + len(g.block_ids)]), deadline_ms, wait_ms,
-                                  landing=g.fence is Fence.LANDING, in_place=g.fence is Fence.PROCESS))
+                                  landing=g.fence is Fence.LANDING, in_place=g.fence is Fence.PROCESS,
+                                  trace_context=trace_context))
 
     def compute_and_push(self, peer_id: str, block_ids: list[int], prompt_token_ids: list[int], first_block: int,
                          *, request_id: str, timeout_s: float, wanted_within_s: float = 0.0,

@@ -181,7 +181,7 @@ class NodeRuntime:
                                    kv_memory=cfg.kv_transfer_memory,
                                    shared_region=self.shared_kv.region if self.shared_kv is not None else None,
                                    shared_writes=cfg.shared_memory_transfers,
-                                   num_landing_slots=cfg.num_landing_slots)
+                                   num_landing_slots=cfg.num_landing_slots, tracer=self.tracer)
         self.tiers: TieredCache | None = None
         host_kv_bytes = cfg.host_kv_bytes
         if host_kv_bytes < 0:  # sized here: none without a prefix cache (nothing would ever be reused from it)
