@@ -9,30 +9,19 @@ import threading
 
 import pytest
 
-from kvmesh import LLM, SamplingParams
+from kvmesh import SamplingParams
 from kvmesh.cluster.local_launcher import LocalCluster
 from kvmesh.cluster.router import Router, RouterConfig
-from kvmesh.transfer.engine import mooncake_available
 from tests.conftest import assert_same_kv
 from tests.processes import children_running, still_running
-from tests.test_cluster import REMOTE_ONLY, check_all, prompt, wait_until_published
+from tests import test_cluster
+from tests.test_cluster import BACKENDS, GREEDY, REMOTE_ONLY, check_all, prompt, wait_until_published
 
-GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+reference = test_cluster.reference  # the fixture: a size-1 engine's outputs and cached KV
+
 # Per backend, the sizes of prefill-0, decode-0, decode-1 and decode-2 (decode-2 computes its prompts itself):
 # between them every direction of a push and of a pull crosses sizes 1 and 2.
 LAYOUTS = {"zmq": (2, 1, 2, 1), "mooncake": (1, 2, 1, 2)}
-BACKENDS = ["zmq"] + (["mooncake"] if mooncake_available() else [])
-
-
-@pytest.fixture(scope="module")
-def reference():
-    llm = LLM("tiny-llama", num_kv_blocks=1024, progress=False)
-
-    def run(prompts: list[list[int]]) -> list[list[int]]:
-        return [o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
-
-    run.llm = llm  # a size-1 engine: its cached KV is the oracle's reference
-    return run
 
 
 @pytest.fixture(scope="module", params=BACKENDS)
