@@ -39,6 +39,11 @@ def _interrupt(signum, frame) -> None:
     raise KeyboardInterrupt
 
 
+def sigterm_handler():
+    """The handler ``stop_on_sigterm`` installs (a process can tell whether SIGTERM stops it cleanly)."""
+    return _interrupt
+
+
 def stop_on_sigterm() -> None:
     """SIGTERM stops the calling process like Ctrl-C (its cleanup runs, once: later signals are ignored);
     both set ``stopping``."""

@@ -26,6 +26,7 @@ from typing import NamedTuple
 
 import torch
 
+from kvmesh import lifecycle
 from kvmesh.auth import ClusterAuth, require_secret
 from kvmesh.gc_pauses import GCPauses, freeze_start_up
 from kvmesh.metadata.keys import DEFAULT_CLUSTER  # noqa: F401 (re-exported: NodeConfig's default)
@@ -222,13 +223,20 @@ class NodeRuntime:
         return ranks
 
     def _break(self, why: str) -> None:
-        """A rank died or a collective failed (any thread): the node cannot compute any more, so it leaves
-        (SIGTERM to itself: the clean stop; decode nodes tell their clients to go elsewhere)."""
+        """A rank died or a collective failed (any thread): the node cannot compute any more, so it leaves. In a
+        node process (``kvmesh node``: SIGTERM is its clean stop) by SIGTERM to itself: it deregisters, tells its
+        clients to go elsewhere and exits with status 1. Elsewhere (a Ray actor, whose restart must see a crash)
+        it tells its clients the same and ends the process at once."""
         if self.broken:
             return
         self.broken = why
         log.error("%s: %s; this node leaves the cluster", self.cfg.node_id, why)
-        os.kill(os.getpid(), signal.SIGTERM)
+        if signal.getsignal(signal.SIGTERM) is lifecycle.sigterm_handler():
+            os.kill(os.getpid(), signal.SIGTERM)
+            return
+        self.abandon_requests(why)
+        self.endpoint.close()  # what was handed over is delivered (up to a second)
+        os._exit(1)
 
     def start(self) -> NodeRuntime:
         """Start the transfer agent, then (after ``before_serving``) the engine thread, the tiers, the request
