@@ -22,7 +22,7 @@ from kvmesh.transfer.errors import TransferError, TransferTimeout, check_status
 from kvmesh.transfer.peer_process import BLOCK_SHAPE, chain_hashes
 from kvmesh.transfer.peers import PeerRecord
 from kvmesh.transfer.rdma_devices import choose_transport
-from kvmesh.transfer.shared_memory import SharedKVAllocator
+from kvmesh.kv.shared_buffer import SharedKVAllocator
 from tests.transfer_support import (  # noqa: F401 (requester: a fixture)
     AUTH, BACKENDS, SHARED, Holder, kv_of, make_agent, requester, wait_until)
 
@@ -354,7 +354,8 @@ def test_stale_index_entry_is_advisory(requester):
 
 def test_shared_memory_writer_checks_the_region_before_writing():
     """A same-host writer opens only the memfd a record names (tag, size, owner) and writes only inside it."""
-    from kvmesh.transfer.shared_memory import SharedMemoryWriter, SharedRegion
+    from kvmesh.kv.shared_buffer import SharedRegion
+    from kvmesh.transfer.shared_memory import SharedMemoryWriter
 
     num_blocks, block_bytes = 4, 256
     allocator = SharedKVAllocator()

@@ -18,7 +18,7 @@ from kvmesh.transfer.engine import create_transfer_engine, mooncake_available
 from kvmesh.transfer.kv_agent import TransferAgent
 from kvmesh.transfer.peer_process import BLOCK_SHAPE, seeded_buffer
 from kvmesh.transfer.peers import PeerRecord, StaticPeers
-from kvmesh.transfer.shared_memory import SharedKVAllocator
+from kvmesh.kv.shared_buffer import SharedKVAllocator
 
 BACKENDS = ["zmq"] + (["mooncake"] if mooncake_available() else [])
 SHARED = "shared-memory"  # a requester whose KV buffer a holder on this host writes by one copy (engine: zmq)

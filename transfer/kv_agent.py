@@ -34,7 +34,8 @@ from kvmesh.transfer.kv_memory import choose_kv_memory
 from kvmesh.transfer.landing import LandingZone, default_num_slots, leading_equal
 from kvmesh.transfer.peers import PeerDirectory, PeerRecord
 from kvmesh.transfer.requester import KVRequester, PushOutcome
-from kvmesh.transfer.shared_memory import PeerProcesses, SharedMemoryWriter, SharedRegion
+from kvmesh.kv.shared_buffer import SharedRegion
+from kvmesh.transfer.shared_memory import PeerProcesses, SharedMemoryWriter
 
 log = logging.getLogger("kvmesh.transfer")
 

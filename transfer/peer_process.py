@@ -23,7 +23,7 @@ from kvmesh.kv.block_pool import BlockPool
 from kvmesh.transfer.engine import create_transfer_engine
 from kvmesh.transfer.kv_agent import TransferAgent
 from kvmesh.transfer.peers import PeerRecord, StaticPeers
-from kvmesh.transfer.shared_memory import SharedKVAllocator
+from kvmesh.kv.shared_buffer import SharedKVAllocator
 
 BLOCK_SHAPE = (2, 2, 16, 2, 8)  # layers, K/V, block_size, kv heads, head dim
 

@@ -19,126 +19,25 @@ simulated with network namespaces never take this path.
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
-import mmap
 import os
-import secrets
 import select
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
-import torch
-
+from kvmesh.kv.shared_buffer import SharedRegion, host_identity, names_region, region_path
 from kvmesh.transfer.coalesce import Descriptor
 from kvmesh.transfer.errors import TransferError
 from kvmesh.transfer.peers import PeerRecord
 
 log = logging.getLogger("kvmesh.transfer")
 
-_NAME_PREFIX = "kvmesh-kv-"
-
-
-def host_identity() -> str:
-    """This kernel boot, network namespace and pid namespace (equal strings: /proc/<pid> of a peer is its)."""
-    parts = []
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            parts.append(f.read().strip())
-        for ns in ("net", "pid"):
-            parts.append(str(os.stat(f"/proc/self/ns/{ns}").st_ino))
-    except OSError:
-        return ""  # no procfs: no same-host path
-    return hashlib.blake2b("/".join(parts).encode(), digest_size=8).hexdigest()
-
-
-@dataclass(frozen=True)
-class SharedRegion:
-    """Where a node's KV buffer can be opened by a writer on the same host (published in its record)."""
-
-    host: str
-    pid: int
-    fd: int
-    tag: str
-    num_bytes: int
-
-    def encode(self) -> str:
-        return f"{self.host}/{self.pid}/{self.fd}/{self.tag}/{self.num_bytes}"
-
-    @classmethod
-    def decode(cls, text: str) -> SharedRegion | None:
-        """None for "" (no region) or anything malformed (a peer's record is not trusted to be well formed)."""
-        try:
-            host, pid, fd, tag, num_bytes = text.split("/")
-            region = cls(host, int(pid), int(fd), tag, int(num_bytes))
-        except (AttributeError, ValueError):
-            return None
-        if not (host and tag.isalnum() and region.pid > 0 and region.fd >= 0 and region.num_bytes > 0):
-            return None
-        return region
-
 
 def same_host_region(peer: PeerRecord | None, host: str) -> SharedRegion | None:
     """The region ``peer`` published, if it lives on ``host`` (this one: ``host_identity()``); else None."""
     region = SharedRegion.decode(peer.shared_memory) if peer is not None else None
     return region if region is not None and host and region.host == host else None
-
-
-def _path(region: SharedRegion) -> str:
-    return f"/proc/{region.pid}/fd/{region.fd}"
-
-
-def _names_region(name: str, region: SharedRegion) -> bool:
-    """Whether the link target of ``_path(region)`` is that region's memfd (else the pid or fd is reused)."""
-    return name.startswith(f"/memfd:{_NAME_PREFIX}{region.tag}")
-
-
-def open_region(region: SharedRegion) -> int:
-    """An fd (read-write) of ``region``'s memfd, checked to be that region (name and size); raises OSError or
-    ValueError. The caller closes it."""
-    path = _path(region)
-    name = os.readlink(path)
-    if not _names_region(name, region):
-        raise ValueError(f"{path} is {name!r}, not the region {region.tag}")
-    fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
-    if os.fstat(fd).st_size != region.num_bytes:
-        os.close(fd)
-        raise ValueError(f"{path} is not {region.num_bytes} bytes")
-    return fd
-
-
-class SharedKVAllocator:
-    """Allocates a node's KV buffer in a memfd (zeroed, like ``KVLayout.allocate``); ``region`` describes it.
-
-    One allocation per allocator; the mapping lives as long as the tensor (and the fd as long as
-    the allocator: ``close`` after the buffer is no longer written).
-    """
-
-    def __init__(self):
-        self.region: SharedRegion | None = None
-        self._fd = -1
-
-    def allocate(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
-        if self.region is not None:
-            raise RuntimeError("a SharedKVAllocator allocates one buffer")
-        num_bytes = dtype.itemsize
-        for n in shape:
-            num_bytes *= n
-        tag = secrets.token_hex(8)
-        self._fd = os.memfd_create(_NAME_PREFIX + tag, os.MFD_CLOEXEC)
-        os.ftruncate(self._fd, num_bytes)  # a new memfd reads as zeros
-        mapping = mmap.mmap(self._fd, num_bytes)
-        tensor = torch.frombuffer(mapping, dtype=torch.uint8).view(dtype).view(*shape)
-        tensor.zero_()  # touch every page now, as torch.zeros would, not during the first steps
-        self.region = SharedRegion(host_identity(), os.getpid(), self._fd, tag, num_bytes)
-        return tensor
-
-    def close(self) -> None:
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
 
 
 class SharedMemoryWriter:
@@ -211,7 +110,7 @@ class SharedMemoryWriter:
             return fd
 
     def _open_region(self, peer: PeerRecord, region: SharedRegion) -> int:
-        path = _path(region)
+        path = region_path(region)
         try:
             name = os.readlink(path)
             fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
@@ -220,7 +119,7 @@ class SharedMemoryWriter:
             return -1
         st = os.fstat(fd)
         problem = ""
-        if not _names_region(name, region):
+        if not names_region(name, region):
             problem = f"{path} is {name!r}, not the region the record names"
         elif st.st_size != region.num_bytes or region.num_bytes != peer.num_blocks * peer.block_bytes:
             problem = f"size {st.st_size} does not match the record ({peer.num_blocks} x {peer.block_bytes} bytes)"
@@ -272,12 +171,12 @@ class PeerProcesses:
             if pidfd is None:
                 try:
                     pidfd = os.pidfd_open(region.pid)
-                    name = os.readlink(_path(region))
+                    name = os.readlink(region_path(region))
                 except OSError:  # exited already: its lease is the whole story
                     if pidfd is not None:
                         os.close(pidfd)
                     return None
-                if not _names_region(name, region):
+                if not names_region(name, region):
                     os.close(pidfd)
                     return None
                 self._pidfds[key] = pidfd

@@ -32,7 +32,7 @@ from kvmesh.transfer.engine import create_transfer_engine, mooncake_available
 from kvmesh.transfer.kv_agent import TransferAgent
 from kvmesh.transfer.peers import PeerRecord, StaticPeers
 from kvmesh.transfer.peer_process import chain_hashes
-from kvmesh.transfer.shared_memory import SharedKVAllocator
+from kvmesh.kv.shared_buffer import SharedKVAllocator
 
 SHARED_MEMORY = "shared-memory"
 

@@ -30,8 +30,8 @@ from kvmesh.kv.block_hash import HashNamespace, hash_blocks
 from kvmesh.kv.block_pool import BlockPool
 from kvmesh.kv.eviction import POLICIES
 from kvmesh.kv.kv_buffer import KVLayout
+from kvmesh.kv.shared_buffer import SharedKVAllocator
 from kvmesh.model.loader import LoadedModel
-from kvmesh.transfer.shared_memory import SharedKVAllocator
 
 log = logging.getLogger("kvmesh.engine")
 
@@ -69,7 +69,7 @@ class EngineConfig:
 class LLMEngine:
     def __init__(self, loaded: LoadedModel, config: EngineConfig, kv_allocator: SharedKVAllocator | None = None):
         """``kv_allocator``: allocates the KV cache in shared memory (nodes: for same-host peers,
-        ``transfer/shared_memory.py``); used only when the model is on the CPU. Default: ``torch.zeros``, or at
+        ``kvmesh/kv/shared_buffer.py``); used only when the model is on the CPU. Default: ``torch.zeros``, or at
         tensor-parallel size > 1 on the CPU an allocator of the engine's own (the ranks map the buffer)."""
         self.loaded = loaded
         self.config = config

@@ -38,6 +38,7 @@ from kvmesh.device import device_name, resolve_device
 from kvmesh.errors import KvmeshError
 from kvmesh.kv.block_hash import HashNamespace
 from kvmesh.engine.kv_probe import prompt_kv_sums
+from kvmesh.kv.shared_buffer import SharedKVAllocator
 from kvmesh.kv.tiers.tiered_cache import TierConfig, TieredCache, auto_host_bytes
 from kvmesh.metadata.records import ComputeProbe, KVLayoutRecord, ModelCard, NodeRecord
 from kvmesh.model.loader import load_model
@@ -54,7 +55,6 @@ from kvmesh.transfer.block_source import TieredSource
 from kvmesh.transfer.engine import create_transfer_engine
 from kvmesh.transfer.kv_agent import TransferAgent
 from kvmesh.transfer.peers import FunctionPeers
-from kvmesh.transfer.shared_memory import SharedKVAllocator
 from kvmesh.wire import MessageError, decode, encode
 
 log = logging.getLogger("kvmesh.node")

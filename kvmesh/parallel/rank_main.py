@@ -76,11 +76,11 @@ def serve(init: dict, calls, status) -> None:
 
 
 def map_shared_kv(region_text: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """The KV buffer rank 0 allocated in a memfd (``transfer/shared_memory.py``), mapped here."""
+    """The KV buffer rank 0 allocated in a memfd (``kvmesh/kv/shared_buffer.py``), mapped here."""
     import mmap
     import os
 
-    from kvmesh.transfer.shared_memory import SharedRegion, open_region
+    from kvmesh.kv.shared_buffer import SharedRegion, open_region
 
     region = SharedRegion.decode(region_text)
     if region is None:

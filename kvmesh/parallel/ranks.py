@@ -67,7 +67,7 @@ class TensorParallelModel:
 
     def attach_kv(self, kv_buffer: torch.Tensor, region) -> None:
         """Every other rank maps ``kv_buffer`` (every head, in the memfd ``region`` describes:
-        ``transfer/shared_memory.py``) and reads and writes its heads there from the next call on."""
+        ``kvmesh/kv/shared_buffer.py``) and reads and writes its heads there from the next call on."""
         self._ranks.send(("map_kv", region.encode(), tuple(kv_buffer.shape), kv_buffer.dtype))
         self._ranks.read_status("mapped")
         self._attached = kv_buffer
