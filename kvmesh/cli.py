@@ -189,6 +189,14 @@ def _add_bench(sub) -> None:
     cl = which.add_parser("cluster", help="the serving modes compared on one workload (TTFT, TPOT, hit rates, ...)")
     add_cluster_arguments(cl)
     cl.set_defaults(func=_run_bench_cluster)
+    tr = which.add_parser("traces", help="what request tracing costs: tracing off against on at sample ratios, "
+                                         "same run (TTFT, TPOT, requests/s, spans received)")
+    tr.add_argument("--json", default=None)
+    tr.add_argument("--model", default="tiny-llama")
+    tr.add_argument("--ratios", default="0.01,1", help="sample ratios to run beside tracing off")
+    tr.add_argument("--repeat", type=int, default=3)
+    tr.add_argument("--dtype", default="float32")
+    tr.set_defaults(func=_run_bench_traces)
     st = which.add_parser("step", help="host time of one decode step by phase (schedule, prepare, forward, sample, "
                                        "outputs) and torch ops per layer; no GPU needed")
     st.add_argument("--json", default=None)
@@ -244,6 +252,16 @@ def _run_bench_attack(args: argparse.Namespace) -> int:
 
     out = attack.run(args.json)
     return 1 if any(r["succeeded"] or not r["service_answered"] for r in out["attacks"].values()) else 0
+
+
+def _run_bench_traces(args: argparse.Namespace) -> int:
+    from kvmesh.bench import traces
+
+    ratios = tuple(float(r) for r in args.ratios.split(",") if r.strip())
+    if not ratios or any(not 0 < r <= 1 for r in ratios) or args.repeat < 1:
+        raise SystemExit("kvmesh bench traces: --ratios takes ratios within (0, 1]; --repeat at least 1")
+    traces.run(args.json, args.model, ratios, args.repeat, args.dtype)
+    return 0
 
 
 def _run_bench_step(args: argparse.Namespace) -> int:

@@ -2,15 +2,13 @@
 the prefill node, received by a collector of the test's own; nothing at all when tracing is off."""
 from __future__ import annotations
 
-import gzip
 import subprocess
 import sys
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
 from kvmesh import SamplingParams
+from kvmesh.bench.otlp_sink import OTLPSink, render
 from kvmesh.cluster.local_launcher import LocalCluster
 from kvmesh.cluster.router import Router, RouterConfig
 from kvmesh.node import messages as nm
@@ -19,56 +17,8 @@ from kvmesh.wire import MessageError, decode, encode
 from tests.test_cluster import REMOTE_ONLY, prompt, wait_until
 
 
-class Collector:
-    """An OTLP/HTTP trace receiver: every span posted to /v1/traces, as (service, name, trace id, span id,
-    parent span id, attributes)."""
-
-    def __init__(self):
-        from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
-
-        self.spans: list[dict] = []
-        lock = threading.Lock()
-        spans = self.spans
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self):  # noqa: N802 (http.server's name)
-                body = self.rfile.read(int(self.headers["Content-Length"]))
-                if self.headers.get("Content-Encoding") == "gzip":
-                    body = gzip.decompress(body)
-                request = ExportTraceServiceRequest.FromString(body)
-                with lock:
-                    for resource in request.resource_spans:
-                        service = next(a.value.string_value for a in resource.resource.attributes
-                                       if a.key == "service.name")
-                        for scope in resource.scope_spans:
-                            for s in scope.spans:
-                                spans.append({"service": service, "name": s.name, "trace": s.trace_id.hex(),
-                                              "id": s.span_id.hex(), "parent": s.parent_span_id.hex(),
-                                              "attributes": {a.key: a.value for a in s.attributes},
-                                              "events": [e.name for e in s.events],
-                                              "start_ns": s.start_time_unix_nano, "end_ns": s.end_time_unix_nano,
-                                              "event_ns": [e.time_unix_nano for e in s.events]})
-                self.send_response(200)
-                self.send_header("Content-Type", "application/x-protobuf")
-                self.end_headers()
-
-            def log_message(self, *args):
-                pass
-
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.endpoint = f"http://127.0.0.1:{self._server.server_port}"
-        threading.Thread(target=self._server.serve_forever, daemon=True).start()
-
-    def named(self, name: str) -> list[dict]:
-        return [s for s in list(self.spans) if s["name"] == name]
-
-    def close(self) -> None:
-        self._server.shutdown()
-        self._server.server_close()
-
-
 def test_one_trace_follows_a_request_through_router_decode_and_prefill_nodes():
-    collector = Collector()
+    collector = OTLPSink()
     try:
         args = REMOTE_ONLY + ["--otlp-endpoint", collector.endpoint]
         with LocalCluster(1, 1, node_args=args, cluster="traced") as cluster:
@@ -105,6 +55,8 @@ def test_one_trace_follows_a_request_through_router_decode_and_prefill_nodes():
         assert fetch["attributes"]["kvmesh.step_boundary_wait_ms"].double_value >= 0
         assert decode_span["attributes"]["kvmesh.tokens_from_prefill_node"].int_value == 64
         assert request["attributes"]["kvmesh.completion_tokens"].int_value == 4
+        tree = render(collector.spans).splitlines()  # what docs/traces.md shows
+        assert tree[0].startswith("request ") and sum(line.lstrip().startswith("holder.push") for line in tree) == 1
     finally:
         collector.close()
 
@@ -132,3 +84,14 @@ def test_tracing_off_costs_nothing_and_a_bad_context_is_refused():
     finally:
         tracer._provider.shutdown = lambda: None  # nothing is listening on port 9: do not wait to export
         tracer.close()
+
+
+def test_bench_traces_runs_each_setting_and_counts_what_was_exported(tmp_path):
+    """``kvmesh bench traces`` (one run per setting here): spans arrive with tracing on and none with it off."""
+    from kvmesh.bench import traces
+
+    out = traces.run(str(tmp_path / "traces.json"), "tiny-llama", ratios=(1.0,), repeat=1)
+    assert set(out["settings"]) == {"off", "ratio 1"} and (tmp_path / "traces.json").exists()
+    assert out["settings"]["off"]["spans_received"] == 0
+    assert out["settings"]["ratio 1"]["spans_received"] >= 30 * 3  # each request: request, route, decode.request
+    assert out["settings"]["ratio 1"]["requests_per_s"] > 0

@@ -214,16 +214,20 @@ class ModeRun(NamedTuple):
 
 
 def run_mode(mode: Mode, model: str, num_decode: int, workload: str, requests, concurrency: int,
-             routing: str | None, bar: tqdm, hosts=None, insecure: bool = False, dtype: str = "float32") -> ModeRun:
+             routing: str | None, bar: tqdm, hosts=None, insecure: bool = False, dtype: str = "float32",
+             tracing: tuple[str, float] | None = None) -> ModeRun:
     """One run of ``requests`` on a fresh cluster in ``mode`` (``insecure``: no cluster token, so no CurveZMQ
-    and no etcd authentication: what the channel security costs; ``dtype``: the nodes')."""
+    and no etcd authentication: what the channel security costs; ``dtype``: the nodes'; ``tracing``: (OTLP
+    endpoint, sample ratio) of the router and every node)."""
     cluster_name = "bench-" + mode.name.replace("+", "-")
+    endpoint, ratio = tracing or ("", 1.0)
+    traced = ("--otlp-endpoint", endpoint, "--trace-sample-ratio", repr(ratio)) if endpoint else ()
     with LocalCluster(mode.num_prefill, num_decode + mode.num_extra_decode, model=model, cluster=cluster_name,
-                      node_args=["--transfer-backend", "auto", *mode.node_args], start_timeout_s=300,
+                      node_args=["--transfer-backend", "auto", *mode.node_args, *traced], start_timeout_s=300,
                       hosts=hosts, cluster_token="" if insecure else None, dtype=dtype) as cluster:
         router = Router(RouterConfig(etcd=cluster.etcd_endpoint, cluster_token=cluster.token, model=model,
                                      cluster=cluster_name, routing=routing or mode.routing,
-                                     max_in_flight=100_000))
+                                     max_in_flight=100_000, otlp_endpoint=endpoint, trace_sample_ratio=ratio))
         try:
             before = _node_totals(cluster)
             start = time.perf_counter()
