@@ -128,7 +128,7 @@ class Tracer:
         """A new span (``end`` it), child of ``parent`` (a ``traceparent`` from another process, or a span of
         this one); without a parent, a new trace (sampled at the ratio). ``NO_SPAN`` when off, or when the
         parent's trace is not sampled or has no context (a client that does not trace)."""
-        if not self.enabled:
+        if not self.enabled or parent is NO_SPAN:  # off, or the parent's trace was not sampled
             return NO_SPAN
         from opentelemetry.trace import set_span_in_context
         from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator

@@ -24,8 +24,8 @@ EXPORT_SETTLE_S = 3.0  # the nodes' exporters post every second: what a run's sp
 
 
 def run(json_path: str | None, model: str = "tiny-llama", ratios: tuple[float, ...] = (0.01, 1.0), repeat: int = 3,
-        dtype: str = "float32") -> dict:
-    requests = wl.shared_prefix(5, 6, 768, 32, 8, 256 if model.startswith("tiny") else 32000, seed=0)
+        dtype: str = "float32", groups: int = 5, per_group: int = 6) -> dict:
+    requests = wl.shared_prefix(groups, per_group, 768, 32, 8, 256 if model.startswith("tiny") else 32000, seed=0)
     mode = modes(1)["kvmesh"]
     settings = [("off", None)] + [(f"ratio {r:g}", r) for r in ratios]
     runs: dict[str, list] = {name: [] for name, _ in settings}
