@@ -234,9 +234,11 @@ class NodeRuntime:
         if signal.getsignal(signal.SIGTERM) is lifecycle.sigterm_handler():
             os.kill(os.getpid(), signal.SIGTERM)
             return
-        self.abandon_requests(why)
-        self.endpoint.close()  # what was handed over is delivered (up to a second)
-        os._exit(1)
+        try:  # (a node still starting has neither requests nor an endpoint yet)
+            self.abandon_requests(why)
+            self.endpoint.close()  # what was handed over is delivered (up to a second)
+        finally:
+            os._exit(1)
 
     def start(self) -> NodeRuntime:
         """Start the transfer agent, then (after ``before_serving``) the engine thread, the tiers, the request
