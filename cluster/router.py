@@ -257,7 +257,6 @@ class Router:
             span.record_error(str(e))
             raise
         finally:
-            span.end()
             queued.release()
             if conn is not None:
                 conn.abort(rid)
@@ -267,6 +266,7 @@ class Router:
                 self._in_flight_by_client[client] -= 1
                 if self._in_flight_by_client[client] <= 0:
                     del self._in_flight_by_client[client]
+            span.end()  # last: the router's own accounting never depends on the tracer
 
     def _record_finished(self, chunk: Chunk, state: _StreamState, arrived: float) -> None:
         now = time.perf_counter()
