@@ -26,7 +26,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
-from kvmesh.kv.shared_buffer import SharedRegion, host_identity, names_region, region_path
+from kvmesh.kv.shared_buffer import SharedRegion, host_identity, names_region, open_region, region_path
 from kvmesh.transfer.coalesce import Descriptor
 from kvmesh.transfer.errors import TransferError
 from kvmesh.transfer.peers import PeerRecord
@@ -110,21 +110,19 @@ class SharedMemoryWriter:
             return fd
 
     def _open_region(self, peer: PeerRecord, region: SharedRegion) -> int:
-        path = region_path(region)
         try:
-            name = os.readlink(path)
-            fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+            fd = open_region(region)  # that region's memfd (its name and size), or an error saying why not
         except OSError as e:
             log.info("%s: no shared memory with %s (%s): using the transfer engine", self.node_id, peer.node_id, e)
             return -1
-        st = os.fstat(fd)
+        except ValueError as e:
+            log.warning("%s: shared memory of %s refused: %s", self.node_id, peer.node_id, e)
+            return -1
         problem = ""
-        if not names_region(name, region):
-            problem = f"{path} is {name!r}, not the region the record names"
-        elif st.st_size != region.num_bytes or region.num_bytes != peer.num_blocks * peer.block_bytes:
-            problem = f"size {st.st_size} does not match the record ({peer.num_blocks} x {peer.block_bytes} bytes)"
-        elif st.st_uid != os.getuid():
-            problem = f"owned by uid {st.st_uid}, not ours"
+        if region.num_bytes != peer.num_blocks * peer.block_bytes:
+            problem = f"size {region.num_bytes} does not match the record ({peer.num_blocks} x {peer.block_bytes} bytes)"
+        elif (uid := os.fstat(fd).st_uid) != os.getuid():
+            problem = f"owned by uid {uid}, not ours"
         if problem:
             os.close(fd)
             log.warning("%s: shared memory of %s refused: %s", self.node_id, peer.node_id, problem)
