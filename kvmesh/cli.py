@@ -16,6 +16,7 @@ import argparse
 import os
 import sys
 import time
+import traceback
 
 from kvmesh.errors import KvmeshError
 
@@ -506,6 +507,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except KvmeshError as e:
+        if os.environ.get("KVMESH_TRACEBACK"):  # the whole chain, the device error that caused it included
+            traceback.print_exc()
         print(f"kvmesh: error: {e}", file=sys.stderr)
         return 2
 
