@@ -74,9 +74,7 @@ class RouterEndpoint:
             if self._handshakes is not None and self._handshakes.socket in events:
                 self._count_refused(self._handshakes.drain(), "failed handshake(s)")
             if self._outbox in events:
-                while self._outbox.poll(0):
-                    identity, payload = self._outbox.recv_multipart()
-                    self._router.send_multipart([identity, self._auth.seal(payload)])
+                self._forward_replies(0)
             if self._router in events:
                 frames = self._router.recv_multipart()
                 if len(frames) != 2:
@@ -92,6 +90,12 @@ class RouterEndpoint:
                 except Exception:  # a handler bug must not stop the endpoint
                     log.exception("%s: handler failed", self._name)
 
+    def _forward_replies(self, wait_ms: int) -> None:
+        """Seal and send what ``send`` handed over, until none arrives within ``wait_ms`` (the owning thread)."""
+        while self._outbox.poll(wait_ms):
+            identity, payload = self._outbox.recv_multipart()
+            self._router.send_multipart([identity, self._auth.seal(payload)])
+
     def _count_refused(self, n: int, what: str) -> None:
         for _ in range(n):
             self.num_refused += 1
@@ -105,8 +109,7 @@ class RouterEndpoint:
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(timeout=2)
-        while self._outbox.poll(50):
-            self._router.send_multipart(self._outbox.recv_multipart())
+        self._forward_replies(50)
         if self._handshakes is not None:
             self._handshakes.close()
         self._router.close(linger=1000)

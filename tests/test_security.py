@@ -8,6 +8,7 @@ import queue
 import struct
 import subprocess
 import sys
+import threading
 import time
 
 import msgpack
@@ -81,6 +82,36 @@ def test_a_process_without_the_token_cannot_complete_a_handshake():
         assert received.get(timeout=10) == b"hello"
         insider.close()
     finally:
+        endpoint.close()
+
+
+def test_replies_still_queued_when_an_endpoint_closes_are_sealed():
+    """A reply handed to ``send`` that the serving thread had not forwarded when ``close`` stopped it goes out
+    from ``close``, sealed like any other (a holder's last SHUTTING_DOWN answers take that path)."""
+    from kvmesh.router_endpoint import RouterEndpoint
+
+    answered, release = threading.Event(), threading.Event()
+    endpoint = None
+
+    def on_message(identity, payload):  # runs on the serving thread: it is busy here while close stops it
+        endpoint.send(identity, b"last words")
+        answered.set()
+        release.wait(10)
+
+    endpoint = RouterEndpoint("127.0.0.1", on_message, "closing", ClusterAuth(TOKEN)).start()
+    client = ClusterAuth(TOKEN).curve_client(zmq.Context.instance().socket(zmq.DEALER))
+    client.linger = 0
+    try:
+        client.connect(f"tcp://{endpoint.endpoint}")
+        client.send(ClusterAuth(TOKEN).seal(b"hello"))
+        assert answered.wait(10)  # the reply waits in the hand-over queue
+        threading.Timer(0.3, release.set).start()  # after close has asked the serving thread to stop
+        endpoint.close()
+        assert client.poll(10_000)
+        assert ClusterAuth(TOKEN).open_reply(client.recv(), "closing") == b"last words"
+    finally:
+        release.set()
+        client.close()
         endpoint.close()
 
 
