@@ -23,6 +23,7 @@ from kvmesh.kernels.attention_metadata import AttentionMetadata
 from kvmesh.kernels.cpu import library as native
 from kvmesh.kernels.reference import attention as ref_attention
 from kvmesh.kernels.reference import cache_ops as ref_cache
+from kvmesh.kernels.reference import moe as ref_moe
 from kvmesh.kernels.reference import norm as ref_norm
 from kvmesh.kernels.reference.rotary import rotate
 
@@ -229,6 +230,15 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
         return fused.silu_mul(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def moe_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, expert_ids: torch.Tensor,
+                weights: torch.Tensor) -> torch.Tensor:
+    """A mixture-of-experts block's experts (``kernels/reference/moe.py`` says what it computes)."""
+    if use_triton(x):
+        from kvmesh.kernels.triton import moe
+        return moe.moe_experts(x, gate_up, down, expert_ids, weights)
+    return ref_moe.moe_experts(x, gate_up, down, expert_ids, weights)
 
 
 def pack_blocks(kv_buffer: torch.Tensor, block_ids: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:

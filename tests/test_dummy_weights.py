@@ -29,6 +29,8 @@ PUBLISHED_PARAMETERS = {  # the model cards' counts (tied embeddings once)
     "llama3.2-1b-dummy": 1_235_814_400,
     "llama3-8b-dummy": 8_030_261_248,
     "qwen3-8b-dummy": 8_190_735_360,
+    "qwen3-30b-a3b-dummy": 30_532_122_624,
+    "mixtral-8x7b-dummy": 46_702_792_704,
 }
 
 

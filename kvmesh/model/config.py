@@ -1,4 +1,4 @@
-"""ModelConfig: the one description of a Llama-family model kvmesh runs.
+"""ModelConfig: the one description of a Llama-family model kvmesh runs (dense, or mixture-of-experts).
 
 Built from a Hugging Face ``config.json`` dict, from GGUF metadata, or by a
 preset. Everything downstream (model, KV layout, fingerprint) reads this.
@@ -11,7 +11,11 @@ from dataclasses import asdict, dataclass, field
 from kvmesh.cpu_info import cpu_features  # noqa: F401 (parse_dtype looks it up here; tests patch it)
 from kvmesh.errors import UnsupportedModelError
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mixtral")
+_HF_CLASSES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+               "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM"}
+_MOE_FIELDS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob", "moe_layer_step",
+               "dense_layers")
 
 DTYPE_NAMES = ("float32", "bfloat16", "float16")  # the torch dtypes of these names: parse_dtype
 
@@ -28,7 +32,7 @@ class RopeScaling:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    architecture: str  # "llama" | "qwen2" | "qwen3"
+    architecture: str  # one of SUPPORTED_ARCHITECTURES
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -45,6 +49,15 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    # Mixture of experts (num_experts 0: dense). A MoE layer's router picks num_experts_per_tok experts per
+    # token (weights renormalised to sum 1 when norm_topk_prob); every moe_layer_step-th layer is one, except
+    # dense_layers, whose MLP is dense with intermediate_size (Qwen3-MoE's decoder_sparse_step, mlp_only_layers).
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    moe_layer_step: int = 1
+    dense_layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -56,10 +69,26 @@ class ModelConfig:
             raise UnsupportedModelError(
                 f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}"
             )
+        if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
+            raise UnsupportedModelError(f"num_experts_per_tok={self.num_experts_per_tok} must be within 1.."
+                                        f"{self.num_experts} experts")
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    def is_moe_layer(self, layer_idx: int) -> bool:
+        """Whether layer ``layer_idx``'s MLP is a mixture of experts."""
+        return self.is_moe and layer_idx not in self.dense_layers and (layer_idx + 1) % self.moe_layer_step == 0
 
     def to_json(self) -> str:
-        """Canonical JSON (sorted keys): the config part of the model fingerprint."""
-        return json.dumps(asdict(self), sort_keys=True, separators=(",", ":"))
+        """Canonical JSON (sorted keys): the config part of the model fingerprint. A dense model leaves the
+        mixture-of-experts fields out (its fingerprint is what it was before they existed)."""
+        fields = asdict(self)
+        if not self.is_moe:
+            for name in _MOE_FIELDS:
+                fields.pop(name)
+        return json.dumps(fields, sort_keys=True, separators=(",", ":"))
 
     @classmethod
     def from_hf_dict(cls, cfg: dict) -> ModelConfig:
@@ -74,6 +103,9 @@ class ModelConfig:
         model_type = cfg.get("model_type", "")
         if model_type == "mistral":
             model_type = "llama"
+        if model_type == "mixtral" and cfg.get("sliding_window") is not None:
+            raise UnsupportedModelError(f"sliding-window attention (sliding_window={cfg['sliding_window']}) is not "
+                                        "supported")
         if model_type not in SUPPORTED_ARCHITECTURES:
             archs = cfg.get("architectures") or [model_type or "<none>"]
             raise UnsupportedModelError(
@@ -100,11 +132,27 @@ class ModelConfig:
             rope_theta=float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))),
             rope_scaling=_rope_scaling_from_hf(rope),
             attention_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
-            qk_norm=model_type == "qwen3",
+            qk_norm=model_type in ("qwen3", "qwen3_moe"),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            **_moe_from_hf(model_type, cfg),
         )
+
+
+def _moe_from_hf(model_type: str, cfg: dict) -> dict:
+    """The mixture-of-experts fields of a Hugging Face config (none for a dense model)."""
+    if model_type == "qwen3_moe":
+        num_experts = cfg["num_experts"] if "num_experts" in cfg else cfg["num_local_experts"]  # transformers 5 saves the latter
+        return {"num_experts": num_experts, "num_experts_per_tok": cfg["num_experts_per_tok"],
+                "moe_intermediate_size": cfg["moe_intermediate_size"],
+                "norm_topk_prob": bool(cfg.get("norm_topk_prob", False)),
+                "moe_layer_step": int(cfg.get("decoder_sparse_step", 1)),
+                "dense_layers": tuple(cfg.get("mlp_only_layers") or ())}
+    if model_type == "mixtral":
+        return {"num_experts": cfg["num_local_experts"], "num_experts_per_tok": cfg["num_experts_per_tok"],
+                "moe_intermediate_size": cfg["intermediate_size"], "norm_topk_prob": True}
+    return {}
 
 
 def _rope_scaling_from_hf(scaling: dict | None) -> RopeScaling | None:
@@ -153,7 +201,7 @@ def to_hf_dict(cfg: ModelConfig) -> dict:
     model_type = cfg.architecture
     hf = {
         "model_type": model_type,
-        "architectures": [{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[model_type]],
+        "architectures": [_HF_CLASSES[model_type]],
         "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.hidden_size,
         "intermediate_size": cfg.intermediate_size,
@@ -170,6 +218,13 @@ def to_hf_dict(cfg: ModelConfig) -> dict:
         "bos_token_id": cfg.bos_token_id,
         "eos_token_id": list(cfg.eos_token_ids) if len(cfg.eos_token_ids) != 1 else cfg.eos_token_ids[0],
     }
+    if model_type == "qwen3_moe":
+        hf.update(num_experts=cfg.num_experts, num_experts_per_tok=cfg.num_experts_per_tok,
+                  moe_intermediate_size=cfg.moe_intermediate_size, norm_topk_prob=cfg.norm_topk_prob,
+                  decoder_sparse_step=cfg.moe_layer_step, mlp_only_layers=list(cfg.dense_layers))
+    elif model_type == "mixtral":
+        hf.update(num_local_experts=cfg.num_experts, num_experts_per_tok=cfg.num_experts_per_tok,
+                  intermediate_size=cfg.moe_intermediate_size, sliding_window=None)
     if cfg.rope_scaling is not None:
         s = cfg.rope_scaling
         hf["rope_scaling"] = {

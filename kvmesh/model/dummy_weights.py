@@ -85,10 +85,12 @@ def num_parameters(config: ModelConfig) -> int:
     """Parameters of a Llama-family model of this config (tied embeddings counted once), without building it."""
     h, kv = config.hidden_size, config.num_kv_heads * config.head_dim
     q = config.num_heads * config.head_dim
-    per_layer = h * (q + 2 * kv) + q * h + 3 * h * config.intermediate_size + 2 * h
+    per_layer = h * (q + 2 * kv) + q * h + 2 * h
     if config.attention_bias:
         per_layer += q + 2 * kv
     if config.qk_norm:
         per_layer += 2 * config.head_dim
+    mlps = sum(config.num_experts * (3 * h * config.moe_intermediate_size + h) if config.is_moe_layer(i) else
+               3 * h * config.intermediate_size for i in range(config.num_layers))
     embeddings = config.vocab_size * h * (1 if config.tie_word_embeddings else 2)
-    return config.num_layers * per_layer + embeddings + h
+    return config.num_layers * per_layer + mlps + embeddings + h

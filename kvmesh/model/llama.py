@@ -1,4 +1,5 @@
-"""The Llama family (Llama 2/3, Qwen2, Qwen3, SmolLM2) over the paged KV buffer.
+"""The Llama family (Llama 2/3, Qwen2, Qwen3, SmolLM2; Qwen3-MoE and Mixtral, whose MLPs are mixtures of
+experts, ``model/moe.py``) over the paged KV buffer.
 
 Parameter names follow Hugging Face (``model.layers.N.self_attn.q_proj.weight``
 ...), so a Hugging Face state dict loads as it is. The forward takes a flat
@@ -17,6 +18,7 @@ from kvmesh.kernels import ops
 from kvmesh.kernels.attention_metadata import AttentionMetadata
 from kvmesh.model.config import ModelConfig
 from kvmesh.model.layers import RMSNorm, SwiGLU
+from kvmesh.model.moe import SparseMoE
 from kvmesh.model.rope import RotaryEmbedding, apply_rope
 from kvmesh.model.weight_names import fuse_hf_state_dict, split_to_hf
 
@@ -71,7 +73,11 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int, group=None):
         super().__init__()
         self.self_attn = Attention(cfg, layer_idx, group)
-        self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, group)
+        if cfg.is_moe_layer(layer_idx):
+            self.mlp = SparseMoE(cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok,
+                                 cfg.moe_intermediate_size, cfg.norm_topk_prob, group)
+        else:
+            self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, group)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 

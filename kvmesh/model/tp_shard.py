@@ -6,6 +6,7 @@ A rank of ``size`` holds (Megatron's split, as vLLM does):
     KV heads         the ones its query heads read: 1/size of them, or when size > num_kv_heads one
                      head shared by size / num_kv_heads ranks (replicated, as vLLM does)
     MLP              1/size of the intermediate dimension     (gate/up rows, down_proj columns)
+    experts          1/size of every expert's intermediate    (the same cut of each; the router whole)
     vocabulary       1/size of the rows                       (embedding and lm_head rows)
 
 Column-parallel layers (QKV, gate-up) need no communication; the row-parallel ones (o_proj, down_proj)
@@ -32,6 +33,7 @@ def check_tp_size(cfg: ModelConfig, size: int) -> None:
         raise TensorParallelError(f"the tensor-parallel size must be at least 1, got {size}")
     problems = [f"{what} ({n})" for what, n in (("attention heads", cfg.num_heads),
                                                  ("MLP intermediate size", cfg.intermediate_size),
+                                                 ("experts' intermediate size", cfg.moe_intermediate_size),
                                                  ("vocabulary", cfg.vocab_size)) if n % size]
     kv = cfg.num_kv_heads
     if (kv % size if size <= kv else size % kv):
@@ -74,7 +76,8 @@ class TPShard:
         """The shapes this rank's modules are built with (head_dim and hidden size unchanged)."""
         cfg = self.config
         return replace(cfg, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
-                       intermediate_size=cfg.intermediate_size // self.size, vocab_size=cfg.vocab_size // self.size)
+                       intermediate_size=cfg.intermediate_size // self.size, vocab_size=cfg.vocab_size // self.size,
+                       moe_intermediate_size=cfg.moe_intermediate_size // self.size)
 
     def vocab_range(self) -> tuple[int, int]:
         per = self.config.vocab_size // self.size
@@ -85,6 +88,13 @@ class TPShard:
         if self.size == 1:
             return tensor
         cfg, hd = self.config, self.config.head_dim
+        if name.endswith(".experts.gate_up_proj"):  # [E, 2I, H]: this rank's rows of the gate half and the up half
+            per = cfg.moe_intermediate_size // self.size
+            gate, up = tensor.chunk(2, dim=1)
+            return torch.cat([gate.narrow(1, self.rank * per, per), up.narrow(1, self.rank * per, per)], dim=1)
+        if name.endswith(".experts.down_proj"):  # [E, H, I]
+            per = cfg.moe_intermediate_size // self.size
+            return _cols(tensor, self.rank * per, per)
         leaf = name.rsplit(".", 2)[-2]  # "q_proj" of "model.layers.0.self_attn.q_proj.weight"
         if leaf == "q_proj":
             return _rows(tensor, self.rank * self.num_heads * hd, self.num_heads * hd)
