@@ -22,6 +22,7 @@ if importlib.util.find_spec("triton") is None:
 from kvmesh.kernels.triton import attention as triton_attn  # noqa: E402
 from kvmesh.kernels.triton import cache_ops as triton_cache  # noqa: E402
 from kvmesh.kernels.triton import fused as triton_fused  # noqa: E402
+from kvmesh.kernels.triton import moe as triton_moe  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.float16] if DEVICE == "cpu" else [torch.float32, torch.float16, torch.bfloat16]
@@ -370,3 +371,26 @@ def test_model_forward_through_triton_dispatch_matches_torch(tiny_llama, monkeyp
     tol = 1e-4 if DEVICE == "cpu" else 1e-3  # a GPU sums in another order
     assert (got.cpu() - want).abs().max().item() < tol
     assert (got_next.cpu() - want_next[50:]).abs().max().item() < tol
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_triton_moe_experts_match_the_reference(dtype):
+    """Odd token counts, experts that get no token (expert 0 never chosen below all of them), every top-k,
+    an intermediate size that is not a multiple of the column block, segments of more than one tile."""
+    from kvmesh.kernels.reference.moe import moe_experts
+
+    gen = torch.Generator().manual_seed(21)
+    num_experts, hidden, inter = 5, 48, 72
+    gate_up = (torch.randn(num_experts, 2 * inter, hidden, generator=gen) / hidden ** 0.5).to(dtype).to(DEVICE)
+    down = (torch.randn(num_experts, hidden, inter, generator=gen) / inter ** 0.5).to(dtype).to(DEVICE)
+    for num_tokens in (1, 3, 37):
+        x = torch.randn(num_tokens, hidden, generator=gen).to(dtype).to(DEVICE)
+        for top_k in range(1, num_experts + 1):
+            logits = torch.randn(num_tokens, num_experts, generator=gen)
+            logits[:, 0] -= 100.0
+            weights, ids = torch.softmax(logits, -1).topk(top_k, -1)
+            weights, ids = weights.to(DEVICE), ids.to(DEVICE)
+            got = triton_moe.moe_experts(x, gate_up, down, ids, weights).float()
+            want = moe_experts(x.float(), gate_up.float(), down.float(), ids, weights)
+            tol = 1e-4 if dtype == torch.float32 else 2e-2
+            assert torch.allclose(got, want, atol=tol, rtol=tol), (num_tokens, top_k, (got - want).abs().max())

@@ -51,10 +51,11 @@ def test_heads_split_evenly_or_replicate_and_bad_sizes_are_refused():
         check_tp_size(llama, 0)
 
 
-@pytest.mark.parametrize("model", ["tiny-llama", "tiny-qwen3"])
+@pytest.mark.parametrize("model", ["tiny-llama", "tiny-qwen3", "tiny-qwen3-moe", "tiny-mixtral"])
 def test_two_ranks_generate_the_one_rank_streams_and_logits(model):
-    """tiny-qwen3 has one KV head: both ranks hold it (replicated). Logprobs of every sampled token match
-    transformers' on the same weights within float32 rounding."""
+    """tiny-qwen3 has one KV head: both ranks hold it (replicated); the MoE models split every expert's
+    intermediate dimension (the router whole). Logprobs of every sampled token match transformers' on the same
+    weights within float32 rounding."""
     whole = LLM(model, num_kv_blocks=64, progress=False)
     split = LLM(model, num_kv_blocks=64, progress=False, tensor_parallel_size=2)
     try:
@@ -91,9 +92,10 @@ def assert_same_kv_per_rank(split: LLM, whole: LLM, prompt: list[int]) -> None:
         assert torch.allclose(part, reference[..., heads, :], rtol=1e-5, atol=1e-5), f"rank {rank}'s KV heads"
 
 
-def test_dummy_weights_are_drawn_whole_and_cut_the_same_at_every_size():
-    whole = LLM("tiny-llama", num_kv_blocks=64, progress=False, load_format="dummy")
-    split = LLM("tiny-llama", num_kv_blocks=64, progress=False, load_format="dummy", tensor_parallel_size=2)
+@pytest.mark.parametrize("model", ["tiny-llama", "tiny-qwen3-moe"])
+def test_dummy_weights_are_drawn_whole_and_cut_the_same_at_every_size(model):
+    whole = LLM(model, num_kv_blocks=64, progress=False, load_format="dummy")
+    split = LLM(model, num_kv_blocks=64, progress=False, load_format="dummy", tensor_parallel_size=2)
     try:
         assert split.loaded.fingerprint == whole.loaded.fingerprint  # one pool for every TP size
         assert streams(split, PROMPTS) == streams(whole, PROMPTS)
