@@ -305,13 +305,15 @@ def test_dead_decode_node_is_a_clear_error_for_the_caller():
         assert time.monotonic() - start < 10
 
 
-def wait_until_published(cluster: LocalCluster, token_ids: list[int], num_blocks: int) -> None:
-    """Until some node's entries for the first ``num_blocks`` blocks of ``token_ids`` are in etcd."""
+def wait_until_published(cluster: LocalCluster, token_ids: list[int], num_blocks: int,
+                         model: str = "tiny-llama") -> None:
+    """Until some node's entries for the first ``num_blocks`` blocks of ``token_ids`` are in etcd (the nodes run
+    ``model``)."""
     from kvmesh.metadata.block_index import BlockIndex
     from kvmesh.metadata.sealed_store import open_store
     from kvmesh.node.runtime import index_namespace
 
-    engine = LLM("tiny-llama", num_kv_blocks=64, progress=False).engine  # the nodes' model: the same hashes
+    engine = LLM(model, num_kv_blocks=64, progress=False).engine  # the nodes' model: the same hashes
     hashes = engine.kv.hash_prompt(token_ids)[:num_blocks]
     store = open_store(cluster.etcd_endpoint, cluster.token)
     index = BlockIndex(store, cluster.cluster, index_namespace(engine.namespace))

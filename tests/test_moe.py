@@ -191,3 +191,29 @@ def test_moe_and_dense_models_never_share_a_fingerprint():
     assert "num_experts" not in dense.to_json()  # dense fingerprints are what they were before experts existed
     fewer = dataclasses.replace(moe, num_experts_per_tok=1)
     assert fewer.to_json() != moe.to_json()
+
+
+def test_a_moe_cluster_moves_and_reuses_kv_as_a_dense_one_does():
+    """1 prefill + 2 decode nodes of tiny-mixtral over zmq: a prompt computed by the prefill node and pushed, then
+    a second prompt sharing its first six blocks fetched from their holder; outputs and the received KV itself
+    (the KV oracle, position by position) equal a single engine's."""
+    from kvmesh.cluster.local_launcher import LocalCluster
+    from tests.conftest import assert_same_kv
+    from tests.test_cluster import REMOTE_ONLY, prompt, wait_until_published
+
+    reference = LLM("tiny-mixtral", num_kv_blocks=256, progress=False)
+    greedy = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    args = REMOTE_ONLY + ["--transfer-backend", "zmq", "--prefill-timeout", "30"]
+    with LocalCluster(1, 2, model="tiny-mixtral", node_args=args, cluster="moe") as cluster:
+        shared = prompt(700, 96)
+        first, second = shared + prompt(701, 20), shared + prompt(702, 25)
+        out1 = cluster.client("decode-0").generate(first, greedy)
+        assert out1.error == "" and out1.stats["tokens_from_prefill_node"] >= 96
+        wait_until_published(cluster, shared, 6, model="tiny-mixtral")
+        out2 = cluster.client("decode-1").generate(second, greedy)
+        want = [o.token_ids for o in reference.generate([first, second], greedy, use_tqdm=False)]
+        assert [out1.token_ids, out2.token_ids] == want
+        assert out2.stats["tokens_reused_remote"] + out2.stats["tokens_reused_prefill_node"] >= 96, out2.stats
+        assert_same_kv(cluster.client("decode-1"), reference, second, min_blocks=(len(second) - 1) // 16)
+        for node_id in cluster.nodes:
+            assert cluster.client(node_id).stats(check=True)["num_pinned"] == 0
