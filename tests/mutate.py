@@ -34,6 +34,19 @@ class Mutation:
 
 
 MUTATIONS = (
+    Mutation("mixture of experts: top-k routing weights are not renormalised", "kvmesh/model/moe.py",
+             "    if normalize:\n",
+             "    if False:\n",
+             ("tests/test_moe.py", "-k", "transformers_does")),
+    Mutation("mixture of experts: the Triton kernel's tiles are not padded to whole experts", "kernels/triton/moe.py",
+             "    padded = (counts + block_m - 1) // block_m * block_m",
+             "    padded = counts",
+             ("tests/test_kernels.py", "-k", "moe")),
+    Mutation("mixture of experts: tensor-parallel ranks take rows across the gate and up halves",
+             "kvmesh/model/tp_shard.py",
+             "            return torch.cat([gate.narrow(1, self.rank * per, per), up.narrow(1, self.rank * per, per)], dim=1)",
+             "            return tensor.narrow(1, self.rank * 2 * per, 2 * per)",
+             ("tests/test_tensor_parallel.py", "-k", "one_rank_streams and moe")),
     Mutation("tensor parallelism: the MLP's partial sums are never all-reduced", "kvmesh/model/layers.py",
              "        return out if self.group is None else self.group.all_reduce(out)",
              "        return out",
