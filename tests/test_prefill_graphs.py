@@ -63,7 +63,7 @@ def test_replayed_prompt_steps_equal_the_plain_step_and_store_only_their_tokens(
     loaded = load_model("tiny-llama", progress=False)
     model = loaded.model
     kv = _kv(loaded, 48)
-    graphs = PrefillGraphs(model, kv, BLOCK, max_num_batched_tokens=128, max_num_seqs=8, max_model_len=256)
+    graphs = PrefillGraphs(model, kv, BLOCK, max_num_batched_tokens=128, max_num_seqs=3, max_model_len=256)
     monkeypatch.setenv("KVMESH_KERNELS", "triton")  # what a graph holds
     graphs.capture()
     assert graphs.buckets == [64, 128] and all(isinstance(r, EagerReplay) for r in graphs._replays.values())
@@ -104,7 +104,7 @@ def test_the_start_up_probe_agrees_with_eager_and_catches_a_replay_of_the_wrong_
     loaded = load_model("tiny-llama", progress=False)
     kv = _kv(loaded, 32)
     monkeypatch.setenv("KVMESH_KERNELS", "triton")
-    graphs = PrefillGraphs(loaded.model, kv, BLOCK, max_num_batched_tokens=64, max_num_seqs=8,
+    graphs = PrefillGraphs(loaded.model, kv, BLOCK, max_num_batched_tokens=64, max_num_seqs=2,
                            max_model_len=256).capture()
     assert graphs.agreement_with_eager(num_kv_blocks=32) > 0.9999
     assert graphs.num_replays == 0  # the probe is not counted as a served step
