@@ -34,6 +34,18 @@ class Mutation:
 
 
 MUTATIONS = (
+    Mutation("a push sends a stored checksum from before its block was allocated again", "kvmesh/kv/block_checksums.py",
+             "            out = [self._value[b] if self._epoch[b] == e else None for b, e in zip(block_ids, epochs)]",
+             "            out = [self._value[b] if self._epoch[b] >= 0 else None for b, e in zip(block_ids, epochs)]",
+             ("tests/test_block_pool.py", "-k", "stored_checksums")),
+    Mutation("a landing copy into a host KV buffer skips the check of what arrived", "transfer/landing.py",
+             "            good = leading_equal(self._checksum([base + b * self.block_bytes for b in block_ids]), checksums)",
+             "            good = len(slots)",
+             ("tests/test_transfer.py", "-k", "computed_once and mooncake")),
+    Mutation("a receive over zmq skips the check of what arrived", "transfer/requester.py",
+             "                        num = self.verify(block_ids[:num], msg.checksums[:num])",
+             "                        num = num",
+             ("tests/test_transfer.py", "-k", "computed_once")),
     Mutation("mixture of experts: top-k routing weights are not renormalised", "kvmesh/model/moe.py",
              "    if normalize:\n",
              "    if False:\n",

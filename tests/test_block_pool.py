@@ -396,3 +396,31 @@ def test_a_memo_from_before_its_block_was_allocated_again_never_extends_a_chain(
     assert pool.match(q) == [2, 1, 0]
     assert pool.match(a) == []
     pool.check_integrity()
+
+
+def test_stored_checksums_hold_until_a_block_is_allocated_again():
+    from kvmesh.kv.block_checksums import BlockChecksums
+
+    pool = BlockPool(4)
+    contents = {b: 100 + b for b in range(4)}  # a block's "bytes"
+    computed = []
+
+    def crc(block_ids):
+        computed.extend(block_ids)
+        return [contents[b] for b in block_ids]
+
+    checksums = BlockChecksums(pool, crc)
+    ids = pool.allocate(2)
+    pool.free(pool.cache(ids, hash_blocks(ROOT, list(range(32)), 16)))
+    assert checksums.of_cached(ids) == [100 + b for b in ids] and computed == ids
+    assert checksums.of_cached(ids) == [100 + b for b in ids] and computed == ids  # stored: none recomputed
+    for b in ids:
+        contents[b] += 1  # only a new owner rewrites a block
+    again = pool.allocate(4)  # takes the cached blocks too: their epochs move on
+    assert set(ids) <= set(again)
+    assert checksums.of_cached(ids) == [101 + b for b in ids] and computed == ids + ids
+    checksums.remember([again[0]], [7])
+    assert checksums.of_cached([again[0]]) == [7]
+    assert checksums.describe() == {"computed": 4, "reused": 3}
+    pool.free(again)
+    pool.check_integrity()

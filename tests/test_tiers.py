@@ -211,3 +211,41 @@ def test_a_restart_re_adopts_the_disk_tier(tmp_path):
                              TierConfig(0, 16 * BLOCK_BYTES, str(folder)), root_hash(b"another model"), name="n0")
     assert other_root.num_adopted == 0
     other_root.close()
+
+
+def test_stored_checksums_go_down_with_a_block_and_come_back_up(tmp_path):
+    """Demotion takes a block's stored checksum (computing only those not stored, and keeping them); the tier's
+    entry holds it and a push from the tier sends it; promotion leaves the checksum it checked with the block."""
+    import zlib
+
+    from kvmesh.kv.block_checksums import BlockChecksums
+
+    n = Node(tmp_path)
+    computed = []
+
+    def crc(block_ids):
+        computed.extend(block_ids)
+        return [zlib.crc32(n.kv[b].numpy()) for b in block_ids]
+
+    n.tiers.checksums = checksums = BlockChecksums(n.pool, crc)
+    try:
+        hashes = chain(6, 4)
+        n.compute(hashes)
+        blocks = n.pool.match(hashes)
+        checksums.of_cached(blocks[:2])  # what a push of the first two would have left
+        assert n.tiers.demote_now() == 4
+        assert computed == blocks[:2] and checksums.describe() == {"computed": 2, "reused": 2}
+        truth = [zlib.crc32(n.expected(h).numpy()) for h in hashes]
+        assert [n.tiers.host.get(h).checksum for h in hashes] == truth
+        assert checksums.of_cached(blocks) == truth and computed == blocks[:2]  # the demoter stored the other two
+        n.pool.evict(n.pool.num_blocks)
+        source = TieredSource(n.pool, n.kv.data_ptr(), BLOCK_BYTES, n.tiers)
+        got = source.acquire(hashes, 0, 4)
+        assert got.checksums == truth  # a push from the tier sends the tier's
+        got.release()
+        promoted = n.tiers.promote(hashes).block_ids
+        assert checksums.of_cached(promoted) == truth and computed == blocks[:2]
+        n.pool.free(promoted)
+        n.check()
+    finally:
+        n.close()

@@ -409,3 +409,44 @@ def test_checksums_of_long_pushes_split_among_threads_agree_with_zlib():
         assert agent.requester.verify(blocks, expected) == 20
     finally:
         agent.close()
+
+
+@pytest.mark.parametrize("requester", ["zmq"] + (["mooncake"] if mooncake_available() else []), indirect=True)
+def test_a_cached_blocks_checksum_is_computed_once_and_a_stale_one_is_caught_on_receipt(requester):
+    """A holder's second push of the same cached blocks sends the checksums it computed for the first (none
+    recomputed); a block rewritten while cached (a bug: its epoch holds, its stored checksum is stale) is refused
+    by the receiver, which checks the bytes it got. Over Mooncake the receiver's landed blocks keep the checksums
+    they passed, so its own later sends of them compute nothing."""
+    backend = "mooncake" if requester.landing is not None else "zmq"
+    holder = make_agent("holder", backend, num_blocks=16)
+    holder.requester.directory.add(requester.record)
+    holder.holder.directory.add(requester.record)
+    requester.requester.directory.add(holder.record)
+    try:
+        hashes = chain_hashes(4)
+        ids = holder.pool.allocate(4)
+        holder.kv_buffer[ids] = torch.randn((4, *BLOCK_SHAPE), generator=torch.Generator().manual_seed(3))
+        holder.pool.free(holder.pool.cache(ids, hashes))  # cached and free: what a holder sends from
+
+        def pull(request_id: str) -> tuple[int, list[int]]:
+            got = requester.pool.allocate(4)
+            outcome = requester.requester.push("holder", got, hashes, request_id=request_id, timeout_s=30)
+            return outcome.num_written, got
+
+        for round_id in ("a", "b"):
+            num, got = pull(round_id)
+            assert num == 4 and torch.equal(requester.kv_buffer[got], holder.kv_buffer[ids])
+            requester.pool.free(got)
+        assert holder.checksums.describe() == {"computed": 4, "reused": 4}
+        if requester.landing is not None:
+            assert requester.checksums.of_cached(got) and requester.checksums.describe()["computed"] == 0
+        failures = requester.requester.num_checksum_failures
+        holder.kv_buffer[ids[2]] += 1.0  # rewritten while cached: the stored checksum no longer matches
+        num, got = pull("c")
+        assert num == 2 and requester.requester.num_checksum_failures == failures + 1
+        assert torch.equal(requester.kv_buffer[got[:2]], holder.kv_buffer[ids[:2]])
+        requester.pool.free(got)
+        holder.pool.check_integrity()
+        assert holder.pool.usage().num_pinned == 0
+    finally:
+        holder.close()

@@ -290,8 +290,12 @@ class KVHolder:
             # the write runs. Always for landing slots; a shared-memory copy never leaves the machine and is not
             # checksummed (unless earlier chunks of this push went over the network).
             wanted = push.landing or (self.checksum_all and (not shared or bool(push.checksums)))
-            checksums = self._checksums.submit(self.checksum, acquired.src_addrs) \
-                if self.checksum is not None and wanted else None
+            if acquired.checksums is not None and wanted:  # the source keeps them (a lower tier's)
+                checksums = Future()
+                checksums.set_result(acquired.checksums)
+            else:
+                checksums = self._checksums.submit(self.checksum, acquired.src_addrs) \
+                    if self.checksum is not None and wanted else None
             started = time.perf_counter()
             try:
                 if shared:

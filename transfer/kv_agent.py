@@ -34,6 +34,7 @@ from kvmesh.transfer.kv_memory import choose_kv_memory
 from kvmesh.transfer.landing import LandingZone, default_num_slots, leading_equal
 from kvmesh.transfer.peers import PeerDirectory, PeerRecord
 from kvmesh.transfer.requester import KVRequester, PushOutcome
+from kvmesh.kv.block_checksums import BlockChecksums
 from kvmesh.kv.shared_buffer import SharedRegion
 from kvmesh.transfer.shared_memory import PeerProcesses, SharedMemoryWriter
 
@@ -75,10 +76,13 @@ class TransferAgent:
         self._num_crc_threads = min(4, os.cpu_count() or 1)
         self._checksummers = ThreadPoolExecutor(self._num_crc_threads, thread_name_prefix=f"kvmesh-crc-{node_id}") \
             if self._num_crc_threads > 1 else None
+        # A push's checksums of cached blocks: computed once per block, kept while its bytes cannot change.
+        self.checksums = BlockChecksums(pool, lambda ids: self._checksum_addresses(
+            [self.base_addr + b * self.block_bytes for b in ids]))
         self.landing: LandingZone | None = None
         if not refusable:
             slots = default_num_slots(self.num_blocks, self.block_bytes) if num_landing_slots < 0 else num_landing_slots
-            self.landing = LandingZone(kv_buffer, slots, self._checksum_addresses)
+            self.landing = LandingZone(kv_buffer, slots, self._checksum_addresses, on_landed=self.checksums.remember)
             if engine.register(self.landing.tensor) != self.landing.base_addr:
                 raise TransferError("the transfer engine registered the landing zone at another address")
         self.grants = GrantTable(pool, self.base_addr, self.block_bytes, writes_refusable=refusable,
@@ -98,7 +102,7 @@ class TransferAgent:
         self.requester.writer_liveness = self.peer_processes.liveness
         self.requester.stage_in = self.memory.stage_in
         self.requester.accepts_shared_writes = self.shared_region is not None
-        self.holder.checksum = self._checksum_addresses  # device sources are read back (GPUDirect holders)
+        self.holder.checksum = self._checksum_sends
         self.holder.checksum_all = verify_kv
         if verify_kv and self.memory.host_visible:
             self.requester.verify = self._verify_blocks
@@ -124,6 +128,23 @@ class TransferAgent:
         n = self._num_crc_threads
         parts = [addrs[i * len(addrs) // n:(i + 1) * len(addrs) // n] for i in range(n)]
         return [c for part in self._checksummers.map(crc, parts) for c in part]
+
+    def _checksum_sends(self, addrs: list[int]) -> list[int]:
+        """crc32 of what a push sends: blocks of the registered KV memory (cached, pinned by the push) from their
+        stored checksums (``BlockChecksums``), other memory (a lower tier's blocks) computed now."""
+        end = self.base_addr + self.num_blocks * self.block_bytes
+        in_pool = [i for i, a in enumerate(addrs) if self.base_addr <= a < end]
+        if not in_pool:
+            return self._checksum_addresses(addrs)
+        out = [0] * len(addrs)
+        stored = self.checksums.of_cached([(addrs[i] - self.base_addr) // self.block_bytes for i in in_pool])
+        for i, value in zip(in_pool, stored):
+            out[i] = value
+        if len(in_pool) < len(addrs):
+            rest = sorted(set(range(len(addrs))) - set(in_pool))
+            for i, value in zip(rest, self._checksum_addresses([addrs[i] for i in rest])):
+                out[i] = value
+        return out
 
     def _verify_blocks(self, block_ids: list[int], checksums: list[int]) -> int:
         """How many leading blocks of ours hold bytes whose crc32 is the writer's."""

@@ -45,9 +45,11 @@ def default_num_slots(num_blocks: int, block_bytes: int) -> int:
 
 class LandingZone:
     def __init__(self, kv_buffer: torch.Tensor, num_slots: int,
-                 checksum: Callable[[list[int]], list[int]]):
+                 checksum: Callable[[list[int]], list[int]],
+                 on_landed: Callable[[list[int], list[int]], None] | None = None):
         """``kv_buffer``: the node's KV buffer, block-major; ``checksum(addresses)``: crc32 of the block at each
-        host address (``TransferAgent`` splits long lists among threads)."""
+        host address (``TransferAgent`` splits long lists among threads); ``on_landed(block_ids, checksums)``:
+        told the blocks that landed and the checksums they passed (kept as theirs: ``BlockChecksums``)."""
         if num_slots < 1:
             raise ValueError("a landing zone needs at least one slot")
         self.kv_buffer = kv_buffer
@@ -58,6 +60,7 @@ class LandingZone:
         self.block_bytes = kv_buffer[0].numel() * kv_buffer.element_size()
         self.base_addr = self.tensor.data_ptr()
         self._checksum = checksum
+        self._on_landed = on_landed
         self._lock = threading.Lock()
         self._free: deque[int] = deque(range(num_slots))  # oldest-freed first: a slot just let go waits longest
         self._held: set[int] = set()  # by conversations
@@ -124,6 +127,8 @@ class LandingZone:
                 self.kv_buffer.index_copy_(0, index, self.tensor[list(slots[:good])].to(self.kv_buffer.device))
                 torch.cuda.synchronize(self.kv_buffer.device)
                 good = leading_equal(self._checksum(self.slot_addrs(slots[:good])), checksums)
+        if good and self._on_landed is not None:
+            self._on_landed(list(block_ids[:good]), list(checksums[:good]))
         with self._lock:
             self.num_landed += good
             self.num_failed_checks += good < len(slots)

@@ -157,6 +157,12 @@ class BlockPool:
             return BlockState(self._ref[block_id], self._pins[block_id], self._index.hash_of(block_id),
                               self._epoch[block_id])
 
+    def epochs(self, block_ids: Sequence[int]) -> list[int]:
+        """Each block's epoch (``BlockState.epoch``), in one hold of the lock."""
+        with self._lock:
+            epoch = self._epoch
+            return [epoch[b] for b in block_ids]
+
     def next_victims(self, max_blocks: int) -> list[Victim]:
         """Cached blocks among the next ``max_blocks`` of the free queue, soonest first: for copying them
         out (to a lower tier) before allocation takes them."""

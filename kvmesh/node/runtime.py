@@ -191,7 +191,7 @@ class NodeRuntime:
         tier_cfg = TierConfig(host_kv_bytes, cfg.disk_kv_bytes, cfg.disk_kv_path, cfg.verify_kv)
         if tier_cfg.enabled:
             self.tiers = TieredCache(self.pool, self.engine.runner.kv_buffer, tier_cfg, self.engine.kv.root_hash,
-                                     name=cfg.node_id)
+                                     name=cfg.node_id, checksums=self.agent.checksums)
             for tensor in self.tiers.registered_tensors():  # pushes read host-tier and staged disk blocks in place
                 self.agent.engine.register(tensor)
             self.agent.holder.source = TieredSource(self.pool, self.agent.base_addr, self.agent.block_bytes,
@@ -418,6 +418,7 @@ class NodeRuntime:
                  "num_fenced_landing_slots": self.agent.grants.num_fenced_slots,
                  "index_revision": self.membership.index.mirror.revision if self.membership.index else 0,
                  "landing": self.agent.landing.describe() if self.agent.landing is not None else {},
+                 "block_checksums": self.agent.checksums.describe(),
                  "device": device_name(self.device), "kv_memory": self.agent.memory.describe(),
                  "num_failed_steps": self.loop.num_failed_steps, "compute_threads": self.loop.compute_threads,
                  "num_events_sent": self.num_events_sent, "num_event_frames": self.num_event_frames,

@@ -40,6 +40,7 @@ import torch
 from kvmesh.errors import OutOfBlocksError
 from kvmesh.kv.block_pool import NO_BLOCK, BlockPool
 from kvmesh.kv.tiers.media import DiskLayout, DiskMedium, HostMedium
+from kvmesh.kv.block_checksums import BlockChecksums
 from kvmesh.kv.tiers.tier_store import TierEntry, TierStore, block_checksum
 from kvmesh.rate_meter import RateMeter
 
@@ -90,16 +91,21 @@ class Promotion(NamedTuple):
 
 
 class SendBlocks(NamedTuple):
-    """Blocks held for one push: their source addresses in registered memory; call ``release`` after the write."""
+    """Blocks held for one push: their source addresses in registered memory; call ``release`` after the write.
+    ``checksums``: their crc32s where the source keeps them (a lower tier's, taken at demotion), else None."""
 
     src_addrs: list[int]
     release: Callable[[], None]
+    checksums: list[int] | None = None
 
 
 class TieredCache:
     def __init__(self, pool: BlockPool, kv_buffer: torch.Tensor, cfg: TierConfig, root_hash: bytes,
-                 name: str = "node"):
+                 name: str = "node", checksums: BlockChecksums | None = None):
+        """``checksums``: the node's stored checksums of tier-0 blocks: demotion takes a block's from there
+        (computing it once where none is stored) and promotion leaves the one it checked there."""
         self.pool, self.cfg, self.name = pool, cfg, name
+        self.checksums = checksums
         num_blocks = kv_buffer.shape[0]
         self.block_bytes = kv_buffer[0].numel() * kv_buffer.element_size()
         self._kv_bytes = kv_buffer.view(torch.uint8).view(num_blocks, self.block_bytes)
@@ -212,6 +218,8 @@ class TieredCache:
                 read_s[store.tier] += time.perf_counter() - read_started
                 if ok:
                     self._kv_bytes[block].copy_(scratch)
+                    if self.checksums is not None and self.cfg.verify:  # checked just now: these bytes' crc32
+                        self.checksums.remember([block], [entry.checksum])
             finally:
                 with self._lock:
                     store.unpin(entry)
@@ -276,6 +284,7 @@ class TieredCache:
         """Make the leading lower-tier blocks of ``block_hashes`` addressable in registered memory:
         host blocks in place (pinned), disk blocks read into the staging buffer (while it has room)."""
         addrs: list[int] = []
+        checksums: list[int] = []
         pinned: list[tuple[TierStore, TierEntry]] = []
         staged: list[int] = []
 
@@ -306,10 +315,11 @@ class TieredCache:
                     self._discard(h)
                 break
             addrs.append(self.host.medium.address(entry.slot) if store.tier == HOST else self.staging.address(slot))
+            checksums.append(entry.checksum)
         with self._lock:
             self.counters["served_host"] += sum(1 for s, _ in pinned if s.tier == HOST)
             self.counters["served_disk"] += len(staged)
-        return SendBlocks(addrs, release)
+        return SendBlocks(addrs, release, checksums if self.cfg.verify else None)
 
     def registered_tensors(self) -> list[torch.Tensor]:
         """Host memory the transfer engine must register so pushes can read it."""
@@ -339,7 +349,10 @@ class TieredCache:
                 if slot is None:
                     break
                 scratch.copy_(self._kv_bytes[block])
-                checksum = block_checksum(scratch)
+                checksum = self.checksums.of_epoch(block, epoch) if self.checksums is not None else None
+                computed = checksum is None
+                if computed:
+                    checksum = block_checksum(scratch)
                 try:
                     first.medium.write(slot, scratch, h, parent, checksum)
                 except OSError as e:
@@ -349,6 +362,8 @@ class TieredCache:
                 with self.pool.lock, self._lock:
                     state = self.pool.block_state(block)
                     fresh = state.block_hash == h and state.epoch == epoch
+                    if fresh and computed and self.checksums is not None:  # the bytes of that epoch: keep it
+                        self.checksums.remember([block], [checksum], [epoch])
                     if fresh and h not in self._where and (parent is None or self._on_node(parent)):
                         self._commit(first, slot, h, parent, checksum)
                         self.counters[f"demoted_{first.name}"] += 1
