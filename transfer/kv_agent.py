@@ -82,7 +82,8 @@ class TransferAgent:
         self.landing: LandingZone | None = None
         if not refusable:
             slots = default_num_slots(self.num_blocks, self.block_bytes) if num_landing_slots < 0 else num_landing_slots
-            self.landing = LandingZone(kv_buffer, slots, self._checksum_addresses, on_landed=self.checksums.remember)
+            self.landing = LandingZone(kv_buffer, slots, self._checksum_addresses, on_landed=self.checksums.remember,
+                                       copy_and_check=self._copy_and_check)
             if engine.register(self.landing.tensor) != self.landing.base_addr:
                 raise TransferError("the transfer engine registered the landing zone at another address")
         self.grants = GrantTable(pool, self.base_addr, self.block_bytes, writes_refusable=refusable,
@@ -108,26 +109,26 @@ class TransferAgent:
             self.requester.verify = self._verify_blocks
         self.num_malformed = 0
 
-    def _checksum_addresses(self, addrs: list[int]) -> list[int]:
-        """crc32 of the block at each address; long lists split among threads (zlib releases the GIL). Blocks of a
-        registered device buffer are copied to the host first."""
+    def _crc_here(self, addrs: list[int]) -> list[int]:
+        """crc32 of the block at each address, on the calling thread. Blocks of a registered device buffer are
+        copied to the host first."""
         device = None if self.memory.host_visible else self.memory.registered
         device_end = self.base_addr + self.num_blocks * self.block_bytes
+        out = []
+        for a in addrs:
+            if device is not None and self.base_addr <= a < device_end:
+                out.append(zlib.crc32(device[(a - self.base_addr) // self.block_bytes].cpu().numpy().tobytes()))
+            else:
+                out.append(zlib.crc32((ctypes.c_ubyte * self.block_bytes).from_address(a)))
+        return out
 
-        def crc(part: list[int]) -> list[int]:
-            out = []
-            for a in part:
-                if device is not None and self.base_addr <= a < device_end:
-                    out.append(zlib.crc32(device[(a - self.base_addr) // self.block_bytes].cpu().numpy().tobytes()))
-                else:
-                    out.append(zlib.crc32((ctypes.c_ubyte * self.block_bytes).from_address(a)))
-            return out
-
+    def _checksum_addresses(self, addrs: list[int]) -> list[int]:
+        """``_crc_here``, long lists split among threads (zlib releases the GIL)."""
         if len(addrs) * self.block_bytes < _PARALLEL_CHECKSUM_BYTES or self._checksummers is None:
-            return crc(addrs)
+            return self._crc_here(addrs)
         n = self._num_crc_threads
         parts = [addrs[i * len(addrs) // n:(i + 1) * len(addrs) // n] for i in range(n)]
-        return [c for part in self._checksummers.map(crc, parts) for c in part]
+        return [c for part in self._checksummers.map(self._crc_here, parts) for c in part]
 
     def _checksum_sends(self, addrs: list[int]) -> list[int]:
         """crc32 of what a push sends: blocks of the registered KV memory (cached, pinned by the push) from their
@@ -145,6 +146,24 @@ class TransferAgent:
             for i, value in zip(rest, self._checksum_addresses([addrs[i] for i in rest])):
                 out[i] = value
         return out
+
+    def _copy_and_check(self, pairs: list[tuple[int, int]]) -> list[int]:
+        """Landing on the CPU: copy each (slot, block) pair's slot into its KV block and crc32 the block while its
+        bytes are still in cache: one pass over memory per block, long runs split among threads."""
+        zone, kv, base = self.landing, self.kv_buffer, self.kv_buffer.data_ptr()
+
+        def run(part: list[tuple[int, int]]) -> list[int]:
+            out = []
+            for s, b in part:
+                kv[b].copy_(zone.tensor[s])
+                out.append(zlib.crc32((ctypes.c_ubyte * self.block_bytes).from_address(base + b * self.block_bytes)))
+            return out
+
+        if len(pairs) * self.block_bytes < _PARALLEL_CHECKSUM_BYTES or self._checksummers is None:
+            return run(pairs)
+        n = self._num_crc_threads
+        parts = [pairs[i * len(pairs) // n:(i + 1) * len(pairs) // n] for i in range(n)]
+        return [c for part in self._checksummers.map(run, parts) for c in part]
 
     def _verify_blocks(self, block_ids: list[int], checksums: list[int]) -> int:
         """How many leading blocks of ours hold bytes whose crc32 is the writer's."""

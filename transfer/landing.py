@@ -26,6 +26,7 @@ Thread-safe: requester threads allocate, land and free concurrently.
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Sequence
 
@@ -46,10 +47,13 @@ def default_num_slots(num_blocks: int, block_bytes: int) -> int:
 class LandingZone:
     def __init__(self, kv_buffer: torch.Tensor, num_slots: int,
                  checksum: Callable[[list[int]], list[int]],
-                 on_landed: Callable[[list[int], list[int]], None] | None = None):
+                 on_landed: Callable[[list[int], list[int]], None] | None = None,
+                 copy_and_check: Callable[[list[tuple[int, int]]], list[int]] | None = None):
         """``kv_buffer``: the node's KV buffer, block-major; ``checksum(addresses)``: crc32 of the block at each
         host address (``TransferAgent`` splits long lists among threads); ``on_landed(block_ids, checksums)``:
-        told the blocks that landed and the checksums they passed (kept as theirs: ``BlockChecksums``)."""
+        told the blocks that landed and the checksums they passed (kept as theirs: ``BlockChecksums``);
+        ``copy_and_check(pairs)``: for a host KV buffer, copies each (slot, block) and returns each block's crc32
+        (default: the copies, then ``checksum`` of the blocks)."""
         if num_slots < 1:
             raise ValueError("a landing zone needs at least one slot")
         self.kv_buffer = kv_buffer
@@ -61,12 +65,15 @@ class LandingZone:
         self.base_addr = self.tensor.data_ptr()
         self._checksum = checksum
         self._on_landed = on_landed
+        self._copy_and_check = copy_and_check
         self._lock = threading.Lock()
         self._free: deque[int] = deque(range(num_slots))  # oldest-freed first: a slot just let go waits longest
         self._held: set[int] = set()  # by conversations
         self._fenced: set[int] = set()  # by the grant table (a given-up transfer may still write them)
         self.num_landed = 0
         self.num_failed_checks = 0
+        self.land_s = 0.0  # time spent copying and checking (the fence's part of a receive)
+        self.bytes_checked = 0
 
     # ---- slots ------------------------------------------------------------------------------------------
     @property
@@ -115,7 +122,10 @@ class LandingZone:
         """
         if not slots:
             return 0
-        if self.kv_buffer.device.type == "cpu":
+        started = time.perf_counter()
+        if self.kv_buffer.device.type == "cpu" and self._copy_and_check is not None:
+            good = leading_equal(self._copy_and_check(list(zip(slots, block_ids))), checksums)
+        elif self.kv_buffer.device.type == "cpu":
             for s, b in zip(slots, block_ids):
                 self.kv_buffer[b].copy_(self.tensor[s])
             base = self.kv_buffer.data_ptr()
@@ -132,6 +142,8 @@ class LandingZone:
         with self._lock:
             self.num_landed += good
             self.num_failed_checks += good < len(slots)
+            self.land_s += time.perf_counter() - started
+            self.bytes_checked += len(slots) * self.block_bytes
         return good
 
     def check_integrity(self) -> None:
@@ -145,7 +157,8 @@ class LandingZone:
     def describe(self) -> dict:
         with self._lock:
             return {"slots": self.num_slots, "free": len(self._free), "fenced": len(self._fenced),
-                    "landed": self.num_landed, "failed_checks": self.num_failed_checks}
+                    "landed": self.num_landed, "failed_checks": self.num_failed_checks,
+                    "land_s": round(self.land_s, 6), "bytes_checked": self.bytes_checked}
 
 
 def leading_equal(found: Sequence[int], expected: Sequence[int]) -> int:

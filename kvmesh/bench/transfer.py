@@ -20,6 +20,8 @@ import subprocess
 import sys
 import time
 
+import zlib
+
 import numpy as np
 import torch
 from tqdm import tqdm
@@ -53,6 +55,25 @@ def memcpy_gib_per_s(nbytes: int = 64 * 2**20, repeat: int = 5) -> float:
         np.copyto(dst, src)
         times.append(time.perf_counter() - start)
     return nbytes / statistics.median(times) / GIB
+
+
+def check_path_gib_per_s(nbytes: int = 64 * 2**20, repeat: int = 3) -> dict:
+    """One core's rates: crc32 of bytes in memory, and the landing fence's step (copy a block, crc32 it while
+    it is in cache) block by block."""
+    src, dst = torch.ones(nbytes // BLOCK_BYTES, BLOCK_BYTES, dtype=torch.uint8), \
+        torch.empty(nbytes // BLOCK_BYTES, BLOCK_BYTES, dtype=torch.uint8)
+    crc_times, fused_times = [], []
+    for _ in range(repeat + 1):
+        start = time.perf_counter()
+        zlib.crc32(src.numpy())
+        crc_times.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        for i in range(src.shape[0]):
+            dst[i].copy_(src[i])
+            zlib.crc32(dst[i].numpy())
+        fused_times.append(time.perf_counter() - start)
+    return {"crc32_gib_per_s": nbytes / statistics.median(crc_times[1:]) / GIB,
+            "copy_and_crc32_gib_per_s": nbytes / statistics.median(fused_times[1:]) / GIB}
 
 
 _SINK = """
@@ -138,6 +159,7 @@ def bench_backend(backend: str, repeat: int, bar: tqdm, token: str = _TOKEN) -> 
                         dst += list(range(num_blocks - 1, 0, -2))[: n - len(dst)]
                     times, num_short = [], 0
                     short_until = time.monotonic() + SHORT_PUSHES_FOR_S
+                    landed_before = agent.landing.land_s if agent.landing is not None else 0.0
                     while len(times) < repeat + 1:
                         start = time.perf_counter()
                         num_written = _push(agent, peer, dst, hashes[:n], timeout_s=120)
@@ -150,7 +172,10 @@ def bench_backend(backend: str, repeat: int, bar: tqdm, token: str = _TOKEN) -> 
                             continue  # timed: whole pushes only
                         times.append(time.perf_counter() - start)
                     seconds = statistics.median(times[1:])
+                    fence_s = ((agent.landing.land_s - landed_before) / (len(times) + num_short)
+                               if agent.landing is not None else 0.0)  # per push, the short ones included
                     results.append({"backend": backend, "transport": transport, "layout": layout,
+                                    "fence_s": fence_s, "fence_share": fence_s / seconds,
                                     "size_bytes": n * BLOCK_BYTES, "num_blocks": n,
                                     "descriptors": len(to_descriptors(coalesce(dst, dst), 0, 0, BLOCK_BYTES,
                                                                       piece_bytes)),
@@ -172,15 +197,24 @@ def run(json_path: str | None, backends: list[str] | None = None, repeat: int = 
     """``insecure``: no cluster token (plain ZMQ frames with a public MAC key): the baseline of CurveZMQ's cost."""
     backends = backends or ((["mooncake"] if mooncake_available() else []) + ["zmq", SHARED_MEMORY])
     res = {"machine": machine(), "channel_security": not insecure, "block_bytes": BLOCK_BYTES, "memcpy_gib_per_s": memcpy_gib_per_s(),
-           "socket_gib_per_s": socket_gib_per_s(), "results": []}
+           "socket_gib_per_s": socket_gib_per_s(), "check_path": check_path_gib_per_s(), "results": []}
+    threads = min(4, os.cpu_count() or 1)  # what a node's landing splits a long receive among (transfer/kv_agent.py)
+    res["check_path"].update(threads=threads, projection_fence_limit_gib_per_s=threads * res["check_path"][
+        "copy_and_crc32_gib_per_s"])
     with tqdm(total=len(backends) * 2 * len(SIZES_BLOCKS), desc="transfer sweep", leave=False) as bar:
         for backend in backends:
             res["results"] += bench_backend(backend, repeat, bar, "" if insecure else _TOKEN)
     ceiling = res["socket_gib_per_s"]
     rows = [[r["backend"], r["transport"], r["layout"], f"{r['size_bytes'] / 2**20:g} MiB", r["descriptors"],
-             f"{r['gib_per_s']:.2f}", f"{r['gib_per_s'] / ceiling:.2f}"] for r in res["results"]]
-    print(f"\nceilings: memcpy {res['memcpy_gib_per_s']:.2f} GiB/s, TCP socket {ceiling:.2f} GiB/s")
+             f"{r['gib_per_s']:.2f}", f"{r['gib_per_s'] / ceiling:.2f}",
+             f"{r['fence_s'] * 1e3:.1f} ms ({r['fence_share']:.0%})" if r["fence_s"] else "-"] for r in res["results"]]
+    check = res["check_path"]
+    print(f"\nceilings: memcpy {res['memcpy_gib_per_s']:.2f} GiB/s, TCP socket {ceiling:.2f} GiB/s; landing check "
+          f"path on one core: crc32 {check['crc32_gib_per_s']:.2f} GiB/s, copy + crc32 "
+          f"{check['copy_and_crc32_gib_per_s']:.2f} GiB/s (projection: the fence limits a link at "
+          f"{check['projection_fence_limit_gib_per_s']:.1f} GiB/s on {check['threads']} threads)")
     print_table("KV push between two processes (end to end)",
-                ["backend", "transport", "layout", "size", "descriptors", "GiB/s", "of socket"], rows)
+                ["backend", "transport", "layout", "size", "descriptors", "GiB/s", "of socket", "fence (copy + check)"],
+                rows)
     write_json(json_path, res)
     return res
