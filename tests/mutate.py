@@ -34,6 +34,9 @@ class Mutation:
 
 
 MUTATIONS = (
+    Mutation("the folded crc32 uses a wrong folding constant", "kvmesh/kv/crc32.c",
+             "_mm_set_epi64x(0x1c6e41596LL, 0x154442bd4LL)", "_mm_set_epi64x(0x1c6e41596LL, 0x154442bd5LL)",
+             ("tests/test_fast_crc.py",), requires="pclmulqdq"),
     Mutation("a push sends a stored checksum from before its block was allocated again", "kvmesh/kv/block_checksums.py",
              "            out = [self._value[b] if self._epoch[b] == e else None for b, e in zip(block_ids, epochs)]",
              "            out = [self._value[b] if self._epoch[b] >= 0 else None for b, e in zip(block_ids, epochs)]",

@@ -13,10 +13,8 @@ registers the KV buffer and binds the side channel; ``start`` starts the threads
 """
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
-import zlib
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -34,6 +32,7 @@ from kvmesh.transfer.kv_memory import choose_kv_memory
 from kvmesh.transfer.landing import LandingZone, default_num_slots, leading_equal
 from kvmesh.transfer.peers import PeerDirectory, PeerRecord
 from kvmesh.transfer.requester import KVRequester, PushOutcome
+from kvmesh.kv import fast_crc
 from kvmesh.kv.block_checksums import BlockChecksums
 from kvmesh.kv.shared_buffer import SharedRegion
 from kvmesh.transfer.shared_memory import PeerProcesses, SharedMemoryWriter
@@ -114,12 +113,14 @@ class TransferAgent:
         copied to the host first."""
         device = None if self.memory.host_visible else self.memory.registered
         device_end = self.base_addr + self.num_blocks * self.block_bytes
+        if device is None:
+            return fast_crc.crc32_at(addrs, self.block_bytes)
         out = []
         for a in addrs:
-            if device is not None and self.base_addr <= a < device_end:
-                out.append(zlib.crc32(device[(a - self.base_addr) // self.block_bytes].cpu().numpy().tobytes()))
+            if self.base_addr <= a < device_end:
+                out.append(fast_crc.crc32_of(device[(a - self.base_addr) // self.block_bytes].cpu().numpy()))
             else:
-                out.append(zlib.crc32((ctypes.c_ubyte * self.block_bytes).from_address(a)))
+                out.append(fast_crc.crc32_at([a], self.block_bytes)[0])
         return out
 
     def _checksum_addresses(self, addrs: list[int]) -> list[int]:
@@ -150,14 +151,11 @@ class TransferAgent:
     def _copy_and_check(self, pairs: list[tuple[int, int]]) -> list[int]:
         """Landing on the CPU: copy each (slot, block) pair's slot into its KV block and crc32 the block while its
         bytes are still in cache: one pass over memory per block, long runs split among threads."""
-        zone, kv, base = self.landing, self.kv_buffer, self.kv_buffer.data_ptr()
+        slot_base, base, nbytes = self.landing.base_addr, self.kv_buffer.data_ptr(), self.block_bytes
 
         def run(part: list[tuple[int, int]]) -> list[int]:
-            out = []
-            for s, b in part:
-                kv[b].copy_(zone.tensor[s])
-                out.append(zlib.crc32((ctypes.c_ubyte * self.block_bytes).from_address(base + b * self.block_bytes)))
-            return out
+            return fast_crc.copy_crc32_at([base + b * nbytes for _, b in part], [slot_base + s * nbytes for s, _ in part],
+                                          nbytes)
 
         if len(pairs) * self.block_bytes < _PARALLEL_CHECKSUM_BYTES or self._checksummers is None:
             return run(pairs)

@@ -13,19 +13,19 @@ Not thread-safe: ``TieredCache`` calls it under its own lock.
 """
 from __future__ import annotations
 
-import zlib
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
+from kvmesh.kv import fast_crc
 from kvmesh.kv.tiers.media import Medium
 
 
 def block_checksum(data: torch.Tensor) -> int:
     """crc32 of one block's bytes (a uint8 CPU tensor)."""
-    return zlib.crc32(data.numpy())
+    return fast_crc.crc32_of(data.numpy())
 
 
 @dataclass(slots=True)
