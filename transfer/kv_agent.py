@@ -118,13 +118,14 @@ class TransferAgent:
         out = []
         for a in addrs:
             if self.base_addr <= a < device_end:
-                out.append(fast_crc.crc32_of(device[(a - self.base_addr) // self.block_bytes].cpu().numpy()))
+                block = device[(a - self.base_addr) // self.block_bytes].cpu()
+                out.append(fast_crc.crc32_of(block.view(torch.uint8).numpy()))  # bytes, whatever the dtype
             else:
                 out.append(fast_crc.crc32_at([a], self.block_bytes)[0])
         return out
 
     def _checksum_addresses(self, addrs: list[int]) -> list[int]:
-        """``_crc_here``, long lists split among threads (zlib releases the GIL)."""
+        """``_crc_here``, long lists split among threads (the crc32 library and zlib release the GIL)."""
         if len(addrs) * self.block_bytes < _PARALLEL_CHECKSUM_BYTES or self._checksummers is None:
             return self._crc_here(addrs)
         n = self._num_crc_threads
