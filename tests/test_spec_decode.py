@@ -28,7 +28,7 @@ def plain():
     return _plain("tiny-llama")
 
 
-@pytest.mark.parametrize("model", ["tiny-llama", "tiny-qwen3"])
+@pytest.mark.parametrize("model", ["tiny-llama", "tiny-qwen3", "tiny-mixtral"])
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda c: c.method)
 def test_greedy_output_is_identical_with_speculation(config, model, plain):
     want = plain if model == "tiny-llama" else _plain(model)
