@@ -48,6 +48,14 @@ def align_by_expert(expert_ids: torch.Tensor, num_experts: int, block_m: int = B
 
 
 @triton.jit
+def _tile_rows(sorted_pairs_ptr, tile, num_pairs, BLOCK_M: tl.constexpr):
+    """A tile's rows of the sorted order, their pairs, and which are pairs (not padding)."""
+    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    pairs = tl.load(sorted_pairs_ptr + rows)
+    return rows, pairs, pairs < num_pairs
+
+
+@triton.jit
 def _gate_up_kernel(x_ptr, w_ptr, sorted_pairs_ptr, tile_experts_ptr, inter_ptr,
                     num_pairs, top_k, hidden, inter_size,
                     x_stride, w_stride_e, w_stride_n, inter_stride,
@@ -57,9 +65,7 @@ def _gate_up_kernel(x_ptr, w_ptr, sorted_pairs_ptr, tile_experts_ptr, inter_ptr,
     expert = tl.load(tile_experts_ptr + tile)
     if expert < 0:
         return
-    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
-    pairs = tl.load(sorted_pairs_ptr + rows)
-    live = pairs < num_pairs
+    rows, pairs, live = _tile_rows(sorted_pairs_ptr, tile, num_pairs, BLOCK_M)
     tokens = tl.where(live, pairs // top_k, 0).to(tl.int64)
     cols = col_block * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < inter_size
@@ -92,9 +98,7 @@ def _down_kernel(inter_ptr, w_ptr, sorted_pairs_ptr, tile_experts_ptr, weights_p
     expert = tl.load(tile_experts_ptr + tile)
     if expert < 0:
         return
-    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
-    pairs = tl.load(sorted_pairs_ptr + rows)
-    live = pairs < num_pairs
+    rows, pairs, live = _tile_rows(sorted_pairs_ptr, tile, num_pairs, BLOCK_M)
     cols = col_block * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < hidden
     w_base = w_ptr + expert.to(tl.int64) * w_stride_e
