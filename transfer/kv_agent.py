@@ -155,8 +155,8 @@ class TransferAgent:
         slot_base, base, nbytes = self.landing.base_addr, self.kv_buffer.data_ptr(), self.block_bytes
 
         def run(part: list[tuple[int, int]]) -> list[int]:
-            return fast_crc.copy_crc32_at([base + b * nbytes for _, b in part], [slot_base + s * nbytes for s, _ in part],
-                                          nbytes)
+            return fast_crc.copy_crc32_at([base + b * nbytes for _, b in part],
+                                          [slot_base + s * nbytes for s, _ in part], nbytes)
 
         if len(pairs) * self.block_bytes < _PARALLEL_CHECKSUM_BYTES or self._checksummers is None:
             return run(pairs)

@@ -143,7 +143,8 @@ class ModelConfig:
 def _moe_from_hf(model_type: str, cfg: dict) -> dict:
     """The mixture-of-experts fields of a Hugging Face config (none for a dense model)."""
     if model_type == "qwen3_moe":
-        num_experts = cfg["num_experts"] if "num_experts" in cfg else cfg["num_local_experts"]  # transformers 5 saves the latter
+        # Published configs say num_experts; transformers 5 saves the same number as num_local_experts.
+        num_experts = cfg["num_experts"] if "num_experts" in cfg else cfg["num_local_experts"]
         return {"num_experts": num_experts, "num_experts_per_tok": cfg["num_experts_per_tok"],
                 "moe_intermediate_size": cfg["moe_intermediate_size"],
                 "norm_topk_prob": bool(cfg.get("norm_topk_prob", False)),
