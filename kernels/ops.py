@@ -13,7 +13,9 @@ forces the reference anywhere; ``KVMESH_KERNELS=triton`` forces Triton (on the C
 from __future__ import annotations
 
 import functools
+import logging
 import os
+import time
 
 import torch
 import torch.nn.functional as F
@@ -26,6 +28,8 @@ from kvmesh.kernels.reference import cache_ops as ref_cache
 from kvmesh.kernels.reference import moe as ref_moe
 from kvmesh.kernels.reference import norm as ref_norm
 from kvmesh.kernels.reference.rotary import rotate
+
+log = logging.getLogger("kvmesh.kernels")
 
 
 @functools.cache
@@ -95,16 +99,56 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
 
 
 NATIVE_BF16_PREFILL_MAX_TOKENS = 32
+NATIVE_FP32_PREFILL_SHORT_TOKENS = 8  # fp32 chunks this short take the native kernel without a measurement
 
 
 def can_prefill_natively(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, max_query_len: int) -> bool:
-    """fp32: the native kernel, always (1.7-2.7x torch's SDPA on 2 EPYC cores, 32 to 2,048 new tokens). bf16: only
-    a few new tokens over a context (up to 32: 1.2-2x the chunked GEMMs, which are faster for long prompts since
-    they multiply in bf16), and not where the CPU has AMX (torch's flash kernel serves bf16 there)."""
+    """fp32: the native kernel for a few new tokens, else where it measured faster than torch's SDPA on this
+    machine (``native_fp32_prefill_is_faster``: one CPU had it 1.7-2.7x SDPA from 32 to 2,048 new tokens,
+    another 0.13-0.23x). bf16: only a few new tokens over a context (up to 32: 1.2-2x the chunked GEMMs, which
+    are faster for long prompts since they multiply in bf16), and not where the CPU has AMX (torch's flash kernel
+    serves bf16 there)."""
     if query.dtype == torch.bfloat16 and (max_query_len > NATIVE_BF16_PREFILL_MAX_TOKENS or
                                           "amx_tile" in cpu_features()):
         return False
-    return query.dtype in (torch.float32, torch.bfloat16) and native.can_attend(query, k_cache, v_cache)
+    if query.dtype not in (torch.float32, torch.bfloat16) or not native.can_attend(query, k_cache, v_cache):
+        return False
+    return query.dtype == torch.bfloat16 or max_query_len <= NATIVE_FP32_PREFILL_SHORT_TOKENS or \
+        native_fp32_prefill_is_faster(query.shape[1], k_cache.shape[2], query.shape[2], k_cache.shape[1],
+                                      torch.get_num_threads())
+
+
+@functools.cache
+def native_fp32_prefill_is_faster(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
+                                  num_threads: int) -> bool:
+    """Measured once per process, shape and thread count: the native fp32 prefill kernel against the torch
+    reference on a 64-token chunk over a 512-token context, each the best of three runs (the native kernel's
+    lead differs by CPU, so the machine decides). Logged; False where the native kernel fails."""
+    gen = torch.Generator().manual_seed(0)
+    num_blocks = 512 // block_size
+    kv = torch.randn(num_blocks, 2, block_size, num_kv_heads, head_dim, generator=gen)
+    k_cache, v_cache = kv[:, 0], kv[:, 1]
+    query = torch.randn(64, num_heads, head_dim, generator=gen)
+    tables = torch.arange(num_blocks, dtype=torch.int32).unsqueeze(0)
+    scale = head_dim ** -0.5
+
+    def best(fn) -> float:
+        times = []
+        for _ in range(3):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        return min(times)
+    try:
+        native_s = best(lambda: native.prefill_attention(query, k_cache, v_cache, tables, [64], [512], scale))
+    except native.NativeKernelError:
+        return False
+    torch_s = best(lambda: ref_attention.prefill_attention(query, k_cache, v_cache, tables, [64], [512], scale))
+    log.info(
+        "fp32 prefill attention (%d heads, %d KV heads, head dim %d, %d threads): native %.2f ms, torch %.2f ms: "
+        "taking the %s kernel", num_heads, num_kv_heads, head_dim, num_threads, native_s * 1e3, torch_s * 1e3,
+        "native" if native_s < torch_s else "torch")
+    return native_s < torch_s
 
 
 def prefill_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,

@@ -113,21 +113,42 @@ def test_native_prefill_attention_matches_the_reference_and_the_oracle(case_args
 
 
 def test_prefill_dispatch_takes_the_native_kernel_where_it_is_faster(monkeypatch):
-    """fp32 always; bf16 for up to 32 new tokens, and never on AMX CPUs (torch's flash kernel is faster there)."""
+    """fp32 for a few new tokens, and past that where it measured faster on this machine; bf16 for up to 32 new
+    tokens, and never on AMX CPUs (torch's flash kernel is faster there)."""
     calls = []
     real = native.prefill_attention
     monkeypatch.setattr(native, "prefill_attention", lambda *a: calls.append(a[0].dtype) or real(*a))
-    for dtype, q_len, features, expected in [(torch.float32, 70, {"avx512f"}, [torch.float32]),
-                                             (torch.bfloat16, 32, {"avx512f"}, [torch.bfloat16]),
-                                             (torch.bfloat16, 33, {"avx512f"}, []),
-                                             (torch.bfloat16, 8, {"avx512f", "amx_tile"}, [])]:
+    for dtype, q_len, faster, features, expected in [(torch.float32, 70, True, {"avx512f"}, [torch.float32]),
+                                                     (torch.float32, 70, False, {"avx512f"}, []),
+                                                     (torch.float32, 8, False, {"avx512f"}, [torch.float32]),
+                                                     (torch.bfloat16, 32, False, {"avx512f"}, [torch.bfloat16]),
+                                                     (torch.bfloat16, 33, True, {"avx512f"}, []),
+                                                     (torch.bfloat16, 8, True, {"avx512f", "amx_tile"}, [])]:
         monkeypatch.setattr(ops, "cpu_features", lambda features=features: features)
+        monkeypatch.setattr(ops, "native_fp32_prefill_is_faster", lambda *shape, faster=faster: faster)
         case = make_case(4, [q_len], [100], 4, 2, 32, 16, dtype)
         calls.clear()
         out = ops.prefill_attention(case.query, case.k_cache, case.v_cache, case.block_tables, None, None,
                                     [q_len], [100], q_len, 0.2)
         assert calls == expected
         assert (out.double() - dense_oracle(case, 0.2)).abs().max().item() < (1e-5 if dtype == torch.float32 else 0.05)
+
+
+def test_the_fp32_prefill_choice_is_measured_once_per_shape(monkeypatch):
+    """The measurement times both kernels on this machine and is kept; a native kernel that refuses loses."""
+    ops.native_fp32_prefill_is_faster.cache_clear()
+    timed = []
+    real = native.prefill_attention
+    monkeypatch.setattr(native, "prefill_attention", lambda *a: timed.append(a[0].shape) or real(*a))
+    first = ops.native_fp32_prefill_is_faster(4, 2, 32, 16, 1)
+    assert isinstance(first, bool) and timed == [(64, 4, 32)] * 3
+    assert ops.native_fp32_prefill_is_faster(4, 2, 32, 16, 1) == first and len(timed) == 3  # kept
+
+    def refuses(*a):
+        raise native.NativeKernelError("prefill_attention returned -2")
+    monkeypatch.setattr(native, "prefill_attention", refuses)
+    assert ops.native_fp32_prefill_is_faster(4, 2, 32, 16, 2) is False
+    ops.native_fp32_prefill_is_faster.cache_clear()
 
 
 def test_native_decode_attention_refuses_what_it_cannot_take():
