@@ -4,7 +4,8 @@ CUDA tensors take the Triton kernels (paged attention, the K/V store, and fused 
 residual add, SiLU-mul and RoPE with the store: one launch each), except steps of long prompts with
 no cached prefix, whose attention goes through torch's SDPA (flash kernels) on the keys and values
 as the layer computed them (``takes_fresh_kv``). On the CPU, decode
-attention, prefill attention (fp32; bf16 for a few new tokens), RMSNorm (with its fused residual
+attention, prefill attention (fp32 for a few new tokens, and past that where it measures faster than
+torch's SDPA on this machine; bf16 for a few new tokens), RMSNorm (with its fused residual
 add) and RoPE + K/V store take the native kernels (``kernels/cpu``, compiled on first use) where
 they load and take the arguments, everything else the torch reference. ``KVMESH_KERNELS=torch``
 forces the reference anywhere; ``KVMESH_KERNELS=triton`` forces Triton (on the CPU that needs
