@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -124,13 +125,18 @@ class TransferAgent:
                 out.append(fast_crc.crc32_at([a], self.block_bytes)[0])
         return out
 
-    def _checksum_addresses(self, addrs: list[int]) -> list[int]:
-        """``_crc_here``, long lists split among threads (the crc32 library and zlib release the GIL)."""
-        if len(addrs) * self.block_bytes < _PARALLEL_CHECKSUM_BYTES or self._checksummers is None:
-            return self._crc_here(addrs)
+    def _per_block_on_threads(self, fn: Callable[[list], list[int]], items: list) -> list[int]:
+        """``fn(items)`` (one value per block), a long list split among the checksum threads (the crc32 library and
+        zlib release the GIL)."""
+        if len(items) * self.block_bytes < _PARALLEL_CHECKSUM_BYTES or self._checksummers is None:
+            return fn(items)
         n = self._num_crc_threads
-        parts = [addrs[i * len(addrs) // n:(i + 1) * len(addrs) // n] for i in range(n)]
-        return [c for part in self._checksummers.map(self._crc_here, parts) for c in part]
+        parts = [items[i * len(items) // n:(i + 1) * len(items) // n] for i in range(n)]
+        return [c for part in self._checksummers.map(fn, parts) for c in part]
+
+    def _checksum_addresses(self, addrs: list[int]) -> list[int]:
+        """``_crc_here``, long lists split among threads."""
+        return self._per_block_on_threads(self._crc_here, addrs)
 
     def _checksum_sends(self, addrs: list[int]) -> list[int]:
         """crc32 of what a push sends: blocks of the registered KV memory (cached, pinned by the push) from their
@@ -143,10 +149,9 @@ class TransferAgent:
         stored = self.checksums.of_cached([(addrs[i] - self.base_addr) // self.block_bytes for i in in_pool])
         for i, value in zip(in_pool, stored):
             out[i] = value
-        if len(in_pool) < len(addrs):
-            rest = sorted(set(range(len(addrs))) - set(in_pool))
-            for i, value in zip(rest, self._checksum_addresses([addrs[i] for i in rest])):
-                out[i] = value
+        rest = [i for i, a in enumerate(addrs) if not self.base_addr <= a < end]
+        for i, value in zip(rest, self._checksum_addresses([addrs[i] for i in rest]) if rest else []):
+            out[i] = value
         return out
 
     def _copy_and_check(self, pairs: list[tuple[int, int]]) -> list[int]:
@@ -157,12 +162,7 @@ class TransferAgent:
         def run(part: list[tuple[int, int]]) -> list[int]:
             return fast_crc.copy_crc32_at([base + b * nbytes for _, b in part],
                                           [slot_base + s * nbytes for s, _ in part], nbytes)
-
-        if len(pairs) * self.block_bytes < _PARALLEL_CHECKSUM_BYTES or self._checksummers is None:
-            return run(pairs)
-        n = self._num_crc_threads
-        parts = [pairs[i * len(pairs) // n:(i + 1) * len(pairs) // n] for i in range(n)]
-        return [c for part in self._checksummers.map(run, parts) for c in part]
+        return self._per_block_on_threads(run, pairs)
 
     def _verify_blocks(self, block_ids: list[int], checksums: list[int]) -> int:
         """How many leading blocks of ours hold bytes whose crc32 is the writer's."""
