@@ -109,7 +109,7 @@ class _StreamState:
     num_prompt: int
     detokenizer: IncrementalDetokenizer
     tokens: list[int] = field(default_factory=list)
-    text: str = ""
+    held: str = ""  # settled text not sent yet: it could begin a stop string (a stop string always starts here)
     first_token_at: float | None = None
     cut_by_stop_string: bool = False  # the router ended the stream; the node must be told
 
@@ -303,19 +303,19 @@ class Router:
             k = len(event.top_token_ids) // len(event.token_ids) if event.token_ids else 0
             tops = [list(zip(event.top_token_ids[i * k:(i + 1) * k], event.top_logprobs[i * k:(i + 1) * k]))
                     for i in range(len(event.token_ids))] if logprobs else []
-            full = state.detokenizer.update(state.tokens, final=event.finished)  # each token decoded about twice
-            cut = first_stop(full, stop, len(state.text))
+            # Only the text not yet sent is looked at: per token, work bounded by the stop strings, not the output.
+            state.held += state.detokenizer.update(state.tokens, final=event.finished)
+            cut = first_stop(state.held, stop)
             if cut >= 0:
                 state.cut_by_stop_string = True
-                yield Chunk(event.token_ids, full[len(state.text):cut], True, "stop", node_id, state.num_prompt,
+                yield Chunk(event.token_ids, state.held[:cut], True, "stop", node_id, state.num_prompt,
                             len(state.tokens), dict(event.stats), logprobs, tops)
                 return
             if event.finished:
-                sendable = len(full)
+                sendable = len(state.held)
             else:  # (the detokenizer settles no incomplete UTF-8 sequence before the stream's end)
-                sendable = max(len(state.text), len(full) - stop_prefix_len(full, stop))
-            delta = full[len(state.text):sendable]
-            state.text = full[:sendable]
+                sendable = len(state.held) - stop_prefix_len(state.held, stop)
+            delta, state.held = state.held[:sendable], state.held[sendable:]
             if event.finished:
                 yield Chunk(event.token_ids, delta, True, event.finish_reason, node_id, state.num_prompt,
                             len(state.tokens), dict(event.stats), logprobs, tops)

@@ -205,6 +205,13 @@ def _add_bench(sub) -> None:
     st.add_argument("--batches", default="32,128")
     st.add_argument("--steps", type=int, default=50)
     st.set_defaults(func=_run_bench_step)
+    rs = which.add_parser("router-stream", help="the router's CPU per streamed token (detokenizing, stop strings) "
+                                                "against the output's length")
+    rs.add_argument("--json", default=None)
+    rs.add_argument("--model", default="smollm2-135m")
+    rs.add_argument("--lengths", default="1024,8192")
+    rs.add_argument("--repeat", type=int, default=3)
+    rs.set_defaults(func=_run_bench_router_stream)
     from kvmesh.bench.late_writes import add_arguments as add_late_writes_arguments
 
     lw = which.add_parser("late-writes", help="pushes given up on slow links between simulated hosts: later "
@@ -269,6 +276,13 @@ def _run_bench_step(args: argparse.Namespace) -> int:
     from kvmesh.bench import step
 
     step.run(args.json, args.model, tuple(int(b) for b in args.batches.split(",") if b), args.steps)
+    return 0
+
+
+def _run_bench_router_stream(args: argparse.Namespace) -> int:
+    from kvmesh.bench import router_stream
+
+    router_stream.run(args.model, [int(n) for n in args.lengths.split(",") if n], args.repeat, args.json)
     return 0
 
 

@@ -29,7 +29,7 @@ def test_chunks_carry_the_text_of_their_tokens_and_the_end():
     ids = list(text.encode())
     events = [nm.TokenEvent("r", [t]) for t in ids] + [nm.TokenEvent("r", [], finished=True, finish_reason="length")]
     chunks, state = stream(events)
-    assert "".join(c.text for c in chunks) == text == state.text
+    assert "".join(c.text for c in chunks) == text and state.held == ""
     assert chunks[-1].finished and chunks[-1].finish_reason == "length"
     assert all("\ufffd" not in c.text for c in chunks)  # a two-byte letter is sent whole, with its second byte
     cut, _ = stream(events, stop=("wö",))
@@ -79,3 +79,26 @@ def test_closing_a_stream_while_a_thread_reads_it_waits_for_the_read():
     reader.join(30)
     closer.join(30)
     assert cleaned.is_set() and not closer.is_alive()
+
+
+def test_text_that_might_begin_a_stop_string_is_held_until_ruled_out():
+    text = "a </b c </an> d </a> never"
+    events = [nm.TokenEvent("r", [t]) for t in text.encode()]
+    events.append(nm.TokenEvent("r", [], finished=True, finish_reason="length"))
+    chunks, state = stream(events, stop=("</a>", "</ab>"))
+    sent = ""
+    for chunk in chunks:
+        sent += chunk.text
+        assert not any(s in sent for s in ("</a>", "</ab>"))  # no stop string is ever sent whole
+    assert sent == "a </b c </an> d " and chunks[-1].finish_reason == "stop"
+
+
+def test_the_router_stream_bench_measures_each_length(tmp_path):
+    import json
+
+    from kvmesh.bench import router_stream
+
+    result = router_stream.run("tiny-llama", [64, 256], 1, str(tmp_path / "stream.json"))
+    assert [row["output_tokens"] for row in result["rows"]] == [64, 256]
+    assert all(row["cpu_us_per_token"] > 0 for row in result["rows"])
+    assert json.loads((tmp_path / "stream.json").read_text())["rows"] == result["rows"]

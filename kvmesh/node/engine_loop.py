@@ -1,7 +1,7 @@
 """EngineLoop: the one thread that touches a node's engine and scheduler.
 
 Other threads hand it work with ``call_soon``; between commands it steps the
-engine while there is work, reports finished requests (``on_finish``), requests
+engine while there is work (idle, it sleeps until a command arrives: no poll), reports finished requests (``on_finish``), requests
 failed by a broken step (``on_failed``: exactly that step's batch, already
 FAILED and freed) and runs ``after_step`` (the block publisher's drain).
 With a ``CoreShare`` it marks whether the node has work and sizes the step's compute
@@ -22,6 +22,7 @@ from kvmesh.engine.request_state import RequestStatus
 from kvmesh.engine.sequence import Sequence
 from kvmesh.model.tp_shard import TensorParallelError
 from kvmesh.node.core_share import CoreShare
+from kvmesh.node.step_clock import StepClock
 
 log = logging.getLogger("kvmesh.node")
 
@@ -43,6 +44,7 @@ class EngineLoop:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"kvmesh-engine-{name}", daemon=True)
         self.num_failed_steps = 0
+        self.clock = StepClock()  # where the steps' time goes: on a core, waiting for one, asleep (the GIL)
         # Compute threads of the last step that computed prompt tokens and of the last decode-only step (with
         # fixed threads: those of every step).
         self.compute_threads = {"prompt": 0, "decode": 0}
@@ -57,12 +59,15 @@ class EngineLoop:
 
     def _run(self) -> None:
         scheduler = self.engine.scheduler
+        self.clock.start()
         if self._cores is None:  # fixed threads: what every step runs on
             self.compute_threads = dict.fromkeys(self.compute_threads, torch.get_num_threads())
         while not self._stop.is_set():
             busy = scheduler.has_runnable()
             try:
-                fn = self._commands.get_nowait() if busy else self._commands.get(timeout=0.005)
+                # Idle: sleep until a command arrives (every way work reaches the engine is a command; ``close``
+                # sends one too), never a timed poll.
+                fn = self._commands.get_nowait() if busy else self._commands.get()
                 fn()
                 while True:
                     self._commands.get_nowait()()
@@ -79,6 +84,7 @@ class EngineLoop:
                         any(s.is_prefilling for s in scheduler.running)
                     self.compute_threads["prompt" if computes_prompts else "decode"] = \
                         self._cores.fit_threads(computes_prompts)
+                self.clock.begin()
                 try:
                     for seq in self.engine.step():
                         if seq.status is RequestStatus.FAILED:
@@ -92,12 +98,15 @@ class EngineLoop:
                         self._on_broken(str(e))
                     for seq in e.failed:
                         self._on_failed(seq, str(e))
+                self.clock.end()
             self._after_step()
+        self.clock.close()
         if self._cores is not None:
             self._cores.set_busy(False)
 
     def close(self) -> None:
         self._stop.set()
+        self._commands.put(lambda: None)  # wakes an idle loop
         if self._thread.is_alive():
             self._thread.join(timeout=5)
         if self._cores is not None and not self._thread.is_alive():

@@ -1,0 +1,68 @@
+"""StepClock: where the engine thread's time goes during its steps, as the kernel accounts it.
+
+A step's wall time splits three ways (Linux: ``/proc/thread-self/schedstat``, read with one ``pread``):
+
+    on_cpu     the thread ran (Python, and its share of the forward's compute threads' work)
+    runnable   it could run but waited for a core (other threads and processes had them)
+    asleep     it blocked: on the GIL while another thread of the process held it, or at the end of a
+               parallel region for slower compute threads (a CPU step waits on no I/O)
+
+``asleep`` bounds the GIL's share of a step from above: if it is small, sharing the process with the
+node's I/O threads costs the engine little; if it is large, the engine core wants a process of its own.
+Where schedstat is missing the clock reports nothing. Engine thread only: ``start`` opens the file of
+the thread that calls it.
+"""
+from __future__ import annotations
+
+import os
+import time
+
+
+class StepClock:
+    def __init__(self):
+        self._fd: int | None = None
+        self.num_steps = 0
+        self.wall_s = self.on_cpu_s = self.runnable_s = 0.0
+        self._at: tuple[float, int, int] | None = None
+
+    def start(self) -> None:
+        """On the engine thread, once: open its schedstat (nothing is measured where that fails)."""
+        try:
+            self._fd = os.open("/proc/thread-self/schedstat", os.O_RDONLY)
+            self._read()
+        except OSError:
+            self._fd = None
+
+    def _read(self) -> tuple[int, int]:
+        on_cpu_ns, runnable_ns, _ = os.pread(self._fd, 128, 0).split()
+        return int(on_cpu_ns), int(runnable_ns)
+
+    def begin(self) -> None:
+        if self._fd is not None:
+            self._at = (time.perf_counter(), *self._read())
+
+    def end(self) -> None:
+        if self._fd is None or self._at is None:
+            return
+        wall, on_cpu, runnable = self._at
+        now_on_cpu, now_runnable = self._read()
+        self.wall_s += time.perf_counter() - wall
+        self.on_cpu_s += (now_on_cpu - on_cpu) / 1e9
+        self.runnable_s += (now_runnable - runnable) / 1e9
+        self.num_steps += 1
+        self._at = None
+
+    def stats(self) -> dict:
+        """Shares of the steps' wall time so far (engine thread or not: plain floats, read as they are)."""
+        wall = self.wall_s
+        if not wall:
+            return {"engine_step_s": 0.0, "engine_steps_timed": 0}
+        on_cpu, runnable = min(self.on_cpu_s / wall, 1.0), min(self.runnable_s / wall, 1.0)
+        return {"engine_step_s": wall, "engine_steps_timed": self.num_steps,
+                "engine_on_cpu_share": on_cpu, "engine_runnable_share": runnable,
+                "engine_asleep_share": max(0.0, 1.0 - on_cpu - runnable)}
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
