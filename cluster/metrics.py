@@ -74,20 +74,30 @@ class _NodeCollector:
                 "memory (the rest of kvmesh_node_bytes_sent went through the transfer engine)", labels=["node"]),
             "tier_host_blocks": GaugeMetricFamily("kvmesh_node_host_tier_blocks", "KV blocks in the host tier",
                                                   labels=["node"]),
+            "num_steps_bounded_for_landings": GaugeMetricFamily(
+                "kvmesh_node_steps_bounded_for_landings", "Engine steps kept short because a fetch was about to land "
+                "(kvmesh/node/landing_bound.py)", labels=["node"]),
             "fetch_rtt_s": GaugeMetricFamily("kvmesh_node_fetch_rtt_seconds", "What a fetch into the node costs beyond "
                                              "its bytes, as the router measured it", labels=["node"]),
         }
         gc_pause = GaugeMetricFamily("kvmesh_node_gc_max_pause_seconds", "Longest garbage-collector pause of the "
                                      "node's process since it began serving, per generation (2: full collections)",
                                      labels=["node", "generation"])
+        engine_share = GaugeMetricFamily("kvmesh_node_engine_step_share", "Share of the engine thread's step time "
+                                         "on a core, runnable but waiting for one, or asleep (the GIL, compute "
+                                         "threads' ends) since the node started", labels=["node", "part"])
         for node_id, stats in self._node_stats().items():
             for key, family in gauges.items():
                 if key in stats:
                     family.add_metric([node_id], float(stats[key]))
+            for part in ("on_cpu", "runnable", "asleep"):
+                if f"engine_{part}_share" in stats:
+                    engine_share.add_metric([node_id, part], float(stats[f"engine_{part}_share"]))
             for generation, pause_ms in enumerate(stats.get("gc_max_pause_ms", ())):
                 gc_pause.add_metric([node_id, str(generation)], float(pause_ms) / 1e3)
         yield from gauges.values()
         yield gc_pause
+        yield engine_share
 
 
 class _ReadinessCollector:

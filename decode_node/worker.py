@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from kvmesh.decode_node.cost_model import SHARED_MEMORY, PeerLinks, TransferRateEstimator
 from kvmesh.decode_node.fetcher import Fetcher, FetchOutcome
 from kvmesh.decode_node.link_probe import probe_shared_memory_round_trip
+from kvmesh.node.landing_bound import LandingBound
 from kvmesh.node.planner import FetchPlan, HolderOption, PlanRequest, prompt_tokens_ahead
 from kvmesh.decode_node.prefill_nodes import PrefillNodes
 from kvmesh.engine.sequence import Sequence
@@ -87,6 +88,10 @@ class DecodeWorker(NodeRuntime):
         self._conversations = ThreadPoolExecutor(16, thread_name_prefix=f"kvmesh-{cfg.node_id}-prefill")
         self.fetcher = Fetcher(self.tiers, self.agent.requester, self.links, self.prefill_nodes,
                                cfg.holder_timeout_s, self._conversations, cfg.block_size)
+        # Steps kept short while a fetch is about to land, so its blocks wait for no long step.
+        self.landings = LandingBound(cfg.block_size, self._prompt_step_s, lambda: self.decode_step_s,
+                                     lambda: self.prefill_tokens_per_s)
+        self.engine.scheduler.prompt_budget = self.landings
 
     def before_serving(self) -> None:
         """Seed the shared-memory link's round trip (``link_probe.py``); network links keep ``--transfer-rtt-ms``."""
@@ -129,6 +134,12 @@ class DecodeWorker(NodeRuntime):
                               local_queue_s, len(lower), self.tiers.read_seconds(lower) if lower else 0.0,
                               holders, prefill, num_streams)
         return self.placement.plan(request), hits
+
+    def _prompt_step_s(self) -> float:
+        """A step computing this node's usual prompt slice, estimated at its fitted prompt cost."""
+        config = self.engine.scheduler.config
+        return self.prefill_cost.fixed_s + (config.long_prefill_token_threshold or config.max_num_batched_tokens) \
+            / self.prefill_tokens_per_s
 
     def _holder_bytes_per_s(self, seq: Sequence, node_id: str, start: int, end: int) -> float:
         """A holder's link rate, or its disk's read rate where the blocks asked of it are on its disk tier."""
@@ -201,6 +212,7 @@ class DecodeWorker(NodeRuntime):
         if plan.prefill_node:  # the next admission prices that node with this conversation in its queue
             self.prefill_nodes.reserve(plan.prefill_node, (plan.end - plan.holders_end) * bs)
         request.fetching, request.fetch_started = True, time.perf_counter()
+        self.landings.expect(rid, plan.promote_s + max(plan.holders_s, plan.prefill_s))
         request.fetch_span = self.tracer.start("fetch", request.span, {
             "kvmesh.holder": plan.holder, "kvmesh.prefill_node": plan.prefill_node,
             "kvmesh.blocks": plan.end - num_local, "kvmesh.transfer_backend": self.agent.engine.name})
@@ -247,6 +259,7 @@ class DecodeWorker(NodeRuntime):
         bs = self.cfg.block_size
         request = self._requests[seq.request_id]
         request.fetching = False
+        self.landings.landed(seq.request_id)
         request.kv_wait_s = time.perf_counter() - request.fetch_started
         request.fetch_s = result.fetch_s
         num_moved = result.from_holders - result.promoted
@@ -367,6 +380,7 @@ class DecodeWorker(NodeRuntime):
 
     def role_stats(self) -> dict:
         return {"num_remote": self.num_remote, "num_local": self.num_local, "num_aborted": self.num_aborted,
+                "num_steps_bounded_for_landings": self.landings.num_bounded_steps,
                 "num_tainted_swapped": self.num_tainted_swapped,
                 **{f"prompt_{key}": value for key, value in self.prompt_token_sources.items()},
                 "transfer_gib_per_s_measured": self.rates.bytes_per_s / 2**30,

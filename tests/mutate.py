@@ -34,6 +34,15 @@ class Mutation:
 
 
 MUTATIONS = (
+    Mutation("a step computes prompt tokens past the prompt budget of a fetch about to land",
+             "kvmesh/engine/scheduler.py",
+             "        prompt_room = budget if cap is None else min(budget, cap)",
+             "        prompt_room = budget",
+             ("tests/test_landing_bound.py",)),
+    Mutation("the landing bound never lets a stalled fetch go", "kvmesh/node/landing_bound.py",
+             "        due = [landing for landing, until in self._due.values() if now <= until]",
+             "        due = [landing for landing, until in self._due.values()]",
+             ("tests/test_landing_bound.py",)),
     Mutation("the folded crc32 uses a wrong folding constant", "kvmesh/kv/crc32.c",
              "_mm_set_epi64x(0x1c6e41596LL, 0x154442bd4LL)", "_mm_set_epi64x(0x1c6e41596LL, 0x154442bd5LL)",
              ("tests/test_fast_crc.py",), requires="pclmulqdq"),

@@ -315,8 +315,14 @@ def test_metrics_endpoint(served):
                  "kvmesh_queue_seconds_count", 'kvmesh_requests_total{outcome="ok"}',
                  'kvmesh_prompt_tokens_total{source="computed"}', 'kvmesh_node_running{node="decode-0"}',
                  'kvmesh_node_bytes_received{node="decode-0"}', "kvmesh_in_flight",
-                 'kvmesh_node_gc_max_pause_seconds{generation="2",node="decode-0"}'):
+                 'kvmesh_node_gc_max_pause_seconds{generation="2",node="decode-0"}',
+                 'kvmesh_node_steps_bounded_for_landings{node="decode-0"}'):
         assert name in text, name
+    shares: dict[str, list[float]] = {}  # of the nodes that stepped (the decode node that served, the probes)
+    for line in text.splitlines():
+        if line.startswith("kvmesh_node_engine_step_share{"):
+            shares.setdefault(line.split('node="')[1].split('"')[0], []).append(float(line.split()[-1]))
+    assert shares and all(len(s) == 3 and abs(sum(s) - 1.0) < 1e-6 for s in shares.values())  # split three ways
     ok = [line for line in text.splitlines() if line.startswith('kvmesh_requests_total{outcome="ok"}')]
     assert float(ok[0].split()[-1]) >= 1
 

@@ -5,8 +5,10 @@ requester in the node directory (address, base, buffer size: never from the
 message), bounds-checks the granted block ids, and then writes the wanted blocks
 as they become matchable in its own pool, in chain order, one batched transfer
 per chunk, each chunk reported with a PushResult. Pending pushes are driven by
-one watcher thread that sleeps on the pool's change counter (no thread is parked
-per push); the writes themselves run on a small worker pool.
+one watcher thread that sleeps on the holder's own change counter (no thread is
+parked per push), bumped by its messages, its finished writes and the node when
+blocks become matchable (``blocks_cached``); the writes themselves run on a small
+worker pool.
 
 Before every write the push's abort flag and deadline are checked; its deadline
 starts when the message arrives and is capped at MAX_WAIT_MS. The final
@@ -36,6 +38,7 @@ from typing import Protocol
 
 from kvmesh.kv.block_hash import BlockHash
 from kvmesh.kv.block_pool import BlockPool
+from kvmesh.kv.change_signal import ChangeSignal
 from kvmesh.tracing import NO_SPAN, Tracer
 from kvmesh.transfer import messages as m
 from kvmesh.transfer.block_source import BlockSource, PoolSource
@@ -122,6 +125,7 @@ class KVHolder:
         self._workers = ThreadPoolExecutor(num_workers, thread_name_prefix=f"kvmesh-push-{node_id}")
         self._checksums = ThreadPoolExecutor(num_workers, thread_name_prefix=f"kvmesh-push-crc-{node_id}")
         self._stop = threading.Event()
+        self._work = ChangeSignal()  # bumped whenever a pending push may be able to move on
         self._watcher = threading.Thread(target=self._watch, name=f"kvmesh-holder-{node_id}", daemon=True)
         self.bytes_sent = 0
         self.num_refused: dict[str, int] = {}
@@ -129,6 +133,10 @@ class KVHolder:
     def start(self) -> KVHolder:
         self._watcher.start()
         return self
+
+    def blocks_cached(self) -> None:
+        """Blocks became matchable in the pool (any thread): pushes waiting for them look again."""
+        self._work.notify()
 
     @property
     def num_pending(self) -> int:
@@ -166,7 +174,7 @@ class KVHolder:
         elif is_compute:
             self._workers.submit(self._admit, push, msg)
         else:
-            self.pool.changes.notify()
+            self._work.notify()
 
     def _authorise(self, msg) -> tuple[m.ErrorCode, str, PeerRecord | None]:
         requester = self.directory.get(msg.requester_id)
@@ -215,7 +223,7 @@ class KVHolder:
         push.block_hashes = hashes
         self._reply(push.identity, m.Accepted(push.request_id))
         push.ready = True
-        self.pool.changes.notify()
+        self._work.notify()
 
     def _abort(self, identity: bytes, msg: m.Abort) -> None:
         with self._lock:
@@ -225,13 +233,13 @@ class KVHolder:
         if push is None:  # nothing running: say so, so the requester can release a quarantine
             self._reply(identity, m.PushResult(msg.request_id, [], final=True, code=m.ErrorCode.ABORTED.value))
         else:
-            self.pool.changes.notify()
+            self._work.notify()
 
     # ---- the watcher: decides, never writes ------------------------------------------------------------------
     def _watch(self) -> None:
         seen = -1
         while not self._stop.is_set():
-            seen = self.pool.changes.wait(seen, 0.25)
+            seen = self._work.wait(seen, 0.25)
             now = time.monotonic()
             with self._lock:
                 pushes = [p for p in self._pushes.values() if not p.busy and p.ready]
@@ -334,16 +342,16 @@ class KVHolder:
             finally:
                 if not keep_busy:
                     push.busy = False
-                    self.pool.changes.notify()
+                    self._work.notify()
 
     def _write_ended(self, push: _Push, release: Callable[[], None]) -> None:
         release()
         push.busy = False
-        self.pool.changes.notify()
+        self._work.notify()
 
     def close(self) -> None:
         self._stop.set()
-        self.pool.changes.notify()
+        self._work.notify()
         if self._watcher.is_alive():
             self._watcher.join(timeout=2)
         self._workers.shutdown(wait=True, cancel_futures=True)

@@ -244,7 +244,9 @@ class TransferAgent:
             raise outcome.error
         if outcome.error is not None:
             log.warning("%s: pull from %s ended early: %s", self.node_id, peer_id, outcome.error)
-        return self.pool.cache(kept, block_hashes[:len(kept)], parent_block_id)
+        held = self.pool.cache(kept, block_hashes[:len(kept)], parent_block_id)
+        self.holder.blocks_cached()
+        return held
 
     def close(self) -> None:
         """Stop serving (pushes in progress end with SHUTTING_DOWN), then the requester and the engine."""

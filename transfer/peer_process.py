@@ -80,6 +80,7 @@ def main() -> None:
         if args.delay_ms:
             time.sleep(args.delay_ms / 1000)
         parent = pool.cache([block], [h], parent)[0]
+        agent.holder.blocks_cached()
     pool.free(chain_ids)  # cached and free: matchable, evictable only when unpinned
     if not args.delay_ms:  # announced only once it can serve its whole chain
         announce()

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from kvmesh.engine.kv_cache_manager import KVCacheManager
 from kvmesh.engine.request_state import RequestStatus, transition
@@ -45,6 +46,13 @@ class SchedulerConfig:
             raise ValueError("long_prefill_token_threshold must be >= 0 (0: a prompt may take a whole step)")
 
 
+class PromptBudget(Protocol):
+    """Policy: how many prompt tokens this step may compute beside its ``num_decodes`` decodes (None: as many as
+    the token budget allows). A node shortens steps with it while a fetch is about to land."""
+
+    def prompt_tokens(self, num_decodes: int) -> int | None: ...
+
+
 @dataclass(slots=True)
 class SchedulerOutput:
     batch: list[tuple[Sequence, int]] = field(default_factory=list)
@@ -63,6 +71,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_steps = 0
         self._arrivals = itertools.count()
+        self.prompt_budget: PromptBudget | None = None  # no cap but the step's token budget
 
     def add(self, seq: Sequence) -> None:
         seq.arrival, seq.arrival_step = next(self._arrivals), self.num_steps
@@ -99,23 +108,26 @@ class Scheduler:
                 out.batch.append((seq, 1))
                 scheduled.add(id(seq))
                 budget -= 1
+        cap = self.prompt_budget.prompt_tokens(len(out.batch)) if self.prompt_budget is not None else None
+        prompt_room = budget if cap is None else min(budget, cap)  # prompt tokens this step may still compute
         for seq in self.running:  # 2. running prefill chunks
-            if budget == 0:
+            if prompt_room == 0:
                 break
             if seq.is_prefilling and id(seq) not in scheduled:
-                n = self._chunk(seq, budget)
+                n = self._chunk(seq, prompt_room)
                 if self.kv.allocate(seq, seq.num_computed_tokens + n):
                     out.batch.append((seq, n))
                     scheduled.add(id(seq))
                     budget -= n
+                    prompt_room -= n
         if len(self.waiting) > 1:
             self.waiting.sort(key=self._urgency)
         num_partial = self._num_partial_after(out.batch)
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:  # 3. admit
+        while self.waiting and prompt_room > 0 and len(self.running) < self.config.max_num_seqs:  # 3. admit
             seq = self.waiting[0]
             cached = self.kv.find_cached_prefix(seq) if seq.num_computed_tokens == 0 else []
             num_cached_tokens = len(cached) * self.kv.block_size
-            n = min(seq.num_tokens - num_cached_tokens, budget, self._threshold())
+            n = min(seq.num_tokens - num_cached_tokens, prompt_room, self._threshold())
             stays_partial = num_cached_tokens + n < seq.num_tokens
             if stays_partial and num_partial >= self.config.max_num_partial_prefills:
                 break
@@ -140,6 +152,7 @@ class Scheduler:
             out.batch.append((seq, n))
             scheduled.add(id(seq))
             budget -= n
+            prompt_room -= n
             num_partial += stays_partial
         out.num_batched_tokens = self.config.max_num_batched_tokens - budget
         return out

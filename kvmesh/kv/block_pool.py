@@ -34,7 +34,6 @@ from typing import Literal, NamedTuple
 from kvmesh.errors import OutOfBlocksError
 from kvmesh.kv.block_hash import BlockHash
 from kvmesh.kv.block_index import ADDED, NO_BLOCK, NOT_HELD, RemovedBlocks, make_block_index
-from kvmesh.kv.change_signal import ChangeSignal
 from kvmesh.kv.eviction import EvictionPolicy, TailFirstLRU
 
 __all__ = ["NO_BLOCK", "BlockPool", "BlockState", "PoolChanges", "PoolUsage", "Victim"]
@@ -84,8 +83,6 @@ class BlockPool:
         self.num_blocks = num_blocks
         self.policy = policy or TailFirstLRU()
         self._lock = threading.RLock()
-        # Bumped when blocks become matchable; a holder's sender waits on it (kvmesh.kv.change_signal).
-        self.changes = ChangeSignal(self._lock)
         self._ref = [0] * num_blocks
         self._pins = [0] * num_blocks
         # Which hash each block holds, the chains and hash -> block: the index's (kvmesh.kv.block_index),
@@ -281,7 +278,6 @@ class BlockPool:
                 if duplicates:
                     self.touch([h for _, h in duplicates])
                     self.free([own for own, _ in duplicates])
-            self.changes.notify()
             return holders
 
     def hold_if_cached(self, block_ids: Sequence[int], block_hashes: Sequence[BlockHash]) -> int:

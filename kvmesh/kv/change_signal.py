@@ -1,7 +1,7 @@
 """ChangeSignal: a counter that threads wait on until it moves.
 
-The block pool bumps it whenever blocks become matchable; a holder serving pushes also bumps
-it when it has new work, and its sender thread waits on it between rounds. A waiter passes
+A holder serving pushes bumps it when it has new work (a message, a finished write, blocks its
+node cached), and its watcher thread waits on it between rounds. A waiter passes
 the value it last saw, so a bump between its check and its wait is never missed.
 """
 from __future__ import annotations
@@ -10,10 +10,8 @@ import threading
 
 
 class ChangeSignal:
-    def __init__(self, lock: threading.RLock | threading.Lock | None = None):
-        """``lock``: the lock the notifier may already hold (the pool's), shared so that a bump
-        made under it needs no second lock."""
-        self._cond = threading.Condition(lock or threading.RLock())
+    def __init__(self):
+        self._cond = threading.Condition()
         self._generation = 0
 
     def notify(self) -> None:

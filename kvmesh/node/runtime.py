@@ -337,13 +337,15 @@ class NodeRuntime:
             self.endpoint.send(identity, events[0] if len(events) == 1 else encode(nm.TokenBatch(events)))
             self.num_events_sent += len(events)
             self.num_event_frames += 1
-        self._publish()
+        cached, evicted = self.pool.take_changes()
+        if cached:  # pushes waiting for these blocks (a prefill node's conversations) move on
+            self.agent.holder.blocks_cached()
+        self._publish(cached, evicted)
 
-    def _publish(self) -> None:
+    def _publish(self, cached: list, evicted: list) -> None:
         publisher = self.membership.publisher
         if publisher is None:
             return
-        cached, evicted = self.pool.take_changes()
         if self.tiers is None:
             publisher.publish(cached)
             publisher.unpublish(evicted)

@@ -1,0 +1,55 @@
+"""LandingBound: steps kept short while a fetch is about to land (the scheduler's ``PromptBudget`` policy).
+
+A fetch's blocks join the engine at a step boundary. A step that starts just before they land and
+computes a slice of some prompt holds them (and the request's first token) for that whole step. While a
+fetch in flight is due within about one such step, this policy lets a step compute no prompt tokens beside
+running decodes (a decode-only step), or, with nothing decoding, only the prompt tokens that fit in one
+decode step's time: the landing then waits at most about one decode step. A fetch later than twice its
+estimate (plus a decode step) stops bounding steps: the node's own prompts must not starve behind a stalled
+peer. Engine thread only (``expect`` at admission, ``landed`` when the fetch returns, ``prompt_tokens`` in
+the scheduler).
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+
+class LandingBound:
+    def __init__(self, block_size: int, prompt_step_s: Callable[[], float], decode_step_s: Callable[[], float],
+                 prefill_tokens_per_s: Callable[[], float], clock: Callable[[], float] = time.perf_counter):
+        """``prompt_step_s()``: a step computing the node's usual prompt slice, estimated; ``decode_step_s()``: a
+        decode step; ``prefill_tokens_per_s()``: the node's marginal prompt rate (all kept current by the node)."""
+        self.block_size = block_size
+        self._prompt_step_s = prompt_step_s
+        self._decode_step_s = decode_step_s
+        self._tokens_per_s = prefill_tokens_per_s
+        self._clock = clock
+        self._due: dict[str, tuple[float, float]] = {}  # request id -> (expected landing, stop bounding after)
+        self.num_bounded_steps = 0
+
+    def expect(self, request_id: str, seconds: float) -> None:
+        """A fetch for ``request_id`` started now and is estimated to land in ``seconds``."""
+        now = self._clock()
+        self._due[request_id] = (now + seconds, now + 2 * seconds + self._decode_step_s())
+
+    def landed(self, request_id: str) -> None:
+        """The fetch returned (landed, failed or aborted)."""
+        self._due.pop(request_id, None)
+
+    @property
+    def num_expected(self) -> int:
+        return len(self._due)
+
+    def prompt_tokens(self, num_decodes: int) -> int | None:
+        if not self._due:
+            return None
+        now = self._clock()
+        due = [landing for landing, until in self._due.values() if now <= until]
+        if not due or min(due) - now > self._prompt_step_s():
+            return None  # nothing due before a usual step would end anyway
+        self.num_bounded_steps += 1
+        if num_decodes:
+            return 0
+        tokens = int(self._decode_step_s() * self._tokens_per_s()) // self.block_size * self.block_size
+        return max(tokens, self.block_size)

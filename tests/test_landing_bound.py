@@ -1,0 +1,76 @@
+"""LandingBound, the policy that keeps steps short while a fetch is about to land, and the scheduler's prompt
+budget it sets: decodes go on, prompt tokens wait for the landing's step boundary."""
+from __future__ import annotations
+
+from kvmesh import LLM, SamplingParams
+from kvmesh.node.landing_bound import LandingBound
+
+
+class Clock:
+    def __init__(self):
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def bound(clock: Clock) -> LandingBound:
+    # A usual prompt step 0.25 s, a decode step 0.05 s, 640 prompt tokens a second, blocks of 16.
+    return LandingBound(16, lambda: 0.25, lambda: 0.05, lambda: 640.0, clock=clock)
+
+
+def test_steps_are_bounded_only_while_a_landing_is_due_within_a_usual_step():
+    clock = Clock()
+    policy = bound(clock)
+    assert policy.prompt_tokens(num_decodes=3) is None  # no fetch: no cap
+    policy.expect("far", 1.0)
+    assert policy.prompt_tokens(3) is None  # lands after a usual step anyway
+    policy.expect("near", 0.1)
+    assert policy.prompt_tokens(3) == 0  # decodes only: the landing waits for one decode step at most
+    assert policy.prompt_tokens(0) == 32  # nothing decoding: a decode step's worth of prompt, whole blocks
+    clock.now += 0.1 + 0.05 + 0.01  # "near" is late by more than its estimate and a decode step
+    assert policy.prompt_tokens(3) == 0  # still within twice its estimate
+    clock.now += 0.1
+    assert policy.prompt_tokens(3) is None  # a stalled fetch no longer holds this node's prompts back
+    policy.landed("near")
+    policy.landed("far")
+    assert policy.num_expected == 0 and policy.prompt_tokens(3) is None
+    assert policy.num_bounded_steps == 3
+
+
+def test_at_least_one_block_of_prompt_when_nothing_decodes():
+    slow = LandingBound(16, lambda: 0.25, lambda: 0.001, lambda: 100.0, clock=Clock())
+    slow.expect("r", 0.0)
+    assert slow.prompt_tokens(0) == 16
+
+
+class Fixed:
+    def __init__(self, tokens):
+        self.tokens, self.asked = tokens, []
+
+    def prompt_tokens(self, num_decodes):
+        self.asked.append(num_decodes)
+        return self.tokens
+
+
+def test_the_scheduler_computes_no_prompt_tokens_past_the_cap_and_decodes_go_on():
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    prompts = [list(range(1, 40)), list(range(50, 120))]
+    expected = [out.outputs[0].token_ids for out in LLM("tiny-llama", progress=False).generate(prompts, params)]
+    engine = LLM("tiny-llama", progress=False).engine
+    first = engine.add_request(prompts[0], params)
+    engine.step()  # its prompt
+    engine.scheduler.prompt_budget = cap = Fixed(0)
+    second = engine.add_request(prompts[1], params)
+    for num_decoded in (2, 3):
+        engine.step()
+        assert len(first.output_token_ids) == num_decoded and second.num_computed_tokens == 0  # decodes only
+    assert cap.asked == [1, 1]  # asked with the step's one decode
+    engine.scheduler.prompt_budget = Fixed(16)
+    engine.step()
+    assert second.num_computed_tokens == 16  # one capped slice of its 70 tokens
+    engine.scheduler.prompt_budget = None
+    while not (first.is_finished and second.is_finished):
+        engine.step()
+    assert [first.output_token_ids, second.output_token_ids] == expected  # the same tokens as uncapped
+    engine.check_integrity()
