@@ -85,6 +85,16 @@ class NodeClient:
             raise RequestFailed(f"{reply.node_id}: {reply.error}")
         return reply.stats
 
+    def set_role(self, role: str, drain_timeout_s: float = 30.0, timeout_s: float = 10.0) -> nm.RoleReply:
+        """Ask the node to take ``role`` (``kvmesh/node/roles.py``); raises RequestFailed when it does not answer
+        or refuses (another change in progress)."""
+        reply = self._conn.set_role(role, drain_timeout_s, timeout_s)
+        if reply is None:
+            raise RequestFailed(f"no answer to set_role from {self.endpoint}")
+        if reply.error:
+            raise RequestFailed(f"{reply.node_id}: {reply.error}")
+        return reply
+
     def submit(self, request: nm.GenerateRequest) -> queue.Queue:
         """Send one request as it is; its TokenEvents (or a NodeLost) arrive on the returned queue."""
         return self._conn.submit(request)

@@ -14,6 +14,7 @@ import os
 import queue
 import threading
 import time
+import uuid
 
 import zmq
 
@@ -93,6 +94,19 @@ class NodeConnection:
             with self._lock:  # the answer to a plainer stats request (a liveness ping): ours comes later
                 self._stats_waiters.append(waiter)
 
+    def set_role(self, role: str, drain_timeout_s: float = 30.0, timeout_s: float = 10.0) -> nm.RoleReply | None:
+        """Ask the node to take ``role`` (``nm.SetRole``); its answer, or None if it does not answer (a decode node
+        becoming a prefill node answers at once, ``draining``, and drains after)."""
+        request = nm.SetRole(f"role-{uuid.uuid4().hex[:12]}", role, drain_timeout_s)
+        answers = self.submit(request)
+        try:
+            answer = answers.get(timeout=timeout_s)
+        except queue.Empty:
+            with self._lock:
+                self._streams.pop(request.request_id, None)
+            return None
+        return answer if isinstance(answer, nm.RoleReply) else None
+
     def _send(self, payload: bytes) -> None:
         """Queue ``payload`` for the socket thread and wake it (any thread)."""
         self._outgoing.put(payload)
@@ -153,7 +167,7 @@ class NodeConnection:
                     self._fail_all(NodeLost(f"node {self.node_id} refused our requests: the cluster token differs"))
                     continue
                 try:
-                    msg = decode(self._auth.open(frame), (nm.TokenEvent, nm.TokenBatch, nm.StatsReply))
+                    msg = decode(self._auth.open(frame), (nm.TokenEvent, nm.TokenBatch, nm.StatsReply, nm.RoleReply))
                     for one in msg.unpack() if isinstance(msg, nm.TokenBatch) else (msg,):
                         self._dispatch(one)
                 except (MessageError, AuthError):

@@ -173,13 +173,7 @@ def run_node(role: str, args: argparse.Namespace) -> int:
 
 
 def create_node(cfg):
-    """The worker of ``cfg.role``, started and registered."""
-    if cfg.role == "prefill":
-        from kvmesh.prefill_node.worker import PrefillWorker
+    """A node taking ``cfg.role`` first, started and registered."""
+    from kvmesh.cluster.serving_node import ServingNode
 
-        return PrefillWorker(cfg).start()
-    if cfg.role == "decode":
-        from kvmesh.decode_node.worker import DecodeWorker
-
-        return DecodeWorker(cfg).start()
-    raise ValueError(f"unknown node role {cfg.role!r} (prefill or decode)")
+    return ServingNode(cfg).start()

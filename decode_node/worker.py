@@ -1,4 +1,5 @@
-"""DecodeWorker: ``kvmesh decode-node``. A request walks admit -> plan -> execute -> arrived:
+"""DecodeRole: a node's streams (the role of ``kvmesh node --role decode``). A request walks admit -> plan ->
+execute -> arrived:
 
 1. **admit** (engine thread): validate, allocate, find this node's own prefix hits;
 2. **plan** (engine thread, ``planner.py``): unless the rest is cheaper to compute than any round trip,
@@ -35,7 +36,6 @@ from kvmesh.engine.sequence import Sequence
 from kvmesh.errors import InvalidRequestError, KvmeshError, OutOfBlocksError
 from kvmesh.kv.block_pool import NO_BLOCK
 from kvmesh.node import messages as nm
-from kvmesh.node.runtime import NodeRuntime
 from kvmesh.tracing import NO_SPAN
 from kvmesh.wire import encode
 
@@ -68,15 +68,24 @@ PROMPT_TOKEN_SOURCES = ("tokens_reused_local", "tokens_reused_host", "tokens_reu
                         "tokens_reused_prefill_node", "tokens_from_prefill_node", "tokens_computed")
 
 
-class DecodeWorker(NodeRuntime):
-    def __init__(self, cfg):
-        super().__init__(cfg)
+class DecodeRole:
+    name = "decode"
+
+    def __init__(self, node):
+        """``node``: the ``NodeRuntime`` whose engine, pool, tiers, membership and transfer agent this role uses."""
+        self.node = node
+        cfg = self.cfg = node.cfg
+        self.engine, self.pool, self.agent, self.tiers = node.engine, node.pool, node.agent, node.tiers
+        self.membership, self.tracer, self.placement = node.membership, node.tracer, node.placement
+        self.workers, self.call_soon = node.workers, node.call_soon
+        self.accepting = True  # takes new streams (off while the node is not a decode node)
         self._requests: dict[str, _ClientRequest] = {}  # engine thread only
         self._lock = threading.Lock()
         self.num_remote = 0
         self.num_local = 0
         self.num_aborted = 0
         self.num_tainted_swapped = 0
+        self.num_handed_back = 0  # streams ended here for the router to continue elsewhere (a role change)
         # Where every finished request's prompt tokens came from, each token counted once (engine thread only).
         # Keys fixed up front, so the stats thread can read it while the engine thread adds.
         self.prompt_token_sources: Counter[str] = Counter(dict.fromkeys(PROMPT_TOKEN_SOURCES, 0))
@@ -89,8 +98,8 @@ class DecodeWorker(NodeRuntime):
         self.fetcher = Fetcher(self.tiers, self.agent.requester, self.links, self.prefill_nodes,
                                cfg.holder_timeout_s, self._conversations, cfg.block_size)
         # Steps kept short while a fetch is about to land, so its blocks wait for no long step.
-        self.landings = LandingBound(cfg.block_size, self._prompt_step_s, lambda: self.decode_step_s,
-                                     lambda: self.prefill_tokens_per_s)
+        self.landings = LandingBound(cfg.block_size, self._prompt_step_s, lambda: self.node.decode_step_s,
+                                     lambda: self.node.prefill_tokens_per_s)
         self.engine.scheduler.prompt_budget = self.landings
 
     def before_serving(self) -> None:
@@ -99,18 +108,20 @@ class DecodeWorker(NodeRuntime):
             return
         probe_s = probe_shared_memory_round_trip(self.cfg.node_id, self.engine, self.agent)
         if probe_s is not None:
-            self.rates.seed_round_trip(probe_s + self.decode_step_s / 2, SHARED_MEMORY)
+            self.rates.seed_round_trip(probe_s + self.node.decode_step_s / 2, SHARED_MEMORY)
             log.info("%s: shared-memory fetch round trip %.2f ms (probe %.2f ms + half a decode step)",
                      self.cfg.node_id, self.rates.rtt_s_for(SHARED_MEMORY) * 1e3, probe_s * 1e3)
 
     # ---- admission (engine thread) ------------------------------------------------------------------
-    def handle(self, identity: bytes, msg) -> None:
+    def handle(self, identity: bytes, msg) -> bool:
+        """A caller's request or abort (request endpoint's thread); False: not this role's message."""
         if isinstance(msg, nm.GenerateRequest):
             self.call_soon(lambda: self._admit(identity, msg))
         elif isinstance(msg, nm.AbortRequest):
             self.call_soon(lambda: self._abort(msg.request_id))
         else:
-            super().handle(identity, msg)
+            return False
+        return True
 
     def _plan(self, seq: Sequence, num_local: int, end: int, local_queue_s: float, num_streams: int,
               lookup: bool) -> tuple[FetchPlan, dict[str, int]]:
@@ -120,7 +131,7 @@ class DecodeWorker(NodeRuntime):
         ``lookup``: read the index mirror for holders (else only this node's lower tiers are considered)."""
         bs = self.cfg.block_size
         lower = self.tiers.lower_run(seq.block_hashes[:end], num_local) if self.tiers is not None else []
-        hits = self.lookup_holders(seq.block_hashes[:end]) if lookup else {}
+        hits = self.node.lookup_holders(seq.block_hashes[:end]) if lookup else {}
         start = num_local + len(lower)
         holders = tuple(HolderOption(node_id, length, self._holder_bytes_per_s(seq, node_id, start, length),
                                      self.links.rtt_s(node_id))
@@ -130,7 +141,7 @@ class DecodeWorker(NodeRuntime):
         if lookup:
             prefill = (self.prefill_nodes.best((end - held_end) * bs, hits) if self.placement.prices_prefill_nodes
                        else self.prefill_nodes.any_option(hits))
-        request = PlanRequest(num_local, end, bs, self.engine.layout.bytes_per_token, self.prefill_tokens_per_s,
+        request = PlanRequest(num_local, end, bs, self.engine.layout.bytes_per_token, self.node.prefill_tokens_per_s,
                               local_queue_s, len(lower), self.tiers.read_seconds(lower) if lower else 0.0,
                               holders, prefill, num_streams)
         return self.placement.plan(request), hits
@@ -138,8 +149,8 @@ class DecodeWorker(NodeRuntime):
     def _prompt_step_s(self) -> float:
         """A step computing this node's usual prompt slice, estimated at its fitted prompt cost."""
         config = self.engine.scheduler.config
-        return self.prefill_cost.fixed_s + (config.long_prefill_token_threshold or config.max_num_batched_tokens) \
-            / self.prefill_tokens_per_s
+        return self.node.prefill_cost.fixed_s + (config.long_prefill_token_threshold or config.max_num_batched_tokens) \
+            / self.node.prefill_tokens_per_s
 
     def _holder_bytes_per_s(self, seq: Sequence, node_id: str, start: int, end: int) -> float:
         """A holder's link rate, or its disk's read rate where the blocks asked of it are on its disk tier."""
@@ -166,6 +177,10 @@ class DecodeWorker(NodeRuntime):
 
     def _admit(self, identity: bytes, msg: nm.GenerateRequest) -> None:
         rid = msg.request_id
+        if not self.accepting:  # the node changed role: the router sends the request elsewhere
+            self._send_error(identity, rid, f"{self.cfg.node_id} no longer takes streams (it is a prefill node now)",
+                             nm.ERROR_NODE_LOST)
+            return
         if rid in self._requests:
             self._send_error(identity, rid, f"request id {rid!r} is already in use", nm.ERROR_INTERNAL)
             return
@@ -183,9 +198,9 @@ class DecodeWorker(NodeRuntime):
         bs = self.cfg.block_size
         end = (seq.num_prompt_tokens - 1) // bs  # the last token is always computed here
         uncached = seq.num_prompt_tokens - num_local * bs
-        local_queue_s = self._prompt_tokens_ahead(uncached) / self.prefill_tokens_per_s
+        local_queue_s = self._prompt_tokens_ahead(uncached) / self.node.prefill_tokens_per_s
         num_streams = self._streams_here()
-        lookup = self.placement.worth_a_lookup(uncached, self.prefill_tokens_per_s, self.links.rates.min_rtt_s,
+        lookup = self.placement.worth_a_lookup(uncached, self.node.prefill_tokens_per_s, self.links.rates.min_rtt_s,
                                                local_queue_s, num_streams)
         plan = None
         if end > num_local:
@@ -313,7 +328,7 @@ class DecodeWorker(NodeRuntime):
             self.num_aborted += 1
 
     def _send_error(self, identity: bytes, request_id: str, error: str, kind: str) -> None:
-        self.endpoint.send(identity, encode(nm.TokenEvent(request_id, [], finished=True, error=error,
+        self.node.endpoint.send(identity, encode(nm.TokenEvent(request_id, [], finished=True, error=error,
                                                           error_kind=kind)))
 
     def on_token(self, seq: Sequence, token_id: int) -> None:
@@ -327,23 +342,33 @@ class DecodeWorker(NodeRuntime):
             top = seq.output_top_logprobs[-1]
             event = nm.TokenEvent(seq.request_id, [token_id], logprobs=[seq.output_logprobs[-1]],
                                   top_token_ids=[t for t, _ in top], top_logprobs=[v for _, v in top])
-        self.send_event(request.identity, event)
+        self.node.send_event(request.identity, event)
 
     def on_failed(self, seq: Sequence, error: str) -> None:
         request = self._requests.pop(seq.request_id, None)
         if request is not None:  # a broken node (a dead rank) fails every step: the request may run elsewhere
             request.span.record_error(error)
             request.span.end()
-            self.send_event(request.identity, nm.TokenEvent(
+            self.node.send_event(request.identity, nm.TokenEvent(
                 seq.request_id, [], finished=True, finish_reason="error", error=error,
-                error_kind=nm.ERROR_NODE_LOST if self.broken else nm.ERROR_INTERNAL))
+                error_kind=nm.ERROR_NODE_LOST if self.node.broken else nm.ERROR_INTERNAL))
 
     def abandon_requests(self, why: str) -> None:
         requests, self._requests = self._requests, {}  # the engine loop has stopped: this thread owns them now
         for rid, request in requests.items():
-            self.endpoint.send(request.identity, encode(nm.TokenEvent(
+            self.node.endpoint.send(request.identity, encode(nm.TokenEvent(
                 rid, [], finished=True, finish_reason="error", error=f"the node is leaving: {why}",
                 error_kind=nm.ERROR_NODE_LOST)))
+
+    def hand_back(self, why: str) -> None:
+        """Engine thread: end every stream here with ERROR_NODE_LOST (the router continues each on another decode
+        node from the tokens it has) and free its blocks (after any fetch into them)."""
+        for rid, request in list(self._requests.items()):
+            self.num_handed_back += 1
+            self.node.send_event(request.identity, nm.TokenEvent(rid, [], finished=True, finish_reason="error",
+                                                                 error=f"{self.cfg.node_id}: {why}",
+                                                                 error_kind=nm.ERROR_NODE_LOST))
+            self._abort(rid)
 
     def on_finish(self, seq: Sequence) -> None:
         request = self._requests.pop(seq.request_id, None)
@@ -371,16 +396,21 @@ class DecodeWorker(NodeRuntime):
             request.span.set_attributes({f"kvmesh.{key}": value for key, value in stats.items()})
             request.span.set_attribute("kvmesh.completion_tokens", len(seq.output_token_ids))
             request.span.end()
-        self.send_event(request.identity, nm.TokenEvent(seq.request_id, [], finished=True,
+        self.node.send_event(request.identity, nm.TokenEvent(seq.request_id, [], finished=True,
                                                         finish_reason=seq.finish_reason or "", stats=stats))
 
+    @property
+    def num_streams(self) -> int:
+        """Requests admitted here and not yet ended (engine thread's dict, read as it is)."""
+        return len(self._requests)
+
     def close(self) -> None:
-        super().close()
         self._conversations.shutdown(wait=False, cancel_futures=True)
 
-    def role_stats(self) -> dict:
+    def stats(self) -> dict:
         return {"num_remote": self.num_remote, "num_local": self.num_local, "num_aborted": self.num_aborted,
                 "num_steps_bounded_for_landings": self.landings.num_bounded_steps,
+                "num_streams_handed_back": self.num_handed_back,
                 "num_tainted_swapped": self.num_tainted_swapped,
                 **{f"prompt_{key}": value for key, value in self.prompt_token_sources.items()},
                 "transfer_gib_per_s_measured": self.rates.bytes_per_s / 2**30,

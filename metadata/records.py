@@ -59,7 +59,7 @@ _PARTS = {"kv_layout": KVLayoutRecord, "model": ModelCard, "probe": ComputeProbe
 @dataclass(frozen=True)
 class NodeRecord:
     node_id: str
-    role: str  # "prefill" | "decode" | "both"
+    role: str  # "prefill" | "decode" | "both" | "draining" (a decode node becoming a prefill node)
     host: str
     transfer_endpoint: str
     side_channel: str
@@ -83,7 +83,7 @@ class NodeRecord:
             record = cls(**fields)
         except TypeError as e:
             raise RecordError(f"node record: {e}") from None
-        if record.role not in ("prefill", "decode", "both"):
+        if record.role not in ("prefill", "decode", "both", "draining"):
             raise RecordError(f"node record: unknown role {record.role!r}")
         if not all(isinstance(getattr(record, f), str) for f in ("node_id", "host", "transfer_endpoint",
                                                                   "side_channel", "request_endpoint")):

@@ -1,7 +1,7 @@
-"""PrefillWorker: ``kvmesh prefill-node``.
+"""PrefillRole: a node's prefill work (the role of ``kvmesh node --role prefill``).
 
-It serves ComputeAndPush conversations on its side channel (its holder calls
-``admit``): the prompt is validated and accepted or refused at once; then, on a
+It serves ComputeAndPush conversations on the node's side channel (its holder calls
+``admit``) while the node takes prefills (``accepting``; a node changing role stops, BUSY): the prompt is validated and accepted or refused at once; then, on a
 worker thread, its local prefix hits are referenced and the rest of the prefix is
 planned with the cluster's planner (``kvmesh/node/planner.py``, no prefill option):
 what its lower KV tiers hold next is promoted and a longer prefix held by a peer is
@@ -22,7 +22,6 @@ from kvmesh.engine.sampling_params import SamplingParams
 from kvmesh.engine.sequence import Sequence
 from kvmesh.kv.block_hash import BlockHash
 from kvmesh.kv.block_pool import NO_BLOCK
-from kvmesh.node.runtime import NodeRuntime
 from kvmesh.tracing import NO_SPAN
 from kvmesh.transfer import messages as m
 from kvmesh.transfer.errors import TransferError, TransferRefused
@@ -46,9 +45,17 @@ class _Prefill:
     span: object = NO_SPAN  # its trace span (kvmesh/tracing.py): acceptance to the conversation's end
 
 
-class PrefillWorker(NodeRuntime):
-    def __init__(self, cfg):
-        super().__init__(cfg)
+class PrefillRole:
+    name = "prefill"
+
+    def __init__(self, node):
+        """``node``: the ``NodeRuntime`` whose engine, pool, tiers and transfer agent this role uses."""
+        self.node = node
+        self.cfg, self.engine, self.pool, self.agent, self.tiers = node.cfg, node.engine, node.pool, node.agent, \
+            node.tiers
+        self.tracer, self.placement, self.workers, self.call_soon = node.tracer, node.placement, node.workers, \
+            node.call_soon
+        self.accepting = True  # takes new conversations (off while the node is not a prefill node)
         self._prefills: dict[str, _Prefill] = {}  # conversation id -> state
         self._lock = threading.Lock()
         self.num_prefills = 0
@@ -56,12 +63,16 @@ class PrefillWorker(NodeRuntime):
         self.num_refused_busy = 0  # of those: it could not beat the requester computing the prompt itself
         self.tokens_pulled = 0
         self.tokens_promoted = 0
-        self.agent.holder.compute = self
 
     # ---- ComputeHook (holder's worker threads) ---------------------------------------------------------
     def admit(self, msg: m.ComputeAndPush) -> list[BlockHash]:
         bs = self.cfg.block_size
         prompt = msg.prompt_token_ids
+        if not self.accepting:
+            self.num_refused += 1
+            self.num_refused_busy += 1
+            raise TransferRefused("busy: this node does not take prefills now (it serves streams)",
+                                  code=m.ErrorCode.BUSY.value, request_id=msg.request_id)
         try:
             self.engine.prepare_request(prompt, _prefill_only(msg.cache_salt), request_id=f"check:{msg.request_id}")
         except Exception as e:
@@ -94,7 +105,7 @@ class PrefillWorker(NodeRuntime):
     def _finish_estimate_s(self, num_new_tokens: int) -> float:
         """When a prompt of ``num_new_tokens`` uncached tokens accepted now would be computed: after every
         accepted conversation's tokens still to compute (caller holds ``_lock``), at this node's fitted cost."""
-        return self.prefill_cost.fixed_s + (self._backlog_tokens() + max(0, num_new_tokens)) / self.prefill_tokens_per_s
+        return self.node.prefill_cost.fixed_s + (self._backlog_tokens() + max(0, num_new_tokens)) / self.node.prefill_tokens_per_s
 
     def _backlog_tokens(self, but: _Prefill | None = None) -> int:
         """Prompt tokens of accepted conversations (``but`` one) still to compute (caller holds ``_lock``)."""
@@ -115,8 +126,8 @@ class PrefillWorker(NodeRuntime):
         bs, end = self.cfg.block_size, len(prefill.hashes)
         bytes_per_s, rtt_s = self.cfg.transfer_gib_per_s * 2**30, self.cfg.transfer_rtt_s
         with self._lock:
-            queue_s = self._backlog_tokens(but=prefill) / self.prefill_tokens_per_s
-        request = PlanRequest(num_local, end, bs, self.engine.layout.bytes_per_token, self.prefill_tokens_per_s,
+            queue_s = self._backlog_tokens(but=prefill) / self.node.prefill_tokens_per_s
+        request = PlanRequest(num_local, end, bs, self.engine.layout.bytes_per_token, self.node.prefill_tokens_per_s,
                               queue_s, len(lower), self.tiers.read_seconds(lower) if lower else 0.0,
                               tuple(HolderOption(n, length, bytes_per_s, rtt_s) for n, length in hits.items()))
         return self.placement.plan(request)
@@ -158,7 +169,7 @@ class PrefillWorker(NodeRuntime):
             self.call_soon(lambda: self._start(request_id, prefill))
             return
         lower = self.tiers.lower_run(hashes, len(held)) if self.tiers is not None else []
-        hits = self.lookup_holders(hashes) if len(held) + len(lower) < len(hashes) else {}
+        hits = self.node.lookup_holders(hashes) if len(held) + len(lower) < len(hashes) else {}
         plan = self._plan_prefix(prefill, len(held), lower, hits)
         if plan.promote_end > len(held):  # our own lower tiers before any peer
             promoted = self.tiers.promote(hashes[len(held):plan.promote_end], held[-1] if held else NO_BLOCK).block_ids
@@ -203,10 +214,12 @@ class PrefillWorker(NodeRuntime):
         held, prefill.held = prefill.held, []
         self.pool.free(held)
 
-    def on_finish(self, seq: Sequence) -> None:
-        pass  # blocks stay cached; references are dropped when the conversation ends
+    @property
+    def num_open(self) -> int:
+        """Conversations accepted and not yet ended."""
+        return len(self._prefills)
 
-    def role_stats(self) -> dict:
+    def stats(self) -> dict:
         return {"num_prefills": self.num_prefills, "tokens_pulled": self.tokens_pulled,
                 "tokens_promoted": self.tokens_promoted,
                 "num_prefills_refused": self.num_refused, "num_prefills_refused_busy": self.num_refused_busy,

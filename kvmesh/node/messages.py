@@ -113,5 +113,42 @@ class TokenBatch:
         return [decode(event, (TokenEvent,)) for event in self.events]
 
 
-register(GenerateRequest, TokenEvent, TokenBatch, AbortRequest, StatsRequest, StatsReply)
-REQUESTS = (GenerateRequest, AbortRequest, StatsRequest)
+@dataclass(frozen=True)
+class SetRole:
+    """Router (its role balancer) or an operator -> node: take ``role`` ("prefill" or "decode"). A decode node
+    that becomes a prefill node first stops taking streams; those still running after ``drain_timeout_s`` are
+    handed back to the router (ERROR_NODE_LOST: they continue on another decode node)."""
+
+    TYPE: ClassVar[str] = "set_role"
+    request_id: str
+    role: str
+    drain_timeout_s: float = 30.0
+
+    def validate(self) -> None:
+        if not self.request_id:
+            raise MessageError("set_role: empty request_id")
+        if self.role not in ("prefill", "decode"):
+            raise MessageError(f"set_role: role {self.role!r} is not prefill or decode")
+        if not self.drain_timeout_s >= 0:
+            raise MessageError("set_role: drain_timeout_s must be >= 0")
+
+
+@dataclass(frozen=True)
+class RoleReply:
+    """Node -> caller of SetRole: the role it has or is moving to (``state``: prefill, decode, or draining: on
+    its way from decode to prefill); ``error`` when the change was refused (another one in progress)."""
+
+    TYPE: ClassVar[str] = "role_reply"
+    finished: ClassVar[bool] = True  # one answer per SetRole
+    request_id: str
+    node_id: str
+    state: str
+    error: str = ""
+
+    def validate(self) -> None:
+        if self.state not in ("prefill", "decode", "draining"):
+            raise MessageError(f"role_reply: unknown state {self.state!r}")
+
+
+register(GenerateRequest, TokenEvent, TokenBatch, AbortRequest, StatsRequest, StatsReply, SetRole, RoleReply)
+REQUESTS = (GenerateRequest, AbortRequest, StatsRequest, SetRole)

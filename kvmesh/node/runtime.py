@@ -6,8 +6,9 @@
 
 Only the engine thread touches the engine and scheduler; other threads hand it
 work with ``call_soon``. The block pool is shared with the transfer agent (it
-has its own lock). Role behaviour lives in ``prefill_node`` and ``decode_node``
-subclasses, which add handlers and finish hooks. Construction loads the model
+has its own lock). What a node does with requests lives in its roles
+(``prefill_node``, ``decode_node``), which ``cluster/serving_node.py`` composes over
+these parts through the hooks below. Construction loads the model
 and binds sockets but starts no thread; ``start`` brings the parts up in order
 and registers the node.
 """
@@ -118,6 +119,7 @@ class NodeConfig:
     core_share: str = ""  # FD:SLOT:CORES of the launcher's CoreTable: compute threads shared with this machine's nodes
     cluster_token: str = field(default="", repr=False)  # authenticates every frame (kvmesh.auth)
     insecure: bool = False  # may bind beyond loopback without a cluster token
+    role_changes: bool = False  # the role may change at run time (``--roles auto``): ready to decode whatever its first
     tensor_parallel_size: int = 1  # ranks of this node (kvmesh/parallel): the model split over N processes
     otlp_endpoint: str = ""  # traces of the requests this node serves (kvmesh/tracing.py); "": none
     trace_sample_ratio: float = 1.0
@@ -153,8 +155,8 @@ class NodeRuntime:
             block_size=cfg.block_size, num_kv_blocks=cfg.num_kv_blocks, track_pool_changes=True,
             enable_prefix_caching=cfg.enable_prefix_caching,
             enforce_eager=cfg.enforce_eager,
-            decode_graphs=cfg.role != "prefill",  # prefill nodes never decode: prompt-step graphs only
-            speculative=None if cfg.speculative == "off" or cfg.role != "decode" else SpeculativeConfig(
+            decode_graphs=self.may_decode,  # a prefill node that never decodes: prompt-step graphs only
+            speculative=None if cfg.speculative == "off" or not self.may_decode else SpeculativeConfig(
                 method=cfg.speculative, num_speculative_tokens=cfg.num_speculative_tokens),
             scheduler=SchedulerConfig(max_num_seqs=cfg.max_num_seqs,
                                       max_num_batched_tokens=cfg.max_num_batched_tokens,
@@ -166,9 +168,7 @@ class NodeRuntime:
         self.prefill_cost = CostFit(probe.prefill_points)
         self.decode_step_s = probe.decode_step_s
         self.engine.on_prefill_step = self.prefill_cost.record
-        if cfg.long_prefill_token_threshold < 0 and cfg.role == "decode":
-            self.engine.scheduler.config = replace(self.engine.scheduler.config, long_prefill_token_threshold=prompt_slice(
-                self.prefill_tokens_per_s, cfg.block_size, cfg.max_num_batched_tokens))
+        self.slice_prompts(cfg.role == "decode")
         self.engine.on_token = self.on_token
         self.membership = ClusterMembership(cfg.etcd, cfg.cluster, cfg.node_id,
                                             index_namespace(self.engine.namespace), cfg.lease_ttl_s,
@@ -207,6 +207,26 @@ class NodeRuntime:
         self.endpoint = RouterEndpoint(cfg.host, self._on_request, f"requests-{cfg.node_id}", self.auth,
                                        advertise=self.advertise_host)
         self.call_soon = self.loop.call_soon
+
+    @property
+    def may_decode(self) -> bool:
+        """The node may serve streams: a decode node, or any node whose role may change (``role_changes``)."""
+        return self.cfg.role == "decode" or self.cfg.role_changes
+
+    @property
+    def role_name(self) -> str:
+        """The role published in the node's record (a node that changes role says so here)."""
+        return self.cfg.role
+
+    def slice_prompts(self, streams_beside: bool) -> None:
+        """Engine thread (or before it starts): with ``streams_beside`` (a decode node) and an automatic
+        ``long_prefill_token_threshold``, compute prompts in slices of ``prompt_slice``; else as the flag says
+        (prefill nodes, with no streams beside their prompts, take whole steps)."""
+        cfg = self.cfg
+        tokens = max(cfg.long_prefill_token_threshold, 0)
+        if cfg.long_prefill_token_threshold < 0 and streams_beside:
+            tokens = prompt_slice(self.prefill_tokens_per_s, cfg.block_size, cfg.max_num_batched_tokens)
+        self.engine.scheduler.config = replace(self.engine.scheduler.config, long_prefill_token_threshold=tokens)
 
     def _start_ranks(self):
         """This node's tensor-parallel ranks (the CPU only: its ranks share one KV buffer of every head, the format
@@ -273,7 +293,7 @@ class NodeRuntime:
         disk = self.tiers.read_rates[2].per_s if self.tiers is not None and self.tiers.disk is not None else 0.0
         probe = ComputeProbe(float(self.prefill_tokens_per_s), float(self.decode_step_s), float(disk),
                              self.engine.scheduler.config.long_prefill_token_threshold)
-        return NodeRecord(self.cfg.node_id, self.cfg.role, self.advertise_host, self.agent.engine.endpoint,
+        return NodeRecord(self.cfg.node_id, self.role_name, self.advertise_host, self.agent.engine.endpoint,
                           self.agent.side_channel, self.endpoint.endpoint, kv_layout, card, probe,
                           layout.num_blocks, {"free_blocks": self.pool.num_free_blocks})
 
@@ -437,7 +457,7 @@ class NodeRuntime:
     # ---- role hooks -----------------------------------------------------------------------------------
     def handle(self, identity: bytes, msg) -> None:
         self.endpoint.send(identity, encode(nm.TokenEvent(getattr(msg, "request_id", ""), [], finished=True,
-                                                          error=f"{self.cfg.role} node does not take {msg.TYPE}",
+                                                          error=f"{self.role_name} node does not take {msg.TYPE}",
                                                           error_kind=nm.ERROR_INVALID)))
 
     def on_token(self, seq: Sequence, token_id: int) -> None:
@@ -459,7 +479,7 @@ class NodeRuntime:
     # ---- life ---------------------------------------------------------------------------------------------
     def announce(self) -> None:
         """One JSON line on stdout for launchers: the node is registered and serving."""
-        print(json.dumps({"node_id": self.cfg.node_id, "role": self.cfg.role, "requests": self.endpoint.endpoint,
+        print(json.dumps({"node_id": self.cfg.node_id, "role": self.role_name, "requests": self.endpoint.endpoint,
                           "side_channel": self.agent.side_channel, "transport": self.agent.engine.transport}),
               flush=True)
 
