@@ -14,9 +14,10 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30,
 
 
 class RouterMetrics:
-    def __init__(self, node_stats=None, readiness=None):
+    def __init__(self, node_stats=None, readiness=None, role_moves=None):
         """``node_stats()`` -> {node_id: stats dict}, read at scrape time (per-node load, hit rates, bytes);
-        ``readiness()`` -> (ready, detail) as ``Router.readiness`` (process states under a supervisor)."""
+        ``readiness()`` -> (ready, detail) as ``Router.readiness`` (process states under a supervisor);
+        ``role_moves``: the role balancer's moves by the role moved to (``--roles auto``), read at scrape time."""
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter("kvmesh_requests", "Requests by outcome", ["outcome"], registry=r)
@@ -37,6 +38,11 @@ class RouterMetrics:
               "full walks at start-up (kvmesh/gc_pauses.py)", registry=r).set_function(gc.get_freeze_count)
         if node_stats is not None:
             r.register(_NodeCollector(node_stats))
+        if role_moves is not None:
+            moves = Gauge("kvmesh_role_changes", "Nodes the role balancer moved, by the role they took", ["to"],
+                          registry=r)
+            for role in ("prefill", "decode"):
+                moves.labels(role).set_function(lambda role=role: role_moves[role])
         if readiness is not None:
             r.register(_ReadinessCollector(readiness))
 
@@ -86,7 +92,11 @@ class _NodeCollector:
         engine_share = GaugeMetricFamily("kvmesh_node_engine_step_share", "Share of the engine thread's step time "
                                          "on a core, runnable but waiting for one, or asleep (the GIL, compute "
                                          "threads' ends) since the node started", labels=["node", "part"])
+        role = GaugeMetricFamily("kvmesh_node_role", "1 for the role the node takes now (prefill, decode, draining: on "
+                                 "its way from decode to prefill)", labels=["node", "role"])
         for node_id, stats in self._node_stats().items():
+            if "role" in stats:
+                role.add_metric([node_id, str(stats["role"])], 1.0)
             for key, family in gauges.items():
                 if key in stats:
                     family.add_metric([node_id], float(stats[key]))
@@ -98,6 +108,7 @@ class _NodeCollector:
         yield from gauges.values()
         yield gc_pause
         yield engine_share
+        yield role
 
 
 class _ReadinessCollector:

@@ -80,6 +80,9 @@ def add_node_arguments(p: argparse.ArgumentParser) -> None:
                    help="decode nodes give up on a prefill node's blocks after this many seconds (then compute)")
     p.add_argument("--enforce-eager", action="store_true",
                    help="on a CUDA device: no CUDA graphs of decode or prompt steps (captured at start-up otherwise)")
+    p.add_argument("--role-changes", action="store_true",
+                   help="the role may change at run time (the router's --roles auto): a prefill node is ready to "
+                        "decode too (decode graphs captured, speculative decoding set up)")
     p.add_argument("--holder-timeout", type=float, default=5.0,
                    help="nodes give up on a holder's push of cached blocks after this many seconds (a decode node's "
                         "fetch, a prefill node's pull of a prefix)")
@@ -150,7 +153,7 @@ def run_node(role: str, args: argparse.Namespace) -> int:
                      lease_ttl_s=args.lease_ttl, transfer_gib_per_s=args.transfer_gib_per_s,
                      transfer_rtt_s=args.transfer_rtt_ms / 1e3,
                      prefill_timeout_s=args.prefill_timeout, holder_timeout_s=args.holder_timeout,
-                     num_landing_slots=args.landing_slots, enforce_eager=args.enforce_eager,
+                     num_landing_slots=args.landing_slots, enforce_eager=args.enforce_eager, role_changes=args.role_changes,
                      kv_placement=args.kv_placement, core_share="" if args.threads > 0 else args.core_share,
                      enable_prefix_caching=not args.no_prefix_cache, use_global_pool=not args.no_global_pool,
                      speculative=args.speculative, num_speculative_tokens=args.num_speculative_tokens,

@@ -20,6 +20,8 @@ from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
 from kvmesh.cluster.detokenizer import IncrementalDetokenizer
+from kvmesh.cluster.role_balancer import BalancerConfig, RoleBalancer
+from kvmesh.cluster.role_controller import RoleController
 from kvmesh.cluster.fetch_costs import FetchCosts
 from kvmesh.cluster.metrics import RouterMetrics
 from kvmesh.cluster.node_connection import NodeConnection, NodeLost
@@ -66,6 +68,13 @@ class RouterConfig:
     migration_wait_s: float = 15.0  # with no decode node left, wait this long for one (a restart) to appear
     otlp_endpoint: str = ""  # traces of requests (kvmesh/tracing.py); "": none
     trace_sample_ratio: float = 1.0
+    roles: str = "fixed"  # auto: the router moves nodes between prefill and decode as the load shifts
+    min_prefill: int = 0  # --roles auto keeps at least this many prefill nodes
+    min_decode: int = 1  # ... and decode nodes
+    ttft_slo_ms: float = 2000.0  # the SLOs the role balancer weighs prefill and decode pressure against
+    tpot_slo_ms: float = 100.0
+    role_interval_s: float = 2.0  # between the balancer's looks at the cluster
+    role_cooldown_s: float = 30.0  # after a role change, before the next
 
 
 class RequestTimeout(KvmeshError, TimeoutError):
@@ -159,9 +168,20 @@ class Router:
         self.num_migrations = 0
         self.supervision: Callable[[], dict] | None = None  # set by launchers that restart dead processes
         self.closed = threading.Event()  # set by close(): helpers that follow the router stop
-        self.metrics = RouterMetrics(self._node_metrics, self.readiness)
+        self.roles: RoleController | None = None
+        if cfg.roles == "auto":
+            balancer = RoleBalancer(BalancerConfig(
+                ttft_slo_s=cfg.ttft_slo_ms / 1e3, tpot_slo_s=cfg.tpot_slo_ms / 1e3, cooldown_s=cfg.role_cooldown_s,
+                min_prefill=cfg.min_prefill, min_decode=cfg.min_decode))
+            self.roles = RoleController(balancer, self.status, self._set_role, cfg.role_interval_s)
+        elif cfg.roles != "fixed":
+            raise ValueError(f"roles {cfg.roles!r}: fixed or auto")
+        self.metrics = RouterMetrics(self._node_metrics, self.readiness,
+                                     role_moves=self.roles.moves if self.roles is not None else None)
         self.tracer = Tracer("kvmesh-router", cfg.otlp_endpoint, cfg.trace_sample_ratio)
         self.index.mirror.wait_healthy(10)
+        if self.roles is not None:
+            self.roles.start()
 
     # ---- requests ----------------------------------------------------------------------------------
     def tokenize(self, text: str) -> list[int]:
@@ -409,6 +429,12 @@ class Router:
                                                                              self._auth)
             return conn
 
+    def _set_role(self, node_id: str, role: str, drain_timeout_s: float):
+        """The role balancer's move: ``nm.SetRole`` to ``node_id``; its answer (None: none, or not registered)."""
+        if node_id not in self.directory.nodes:
+            return None
+        return self._connection(node_id).set_role(role, drain_timeout_s)
+
     # ---- status ----------------------------------------------------------------------------------------
     def readiness(self) -> tuple[bool, dict]:
         """Ready while at least one decode node is registered (and, under a supervisor, up)."""
@@ -518,6 +544,8 @@ class Router:
 
     def close(self) -> None:
         self.closed.set()
+        if self.roles is not None:
+            self.roles.close()
         for conn in self._connections.values():
             conn.close()
         self.pin_registry.close()

@@ -98,7 +98,8 @@ def node_share_args(args: argparse.Namespace) -> list[str]:
     if getattr(args, "otlp_endpoint", ""):  # the front ends' collector: the nodes' spans join the router's traces
         out += ["--otlp-endpoint", args.otlp_endpoint, "--trace-sample-ratio", repr(args.trace_sample_ratio)]
     return out + (["--disk-kv-path", args.disk_kv_path] if args.disk_kv_path else []) + \
-        (["--enforce-eager"] if args.enforce_eager else [])
+        (["--enforce-eager"] if args.enforce_eager else []) + \
+        (["--role-changes"] if getattr(args, "roles", "fixed") == "auto" else [])
 
 
 def add_front_end_arguments(p: argparse.ArgumentParser) -> None:
@@ -119,6 +120,28 @@ def add_front_end_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tls-key", default=None, help="PEM private key for --tls-cert")
     add_secret_arguments(p, generated=True)
     add_tracing_arguments(p)
+    add_role_arguments(p)
+
+
+def add_role_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("roles that follow the load")
+    g.add_argument("--roles", default="fixed", choices=["fixed", "auto"],
+                   help="auto: the router moves nodes between prefill and decode, one at a time, as prompt queues "
+                        "and decode steps measure against the SLOs below (default: %(default)s)")
+    g.add_argument("--min-prefill", type=int, default=0, help="--roles auto keeps at least this many prefill nodes")
+    g.add_argument("--min-decode", type=int, default=1, help="... and this many decode nodes")
+    g.add_argument("--ttft-slo-ms", type=float, default=2000.0,
+                   help="--roles auto: the first-token SLO prompt queues are weighed against (default: %(default)s)")
+    g.add_argument("--tpot-slo-ms", type=float, default=100.0,
+                   help="--roles auto: the per-token SLO decode steps are weighed against (default: %(default)s)")
+
+
+def role_config(args: argparse.Namespace) -> dict:
+    """The router's role-balancing settings from ``add_role_arguments``' flags (KvmeshError for bad bounds)."""
+    if args.min_decode < 1 or args.min_prefill < 0:
+        raise KvmeshError("--min-decode must be 1 or more and --min-prefill 0 or more")
+    return {"roles": args.roles, "min_prefill": args.min_prefill, "min_decode": args.min_decode,
+            "ttft_slo_ms": args.ttft_slo_ms, "tpot_slo_ms": args.tpot_slo_ms}
 
 
 def check_front_end_ports(args: argparse.Namespace) -> None:
@@ -138,7 +161,8 @@ def run_front_ends(args: argparse.Namespace, etcd: str, cluster: str, cluster_to
 
     router = Router(RouterConfig(etcd=etcd, model=args.model, cluster=cluster, routing=args.routing,
                                  max_in_flight=args.max_in_flight, cluster_token=cluster_token,
-                                 otlp_endpoint=args.otlp_endpoint, trace_sample_ratio=args.trace_sample_ratio))
+                                 otlp_endpoint=args.otlp_endpoint, trace_sample_ratio=args.trace_sample_ratio,
+                                 **role_config(args)))
     router.supervision = supervision
     tls_files = (args.tls_cert, args.tls_key) if args.tls_cert else None
     tls_pem = tuple(open(f, "rb").read() for f in (args.tls_key, args.tls_cert)) if tls_files else None
@@ -239,7 +263,7 @@ def run_launch(args: argparse.Namespace) -> int:
     cluster = RayCluster(args.prefill, args.decode, args.model, args.cluster, args.gpus_per_node,
                          args.cpus_per_node, etcd=args.etcd or "",
                          node_options={"cluster_token": token, "device": args.device, "dtype": args.dtype,
-                                       "otlp_endpoint": args.otlp_endpoint,
+                                       "otlp_endpoint": args.otlp_endpoint, "role_changes": args.roles == "auto",
                                        "trace_sample_ratio": args.trace_sample_ratio},
                          placement=placement, tensor_parallel_sizes=tensor_parallel_sizes(args)).start()
     print(json.dumps({"etcd": cluster.etcd, "nodes": cluster.hosts()}), flush=True)

@@ -413,6 +413,7 @@ class DecodeRole:
                 "num_streams_handed_back": self.num_handed_back,
                 "num_tainted_swapped": self.num_tainted_swapped,
                 **{f"prompt_{key}": value for key, value in self.prompt_token_sources.items()},
+                "prompt_tokens_total": sum(self.prompt_token_sources.values()),
                 "transfer_gib_per_s_measured": self.rates.bytes_per_s / 2**30,
                 "transfer_gib_per_s_by_link": {k: v / 2**30 for k, v in self.rates.by_link().items()},
                 "rtt_ms_measured": self.rates.rtt_s * 1e3, "num_rtt_samples": self.rates.num_rtt_samples,

@@ -303,6 +303,11 @@ def _run_bench_tiers(args: argparse.Namespace) -> int:
 def _run_bench_cluster(args: argparse.Namespace) -> int:
     from kvmesh.bench import cluster_bench
 
+    if args.workload == "shifting":
+        from kvmesh.bench import shifting
+
+        shifting.run(args)
+        return 0
     cluster_bench.apply_quick(args)
     cluster_bench.run(args)
     return 0

@@ -223,4 +223,9 @@ class PrefillRole:
         return {"num_prefills": self.num_prefills, "tokens_pulled": self.tokens_pulled,
                 "tokens_promoted": self.tokens_promoted,
                 "num_prefills_refused": self.num_refused, "num_prefills_refused_busy": self.num_refused_busy,
-                "num_open_prefills": len(self._prefills)}
+                "num_open_prefills": len(self._prefills), "prefill_queue_s": self.queue_s()}
+
+    def queue_s(self) -> float:
+        """Seconds of accepted prompt tokens still to compute here, at this node's rate (any thread)."""
+        with self._lock:
+            return self._backlog_tokens() / self.node.prefill_tokens_per_s

@@ -93,3 +93,21 @@ def test_the_ttft_axis_labels_never_overlap(span_ms):
     assert len(boxes) >= 2
     boxes.sort(key=lambda b: b.x0)
     assert all(a.x1 <= b.x0 for a, b in zip(boxes, boxes[1:])), [(b.x0, b.x1) for b in boxes]
+
+
+def test_the_shifting_workload_reports_every_mode_and_phase(tmp_path):
+    """``--workload shifting`` on the tiny preset: the JSON shape scripts read (modes, goodput, lost, failed,
+    role changes, phases by name), every request answered, the roles over time sampled and plotted."""
+    path = tmp_path / "shift.json"
+    assert main(["bench", "cluster", "--workload", "shifting", "--modes", "auto,2p1d", "--phases", "2",
+                 "--per-phase", "6", "--long-prompt-len", "96", "--long-output-len", "24", "--concurrency", "3",
+                 "--role-interval-s", "0.2", "--json", str(path), "--plots", str(tmp_path / "plots")]) == 0
+    res = json.loads(path.read_text())
+    assert set(res["modes"]) == {"auto", "2p1d"}
+    for name, m in res["modes"].items():
+        assert m["lost"] == 0 and m["failed"] == 0 and m["goodput_rps"] >= 0 and m["role_changes"] >= 0
+        assert [p["name"] for p in m["phases"]] == ["prefill-heavy", "decode-heavy"]
+        assert all(p["requests"] == 6 and p["goodput_rps"] >= 0 for p in m["phases"])
+        assert m["roles_over_time"] and sum(m["nodes"].values()) == 3
+    assert res["modes"]["2p1d"]["role_changes"] == 0 and res["modes"]["2p1d"]["nodes"] == {"prefill": 2, "decode": 1}
+    assert (tmp_path / "plots" / "roles_over_time.png").stat().st_size > 0

@@ -39,13 +39,15 @@ def reference():
 
 @pytest.fixture(scope="module", params=BACKENDS)
 def served(request):
-    """1 prefill + 2 decode nodes (decode nodes send every prompt to the prefill node) behind a router."""
-    args = ["--transfer-backend", request.param, "--kv-placement", "threshold:0", "--prefill-timeout", "30"]
+    """1 prefill + 2 decode nodes (decode nodes send every prompt to the prefill node; three streams a node at
+    most) behind a router."""
+    args = ["--transfer-backend", request.param, "--kv-placement", "threshold:0", "--prefill-timeout", "30",
+            "--max-num-seqs", "3"]
     if request.param == "mooncake":
         args.append("--no-shared-memory-transfers")
     with LocalCluster(1, 2, node_args=args, cluster=f"roles{request.param}") as cluster:
         router = Router(RouterConfig(etcd=cluster.etcd_endpoint, cluster_token=cluster.token,
-                                     cluster=f"roles{request.param}"))
+                                     cluster=f"roles{request.param}", request_timeout_s=30.0))
         try:
             yield cluster, router
         finally:
@@ -150,4 +152,43 @@ def test_a_prefill_node_becomes_a_decode_node_and_a_change_while_draining_is_ref
     wait_for(lambda: cluster.client("prefill-0").stats()["role"] == "prefill", "the drain to end")
     wait_for(lambda: roles(router).get("prefill-0") == "prefill", "the router to see prefill-0 prefill")
     assert cluster.client("prefill-0").stats()["num_role_changes"] == 2
+    settle(cluster)
+
+
+def test_the_router_balancer_moves_a_prefill_node_to_decode_when_decode_slots_run_out(served, reference):
+    """``--roles auto`` end to end: eight clients against two decode nodes of three slots each keep every slot
+    taken (decode pressure 1.0) while nothing queues at the prefill node: the balancer moves it to decode, the
+    streams complete exactly, the move is counted in /metrics."""
+    cluster, _ = served
+    router = Router(RouterConfig(etcd=cluster.etcd_endpoint, cluster_token=cluster.token, cluster=cluster.cluster,
+                                 request_timeout_s=30.0, roles="auto", role_interval_s=0.1, role_cooldown_s=0.0))
+    try:
+        prompts = [prompt(400 + i, 40 + 3 * i) for i in range(48)]
+        sp = params(24)
+        expected = reference(prompts, sp)
+        results: list = [None] * len(prompts)
+        moved = threading.Event()
+
+        def client(first: int) -> None:  # each client streams its prompts one after another, until a move and
+            for i in range(first, len(prompts), 8):  # a few more (the rest stay None: not sent)
+                results[i] = [t for chunk in router.generate(prompts[i], sp) for t in chunk.token_ids]
+                if moved.is_set() and i >= 16:
+                    return
+
+        threads = [threading.Thread(target=client, args=(k,)) for k in range(8)]
+        for t in threads:
+            t.start()
+        wait_for(lambda: sum(router.roles.moves.values()), "the balancer to move a node", timeout_s=120)
+        moved.set()
+        for t in threads:
+            t.join(180)
+        sent = [i for i, r in enumerate(results) if r is not None]
+        assert len(sent) >= 16 and [results[i] for i in sent] == [expected[i] for i in sent]
+        (_, node_id, to_role, reason), = router.roles.history
+        assert (node_id, to_role) == ("prefill-0", "decode") and "decode pressure 1.00" in reason
+        wait_for(lambda: roles(router).get("prefill-0") == "decode", "the moved node's record")
+        assert 'kvmesh_role_changes{to="decode"} 1.0' in router.metrics.exposition().decode()
+    finally:
+        router.close()
+    cluster.client("prefill-0").set_role("prefill")  # as it was
     settle(cluster)

@@ -367,9 +367,12 @@ def add_arguments(p) -> None:
     p.add_argument("--dtype", default="float32",
                    help="the nodes' dtype (auto: bfloat16 where the CPU computes it natively, half float32's memory)")
     p.add_argument("--workload", default="shared-prefix",
-                   choices=["shared-prefix", "multi-turn", "random", "mooncake", "sharegpt"])
+                   choices=["shared-prefix", "multi-turn", "random", "mooncake", "sharegpt", "shifting"],
+                   help="shifting: phases of prefill- and decode-heavy mixes, modes auto,2p1d,1p2d "
+                        "(kvmesh/bench/shifting.py)")
     p.add_argument("--trace", default=None, help="Mooncake JSONL trace or ShareGPT JSON file")
-    p.add_argument("--modes", default="", help="comma-separated subset of kvmesh,local-rr,no-cache,colocated")
+    p.add_argument("--modes", default="", help="comma-separated subset of kvmesh,local-rr,no-cache,colocated "
+                                                "(shifting: auto,2p1d,1p2d)")
     p.add_argument("--routing", default="", help="override every mode's routing policy")
     p.add_argument("--quick", action="store_true", help="a small run that finishes in a few minutes")
     p.add_argument("--insecure", action="store_true",
@@ -400,6 +403,9 @@ def add_arguments(p) -> None:
     p.add_argument("--kv-placement", default="cost", metavar="cost|threshold:N",
                    help="the decode nodes' placement policy (default cost: the planner decides, as in production; "
                         "threshold:N fetches whenever more than N uncached tokens remain)")
+    from kvmesh.bench.shifting import add_arguments as add_shifting_arguments
+
+    add_shifting_arguments(p)
 
 
 QUICK_REPEAT = 3

@@ -27,6 +27,10 @@ from kvmesh.node.step_clock import StepClock
 log = logging.getLogger("kvmesh.node")
 
 
+def _nothing() -> None:
+    """A command that only wakes the loop."""
+
+
 class EngineLoop:
     def __init__(self, engine: LLMEngine, name: str, on_finish: Callable[[Sequence], None],
                  on_failed: Callable[[Sequence, str], None], after_step: Callable[[], None],
@@ -56,6 +60,11 @@ class EngineLoop:
     def call_soon(self, fn: Callable[[], None]) -> None:
         """Run ``fn`` on the engine thread (the only one that touches the engine)."""
         self._commands.put(fn)
+
+    def wake(self) -> None:
+        """Any thread: run one more loop round (its ``after_step``: something else changed what the node
+        publishes)."""
+        self._commands.put(_nothing)
 
     def _run(self) -> None:
         scheduler = self.engine.scheduler
@@ -106,7 +115,7 @@ class EngineLoop:
 
     def close(self) -> None:
         self._stop.set()
-        self._commands.put(lambda: None)  # wakes an idle loop
+        self._commands.put(_nothing)  # wakes an idle loop
         if self._thread.is_alive():
             self._thread.join(timeout=5)
         if self._cores is not None and not self._thread.is_alive():

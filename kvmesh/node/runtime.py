@@ -191,7 +191,8 @@ class NodeRuntime:
         tier_cfg = TierConfig(host_kv_bytes, cfg.disk_kv_bytes, cfg.disk_kv_path, cfg.verify_kv)
         if tier_cfg.enabled:
             self.tiers = TieredCache(self.pool, self.engine.runner.kv_buffer, tier_cfg, self.engine.kv.root_hash,
-                                     name=cfg.node_id, checksums=self.agent.checksums)
+                                     name=cfg.node_id, checksums=self.agent.checksums,
+                                     on_index_change=lambda: self.loop.wake())  # publish them, even when idle
             for tensor in self.tiers.registered_tensors():  # pushes read host-tier and staged disk blocks in place
                 self.agent.engine.register(tensor)
             self.agent.holder.source = TieredSource(self.pool, self.agent.base_addr, self.agent.block_bytes,
@@ -357,15 +358,12 @@ class NodeRuntime:
             self.endpoint.send(identity, events[0] if len(events) == 1 else encode(nm.TokenBatch(events)))
             self.num_events_sent += len(events)
             self.num_event_frames += 1
+        publisher = self.membership.publisher
+        if publisher is None:  # not registered yet: the changes wait for the first publication
+            return
         cached, evicted = self.pool.take_changes()
         if cached:  # pushes waiting for these blocks (a prefill node's conversations) move on
             self.agent.holder.blocks_cached()
-        self._publish(cached, evicted)
-
-    def _publish(self, cached: list, evicted: list) -> None:
-        publisher = self.membership.publisher
-        if publisher is None:
-            return
         if self.tiers is None:
             publisher.publish(cached)
             publisher.unpublish(evicted)
@@ -426,7 +424,8 @@ class NodeRuntime:
         usage = self.pool.usage()
         stats = {**self.engine.kv.stats_dict(), "bytes_received": self.agent.bytes_received,
                  "bytes_sent": self.agent.bytes_sent, "bytes_sent_shared_memory": self.agent.bytes_sent_shared_memory,
-                 "num_used_blocks": usage.num_used,
+                 "num_used_blocks": usage.num_used, "num_kv_blocks": self.pool.num_blocks,
+                 "max_num_seqs": self.engine.scheduler.config.max_num_seqs,
                  "num_cached_blocks": usage.num_cached, "num_pinned": usage.num_pinned,
                  "num_running": len(self.engine.scheduler.running), "prefill_tokens_per_s": self.prefill_tokens_per_s,
                  "prompt_tokens_per_step": self.engine.scheduler.config.long_prefill_token_threshold,

@@ -57,7 +57,10 @@ class StepClock:
         wall = self.wall_s
         if not wall:
             return {"engine_step_s": 0.0, "engine_steps_timed": 0}
-        on_cpu, runnable = min(self.on_cpu_s / wall, 1.0), min(self.runnable_s / wall, 1.0)
+        # The kernel's clock and ours tick apart: where the two parts overrun the wall time a little, they are
+        # scaled back to fill it (asleep 0), so the three shares always sum to one.
+        accounted = max(wall, self.on_cpu_s + self.runnable_s)
+        on_cpu, runnable = self.on_cpu_s / accounted, self.runnable_s / accounted
         return {"engine_step_s": wall, "engine_steps_timed": self.num_steps,
                 "engine_on_cpu_share": on_cpu, "engine_runnable_share": runnable,
                 "engine_asleep_share": max(0.0, 1.0 - on_cpu - runnable)}

@@ -101,9 +101,12 @@ class SendBlocks(NamedTuple):
 
 class TieredCache:
     def __init__(self, pool: BlockPool, kv_buffer: torch.Tensor, cfg: TierConfig, root_hash: bytes,
-                 name: str = "node", checksums: BlockChecksums | None = None):
+                 name: str = "node", checksums: BlockChecksums | None = None,
+                 on_index_change: Callable[[], None] | None = None):
         """``checksums``: the node's stored checksums of tier-0 blocks: demotion takes a block's from there
-        (computing it once where none is stored) and promotion leaves the one it checked there."""
+        (computing it once where none is stored) and promotion leaves the one it checked there.
+        ``on_index_change()``: called by the demoter thread (no lock held) while blocks' tiers changed and
+        ``take_index_changes`` has not taken them yet (moves down, a re-adopted disk file)."""
         self.pool, self.cfg, self.name = pool, cfg, name
         self.checksums = checksums
         num_blocks = kv_buffer.shape[0]
@@ -114,6 +117,7 @@ class TieredCache:
         self._where: dict[bytes, TierStore] = {}  # every lower-tier block -> its one store
         self._children: dict[bytes, set[bytes]] = {}  # parent hash -> lower-tier blocks whose parent it is
         self._dirty: set[bytes] = set()  # blocks whose best tier may have changed (for the index)
+        self._on_index_change = on_index_change
         self._tmp: tempfile.TemporaryDirectory | None = None
         self.stores: list[TierStore] = []
         self.host = self.disk = None
@@ -329,6 +333,8 @@ class TieredCache:
     def _run(self) -> None:
         while not self._stop.is_set():
             moved = self.demote_now()
+            if self._dirty and self._on_index_change is not None:
+                self._on_index_change()
             self._stop.wait(0.001 if moved else 0.01)
 
     def demote_now(self) -> int:

@@ -1,0 +1,114 @@
+"""RoleBalancer: the policy that moves one node at a time between prefill and decode as the load shifts.
+
+Each tick the router hands it what the nodes measured (``NodeLoad``, from their stats) and it answers
+with at most one ``RoleMove``. Two pressures are compared, each as a share of its SLO:
+
+    prefill pressure  the longest prompt queue at a prefill node (seconds of queued prompt tokens at its
+                      rate) over the TTFT SLO; and, where decode nodes compute prompts themselves, the share
+                      of prompt tokens they computed since the last tick (their prefill nodes were busy)
+    decode pressure   the slowest decode node's recent step (one output token per stream) over the TPOT
+                      SLO, or its KV blocks in use, or its streams over its ``max_num_seqs``, whichever is
+                      highest
+
+A decode node moves to prefill when prefill pressure is high (>= ``high``) and decode pressure low
+(<= ``low``), and back the other way; the node moved is the least loaded of its role. Hysteresis keeps
+it from flapping: the same verdict must hold for ``sustain`` ticks in a row, no move within
+``cooldown_s`` of the last one (a drain and the router's view settle first), none while a node is
+draining, and each role keeps its minimum. With one node there is nothing to balance: it serves
+colocated (a decode node computes its own prompts). Pure: no I/O, the clock passed in.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class NodeLoad:
+    """One node as its stats describe it at a tick."""
+
+    node_id: str
+    role: str  # prefill | decode | draining
+    queue_s: float = 0.0  # prefill: its accepted prompt tokens still to compute, at its rate
+    step_s: float = 0.0  # decode: its mean step since the last tick (0: it did not step)
+    kv_used: float = 0.0  # decode: share of its KV blocks held by running requests
+    num_running: int = 0
+    max_num_seqs: int = 0
+    prompt_tokens_computed: int = 0  # decode: prompt tokens it computed itself, ever
+    prompt_tokens_total: int = 0  # decode: prompt tokens of its finished requests, ever
+
+
+@dataclass(frozen=True)
+class RoleMove:
+    node_id: str
+    to_role: str
+    reason: str
+
+
+@dataclass
+class BalancerConfig:
+    ttft_slo_s: float = 2.0
+    tpot_slo_s: float = 0.1
+    high: float = 0.8  # a pressure at or above this share of its SLO asks for capacity
+    low: float = 0.5  # ... and one at or below this can give a node away
+    sustain: int = 3  # ticks in a row the same verdict must hold
+    cooldown_s: float = 30.0  # after a move, before the next
+    min_prefill: int = 0
+    min_decode: int = 1
+
+
+@dataclass
+class RoleBalancer:
+    config: BalancerConfig = field(default_factory=BalancerConfig)
+    _streak: tuple[str, int] = ("", 0)  # the verdict of the last ticks and how many in a row
+    _last_move_at: float = float("-inf")
+    _last_counts: dict[str, tuple[int, int]] = field(default_factory=dict)  # decode node -> (computed, total)
+    num_moves: int = 0
+    last_reason: str = ""
+
+    def pressures(self, loads: list[NodeLoad]) -> tuple[float, float]:
+        """(prefill pressure, decode pressure) of this tick, each as a share of its SLO (see the module)."""
+        cfg = self.config
+        prefill = max((n.queue_s for n in loads if n.role == "prefill"), default=0.0) / cfg.ttft_slo_s
+        computed = total = 0
+        for n in loads:
+            if n.role != "decode":
+                continue
+            before = self._last_counts.get(n.node_id, (n.prompt_tokens_computed, n.prompt_tokens_total))
+            computed += n.prompt_tokens_computed - before[0]
+            total += n.prompt_tokens_total - before[1]
+            self._last_counts[n.node_id] = (n.prompt_tokens_computed, n.prompt_tokens_total)
+        if total > 0 and any(n.role == "prefill" for n in loads):  # decode nodes computing prompts themselves
+            prefill = max(prefill, computed / total)
+        decode = max((max(n.step_s / cfg.tpot_slo_s, n.kv_used, n.num_running / n.max_num_seqs if n.max_num_seqs
+                          else 0.0) for n in loads if n.role == "decode"), default=0.0)
+        return prefill, decode
+
+    def observe(self, loads: list[NodeLoad], now: float) -> RoleMove | None:
+        """One tick: the move to make now, if any (the caller makes it and says so with ``moved``)."""
+        cfg = self.config
+        prefill, decode = self.pressures(loads)
+        verdict = ""
+        if prefill >= cfg.high and decode <= cfg.low:
+            verdict = "prefill"
+        elif decode >= cfg.high and prefill <= cfg.low:
+            verdict = "decode"
+        self._streak = (verdict, self._streak[1] + 1 if verdict == self._streak[0] else 1)
+        if not verdict or self._streak[1] < cfg.sustain or now - self._last_move_at < cfg.cooldown_s:
+            return None
+        if any(n.role == "draining" for n in loads):
+            return None  # one change at a time
+        givers = [n for n in loads if n.role == ("decode" if verdict == "prefill" else "prefill")]
+        minimum = cfg.min_decode if verdict == "prefill" else cfg.min_prefill
+        if len(givers) <= minimum:
+            return None
+        node = min(givers, key=lambda n: (n.num_running, n.queue_s, n.node_id))  # the least loaded
+        reason = (f"prefill pressure {prefill:.2f} and decode pressure {decode:.2f} of their SLOs for "
+                  f"{self._streak[1]} ticks")
+        return RoleMove(node.node_id, verdict, reason)
+
+    def moved(self, move: RoleMove, now: float) -> None:
+        """The move was made: the cooldown starts and the streak restarts."""
+        self._last_move_at = now
+        self._streak = ("", 0)
+        self.num_moves += 1
+        self.last_reason = f"{move.node_id} -> {move.to_role}: {move.reason}"

@@ -1,0 +1,236 @@
+"""``kvmesh bench cluster --workload shifting``: the prefill:decode ratio against a load that shifts.
+
+The workload alternates phases of a prefill-heavy mix (long prompts, few output tokens) and a
+decode-heavy mix (short prompts, long outputs), each phase's requests sent by ``--concurrency``
+clients, one phase after the other. Every mode runs the same requests on the same number of nodes:
+
+    auto   1 prefill + N-1 decode nodes to start, the router's role balancer moving them (--roles auto)
+    2p1d   2 prefill + 1 decode node, fixed        (with --nodes N: N-1 prefill + 1 decode)
+    1p2d   1 prefill + 2 decode nodes, fixed       (with --nodes N: 1 prefill + N-1 decode)
+
+Per mode and phase: SLO goodput (requests a second meeting both the TTFT and the TPOT bound), TTFT and
+TPOT p50 / p99; per mode: requests lost (no answer) and failed (an error), role changes, and the roles
+over time (sampled every second; a PNG beside the JSON with ``--plots``).
+"""
+from __future__ import annotations
+
+import random
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from kvmesh.bench.report import percentile
+from kvmesh.cluster.local_launcher import LocalCluster
+from kvmesh.cluster.router import Router, RouterConfig
+from kvmesh.engine.sampling_params import SamplingParams
+
+PHASES = ("prefill-heavy", "decode-heavy")
+
+
+@dataclass
+class ShiftRequest:
+    phase: int  # index into the run's phase list
+    prompt_ids: list[int]
+    max_tokens: int
+
+
+@dataclass
+class Outcome:
+    phase: int
+    ttft_s: float = 0.0
+    tpot_s: float = 0.0
+    num_tokens: int = 0
+    error: str = ""
+
+
+def shifting_workload(args, vocab: int) -> list[list[ShiftRequest]]:
+    """``args.phases`` phases alternating prefill-heavy and decode-heavy, ``args.per_phase`` requests each."""
+    rng = random.Random(args.seed)
+    phases = []
+    for k in range(args.phases):
+        heavy_prefill = k % 2 == 0
+        prompt_len, out_len = ((args.long_prompt_len, args.short_output_len) if heavy_prefill
+                               else (args.short_prompt_len, args.long_output_len))
+        phases.append([ShiftRequest(k, [rng.randrange(vocab) for _ in range(prompt_len)], out_len)
+                       for _ in range(args.per_phase)])
+    return phases
+
+
+def shifting_modes(num_nodes: int) -> dict[str, tuple[int, int, bool]]:
+    """Mode -> (prefill nodes, decode nodes, roles auto)."""
+    return {"auto": (1, num_nodes - 1, True), "2p1d": (num_nodes - 1, 1, False), "1p2d": (1, num_nodes - 1, False)}
+
+
+def _one(router: Router, req: ShiftRequest) -> Outcome:
+    outcome = Outcome(req.phase)
+    start = time.perf_counter()
+    first = last = None
+    try:
+        for chunk in router.generate(req.prompt_ids, SamplingParams(max_tokens=req.max_tokens, temperature=0.0,
+                                                                    ignore_eos=True)):
+            if chunk.token_ids:
+                last = time.perf_counter()
+                first = first or last
+                outcome.num_tokens += len(chunk.token_ids)
+    except Exception as e:  # noqa: BLE001 (counted as failed, the run goes on)
+        outcome.error = f"{type(e).__name__}: {e}"
+        return outcome
+    if first is not None:
+        outcome.ttft_s = first - start
+        outcome.tpot_s = (last - first) / (outcome.num_tokens - 1) if outcome.num_tokens > 1 else 0.0
+    return outcome
+
+
+def run_shifting_mode(name: str, args, phases: list[list[ShiftRequest]], bar) -> dict:
+    num_prefill, num_decode, auto = shifting_modes(args.nodes)[name]
+    cluster_name = f"shift-{name}"
+    node_args = ["--transfer-backend", "auto"] + (["--role-changes"] if auto else [])
+    with LocalCluster(num_prefill, num_decode, model=args.model, cluster=cluster_name, node_args=node_args,
+                      start_timeout_s=300, dtype=args.dtype) as cluster:
+        router = Router(RouterConfig(
+            etcd=cluster.etcd_endpoint, cluster_token=cluster.token, model=args.model, cluster=cluster_name,
+            max_in_flight=100_000, roles="auto" if auto else "fixed", ttft_slo_ms=args.slo_ttft_ms,
+            tpot_slo_ms=args.slo_tpot_ms, role_interval_s=args.role_interval_s,
+            role_cooldown_s=args.role_cooldown_s))
+        timeline: list[tuple[float, dict[str, str]]] = []
+        stop = threading.Event()
+        start = time.perf_counter()
+
+        def sample_roles() -> None:  # now, every second, and once more at the end
+            ended = False
+            while not ended:
+                ended = stop.wait(0.0 if not timeline else 1.0)
+                timeline.append((time.perf_counter() - start,
+                                 {n: r.role for n, r in sorted(router.directory.nodes.items())}))
+
+        sampler = threading.Thread(target=sample_roles, daemon=True)
+        sampler.start()
+        outcomes: list[Outcome] = []
+        phase_s = []
+        try:
+            for requests in phases:
+                began = time.perf_counter()
+                with ThreadPoolExecutor(args.concurrency) as pool:
+                    for outcome in pool.map(lambda r: _one(router, r), requests):
+                        outcomes.append(outcome)
+                        bar.update(1)
+                phase_s.append(time.perf_counter() - began)
+            for node_id in cluster.nodes:
+                cluster.client(node_id).stats(check=True)  # every pool still consistent
+        finally:
+            stop.set()
+            sampler.join(5)
+            moves = dict(router.roles.moves) if router.roles is not None else {}
+            history = [{"t": t, "node": n, "to": role, "reason": why} for t, n, role, why in
+                       (router.roles.history if router.roles is not None else [])]
+            router.close()
+    return _summary(name, args, phases, outcomes, phase_s, timeline, moves, history)
+
+
+def _summary(name, args, phases, outcomes, phase_s, timeline, moves, history) -> dict:
+    def good(o: Outcome) -> bool:
+        return not o.error and o.num_tokens > 0 and o.ttft_s * 1e3 <= args.slo_ttft_ms and \
+            o.tpot_s * 1e3 <= args.slo_tpot_ms
+
+    out_phases = []
+    for k, seconds in enumerate(phase_s):
+        mine = [o for o in outcomes if o.phase == k]
+        served = [o for o in mine if not o.error and o.num_tokens]
+        out_phases.append({
+            "name": PHASES[k % 2], "seconds": seconds, "requests": len(mine),
+            "goodput_rps": sum(good(o) for o in mine) / seconds,
+            "ttft_p50_ms": percentile([o.ttft_s * 1e3 for o in served], 0.5),
+            "ttft_p99_ms": percentile([o.ttft_s * 1e3 for o in served], 0.99),
+            "tpot_p50_ms": percentile([o.tpot_s * 1e3 for o in served if o.num_tokens > 1], 0.5),
+            "tpot_p99_ms": percentile([o.tpot_s * 1e3 for o in served if o.num_tokens > 1], 0.99)})
+    total_s = sum(phase_s)
+    return {"goodput_rps": sum(good(o) for o in outcomes) / total_s if total_s else 0.0,
+            "lost": sum(1 for o in outcomes if not o.error and not o.num_tokens),
+            "failed": sum(1 for o in outcomes if o.error), "errors": sorted({o.error for o in outcomes if o.error})[:5],
+            "role_changes": sum(moves.values()), "role_moves": history, "seconds": total_s,
+            "nodes": dict(zip(("prefill", "decode"), shifting_modes(args.nodes)[name][:2])),
+            "phases": out_phases, "roles_over_time": [{"t": t, "roles": roles} for t, roles in timeline],
+            "phase_ends_s": [sum(phase_s[:k + 1]) for k in range(len(phase_s))]}
+
+
+def plot_roles(res: dict, folder: str) -> str:
+    """Prefill nodes over time per mode, phase ends marked: roles_over_time.png in ``folder``."""
+    from pathlib import Path
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out = Path(folder)
+    out.mkdir(parents=True, exist_ok=True)
+    fig, ax = plt.subplots(figsize=(8, 3.5))
+    for name, m in res["modes"].items():
+        points = m["roles_over_time"]
+        ax.step([p["t"] for p in points], [sum(r == "prefill" for r in p["roles"].values()) for p in points],
+                where="post", label=name)
+    for end in next(iter(res["modes"].values()))["phase_ends_s"][:-1]:
+        ax.axvline(end, color="grey", linestyle=":", linewidth=1)
+    ax.set_xlabel("seconds (dotted: a phase ends, in the first mode)")
+    ax.set_ylabel("prefill nodes")
+    ax.set_title("Roles over time")
+    ax.legend()
+    fig.tight_layout()
+    path = out / "roles_over_time.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return str(path)
+
+
+def run(args) -> dict:
+    from tqdm import tqdm
+
+    from kvmesh.bench.report import machine, print_table, write_json
+    from kvmesh.model.card import load_tokenizer
+
+    if args.nodes < 3:
+        raise SystemExit("kvmesh bench cluster --workload shifting: --nodes 3 or more (2p1d and 1p2d need three)")
+    card = load_tokenizer(args.model)
+    vocab = min(card.config.vocab_size, 256) if args.model.startswith("tiny") else card.config.vocab_size
+    phases = shifting_workload(args, vocab)
+    names = [m for m in (args.modes or "auto,2p1d,1p2d").split(",") if m]
+    unknown = set(names) - set(shifting_modes(args.nodes))
+    if unknown:
+        raise SystemExit(f"kvmesh bench cluster --workload shifting: unknown modes {sorted(unknown)} "
+                         f"(auto, 2p1d, 1p2d)")
+    res: dict = {"machine": machine(), "model": args.model, "workload": "shifting", "nodes": args.nodes,
+                 "slo": {"ttft_ms": args.slo_ttft_ms, "tpot_ms": args.slo_tpot_ms},
+                 "phases": [{"name": PHASES[k % 2], "requests": len(p), "prompt_tokens": len(p[0].prompt_ids),
+                             "output_tokens": p[0].max_tokens} for k, p in enumerate(phases)],
+                 "concurrency": args.concurrency, "role_interval_s": args.role_interval_s,
+                 "role_cooldown_s": args.role_cooldown_s, "modes": {}}
+    with tqdm(total=sum(map(len, phases)) * len(names), desc="bench cluster (shifting)") as bar:
+        for name in names:
+            bar.set_postfix_str(name)
+            res["modes"][name] = run_shifting_mode(name, args, phases, bar)
+    rows = [[name, f"{m['goodput_rps']:.3f}", *(f"{p['goodput_rps']:.3f}" for p in m["phases"]), m["lost"],
+             m["failed"], m["role_changes"]] for name, m in res["modes"].items()]
+    print_table(f"shifting, {args.model}: {args.nodes} nodes, SLO TTFT {args.slo_ttft_ms:g} ms / TPOT "
+                f"{args.slo_tpot_ms:g} ms; goodput in requests/s",
+                ["mode", "goodput", *(f"{k + 1}: {p['name']}" for k, p in enumerate(res["phases"])), "lost",
+                 "failed", "role changes"], rows)
+    if args.plots:
+        res["plots"] = [plot_roles(res, args.plots)]
+        print("plots: " + ", ".join(res["plots"]))
+    write_json(args.json, res)
+    return res
+
+
+def add_arguments(p) -> None:
+    """The flags ``--workload shifting`` adds to ``kvmesh bench cluster``."""
+    g = p.add_argument_group("--workload shifting")
+    g.add_argument("--nodes", type=int, default=3, help="nodes of every mode")
+    g.add_argument("--phases", type=int, default=4, help="phases, prefill-heavy first, alternating")
+    g.add_argument("--per-phase", type=int, default=24, help="requests per phase")
+    g.add_argument("--long-prompt-len", type=int, default=768)
+    g.add_argument("--short-output-len", type=int, default=4)
+    g.add_argument("--short-prompt-len", type=int, default=32)
+    g.add_argument("--long-output-len", type=int, default=96)
+    g.add_argument("--role-interval-s", type=float, default=1.0, help="auto: between the balancer's looks")
+    g.add_argument("--role-cooldown-s", type=float, default=10.0, help="auto: after a move, before the next")

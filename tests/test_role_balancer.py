@@ -1,0 +1,132 @@
+"""The role balancer on synthetic load traces: golden cases (which node moves, to what, when), its limits
+(minimums, one change at a time, cooldown, one node) and a no-flapping property over random traces; the
+controller's reading of node stats."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from kvmesh.cluster.role_balancer import BalancerConfig, NodeLoad, RoleBalancer
+from kvmesh.cluster.role_controller import RoleController
+
+CONFIG = BalancerConfig(ttft_slo_s=2.0, tpot_slo_s=0.1, high=0.8, low=0.5, sustain=3, cooldown_s=30.0,
+                        min_prefill=0, min_decode=1)
+
+
+def prefill_heavy(roles=("prefill", "decode", "decode")) -> list[NodeLoad]:
+    """Prompts queue at the prefill node (3 s against a 2 s TTFT SLO); decode steps are quick."""
+    return [NodeLoad(f"{role}-{i}", role, queue_s=3.0 if role == "prefill" else 0.0,
+                     step_s=0.02 if role == "decode" else 0.0, kv_used=0.1, num_running=i, max_num_seqs=64)
+            for i, role in enumerate(roles)]
+
+
+def decode_heavy(roles=("prefill", "prefill", "decode")) -> list[NodeLoad]:
+    """Decode steps at 150 ms against a 100 ms TPOT SLO; nothing queues at the prefill nodes."""
+    return [NodeLoad(f"{role}-{i}", role, step_s=0.15 if role == "decode" else 0.0, kv_used=0.4,
+                     num_running=10 if role == "decode" else 0, max_num_seqs=64, queue_s=0.0 if role == "decode"
+                     else 0.01 * i) for i, role in enumerate(roles)]
+
+
+def run(balancer: RoleBalancer, trace, start: float = 0.0, tick_s: float = 2.0):
+    moves = []
+    for k, loads in enumerate(trace):
+        now = start + k * tick_s
+        move = balancer.observe(loads, now)
+        if move is not None:
+            balancer.moved(move, now)
+            moves.append((now, move))
+    return moves
+
+
+def test_a_prefill_heavy_load_moves_the_least_loaded_decode_node_after_it_holds_for_sustain_ticks():
+    balancer = RoleBalancer(CONFIG)
+    assert [balancer.observe(prefill_heavy(), t) for t in (0.0, 2.0)] == [None, None]
+    move = balancer.observe(prefill_heavy(), 4.0)  # the third tick in a row
+    assert (move.node_id, move.to_role) == ("decode-1", "prefill")  # decode-1 runs 1 stream, decode-2 runs 2
+    assert "prefill pressure 1.50" in move.reason
+
+
+def test_a_decode_heavy_load_moves_a_prefill_node_to_decode():
+    moves = run(RoleBalancer(CONFIG), [decode_heavy()] * 3)
+    assert [(m.node_id, m.to_role) for _, m in moves] == [("prefill-0", "decode")]  # the emptier queue
+
+
+def test_decode_nodes_computing_prompts_themselves_is_prefill_pressure():
+    balancer = RoleBalancer(CONFIG)
+    quiet = [NodeLoad("prefill-0", "prefill"), NodeLoad("decode-1", "decode", step_s=0.02, max_num_seqs=64),
+             NodeLoad("decode-2", "decode", step_s=0.02, max_num_seqs=64)]
+    assert balancer.pressures(quiet) == (0.0, pytest.approx(0.2))
+    busy = [quiet[0], *(NodeLoad(n.node_id, "decode", step_s=0.02, max_num_seqs=64, prompt_tokens_computed=900,
+                                  prompt_tokens_total=1000) for n in quiet[1:])]
+    assert balancer.pressures(busy)[0] == pytest.approx(0.9)  # 90% of the prompt tokens since the last tick computed there
+
+
+def test_minimums_one_change_at_a_time_and_one_node():
+    assert run(RoleBalancer(CONFIG), [prefill_heavy(("prefill", "decode"))] * 10) == []  # min_decode 1
+    strict = RoleBalancer(BalancerConfig(**{**CONFIG.__dict__, "min_prefill": 2}))
+    assert run(strict, [decode_heavy()] * 10) == []  # min_prefill 2
+    draining = prefill_heavy() + [NodeLoad("decode-9", "draining")]
+    assert run(RoleBalancer(CONFIG), [draining] * 10) == []  # a change already in progress
+    assert run(RoleBalancer(CONFIG), [prefill_heavy(("decode",))] * 10) == []  # one node: colocated
+
+
+def test_the_cooldown_spaces_moves():
+    balancer = RoleBalancer(CONFIG)
+    trace = [prefill_heavy(("prefill", "decode", "decode", "decode"))] * 30
+    moves = run(balancer, trace)
+    times = [t for t, _ in moves]
+    assert len(moves) >= 2 and all(b - a >= CONFIG.cooldown_s for a, b in zip(times, times[1:]))
+
+
+def test_no_flapping_on_random_traces():
+    """Pressures that change every tick never move a node; moves are always sustain ticks of one verdict
+    apart from a cooldown, and never undo each other within the cooldown."""
+    rng = random.Random(5)
+    for _ in range(50):
+        balancer, roles = RoleBalancer(CONFIG), ["prefill", "decode", "decode", "decode"]
+        trace, verdicts = [], []
+        for _ in range(200):
+            heavy = rng.choice(["prefill", "decode", "none"])
+            sticky = verdicts[-1] if verdicts and rng.random() < 0.7 else heavy
+            verdicts.append(sticky)
+            make = {"prefill": prefill_heavy, "decode": decode_heavy}.get(sticky)
+            trace.append(make(tuple(roles)) if make else [NodeLoad(f"{r}-{i}", r) for i, r in enumerate(roles)])
+        moves = run(balancer, trace)
+        times = [t for t, _ in moves]
+        assert all(b - a >= CONFIG.cooldown_s for a, b in zip(times, times[1:]))
+    alternating = [prefill_heavy() if k % 2 else decode_heavy(("prefill", "decode", "decode")) for k in range(100)]
+    assert run(RoleBalancer(CONFIG), alternating) == []  # a verdict that never holds moves nothing
+
+
+def test_the_controller_reads_recent_steps_from_the_step_clock_totals():
+    entries = [{"node_id": "decode-0", "role": "decode", "stats": {
+        "engine_step_s": 10.0, "engine_steps_timed": 100, "num_used_blocks": 50, "num_kv_blocks": 100,
+        "num_running": 3, "max_num_seqs": 8, "prompt_tokens_computed": 5, "prompt_tokens_total": 10}},
+        {"node_id": "prefill-0", "role": "prefill", "stats": {"prefill_queue_s": 1.5}},
+        {"node_id": "gone", "role": "decode", "stats": {}}]
+    controller = RoleController(RoleBalancer(CONFIG), lambda: entries, lambda *a: None)
+    first = controller.loads(entries)
+    assert [n.node_id for n in first] == ["decode-0", "prefill-0"]  # a node that did not answer is left out
+    assert first[0].step_s == 0.0 and first[0].kv_used == 0.5 and first[1].queue_s == 1.5
+    entries[0]["stats"].update(engine_step_s=12.0, engine_steps_timed=120)
+    assert controller.loads(entries)[0].step_s == pytest.approx(0.1)  # 2 s over the 20 steps since the last tick
+
+
+def test_the_controller_makes_the_move_and_counts_it_only_when_the_node_takes_it():
+    answers = []
+
+    class Reply:
+        def __init__(self, error=""):
+            self.error = error
+
+    entries = [{"node_id": n.node_id, "role": n.role, "stats": {"prefill_queue_s": n.queue_s, "num_running":
+                n.num_running, "max_num_seqs": 64, "engine_step_s": 0.0, "engine_steps_timed": 0}}
+               for n in prefill_heavy()]
+    replies = iter([Reply("busy"), Reply()])
+    controller = RoleController(RoleBalancer(CONFIG), lambda: entries,
+                                lambda *a: answers.append(a) or next(replies))
+    moves = [controller.tick(float(t)) for t in range(5)]
+    assert moves[:3] == [None, None, None]  # sustain, then a refused move (not counted, retried)
+    assert moves[3].to_role == "prefill" and controller.moves == {"prefill": 1}
+    assert [a[:2] for a in answers] == [("decode-1", "prefill")] * 2
