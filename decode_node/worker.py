@@ -1,5 +1,5 @@
-"""DecodeRole: a node's streams (the role of ``kvmesh node --role decode``). A request walks admit -> plan ->
-execute -> arrived:
+"""DecodeRole: a node's streams (``kvmesh decode-node``, or any node while it takes the decode role). A request
+walks admit -> plan -> execute -> arrived:
 
 1. **admit** (engine thread): validate, allocate, find this node's own prefix hits;
 2. **plan** (engine thread, ``planner.py``): unless the rest is cheaper to compute than any round trip,

@@ -1,15 +1,16 @@
-"""PrefillRole: a node's prefill work (the role of ``kvmesh node --role prefill``).
+"""PrefillRole: a node's prefill work (``kvmesh prefill-node``, or any node while it takes the prefill role).
 
 It serves ComputeAndPush conversations on the node's side channel (its holder calls
-``admit``) while the node takes prefills (``accepting``; a node changing role stops, BUSY): the prompt is validated and accepted or refused at once; then, on a
-worker thread, its local prefix hits are referenced and the rest of the prefix is
-planned with the cluster's planner (``kvmesh/node/planner.py``, no prefill option):
-what its lower KV tiers hold next is promoted and a longer prefix held by a peer is
-pulled into this node's pool where that beats computing them; the engine computes the
-rest with chunked prefill. Every full block is cached as soon as it is computed, and the
-holder writes the granted blocks into the decode node chunk by chunk. When the
-conversation ends (all blocks written, aborted, expired) ``release`` aborts what
-is left of the engine request and drops the references this node held.
+``admit``) while the node takes prefills (``accepting``; otherwise BUSY): the prompt
+is validated and accepted or refused at once; then, on a worker thread, its local
+prefix hits are referenced and the rest of the prefix is planned with the cluster's
+planner (``kvmesh/node/planner.py``, no prefill option): what its lower KV tiers hold
+next is promoted and a longer prefix held by a peer is pulled into this node's pool
+where that beats computing them; the engine computes the rest with chunked prefill.
+Every full block is cached as soon as it is computed, and the holder writes the
+granted blocks into the decode node chunk by chunk. When the conversation ends (all
+blocks written, aborted, expired) ``release`` aborts what is left of the engine
+request and drops the references this node held.
 """
 from __future__ import annotations
 

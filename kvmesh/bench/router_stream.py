@@ -57,7 +57,8 @@ def run(model: str, lengths: list[int], repeat: int, json_path: str | None) -> d
     base = rows[0]["cpu_us_per_token"]
     for row in rows:
         row["vs_shortest"] = row["cpu_us_per_token"] / base
-    print_table("router stream assembly: CPU per streamed token", ["output tokens", "router CPU us/token", "vs shortest"],
+    print_table("router stream assembly: CPU per streamed token",
+                ["output tokens", "router CPU us/token", "vs shortest"],
                 [[r["output_tokens"], f"{r['cpu_us_per_token']:.1f}", f"{r['vs_shortest']:.2f}x"] for r in rows])
     result = {"machine": machine(), "model": model, "stop_strings": list(STOPS), "repeat": repeat, "rows": rows}
     write_json(json_path, result)

@@ -85,9 +85,10 @@ def _one(router: Router, req: ShiftRequest) -> Outcome:
 def run_shifting_mode(name: str, args, phases: list[list[ShiftRequest]], bar) -> dict:
     num_prefill, num_decode, auto = shifting_modes(args.nodes)[name]
     cluster_name = f"shift-{name}"
-    node_args = ["--transfer-backend", "auto"] + (["--role-changes"] if auto else [])
+    node_args = ["--transfer-backend", "auto", "--kv-placement", args.kv_placement] + \
+        (["--role-changes"] if auto else [])
     with LocalCluster(num_prefill, num_decode, model=args.model, cluster=cluster_name, node_args=node_args,
-                      start_timeout_s=300, dtype=args.dtype) as cluster:
+                      start_timeout_s=300, dtype=args.dtype, threads_per_node=args.threads_per_node) as cluster:
         router = Router(RouterConfig(
             etcd=cluster.etcd_endpoint, cluster_token=cluster.token, model=args.model, cluster=cluster_name,
             max_in_flight=100_000, roles="auto" if auto else "fixed", ttft_slo_ms=args.slo_ttft_ms,
@@ -143,7 +144,9 @@ def _summary(name, args, phases, outcomes, phase_s, timeline, moves, history) ->
             "ttft_p50_ms": percentile([o.ttft_s * 1e3 for o in served], 0.5),
             "ttft_p99_ms": percentile([o.ttft_s * 1e3 for o in served], 0.99),
             "tpot_p50_ms": percentile([o.tpot_s * 1e3 for o in served if o.num_tokens > 1], 0.5),
-            "tpot_p99_ms": percentile([o.tpot_s * 1e3 for o in served if o.num_tokens > 1], 0.99)})
+            "tpot_p99_ms": percentile([o.tpot_s * 1e3 for o in served if o.num_tokens > 1], 0.99),
+            # every answered request's (TTFT, TPOT) in ms: goodput under other SLOs, read from the JSON
+            "requests_ms": [[round(o.ttft_s * 1e3, 1), round(o.tpot_s * 1e3, 2)] for o in served]})
     total_s = sum(phase_s)
     return {"goodput_rps": sum(good(o) for o in outcomes) / total_s if total_s else 0.0,
             "lost": sum(1 for o in outcomes if not o.error and not o.num_tokens),
@@ -174,6 +177,9 @@ def plot_roles(res: dict, folder: str) -> str:
         ax.axvline(end, color="grey", linestyle=":", linewidth=1)
     ax.set_xlabel("seconds (dotted: a phase ends, in the first mode)")
     ax.set_ylabel("prefill nodes")
+    from matplotlib.ticker import MaxNLocator
+
+    ax.yaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_title("Roles over time")
     ax.legend()
     fig.tight_layout()
@@ -204,6 +210,7 @@ def run(args) -> dict:
                  "phases": [{"name": PHASES[k % 2], "requests": len(p), "prompt_tokens": len(p[0].prompt_ids),
                              "output_tokens": p[0].max_tokens} for k, p in enumerate(phases)],
                  "concurrency": args.concurrency, "role_interval_s": args.role_interval_s,
+                 "threads_per_node": args.threads_per_node, "kv_placement": args.kv_placement,
                  "role_cooldown_s": args.role_cooldown_s, "modes": {}}
     with tqdm(total=sum(map(len, phases)) * len(names), desc="bench cluster (shifting)") as bar:
         for name in names:
@@ -234,3 +241,6 @@ def add_arguments(p) -> None:
     g.add_argument("--long-output-len", type=int, default=96)
     g.add_argument("--role-interval-s", type=float, default=1.0, help="auto: between the balancer's looks")
     g.add_argument("--role-cooldown-s", type=float, default=10.0, help="auto: after a move, before the next")
+    g.add_argument("--threads-per-node", type=int, default=0,
+                   help="compute threads of each node, fixed (each node as on a machine of its own); 0: the nodes "
+                        "divide this machine's cores among those with work at each step")
