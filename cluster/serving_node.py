@@ -3,9 +3,9 @@
 Every node can serve streams (``DecodeRole``) and prefill conversations (``PrefillRole``) over one engine
 and one pool; its ``NodeRole`` (``kvmesh/node/roles.py``) says which it takes now and is published in its
 record, which is what the router and the decode nodes route by. ``SetRole`` changes it at run time without
-a restart or a reload: prefill -> decode at once; decode -> prefill through DRAINING (no new streams; the
-running ones finish, those left at the drain deadline are handed back to the router, which continues them
-on another decode node). Every role change is applied on the engine thread, at a step boundary.
+a restart or a reload: prefill -> decode at once; decode -> prefill through DRAINING (no new streams; those
+without a token yet are handed back to the router at once, the running ones finish, those left at the
+drain deadline are handed back too; the router continues each on another decode node). Every role change is applied on the engine thread, at a step boundary.
 """
 from __future__ import annotations
 
@@ -52,6 +52,8 @@ class ServingNode(NodeRuntime):
             if self.role.request(msg.role, msg.drain_timeout_s):
                 log.info("%s: role %s -> %s", self.cfg.node_id, before.value, self.role.state.value)
                 self._take_role()
+                if self.role.state is RoleState.DRAINING:  # a stream not started yet runs sooner elsewhere
+                    self.decode.hand_back("the node is becoming a prefill node", unstarted_only=True)
                 self._finish_draining()
                 self._publish_role()
         except RoleChangeRefused as e:

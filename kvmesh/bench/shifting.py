@@ -96,7 +96,7 @@ def run_shifting_mode(name: str, args, phases: list[list[ShiftRequest]], bar) ->
             role_cooldown_s=args.role_cooldown_s))
         timeline: list[tuple[float, dict[str, str]]] = []
         stop = threading.Event()
-        start = time.perf_counter()
+        start, wall_start = time.perf_counter(), time.time()  # (the balancer's history is in wall time)
 
         def sample_roles() -> None:  # now, every second, and once more at the end
             ended = False
@@ -123,7 +123,7 @@ def run_shifting_mode(name: str, args, phases: list[list[ShiftRequest]], bar) ->
             stop.set()
             sampler.join(5)
             moves = dict(router.roles.moves) if router.roles is not None else {}
-            history = [{"t": t, "node": n, "to": role, "reason": why} for t, n, role, why in
+            history = [{"t": t - wall_start, "node": n, "to": role, "reason": why} for t, n, role, why in
                        (router.roles.history if router.roles is not None else [])]
             router.close()
     return _summary(name, args, phases, outcomes, phase_s, timeline, moves, history)
