@@ -6,7 +6,7 @@ with at most one ``RoleMove``. Two pressures are compared, each as a share of it
     prefill pressure  the longest prompt queue at a prefill node (seconds of queued prompt tokens at its
                       rate) over the TTFT SLO; and, where decode nodes compute prompts themselves, the share
                       of prompt tokens they computed since the last tick (their prefill nodes were busy)
-    decode pressure   the slowest decode node's recent step (one output token per stream) over the TPOT
+    decode pressure   the slowest decode node's recent decode-only step (one output token per stream) over the TPOT
                       SLO, or its KV blocks in use, or its streams over its ``max_num_seqs``, whichever is
                       highest
 
@@ -29,7 +29,7 @@ class NodeLoad:
     node_id: str
     role: str  # prefill | decode | draining
     queue_s: float = 0.0  # prefill: its accepted prompt tokens still to compute, at its rate
-    step_s: float = 0.0  # decode: its mean step since the last tick (0: it did not step)
+    step_s: float = 0.0  # decode: its mean decode-only step since the last tick (0: none)
     kv_used: float = 0.0  # decode: share of its KV blocks held by running requests
     num_running: int = 0
     max_num_seqs: int = 0

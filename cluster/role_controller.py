@@ -1,7 +1,7 @@
 """RoleController: the router's thread that lets the cluster choose its prefill:decode ratio (``--roles auto``).
 
 Every ``interval_s`` it reads each node's stats (the router's connections), turns them into the
-balancer's ``NodeLoad`` (a decode node's recent step from its step clock's totals since the last tick,
+balancer's ``NodeLoad`` (a decode node's recent decode-only step from its step clock's totals since the last tick,
 its KV use and streams; a prefill node's queue), asks ``RoleBalancer`` for a move and makes it with
 ``SetRole``. Every decision and its reason is logged and counted (``/metrics``:
 ``kvmesh_role_changes_total{to}``); a refused or unanswered move is logged and retried by a later tick.
@@ -30,7 +30,7 @@ class RoleController:
         self._set_role = set_role
         self.interval_s = interval_s
         self.drain_timeout_s = drain_timeout_s
-        self._steps: dict[str, tuple[float, int]] = {}  # node -> (engine_step_s, engine_steps_timed) at the last tick
+        self._steps: dict[str, tuple[float, int]] = {}  # node -> its decode-only steps' (seconds, count) at the last tick
         self.moves: Counter[str] = Counter()  # role moved to -> how many times
         self.history: list[tuple[float, str, str, str]] = []  # (time, node, role, reason)
         self._stop = threading.Event()
@@ -48,7 +48,9 @@ class RoleController:
             if not stats:
                 continue
             node_id = entry["node_id"]
-            wall, steps = stats.get("engine_step_s", 0.0), stats.get("engine_steps_timed", 0)
+            # Decode-only steps: a stream's next token when no prompt shares the step (steps computing prompt
+            # tokens are prefill work, whoever does it).
+            wall, steps = stats.get("engine_decode_step_s", 0.0), stats.get("engine_decode_steps", 0)
             before = self._steps.get(node_id, (wall, steps))
             self._steps[node_id] = (wall, steps)
             step_s = (wall - before[0]) / (steps - before[1]) if steps > before[1] else 0.0

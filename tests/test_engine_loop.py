@@ -70,3 +70,5 @@ def test_the_step_clock_splits_the_steps_wall_time():
     shares = [stats[f"engine_{part}_share"] for part in ("on_cpu", "runnable", "asleep")]
     assert all(0.0 <= share <= 1.0 for share in shares) and abs(sum(shares) - 1.0) < 1e-6
     assert stats["engine_on_cpu_share"] > 0.0 and stats["engine_step_s"] > 0.0
+    assert 10 <= stats["engine_decode_steps"] < stats["engine_steps_timed"]  # the prompt step is not one
+    assert 0.0 < stats["engine_decode_step_s"] < stats["engine_step_s"]

@@ -99,9 +99,9 @@ def test_no_flapping_on_random_traces():
     assert run(RoleBalancer(CONFIG), alternating) == []  # a verdict that never holds moves nothing
 
 
-def test_the_controller_reads_recent_steps_from_the_step_clock_totals():
+def test_the_controller_reads_recent_decode_steps_from_the_step_clock_totals():
     entries = [{"node_id": "decode-0", "role": "decode", "stats": {
-        "engine_step_s": 10.0, "engine_steps_timed": 100, "num_used_blocks": 50, "num_kv_blocks": 100,
+        "engine_decode_step_s": 10.0, "engine_decode_steps": 100, "num_used_blocks": 50, "num_kv_blocks": 100,
         "num_running": 3, "max_num_seqs": 8, "prompt_tokens_computed": 5, "prompt_tokens_total": 10}},
         {"node_id": "prefill-0", "role": "prefill", "stats": {"prefill_queue_s": 1.5}},
         {"node_id": "gone", "role": "decode", "stats": {}}]
@@ -109,7 +109,7 @@ def test_the_controller_reads_recent_steps_from_the_step_clock_totals():
     first = controller.loads(entries)
     assert [n.node_id for n in first] == ["decode-0", "prefill-0"]  # a node that did not answer is left out
     assert first[0].step_s == 0.0 and first[0].kv_used == 0.5 and first[1].queue_s == 1.5
-    entries[0]["stats"].update(engine_step_s=12.0, engine_steps_timed=120)
+    entries[0]["stats"].update(engine_decode_step_s=12.0, engine_decode_steps=120)
     assert controller.loads(entries)[0].step_s == pytest.approx(0.1)  # 2 s over the 20 steps since the last tick
 
 
@@ -121,7 +121,7 @@ def test_the_controller_makes_the_move_and_counts_it_only_when_the_node_takes_it
             self.error = error
 
     entries = [{"node_id": n.node_id, "role": n.role, "stats": {"prefill_queue_s": n.queue_s, "num_running":
-                n.num_running, "max_num_seqs": 64, "engine_step_s": 0.0, "engine_steps_timed": 0}}
+                n.num_running, "max_num_seqs": 64, "engine_decode_step_s": 0.0, "engine_decode_steps": 0}}
                for n in prefill_heavy()]
     replies = iter([Reply("busy"), Reply()])
     controller = RoleController(RoleBalancer(CONFIG), lambda: entries,

@@ -89,12 +89,12 @@ class EngineLoop:
             if self._cores is not None:
                 self._cores.set_busy(has_work)
             if has_work:
+                computes_prompts = bool(scheduler.waiting or scheduler.kv_landed) or \
+                    any(s.is_prefilling for s in scheduler.running)
                 if self._cores is not None:
-                    computes_prompts = bool(scheduler.waiting or scheduler.kv_landed) or \
-                        any(s.is_prefilling for s in scheduler.running)
                     self.compute_threads["prompt" if computes_prompts else "decode"] = \
                         self._cores.fit_threads(computes_prompts)
-                self.clock.begin()
+                self.clock.begin(decode_only=not computes_prompts)
                 try:
                     for seq in self.engine.step():
                         if seq.status is RequestStatus.FAILED:
