@@ -5,11 +5,14 @@ and one pool; its ``NodeRole`` (``kvmesh/node/roles.py``) says which it takes no
 record, which is what the router and the decode nodes route by. ``SetRole`` changes it at run time without
 a restart or a reload: prefill -> decode at once; decode -> prefill through DRAINING (no new streams; those
 without a token yet are handed back to the router at once, the running ones finish, those left at the
-drain deadline are handed back too; the router continues each on another decode node). Every role change is applied on the engine thread, at a step boundary.
+drain deadline are handed back too; the router continues each on another decode node). Every role change
+is applied on the engine thread, at a step boundary; the record is re-published off it, one write at a
+time, each with the role of that moment (so a slow write can never leave an older role published last).
 """
 from __future__ import annotations
 
 import logging
+import threading
 import time
 
 from kvmesh.decode_node.worker import DecodeRole
@@ -29,6 +32,7 @@ class ServingNode(NodeRuntime):
             raise ValueError(f"unknown node role {cfg.role!r} (prefill or decode)")
         super().__init__(cfg)
         self.role = NodeRole(RoleState(cfg.role))
+        self._record_lock = threading.Lock()
         self.decode = DecodeRole(self)
         self.prefill = PrefillRole(self)
         self.agent.holder.compute = self.prefill
@@ -76,9 +80,16 @@ class ServingNode(NodeRuntime):
         self._publish_role()
 
     def _publish_role(self) -> None:
-        registry = self.membership.registry
-        if registry is not None:  # (not registered yet: ``start`` registers the record with the role)
-            self.workers.submit(registry.update, self.record())
+        if self.membership.registry is not None:  # (not registered yet: ``start`` registers it with the role)
+            self.workers.submit(self._write_record)
+
+    def _write_record(self) -> None:
+        """Worker thread: the record as it is now, one write at a time."""
+        with self._record_lock:
+            try:
+                self.membership.registry.update(self.record())
+            except Exception:  # etcd down: the lease's keep-alive re-writes the record when it is back
+                log.exception("%s: publishing the role %s failed", self.cfg.node_id, self.role.state.value)
 
     def _after_step(self) -> None:
         super()._after_step()

@@ -329,7 +329,7 @@ class DecodeRole:
 
     def _send_error(self, identity: bytes, request_id: str, error: str, kind: str) -> None:
         self.node.endpoint.send(identity, encode(nm.TokenEvent(request_id, [], finished=True, error=error,
-                                                          error_kind=kind)))
+                                                               error_kind=kind)))
 
     def on_token(self, seq: Sequence, token_id: int) -> None:
         request = self._requests.get(seq.request_id)
