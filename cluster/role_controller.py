@@ -30,7 +30,8 @@ class RoleController:
         self._set_role = set_role
         self.interval_s = interval_s
         self.drain_timeout_s = drain_timeout_s
-        self._steps: dict[str, tuple[float, int]] = {}  # node -> its decode-only steps' (seconds, count) at the last tick
+        # node -> its decode-only steps' (seconds, count) at the last tick
+        self._steps: dict[str, tuple[float, int]] = {}
         self.moves: Counter[str] = Counter()  # role moved to -> how many times
         self.history: list[tuple[float, str, str, str]] = []  # (time, node, role, reason)
         self._stop = threading.Event()

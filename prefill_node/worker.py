@@ -106,7 +106,8 @@ class PrefillRole:
     def _finish_estimate_s(self, num_new_tokens: int) -> float:
         """When a prompt of ``num_new_tokens`` uncached tokens accepted now would be computed: after every
         accepted conversation's tokens still to compute (caller holds ``_lock``), at this node's fitted cost."""
-        return self.node.prefill_cost.fixed_s + (self._backlog_tokens() + max(0, num_new_tokens)) / self.node.prefill_tokens_per_s
+        backlog = self._backlog_tokens() + max(0, num_new_tokens)
+        return self.node.prefill_cost.fixed_s + backlog / self.node.prefill_tokens_per_s
 
     def _backlog_tokens(self, but: _Prefill | None = None) -> int:
         """Prompt tokens of accepted conversations (``but`` one) still to compute (caller holds ``_lock``)."""

@@ -44,8 +44,10 @@ MUTATIONS = (
              "        due = [landing for landing, until in self._due.values()]",
              ("tests/test_landing_bound.py",)),
     Mutation("a drain drops the streams it hands back (their callers never hear)", "decode_node/worker.py",
-             "            self.node.send_event(request.identity, nm.TokenEvent(rid, [], finished=True, finish_reason=\"error\",",
-             "            self.node.send_event(b\"nobody\", nm.TokenEvent(rid, [], finished=True, finish_reason=\"error\",",
+             "            self.node.send_event(request.identity, nm.TokenEvent(rid, [], finished=True, "
+             "finish_reason=\"error\",",
+             "            self.node.send_event(b\"nobody\", nm.TokenEvent(rid, [], finished=True, "
+             "finish_reason=\"error\",",
              ("tests/test_role_change.py", "-k", "streams_continue_elsewhere and zmq")),
     Mutation("the role balancer moves on a single tick's verdict (no hysteresis)", "cluster/role_balancer.py",
              "        if not verdict or self._streak[1] < cfg.sustain or now - self._last_move_at < cfg.cooldown_s:",

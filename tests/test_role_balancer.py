@@ -59,7 +59,7 @@ def test_decode_nodes_computing_prompts_themselves_is_prefill_pressure():
     assert balancer.pressures(quiet) == (0.0, pytest.approx(0.2))
     busy = [quiet[0], *(NodeLoad(n.node_id, "decode", step_s=0.02, max_num_seqs=64, prompt_tokens_computed=900,
                                   prompt_tokens_total=1000) for n in quiet[1:])]
-    assert balancer.pressures(busy)[0] == pytest.approx(0.9)  # 90% of the prompt tokens since the last tick computed there
+    assert balancer.pressures(busy)[0] == pytest.approx(0.9)  # 90% of the prompt tokens since the last tick: there
 
 
 def test_minimums_one_change_at_a_time_and_one_node():
