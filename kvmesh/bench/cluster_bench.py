@@ -71,7 +71,8 @@ class Record:
     answer: list[int]
 
 
-def _one(router: Router, prompt: list[int], max_tokens: int, session: str) -> Record:
+def stream_one(router: Router, prompt: list[int], max_tokens: int, session: str) -> Record:
+    """One greedy request streamed through ``router``, timed (first token, gaps, end)."""
     start = time.perf_counter()
     ttft, last, itl, tokens, final = None, start, [], [], None
     for chunk in router.generate(prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
@@ -103,7 +104,7 @@ def _drive(router: Router, workload: str, requests, concurrency: int, bar: tqdm)
             answer: list[int] = []  # the previous turn's output
             for req in turns:
                 prompt = req.prompt_ids if req.turn == 0 else prompt + answer + req.follow_up
-                record = _one(router, prompt, req.max_tokens, f"conv-{req.conversation}")
+                record = stream_one(router, prompt, req.max_tokens, f"conv-{req.conversation}")
                 answer = record.answer
                 keep(record)
 
@@ -117,7 +118,7 @@ def _drive(router: Router, workload: str, requests, concurrency: int, bar: tqdm)
         def turn(req: wl.BenchRequest) -> None:
             c = req.conversation
             prompts[c] = req.prompt_ids if req.turn == 0 else prompts[c] + answers[c] + req.follow_up
-            record = _one(router, prompts[c], req.max_tokens, f"conv-{c}")
+            record = stream_one(router, prompts[c], req.max_tokens, f"conv-{c}")
             answers[c] = record.answer
             keep(record)
 
@@ -130,7 +131,7 @@ def _drive(router: Router, workload: str, requests, concurrency: int, bar: tqdm)
     def send(req: wl.BenchRequest) -> None:
         if req.arrival_s is not None:
             time.sleep(max(0.0, start + req.arrival_s - time.perf_counter()))
-        keep(_one(router, req.prompt_ids, req.max_tokens, ""))
+        keep(stream_one(router, req.prompt_ids, req.max_tokens, ""))
 
     workers = len(requests) if requests and requests[0].arrival_s is not None else concurrency
     with ThreadPoolExecutor(min(workers, 256)) as pool:

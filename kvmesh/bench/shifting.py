@@ -20,10 +20,10 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+from kvmesh.bench.cluster_bench import stream_one
 from kvmesh.bench.report import percentile
 from kvmesh.cluster.local_launcher import LocalCluster
 from kvmesh.cluster.router import Router, RouterConfig
-from kvmesh.engine.sampling_params import SamplingParams
 
 PHASES = ("prefill-heavy", "decode-heavy")
 
@@ -63,23 +63,12 @@ def shifting_modes(num_nodes: int) -> dict[str, tuple[int, int, bool]]:
 
 
 def _one(router: Router, req: ShiftRequest) -> Outcome:
-    outcome = Outcome(req.phase)
-    start = time.perf_counter()
-    first = last = None
     try:
-        for chunk in router.generate(req.prompt_ids, SamplingParams(max_tokens=req.max_tokens, temperature=0.0,
-                                                                    ignore_eos=True)):
-            if chunk.token_ids:
-                last = time.perf_counter()
-                first = first or last
-                outcome.num_tokens += len(chunk.token_ids)
+        record = stream_one(router, req.prompt_ids, req.max_tokens, "")
     except Exception as e:  # noqa: BLE001 (counted as failed, the run goes on)
-        outcome.error = f"{type(e).__name__}: {e}"
-        return outcome
-    if first is not None:
-        outcome.ttft_s = first - start
-        outcome.tpot_s = (last - first) / (outcome.num_tokens - 1) if outcome.num_tokens > 1 else 0.0
-    return outcome
+        return Outcome(req.phase, error=f"{type(e).__name__}: {e}")
+    tpot = (record.e2e_s - record.ttft_s) / (record.num_tokens - 1) if record.num_tokens > 1 else 0.0
+    return Outcome(req.phase, record.ttft_s, tpot, record.num_tokens)
 
 
 def run_shifting_mode(name: str, args, phases: list[list[ShiftRequest]], bar) -> dict:

@@ -168,7 +168,6 @@ class NodeRuntime:
         self.prefill_cost = CostFit(probe.prefill_points)
         self.decode_step_s = probe.decode_step_s
         self.engine.on_prefill_step = self.prefill_cost.record
-        self.slice_prompts(cfg.role == "decode")
         self.engine.on_token = self.on_token
         self.membership = ClusterMembership(cfg.etcd, cfg.cluster, cfg.node_id,
                                             index_namespace(self.engine.namespace), cfg.lease_ttl_s,

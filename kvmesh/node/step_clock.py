@@ -27,7 +27,7 @@ class StepClock:
         self.wall_s = self.on_cpu_s = self.runnable_s = 0.0
         self.num_decode_steps = 0  # steps that computed no prompt token, and their wall time: what a stream's
         self.decode_wall_s = 0.0  # next token waits for when no prompt shares the step
-        self._at: tuple[float, int, int] | None = None
+        self._at: tuple[int, int] | None = None  # schedstat (on a core, runnable) when the step began
         self._began, self._decode_only = 0.0, False
 
     def start(self) -> None:
@@ -47,7 +47,7 @@ class StepClock:
         self._decode_only = decode_only
         self._began = time.perf_counter()
         if self._fd is not None:
-            self._at = (self._began, *self._read())
+            self._at = self._read()
 
     def end(self) -> None:
         elapsed = time.perf_counter() - self._began
@@ -56,7 +56,7 @@ class StepClock:
             self.decode_wall_s += elapsed
         if self._fd is None or self._at is None:
             return
-        wall, on_cpu, runnable = self._at
+        on_cpu, runnable = self._at
         now_on_cpu, now_runnable = self._read()
         self.wall_s += elapsed
         self.on_cpu_s += (now_on_cpu - on_cpu) / 1e9
