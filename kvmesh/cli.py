@@ -117,6 +117,9 @@ def _add_bench(sub) -> None:
     t.add_argument("--repeat", type=int, default=3)
     t.add_argument("--insecure", action="store_true",
                    help="no cluster token (no CurveZMQ): the baseline of what channel security costs")
+    t.add_argument("--landing-chunk-mib", type=float, default=-1,
+                   help="pushes into landing slots in chunks of this many MiB, each copied and checked while the "
+                        "next is on the wire (0: one write; default: what a node would choose on this machine)")
     t.set_defaults(func=_run_bench_transfer)
     md = which.add_parser("metadata", help="global block index on etcd: publish, lookup, visibility, memory")
     md.add_argument("--json", default=None)
@@ -365,7 +368,8 @@ def _run_bench_transfer(args: argparse.Namespace) -> int:
     from kvmesh.bench import transfer
 
     transfer.run(args.json, [b for b in args.backends.split(",") if b] or None, repeat=args.repeat,
-                 insecure=args.insecure)
+                 insecure=args.insecure,
+                 landing_chunk_bytes=-1 if args.landing_chunk_mib < 0 else int(args.landing_chunk_mib * 2**20))
     return 0
 
 

@@ -56,3 +56,28 @@ def test_read_only_buffers_take_zlib():
     assert fast_crc.crc32_of(data) == zlib.crc32(data)
     buf = (ctypes.c_ubyte * 100).from_buffer_copy(data[:100])
     assert fast_crc.crc32_of(buf) == zlib.crc32(data[:100])
+
+
+@pytest.mark.parametrize("shape,dtype", [((6, 2, 2, 16, 2, 16), torch.float32),  # 256 lanes of 8 words
+                                         ((5, 2, 2, 16, 2, 8), torch.bfloat16),
+                                         ((4, 24), torch.float32),  # 96 bytes: 8 lanes of 3 words
+                                         ((3, 3), torch.float32)])  # 3 words: one lane
+def test_the_gpu_checksum_kernel_computes_zlibs_crc32(shape, dtype):
+    """The Triton kernel GPU nodes checksum their blocks with, in Triton's interpreter: zlib's values for any
+    block size, dtype and order of block ids (so a GPU holder's checksums check out on CPU receivers)."""
+    from kvmesh.kernels.triton.block_crc32 import crc32_blocks, lanes_for
+
+    kv = torch.randn(shape, generator=torch.Generator().manual_seed(len(shape))).to(dtype)
+    block_bytes = kv[0].numel() * kv.element_size()
+    assert (block_bytes // 4) % lanes_for(block_bytes) == 0
+    ids = [shape[0] - 1, 0, 1, shape[0] - 1]
+    want = [zlib.crc32(kv[b].view(torch.uint8).numpy().tobytes()) for b in ids]
+    assert crc32_blocks(kv, ids) == want
+    assert fast_crc.crc32_blocks(kv, ids) == want  # a CPU buffer: the library, same values
+
+
+def test_blocks_that_are_not_whole_words_are_refused():
+    from kvmesh.kernels.triton.block_crc32 import lanes_for
+
+    with pytest.raises(ValueError, match="32-bit words"):
+        lanes_for(6)

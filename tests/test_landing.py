@@ -20,10 +20,21 @@ def crc(addrs: list[int], block_bytes: int) -> list[int]:
     return [zlib.crc32((ctypes.c_ubyte * block_bytes).from_address(a)) for a in addrs]
 
 
-def make(num_blocks: int = 16, num_slots: int = 6) -> tuple[torch.Tensor, LandingZone, BlockPool, GrantTable]:
+def block_crcs(kv: torch.Tensor, block_ids: list[int]) -> list[int]:
+    """The reference: zlib's crc32 of each KV block's bytes."""
+    return [zlib.crc32(kv[b].view(torch.uint8).numpy().tobytes()) for b in block_ids]
+
+
+def make(num_blocks: int = 16, num_slots: int = 6, checker: str = "zlib",
+         ) -> tuple[torch.Tensor, LandingZone, BlockPool, GrantTable]:
+    """``checker``: zlib, or "triton": the checksum kernel a GPU node checks its landed blocks with."""
     kv = torch.zeros((num_blocks, *SHAPE))
     block_bytes = kv[0].numel() * kv.element_size()
-    zone = LandingZone(kv, num_slots, lambda addrs: crc(addrs, block_bytes))
+    if checker == "triton":
+        from kvmesh.kernels.triton.block_crc32 import crc32_blocks
+        zone = LandingZone(kv, num_slots, lambda ids: crc32_blocks(kv, ids))
+    else:
+        zone = LandingZone(kv, num_slots, lambda ids: block_crcs(kv, ids))
     pool = BlockPool(num_blocks)
     table = GrantTable(pool, kv.data_ptr(), block_bytes, writes_refusable=False, landing=zone)
     return kv, zone, pool, table
@@ -56,8 +67,11 @@ def test_slots_are_allocated_while_free_and_come_back():
     check(zone, pool, table)
 
 
-def test_landed_blocks_are_copied_and_checked_in_the_kv_buffer():
-    kv, zone, pool, table = make()
+@pytest.mark.parametrize("checker", ["zlib", "triton"])
+def test_landed_blocks_are_copied_and_checked_in_the_kv_buffer(checker):
+    """Copied, then the KV block itself checked: by zlib, or by the GPU's checksum kernel (Triton's interpreter
+    here), as a node with its KV buffer on a GPU lands."""
+    kv, zone, pool, table = make(checker=checker)
     blocks = pool.allocate(5)
     slots = zone.allocate(5)
     data, sums = write_slots(zone, slots, seed=1)

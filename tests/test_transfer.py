@@ -91,6 +91,34 @@ def test_host_staged_kv_memory_moves_every_byte_through_the_mirrors(backend):
     agent.grants.check_integrity()
 
 
+@pytest.mark.skipif(not mooncake_available(), reason="Mooncake does not load here")
+def test_a_push_into_landing_slots_is_received_in_chunks_each_checked_while_the_next_is_written():
+    """A pipelined receive: the holder writes 3-block chunks as asked, and the requester copies and checks each
+    chunk out of its slots as soon as it is reported, before the writer's final answer."""
+    agent = make_agent("chunked", "mooncake", landing_chunk_bytes=6 * 4096)
+    holder = Holder("mooncake", seed=14, requester=agent)
+    try:
+        assert agent.block_bytes == 4096 and agent.requester.landing_chunk_blocks == 6
+        chunk = agent.requester.landing_chunk_blocks
+        dst = agent.pool.allocate(20)
+        outcome = agent.requester.push(holder.node_id, dst, chain_hashes(20), request_id="c", timeout_s=20)
+        assert outcome.error is None and outcome.num_written == 20
+        for i, block in enumerate(dst):
+            assert torch.equal(agent.kv_buffer[block], holder.expected_block(i)), f"block {i}"
+        # Every chunk but the last landed on its partial report (the final answer covers the last one).
+        assert agent.requester.num_blocks_landed_early == 20 - (20 % chunk or chunk)
+        assert agent.landing.num_landed == 20 and agent.requester.num_checksum_failures == 0
+        assert holder.wire_seconds(20, agent.node_id) > 0  # the bench's bare write into the same slots
+        assert holder.check()["num_pinned"] == 0
+        agent.pool.free(dst)
+    finally:
+        holder.close()
+        agent.close()
+    agent.pool.check_integrity()
+    agent.grants.check_integrity()
+    agent.landing.check_integrity()
+
+
 @pytest.mark.parametrize("requester", [*BACKENDS, SHARED], indirect=True)
 def test_pull_prefix_caches_what_the_peer_holds(requester):
     holder = Holder(requester.engine.name, seed=12, requester=requester, chain=6)

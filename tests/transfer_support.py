@@ -56,6 +56,12 @@ class Holder:
         self.proc.stdin.flush()
         return json.loads(self.proc.stdout.readline())
 
+    def wire_seconds(self, num_blocks: int, requester_id: str) -> float | None:
+        """A bare engine write of its first blocks into the requester's landing slots (the bench's wire alone)."""
+        self.proc.stdin.write(f"wire {num_blocks} 1 {requester_id}\n")
+        self.proc.stdin.flush()
+        return json.loads(self.proc.stdout.readline())["wire_s"]
+
     def expected_block(self, i: int) -> torch.Tensor:
         return seeded_buffer(self.num_blocks, self.seed)[self.info["chain_ids"][i]]
 
@@ -69,7 +75,7 @@ class Holder:
 
 
 def make_agent(name: str, backend: str, num_blocks: int = 48, kv: torch.Tensor | None = None,
-               kv_memory: str = "auto", num_landing_slots: int = -1) -> TransferAgent:
+               kv_memory: str = "auto", num_landing_slots: int = -1, landing_chunk_bytes: int = -1) -> TransferAgent:
     """``backend`` SHARED: the zmq engine, and the KV buffer in shared memory published to same-host writers."""
     shared = SharedKVAllocator() if backend == SHARED else None
     if shared is not None:
@@ -77,7 +83,7 @@ def make_agent(name: str, backend: str, num_blocks: int = 48, kv: torch.Tensor |
     kv = torch.zeros((num_blocks, *BLOCK_SHAPE)) if kv is None else kv
     agent = TransferAgent(name, BlockPool(kv.shape[0]), kv, create_transfer_engine(backend, auth=AUTH), StaticPeers(),
                           AUTH, verify_kv=True, kv_memory=kv_memory, shared_region=shared and shared.region,
-                          num_landing_slots=num_landing_slots).start()
+                          num_landing_slots=num_landing_slots, landing_chunk_bytes=landing_chunk_bytes).start()
     agent.test_allocator = shared
     return agent
 

@@ -4,7 +4,7 @@ For each PushRequest / ComputeAndPush on the side channel it resolves the
 requester in the node directory (address, base, buffer size: never from the
 message), bounds-checks the granted block ids, and then writes the wanted blocks
 as they become matchable in its own pool, in chain order, one batched transfer
-per chunk, each chunk reported with a PushResult. Pending pushes are driven by
+per chunk (at most the request's ``chunk_blocks``), each chunk reported with a PushResult. Pending pushes are driven by
 one watcher thread that sleeps on the holder's own change counter (no thread is
 parked per push), bumped by its messages, its finished writes and the node when
 blocks become matchable (``blocks_cached``); the writes themselves run on a small
@@ -93,6 +93,7 @@ class _Push:
     checksums: list[int] = field(default_factory=list)  # per block, when the holder checksums what it sends
     landing: bool = False  # dst ids are the requester's landing slots
     in_place: bool = False  # the requester fences same-host copies into its shared memory (else: the engine)
+    chunk_blocks: int = 0  # at most this many blocks per write (0: every block available)
     span: object = NO_SPAN  # its trace span (kvmesh/tracing.py), when the requester's request is traced
 
 
@@ -161,6 +162,7 @@ class KVHolder:
                      ready=not is_compute, compute=is_compute, landing=msg.landing, in_place=msg.in_place)
         if not is_compute:
             push.block_hashes = list(msg.block_hashes)
+            push.chunk_blocks = msg.chunk_blocks
         push.span = self.tracer.start("holder.push", msg.trace_context, {
             "kvmesh.node": self.node_id, "kvmesh.requester": msg.requester_id, "kvmesh.blocks": len(msg.dst_block_ids),
             "kvmesh.landing": msg.landing, "kvmesh.compute": is_compute})
@@ -279,7 +281,9 @@ class KVHolder:
         keep_busy = False
         checksums: Future | None = None
         try:
-            acquired = self.source.acquire(push.block_hashes, push.num_written, len(push.written) - push.num_written)
+            left = len(push.written) - push.num_written
+            acquired = self.source.acquire(push.block_hashes, push.num_written,
+                                           min(left, push.chunk_blocks) if push.chunk_blocks else left)
             release = acquired.release
             num = len(acquired.src_addrs)
             remaining = push.expires_at - time.monotonic()

@@ -30,7 +30,7 @@ from kvmesh.transfer.errors import TransferError
 from kvmesh.transfer.grants import GrantTable
 from kvmesh.transfer.holder import KVHolder
 from kvmesh.transfer.kv_memory import choose_kv_memory
-from kvmesh.transfer.landing import LandingZone, default_num_slots, leading_equal
+from kvmesh.transfer.landing import LandingZone, default_chunk_bytes, default_num_slots, leading_equal
 from kvmesh.transfer.peers import PeerDirectory, PeerRecord
 from kvmesh.transfer.requester import KVRequester, PushOutcome
 from kvmesh.kv import fast_crc
@@ -48,13 +48,15 @@ class TransferAgent:
                  directory: PeerDirectory, auth: ClusterAuth | None = None, host: str = "127.0.0.1",
                  num_workers: int = 4, advertise: str | None = None, verify_kv: bool = False,
                  kv_memory: str = "auto", shared_region: SharedRegion | None = None, shared_writes: bool = True,
-                 num_landing_slots: int = -1, tracer=None):
+                 num_landing_slots: int = -1, landing_chunk_bytes: int = -1, tracer=None):
         """``verify_kv``: send a crc32 of every pushed block and check the ones received (registered memory
         the CPU can read); blocks through landing slots are checked always. ``kv_memory``: direct, host-staging
         or auto (``transfer/kv_memory.py``). ``shared_region``: where ``kv_buffer`` lives in shared memory
         (``SharedKVAllocator``): published so that peers on this host write into it directly. ``shared_writes``:
         write to such peers that way. ``num_landing_slots``: the landing zone of a one-sided engine (-1: sized
         from the buffer, ``transfer/landing.py``; ignored for an engine whose receiver refuses stray writes).
+        ``landing_chunk_bytes``: pushes into those slots come in chunks of about this size, each copied and checked
+        while the next is on the wire (-1: ``default_chunk_bytes`` for the transport and this machine; 0: whole).
         ``tracer``: the node's (``kvmesh/tracing.py``): its holder's pushes of traced requests are spans."""
         self.node_id = node_id
         self.pool = pool
@@ -77,13 +79,13 @@ class TransferAgent:
         self._checksummers = ThreadPoolExecutor(self._num_crc_threads, thread_name_prefix=f"kvmesh-crc-{node_id}") \
             if self._num_crc_threads > 1 else None
         # A push's checksums of cached blocks: computed once per block, kept while its bytes cannot change.
-        self.checksums = BlockChecksums(pool, lambda ids: self._checksum_addresses(
-            [self.base_addr + b * self.block_bytes for b in ids]))
+        # (From the KV buffer itself: a staged host mirror holds the same bytes once a push staged them out.)
+        self.checksums = BlockChecksums(pool, self._checksum_kv_blocks)
         self.landing: LandingZone | None = None
         if not refusable:
             slots = default_num_slots(self.num_blocks, self.block_bytes) if num_landing_slots < 0 else num_landing_slots
-            self.landing = LandingZone(kv_buffer, slots, self._checksum_addresses, on_landed=self.checksums.remember,
-                                       copy_and_check=self._copy_and_check)
+            self.landing = LandingZone(kv_buffer, slots, self._checksum_kv_blocks, on_landed=self.checksums.remember,
+                                       copy_and_check=None if kv_buffer.is_cuda else self._copy_and_check)
             if engine.register(self.landing.tensor) != self.landing.base_addr:
                 raise TransferError("the transfer engine registered the landing zone at another address")
         self.grants = GrantTable(pool, self.base_addr, self.block_bytes, writes_refusable=refusable,
@@ -102,28 +104,16 @@ class TransferAgent:
         self.peer_processes = PeerProcesses()  # same-host writers: quarantines outlive a stopped one's lease
         self.requester.writer_liveness = self.peer_processes.liveness
         self.requester.stage_in = self.memory.stage_in
+        if self.landing is not None:
+            chunk = default_chunk_bytes(engine.transport, os.cpu_count() or 1) if landing_chunk_bytes < 0 \
+                else landing_chunk_bytes
+            self.requester.landing_chunk_blocks = max(1, chunk // self.block_bytes) if chunk else 0
         self.requester.accepts_shared_writes = self.shared_region is not None
         self.holder.checksum = self._checksum_sends
         self.holder.checksum_all = verify_kv
         if verify_kv and self.memory.host_visible:
             self.requester.verify = self._verify_blocks
         self.num_malformed = 0
-
-    def _crc_here(self, addrs: list[int]) -> list[int]:
-        """crc32 of the block at each address, on the calling thread. Blocks of a registered device buffer are
-        copied to the host first."""
-        device = None if self.memory.host_visible else self.memory.registered
-        device_end = self.base_addr + self.num_blocks * self.block_bytes
-        if device is None:
-            return fast_crc.crc32_at(addrs, self.block_bytes)
-        out = []
-        for a in addrs:
-            if self.base_addr <= a < device_end:
-                block = device[(a - self.base_addr) // self.block_bytes].cpu()
-                out.append(fast_crc.crc32_of(block.view(torch.uint8).numpy()))  # bytes, whatever the dtype
-            else:
-                out.append(fast_crc.crc32_at([a], self.block_bytes)[0])
-        return out
 
     def _per_block_on_threads(self, fn: Callable[[list], list[int]], items: list) -> list[int]:
         """``fn(items)`` (one value per block), a long list split among the checksum threads (the crc32 library and
@@ -135,12 +125,20 @@ class TransferAgent:
         return [c for part in self._checksummers.map(fn, parts) for c in part]
 
     def _checksum_addresses(self, addrs: list[int]) -> list[int]:
-        """``_crc_here``, long lists split among threads."""
-        return self._per_block_on_threads(self._crc_here, addrs)
+        """crc32 of the block at each host address (a lower tier's, the host-visible KV memory), long lists split
+        among threads."""
+        return self._per_block_on_threads(lambda part: fast_crc.crc32_at(part, self.block_bytes), addrs)
+
+    def _checksum_kv_blocks(self, block_ids: list[int]) -> list[int]:
+        """crc32 of KV blocks where the KV buffer lives: a GPU's blocks by one kernel launch on the GPU (no block
+        copied to the host), host blocks on the checksum threads."""
+        if self.kv_buffer.is_cuda:
+            return fast_crc.crc32_blocks(self.kv_buffer, block_ids)
+        return self._per_block_on_threads(lambda part: fast_crc.crc32_blocks(self.kv_buffer, part), block_ids)
 
     def _checksum_sends(self, addrs: list[int]) -> list[int]:
         """crc32 of what a push sends: blocks of the registered KV memory (cached, pinned by the push) from their
-        stored checksums (``BlockChecksums``), other memory (a lower tier's blocks) computed now."""
+        stored checksums (``BlockChecksums``), other memory (a lower tier's host blocks) computed now."""
         end = self.base_addr + self.num_blocks * self.block_bytes
         in_pool = [i for i, a in enumerate(addrs) if self.base_addr <= a < end]
         if not in_pool:

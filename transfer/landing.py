@@ -11,9 +11,12 @@ copy that this node makes itself, checked against the writer's crc32 of each blo
                               (late writes       (never written by
                                land here only)    anyone but us)
 
-    host KV buffer    copy s -> b, then crc32 of b itself: b is what the request reads
-    device KV buffer  crc32(s), copy s -> b, crc32(s) again: a write into s during the copy
-                      changes s, so the second check fails
+    host KV buffer    copy s -> b and crc32 of b in one pass (piece by piece, still in cache)
+    device KV buffer  copy s -> b (to the device), then crc32 of b on the device (one kernel
+                      launch for the whole landing: ``kernels/triton/block_crc32.py``)
+
+Either way the check reads b itself, what the request will read: bytes written into s after
+the copy cannot reach it.
 
 A late write can therefore only damage a slot; a damaged slot fails its check, and the
 block is recomputed, never served. Slots of a given-up transfer are held apart
@@ -32,9 +35,25 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from kvmesh.transfer.coalesce import coalesce
+
 DEFAULT_MAX_BYTES = 1 << 30  # an automatic zone is at most this large ...
 DEFAULT_FRACTION = 4  # ... and at most a quarter of the KV buffer's blocks (at least MIN_SLOTS)
 MIN_SLOTS = 64
+
+
+PIPELINE_CHUNK_BYTES = 8 * 2**20  # a pipelined receive asks for chunks of about this size ...
+PIPELINE_MIN_CPUS = 8  # ... where the landing has cores of its own: RDMA, or TCP on a machine with this many
+
+
+def default_chunk_bytes(transport: str, num_cpus: int) -> int:
+    """How large the chunks of a push into landing slots should be (0: one write of everything available).
+
+    Chunks let the copy and check of chunk k run while chunk k+1 is on the wire. That pays only where the wire
+    leaves the landing a core: RDMA (the NIC moves the bytes), or TCP on a machine with cores to spare. On a
+    small machine TCP's receive threads and the landing take turns on the same cores, and chunks only add
+    round trips."""
+    return PIPELINE_CHUNK_BYTES if transport == "rdma" or num_cpus >= PIPELINE_MIN_CPUS else 0
 
 
 def default_num_slots(num_blocks: int, block_bytes: int) -> int:
@@ -46,14 +65,14 @@ def default_num_slots(num_blocks: int, block_bytes: int) -> int:
 
 class LandingZone:
     def __init__(self, kv_buffer: torch.Tensor, num_slots: int,
-                 checksum: Callable[[list[int]], list[int]],
+                 check_blocks: Callable[[list[int]], list[int]],
                  on_landed: Callable[[list[int], list[int]], None] | None = None,
                  copy_and_check: Callable[[list[tuple[int, int]]], list[int]] | None = None):
-        """``kv_buffer``: the node's KV buffer, block-major; ``checksum(addresses)``: crc32 of the block at each
-        host address (``TransferAgent`` splits long lists among threads); ``on_landed(block_ids, checksums)``:
-        told the blocks that landed and the checksums they passed (kept as theirs: ``BlockChecksums``);
-        ``copy_and_check(pairs)``: for a host KV buffer, copies each (slot, block) and returns each block's crc32
-        (default: the copies, then ``checksum`` of the blocks)."""
+        """``kv_buffer``: the node's KV buffer, block-major; ``check_blocks(block_ids)``: crc32 of those KV blocks
+        where the buffer lives (``TransferAgent``: a GPU kernel, or host threads); ``on_landed(block_ids,
+        checksums)``: told the blocks that landed and the checksums they passed (kept as theirs:
+        ``BlockChecksums``); ``copy_and_check(pairs)``: for a host KV buffer, copies each (slot, block) and returns
+        each block's crc32 in one pass (default: the copies, then ``check_blocks``)."""
         if num_slots < 1:
             raise ValueError("a landing zone needs at least one slot")
         self.kv_buffer = kv_buffer
@@ -63,7 +82,7 @@ class LandingZone:
                                   pin_memory=kv_buffer.is_cuda)
         self.block_bytes = kv_buffer[0].numel() * kv_buffer.element_size()
         self.base_addr = self.tensor.data_ptr()
-        self._checksum = checksum
+        self._check_blocks = check_blocks
         self._on_landed = on_landed
         self._copy_and_check = copy_and_check
         self._lock = threading.Lock()
@@ -125,18 +144,11 @@ class LandingZone:
         started = time.perf_counter()
         if self.kv_buffer.device.type == "cpu" and self._copy_and_check is not None:
             good = leading_equal(self._copy_and_check(list(zip(slots, block_ids))), checksums)
-        elif self.kv_buffer.device.type == "cpu":
-            for s, b in zip(slots, block_ids):
-                self.kv_buffer[b].copy_(self.tensor[s])
-            base = self.kv_buffer.data_ptr()
-            good = leading_equal(self._checksum([base + b * self.block_bytes for b in block_ids]), checksums)
-        else:
-            good = leading_equal(self._checksum(self.slot_addrs(slots)), checksums)
-            if good:
-                index = torch.tensor(list(block_ids[:good]), device=self.kv_buffer.device)
-                self.kv_buffer.index_copy_(0, index, self.tensor[list(slots[:good])].to(self.kv_buffer.device))
-                torch.cuda.synchronize(self.kv_buffer.device)
-                good = leading_equal(self._checksum(self.slot_addrs(slots[:good])), checksums)
+        else:  # run by run from the (pinned) slots to the device: DMA, the CPU touches no byte
+            for run in coalesce(slots, block_ids):
+                self.kv_buffer[run.dst_start:run.dst_start + run.num_blocks].copy_(
+                    self.tensor[run.src_start:run.src_start + run.num_blocks], non_blocking=True)
+            good = leading_equal(self._check_blocks(list(block_ids)), checksums)  # after the copies (same stream)
         if good and self._on_landed is not None:
             self._on_landed(list(block_ids[:good]), list(checksums[:good]))
         with self._lock:

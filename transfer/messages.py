@@ -90,10 +90,13 @@ class PushRequest:
     landing: bool = False  # dst ids are landing slots, not KV blocks
     in_place: bool = False  # a writer on our host may copy into our shared memory (we fence it by its process)
     trace_context: str = ""  # the requester's span (W3C traceparent: kvmesh/tracing.py); "": not traced
+    chunk_blocks: int = 0  # write at most this many blocks per chunk (landing: we check one as the next arrives)
 
     def validate(self) -> None:
         _check_grant(self.TYPE, self.grant_id, self.dst_block_ids, self.deadline_ms)
         check_trace_context(self.TYPE, self.trace_context)
+        if not isinstance(self.chunk_blocks, int) or not 0 <= self.chunk_blocks <= MAX_BLOCKS_PER_REQUEST:
+            raise MessageError(f"push_request: chunk_blocks must be within 0..{MAX_BLOCKS_PER_REQUEST}")
         if not 0 <= self.wait_ms <= self.deadline_ms:
             raise MessageError("push_request: wait_ms must be within 0..deadline_ms")
         if len(self.dst_block_ids) != len(self.block_hashes):

@@ -5,13 +5,17 @@ under known hashes (optionally one block every --delay-ms, like a prefill in
 progress), serves push requests from the requesters named by ``--requester``
 (PeerRecord JSON: its static directory; the cluster token comes from
 $KVMESH_CLUSTER_TOKEN), prints its own PeerRecord as JSON, and answers commands
-on stdin: ``check`` -> integrity of its pool and how many blocks are pinned; ``quit``.
+on stdin: ``check`` -> integrity of its pool and how many blocks are pinned; ``wire N REPEAT REQUESTER`` -> the
+seconds a bare engine write of its first N chain blocks into that requester's landing slots takes (median of
+REPEAT after one more: the wire alone, no conversation, no fence; null where the engine refuses writes
+without a grant); ``quit``.
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import json
+import statistics
 import sys
 import time
 
@@ -20,6 +24,7 @@ import torch
 from kvmesh.auth import ClusterAuth, token_from_env
 from kvmesh.kv.block_hash import hash_blocks, root_hash
 from kvmesh.kv.block_pool import BlockPool
+from kvmesh.transfer.coalesce import address_descriptors
 from kvmesh.transfer.engine import create_transfer_engine
 from kvmesh.transfer.kv_agent import TransferAgent
 from kvmesh.transfer.peers import PeerRecord, StaticPeers
@@ -35,6 +40,22 @@ def seeded_buffer(num_blocks: int, seed: int, shape=BLOCK_SHAPE) -> torch.Tensor
 
 def chain_hashes(num_blocks: int, salt: bytes = b"peer-test") -> list[bytes]:
     return hash_blocks(root_hash(salt), list(range(num_blocks * 16)), 16)
+
+
+def wire_seconds(agent: TransferAgent, requester: PeerRecord, block_ids: list[int], repeat: int) -> float | None:
+    """A bare engine write of these blocks into the requester's first landing slots, as a push cuts it."""
+    if requester is None or not requester.num_landing_slots or agent.engine.name != "mooncake":
+        return None
+    bb = agent.block_bytes
+    descriptors = address_descriptors([agent.base_addr + b * bb for b in block_ids],
+                                      [requester.landing_addr + i * bb for i in range(len(block_ids))], bb,
+                                      agent.engine.max_descriptor_bytes)
+    times = []
+    for _ in range(repeat + 1):
+        start = time.perf_counter()
+        agent.engine.write(requester.transfer_endpoint, descriptors, timeout_s=60)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[1:])
 
 
 def main() -> None:
@@ -91,6 +112,10 @@ def main() -> None:
             print(json.dumps({"ok": True, "num_pinned": pool.usage().num_pinned,
                               "num_malformed": agent.num_malformed, "num_cached": len(pool.match(hashes)),
                               "bytes_sent_shared_memory": agent.bytes_sent_shared_memory}), flush=True)
+        elif cmd.startswith("wire "):
+            _, n, repeat, requester = cmd.split()
+            print(json.dumps({"wire_s": wire_seconds(agent, peers.get(requester), chain_ids[:int(n)], int(repeat))}),
+                  flush=True)
         elif cmd == "quit":
             break
     agent.close()

@@ -101,6 +101,10 @@ class KVRequester:
         # Copies blocks reported written out of the registered memory (a device buffer's host mirror).
         self.stage_in: Callable[[list[int]], None] | None = None
         self.num_checksum_failures = 0
+        # Pushes into landing slots ask for chunks of this many blocks (0: the writer's choice), so that one is
+        # copied and checked while the next is on the wire (``transfer/landing.py``: ``default_chunk_bytes``).
+        self.landing_chunk_blocks = 0
+        self.num_blocks_landed_early = 0  # landed while the writer was still writing (before its final answer)
         self.block_bytes = grants.block_bytes
         # A peer's record -> whether its process still exists, for writers on this host (None: cannot tell).
         self.writer_liveness: Callable[[PeerRecord], Callable[[], bool] | None] | None = None
@@ -123,7 +127,8 @@ class KVRequester:
                                   cid, self.node_id, g.grant_id, list(g.block_ids),
                                   list(block_hashes[offset:offset + len(g.block_ids)]), deadline_ms, wait_ms,
                                   landing=g.fence is Fence.LANDING, in_place=g.fence is Fence.PROCESS,
-                                  trace_context=trace_context))
+                                  trace_context=trace_context,
+                                  chunk_blocks=self.landing_chunk_blocks if g.fence is Fence.LANDING else 0))
 
     def compute_and_push(self, peer_id: str, block_ids: list[int], prompt_token_ids: list[int], first_block: int,
                          *, request_id: str, timeout_s: float, wanted_within_s: float = 0.0,
@@ -283,7 +288,10 @@ class KVRequester:
                 if len(msg.written) == len(written):
                     written = msg.written
                     checksums = msg.checksums or checksums
+                    before = num_landed
                     num_landed = self._land(slots, block_ids, num_landed, _leading(written), checksums)
+                    if not msg.final:
+                        self.num_blocks_landed_early += num_landed - before
                 if msg.final:
                     num = _leading(written)
                     if slots:

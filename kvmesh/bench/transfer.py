@@ -7,7 +7,10 @@ block ids (one descriptor) and scattered ones (one descriptor per block). Backen
 ``shared-memory``: the requester's KV buffer is a memfd that the holder (same host)
 writes by one copy (``transfer/shared_memory.py``; its side channel is zmq's). Each
 figure is the end-to-end push as a requester sees it: side-channel request,
-holder match + pin, the batched write, the final answer.
+holder match + pin, the batched write, the final answer; beside it, for a
+one-sided engine, its parts: the wire alone (the holder's bare engine write of the
+same descriptors into our landing slots, no conversation, no fence) and the fence
+(copy out of the slots and check, one pass per block).
 """
 from __future__ import annotations
 
@@ -45,6 +48,7 @@ BLOCK_ELEMS = 64 * 1024  # 256 KiB fp32 blocks
 BLOCK_BYTES = BLOCK_ELEMS * 4
 SIZES_BLOCKS = (1, 4, 16, 64, 256)  # 256 KiB ... 64 MiB
 GIB = 2**30
+LINK_100GBIT_GIB_PER_S = 100e9 / 8 / GIB
 
 
 def memcpy_gib_per_s(nbytes: int = 64 * 2**20, repeat: int = 5) -> float:
@@ -136,7 +140,14 @@ def _push(agent: TransferAgent, peer: str, dst: list[int], hashes: list[bytes], 
     return outcome.num_written
 
 
-def bench_backend(backend: str, repeat: int, bar: tqdm, token: str = _TOKEN) -> list[dict]:
+def _wire_seconds(proc: subprocess.Popen, num_blocks: int, repeat: int, requester_id: str) -> float | None:
+    """The holder's bare engine write of the same blocks into our landing slots (None: not a one-sided engine)."""
+    proc.stdin.write(f"wire {num_blocks} {repeat} {requester_id}\n")
+    proc.stdin.flush()
+    return json.loads(proc.stdout.readline())["wire_s"]
+
+
+def bench_backend(backend: str, repeat: int, bar: tqdm, token: str = _TOKEN, landing_chunk_bytes: int = -1) -> list[dict]:
     num_blocks = max(SIZES_BLOCKS)
     hashes = chain_hashes(num_blocks)
     results = []
@@ -147,7 +158,9 @@ def bench_backend(backend: str, repeat: int, bar: tqdm, token: str = _TOKEN) -> 
     auth = ClusterAuth(token)
     agent = TransferAgent("bench-requester", pool, kv, create_transfer_engine(engine_backend, auth=auth),
                           StaticPeers(), auth, shared_region=shared and shared.region,
-                          num_landing_slots=num_blocks).start()  # one round for every size of the sweep
+                          num_landing_slots=num_blocks,  # one round for every size of the sweep
+                          landing_chunk_bytes=landing_chunk_bytes).start()
+    chunk_bytes = agent.requester.landing_chunk_blocks * BLOCK_BYTES if agent.landing is not None else None
     transport = SHARED_MEMORY if shared is not None else agent.engine.transport
     piece_bytes = 0 if shared is not None else agent.engine.max_descriptor_bytes
     try:
@@ -176,13 +189,16 @@ def bench_backend(backend: str, repeat: int, bar: tqdm, token: str = _TOKEN) -> 
                     seconds = statistics.median(times[1:])
                     fence_s = ((agent.landing.land_s - landed_before) / (len(times) + num_short)
                                if agent.landing is not None else 0.0)  # per push, the short ones included
+                    wire_s = _wire_seconds(proc, n, repeat, agent.node_id)
                     results.append({"backend": backend, "transport": transport, "layout": layout,
-                                    "fence_s": fence_s, "fence_share": fence_s / seconds,
+                                    "fence_s": fence_s, "fence_share": fence_s / seconds, "wire_s": wire_s,
+                                    "wire_gib_per_s": n * BLOCK_BYTES / wire_s / GIB if wire_s else None,
+                                    "of_wire": wire_s / seconds if wire_s else None,
                                     "size_bytes": n * BLOCK_BYTES, "num_blocks": n,
                                     "descriptors": len(to_descriptors(coalesce(dst, dst), 0, 0, BLOCK_BYTES,
                                                                       piece_bytes)),
                                     "seconds": seconds, "gib_per_s": n * BLOCK_BYTES / seconds / GIB,
-                                    "num_short_pushes": num_short})
+                                    "num_short_pushes": num_short, "landing_chunk_bytes": chunk_bytes})
                     bar.update(1)
             finally:
                 proc.stdin.write("quit\n")
@@ -195,29 +211,37 @@ def bench_backend(backend: str, repeat: int, bar: tqdm, token: str = _TOKEN) -> 
     return results
 
 
-def run(json_path: str | None, backends: list[str] | None = None, repeat: int = 3, insecure: bool = False) -> dict:
-    """``insecure``: no cluster token (plain ZMQ frames with a public MAC key): the baseline of CurveZMQ's cost."""
+def run(json_path: str | None, backends: list[str] | None = None, repeat: int = 3, insecure: bool = False,
+        landing_chunk_bytes: int = -1) -> dict:
+    """``insecure``: no cluster token (plain ZMQ frames with a public MAC key): the baseline of CurveZMQ's cost.
+    ``landing_chunk_bytes``: the requester's chunks of pushes into landing slots (-1: a node's default here)."""
     backends = backends or ((["mooncake"] if mooncake_available() else []) + ["zmq", SHARED_MEMORY])
     res = {"machine": machine(), "channel_security": not insecure, "block_bytes": BLOCK_BYTES, "memcpy_gib_per_s": memcpy_gib_per_s(),
            "socket_gib_per_s": socket_gib_per_s(), "check_path": check_path_gib_per_s(), "results": []}
     threads = min(4, os.cpu_count() or 1)  # what a node's landing splits a long receive among (transfer/kv_agent.py)
-    res["check_path"].update(threads=threads, projection_fence_limit_gib_per_s=threads * res["check_path"][
-        "copy_and_crc32_gib_per_s"])
+    rate = res["check_path"]["copy_and_crc32_gib_per_s"]
+    # Projections from the measured per-core rate: the link the fence keeps up with on a node's checksum threads,
+    # and the fence's CPU time per second of a 100 Gbit/s wire (cores busy copying and checking while it runs).
+    res["check_path"].update(threads=threads, projection_fence_limit_gib_per_s=threads * rate,
+                             projection_fence_core_s_per_wire_s_at_100gbit=LINK_100GBIT_GIB_PER_S / rate)
     with tqdm(total=len(backends) * 2 * len(SIZES_BLOCKS), desc="transfer sweep", leave=False) as bar:
         for backend in backends:
-            res["results"] += bench_backend(backend, repeat, bar, "" if insecure else _TOKEN)
+            res["results"] += bench_backend(backend, repeat, bar, "" if insecure else _TOKEN, landing_chunk_bytes)
     ceiling = res["socket_gib_per_s"]
     rows = [[r["backend"], r["transport"], r["layout"], f"{r['size_bytes'] / 2**20:g} MiB", r["descriptors"],
              f"{r['gib_per_s']:.2f}", f"{r['gib_per_s'] / ceiling:.2f}",
+             f"{r['wire_gib_per_s']:.2f}" if r["wire_s"] else "-", f"{r['of_wire']:.2f}" if r["wire_s"] else "-",
              f"{r['fence_s'] * 1e3:.1f} ms ({r['fence_share']:.0%})" if r["fence_s"] else "-"] for r in res["results"]]
     check = res["check_path"]
     print(f"\nceilings: memcpy {res['memcpy_gib_per_s']:.2f} GiB/s, TCP socket {ceiling:.2f} GiB/s; landing check "
           f"path on one core: crc32 {check['crc32_gib_per_s']:.2f} GiB/s (zlib's {check['zlib_crc32_gib_per_s']:.2f}), "
           f"copy + crc32 "
           f"{check['copy_and_crc32_gib_per_s']:.2f} GiB/s (projection: the fence limits a link at "
-          f"{check['projection_fence_limit_gib_per_s']:.1f} GiB/s on {check['threads']} threads)")
+          f"{check['projection_fence_limit_gib_per_s']:.1f} GiB/s on {check['threads']} threads; at 100 Gbit/s it "
+          f"keeps {check['projection_fence_core_s_per_wire_s_at_100gbit']:.1f} cores busy while the wire runs)")
     print_table("KV push between two processes (end to end)",
-                ["backend", "transport", "layout", "size", "descriptors", "GiB/s", "of socket", "fence (copy + check)"],
+                ["backend", "transport", "layout", "size", "descriptors", "GiB/s", "of socket", "wire alone GiB/s",
+                 "of wire", "fence (copy + check)"],
                 rows)
     write_json(json_path, res)
     return res

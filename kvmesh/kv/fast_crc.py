@@ -5,7 +5,8 @@ elsewhere), and copies a block while checksumming each piece of it still in cach
 Its values equal ``zlib.crc32``'s, so a node without a C compiler (zlib, slower) agrees with one that has it.
 Compiled on first use into ``$KVMESH_CACHE_DIR/native/`` (the file name carries a hash of the source and the
 compiler); every call releases the GIL, so threads checksum in parallel. Addresses are host memory the caller
-keeps alive for the call.
+keeps alive for the call. Blocks of a buffer on a GPU are checksummed there (``crc32_blocks``: a Triton kernel,
+``kernels/triton/block_crc32.py``, with the same values), never copied to the host one by one.
 """
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ import logging
 import zlib
 from collections.abc import Sequence
 from pathlib import Path
+
+import torch
 
 from kvmesh.cpu_info import cpu_flags
 from kvmesh.native_build import c_compiler, cache_dir, compile_library
@@ -93,3 +96,21 @@ def crc32_of(buffer) -> int:
     if lib is None or view.readonly or not view.nbytes:
         return zlib.crc32(view)
     return lib.kvm_crc32(0, ctypes.addressof(ctypes.c_ubyte.from_buffer(view)), view.nbytes)
+
+
+def crc32_blocks(buffer: torch.Tensor, block_ids: Sequence[int]) -> list[int]:
+    """crc32 of the bytes of ``buffer[b]`` (contiguous, block-major, any dtype) for each block id, where the buffer
+    lives: on a GPU one kernel launch (one gathered copy to the host where Triton is missing or blocks are not whole
+    32-bit words), on the CPU here."""
+    nbytes = buffer[0].numel() * buffer.element_size()
+    if buffer.device.type == "cpu":
+        return crc32_at([buffer.data_ptr() + b * nbytes for b in block_ids], nbytes)
+    from kvmesh.kernels.ops import triton_available
+
+    if triton_available() and nbytes % 4 == 0:
+        from kvmesh.kernels.triton.block_crc32 import crc32_blocks as on_device
+
+        return on_device(buffer, block_ids)
+    index = torch.tensor(list(block_ids), dtype=torch.int64, device=buffer.device)
+    return crc32_blocks(buffer.index_select(0, index).cpu().contiguous(), range(len(block_ids)))
+

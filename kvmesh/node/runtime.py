@@ -435,6 +435,7 @@ class NodeRuntime:
                  "num_quarantined_total": self.agent.grants.num_quarantined_total,
                  "num_pending_pushes": self.agent.holder.num_pending,
                  "num_checksum_failures": self.agent.requester.num_checksum_failures,
+                 "num_blocks_landed_early": self.agent.requester.num_blocks_landed_early,
                  "num_fenced_landing_slots": self.agent.grants.num_fenced_slots,
                  "index_revision": self.membership.index.mirror.revision if self.membership.index else 0,
                  "landing": self.agent.landing.describe() if self.agent.landing is not None else {},
