@@ -14,10 +14,11 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30,
 
 
 class RouterMetrics:
-    def __init__(self, node_stats=None, readiness=None, role_moves=None):
+    def __init__(self, node_stats=None, readiness=None, role_moves=None, scale_actions=None):
         """``node_stats()`` -> {node_id: stats dict}, read at scrape time (per-node load, hit rates, bytes);
         ``readiness()`` -> (ready, detail) as ``Router.readiness`` (process states under a supervisor);
-        ``role_moves``: the role balancer's moves by the role moved to (``--roles auto``), read at scrape time."""
+        ``role_moves``: the role balancer's moves by the role moved to (``--roles auto``), read at scrape time;
+        ``scale_actions``: nodes added and removed (``--max-nodes`` on Ray), likewise."""
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter("kvmesh_requests", "Requests by outcome", ["outcome"], registry=r)
@@ -43,6 +44,11 @@ class RouterMetrics:
                           registry=r)
             for role in ("prefill", "decode"):
                 moves.labels(role).set_function(lambda role=role: role_moves[role])
+        if scale_actions is not None:
+            scaled = Gauge("kvmesh_nodes_scaled", "Nodes the role balancer added or removed (--max-nodes)",
+                           ["action"], registry=r)
+            for action in ("add", "remove"):
+                scaled.labels(action).set_function(lambda action=action: scale_actions[action])
         if readiness is not None:
             r.register(_ReadinessCollector(readiness))
 

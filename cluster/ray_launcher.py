@@ -3,7 +3,9 @@
 Every actor is named in the ``kvmesh`` Ray namespace, detached (it outlives the
 ``kvmesh launch`` driver: a new driver re-attaches by name, ``--stop`` ends them)
 and restarted by Ray when it dies (``max_restarts=-1``); a restarted node registers again under its node id,
-and the router follows the directory to its new endpoints. Across machines: node
+and the router follows the directory to its new endpoints. With ``--roles auto --max-nodes N`` the
+router also adds node actors (while the Ray cluster has room) and removes idle ones (``add_node`` /
+``remove_node``: this class is its ``NodeSupply``). Across machines: node
 actors are spread over the Ray nodes (``placement`` pins a role to the nodes that
 offer a custom resource instead), every actor binds all interfaces and
 advertises its Ray node's IP, and etcd does the same (or ``etcd`` names one).
@@ -23,6 +25,7 @@ waits for (Ray resources no node has free) instead of hanging without a word.
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import sys
 import time
@@ -36,6 +39,7 @@ from kvmesh.metadata.registry import wait_for_nodes
 from kvmesh.metadata.keys import DEFAULT_CLUSTER
 
 NAMESPACE = "kvmesh"
+log = logging.getLogger("kvmesh.launch")
 
 
 RAY_TOKEN_HELP = ("this Ray cluster wants a token: run `ray get-auth-token --generate` on the head, copy its "
@@ -120,6 +124,10 @@ class NodeActor:
 
         return os.getpid()
 
+    def close(self) -> None:
+        """Stop the node (it deregisters, its holder tells requesters it stopped) before the actor is killed."""
+        self.node.close()
+
 
 @dataclass
 class RayCluster:
@@ -136,6 +144,7 @@ class RayCluster:
     tensor_parallel_sizes: dict = field(default_factory=dict)
     etcd: str = ""
     actors: dict = field(default_factory=dict)
+    _starting: set = field(default_factory=set)  # nodes added at run time, not seen registered yet
 
     def __post_init__(self) -> None:  # every node actor and the router share one cluster token
         self.node_options.setdefault("cluster_token", token_from_env() or generate_token())
@@ -174,18 +183,54 @@ class RayCluster:
             self.etcd = self._wait_placed({"etcd": etcd_actor.endpoint.remote()}, timeout_s, say,
                                           f"{ETCD_CPUS:g} CPU")["etcd"]
         for role, node_id in specs:
-            where = ({"resources": {self.placement[role]: 0.001}} if role in self.placement
-                     else {"scheduling_strategy": "SPREAD"})
-            tp = self._tp(role)
-            self.actors[node_id] = NodeActor.options(
-                name=node_id, namespace=NAMESPACE, get_if_exists=True, lifetime="detached",
-                num_cpus=self.cpus_per_node * tp, num_gpus=self.gpus_per_node * tp, **where).remote(
-                    role, node_id, self.etcd, self.cluster, self.model, {**self.node_options, "tensor_parallel_size": tp})
+            self._create_node_actor(role, node_id)
         asks = f"{self.cpus_per_node:g} CPU" + (f", {self.gpus_per_node:g} GPU" if self.gpus_per_node else "") + \
             " per rank"
         self._wait_placed({n: self.actors[n].info.remote() for _, n in specs}, timeout_s, say, asks)
         self.wait_registered({n for _, n in specs}, timeout_s)
         return self
+
+    def _create_node_actor(self, role: str, node_id: str):
+        where = ({"resources": {self.placement[role]: 0.001}} if role in self.placement
+                 else {"scheduling_strategy": "SPREAD"})
+        tp = self._tp(role)
+        self.actors[node_id] = NodeActor.options(
+            name=node_id, namespace=NAMESPACE, get_if_exists=True, lifetime="detached",
+            num_cpus=self.cpus_per_node * tp, num_gpus=self.gpus_per_node * tp, **where).remote(
+                role, node_id, self.etcd, self.cluster, self.model, {**self.node_options, "tensor_parallel_size": tp})
+        return self.actors[node_id]
+
+    # ---- a NodeSupply (kvmesh/cluster/role_controller.py): the router grows and shrinks the cluster ----------
+    def add_node(self, role: str) -> str | None:
+        """A node actor of ``role`` under the next free id, started now (it registers by itself); None when the
+        Ray cluster has no free room for its CPUs and GPUs (logged)."""
+        tp = self._tp(role)
+        free = ray.available_resources()
+        want = {"CPU": self.cpus_per_node * tp, "GPU": self.gpus_per_node * tp}
+        short = {k: v for k, v in want.items() if v > free.get(k, 0.0) + 1e-9}
+        if short:
+            log.info("no room on the Ray cluster for another %s node: it asks %s, free %s", role, want,
+                     {k: free.get(k, 0.0) for k in want})
+            return None
+        taken = set(self.actors) | set(kvmesh_actor_names())
+        node_id = next(f"{role}-{i}" for i in range(len(taken) + 1) if f"{role}-{i}" not in taken)
+        self._create_node_actor(role, node_id)
+        self._starting.add(node_id)
+        return node_id
+
+    def remove_node(self, node_id: str) -> None:
+        """Stop that node actor for good: its node closes (deregisters), then Ray kills it without a restart."""
+        actor = self.actors.pop(node_id, None) or ray.get_actor(node_id, namespace=NAMESPACE)
+        self._starting.discard(node_id)
+        try:
+            ray.get(actor.close.remote(), timeout=60)
+        except Exception as e:  # dead already, or stuck: the kill below ends it either way
+            log.warning("node %s did not close cleanly before its removal: %s", node_id, e)
+        ray.kill(actor, no_restart=True)
+
+    def num_starting(self, registered: set[str]) -> int:
+        self._starting -= registered
+        return len(self._starting)
 
     def _tp(self, role: str) -> int:
         return int(self.tensor_parallel_sizes.get(role, 1))

@@ -64,6 +64,7 @@ class RoleBalancer:
     _last_counts: dict[str, tuple[int, int]] = field(default_factory=dict)  # decode node -> (computed, total)
     num_moves: int = 0
     last_reason: str = ""
+    last_pressures: tuple[float, float] = (0.0, 0.0)  # (prefill, decode) of the last tick
 
     def pressures(self, loads: list[NodeLoad]) -> tuple[float, float]:
         """(prefill pressure, decode pressure) of this tick, each as a share of its SLO (see the module)."""
@@ -86,7 +87,7 @@ class RoleBalancer:
     def observe(self, loads: list[NodeLoad], now: float) -> RoleMove | None:
         """One tick: the move to make now, if any (the caller makes it and says so with ``moved``)."""
         cfg = self.config
-        prefill, decode = self.pressures(loads)
+        prefill, decode = self.last_pressures = self.pressures(loads)
         verdict = ""
         if prefill >= cfg.high and decode <= cfg.low:
             verdict = "prefill"

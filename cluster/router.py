@@ -21,7 +21,8 @@ from typing import NamedTuple
 
 from kvmesh.cluster.detokenizer import IncrementalDetokenizer
 from kvmesh.cluster.role_balancer import BalancerConfig, RoleBalancer
-from kvmesh.cluster.role_controller import RoleController
+from kvmesh.cluster.role_controller import NodeSupply, RoleController
+from kvmesh.cluster.scale_policy import ScaleConfig, ScalePolicy
 from kvmesh.cluster.fetch_costs import FetchCosts
 from kvmesh.cluster.metrics import RouterMetrics
 from kvmesh.cluster.node_connection import NodeConnection, NodeLost
@@ -75,6 +76,7 @@ class RouterConfig:
     tpot_slo_ms: float = 100.0
     role_interval_s: float = 2.0  # between the balancer's looks at the cluster
     role_cooldown_s: float = 30.0  # after a role change, before the next
+    max_nodes: int = 0  # with a node supply (Ray) and --roles auto: grow up to this many nodes, shrink when idle
 
 
 class RequestTimeout(KvmeshError, TimeoutError):
@@ -138,7 +140,9 @@ class Chunk:
 
 
 class Router:
-    def __init__(self, cfg: RouterConfig):
+    def __init__(self, cfg: RouterConfig, supply: NodeSupply | None = None):
+        """``supply``: where nodes come from (``RayCluster``): with ``cfg.max_nodes`` and ``--roles auto`` the
+        router adds and removes nodes as well as moving them between roles."""
         self.cfg = cfg
         self._auth = ClusterAuth(cfg.cluster_token)
         card = load_tokenizer(cfg.model)  # config and tokenizer only: a router never loads weights
@@ -173,11 +177,17 @@ class Router:
             balancer = RoleBalancer(BalancerConfig(
                 ttft_slo_s=cfg.ttft_slo_ms / 1e3, tpot_slo_s=cfg.tpot_slo_ms / 1e3, cooldown_s=cfg.role_cooldown_s,
                 min_prefill=cfg.min_prefill, min_decode=cfg.min_decode))
-            self.roles = RoleController(balancer, self.status, self._set_role, cfg.role_interval_s)
+            scaler = ScalePolicy(ScaleConfig(
+                max_nodes=cfg.max_nodes, cooldown_s=cfg.role_cooldown_s, min_prefill=cfg.min_prefill,
+                min_decode=cfg.min_decode)) if supply is not None and cfg.max_nodes > 0 else None
+            self.roles = RoleController(balancer, self.status, self._set_role, cfg.role_interval_s, scaler=scaler,
+                                        supply=supply)
         elif cfg.roles != "fixed":
             raise ValueError(f"roles {cfg.roles!r}: fixed or auto")
         self.metrics = RouterMetrics(self._node_metrics, self.readiness,
-                                     role_moves=self.roles.moves if self.roles is not None else None)
+                                     role_moves=self.roles.moves if self.roles is not None else None,
+                                     scale_actions=self.roles.scaled if self.roles is not None and
+                                     self.roles.scaler is not None else None)
         self.tracer = Tracer("kvmesh-router", cfg.otlp_endpoint, cfg.trace_sample_ratio)
         self.index.mirror.wait_healthy(10)
         if self.roles is not None:

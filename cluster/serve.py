@@ -153,8 +153,10 @@ def check_front_end_ports(args: argparse.Namespace) -> None:
             raise KvmeshError(f"{what}: {reason}; stop what listens there or choose another port (0: any free one)")
 
 
-def run_front_ends(args: argparse.Namespace, etcd: str, cluster: str, cluster_token: str, supervision=None) -> None:
-    """Router + gRPC + HTTP until Ctrl-C or SIGTERM; ``supervision()``: process states for /ready and /metrics."""
+def run_front_ends(args: argparse.Namespace, etcd: str, cluster: str, cluster_token: str, supervision=None,
+                   supply=None) -> None:
+    """Router + gRPC + HTTP until Ctrl-C or SIGTERM; ``supervision()``: process states for /ready and /metrics;
+    ``supply``: where the router gets nodes from and gives them back to (``--max-nodes`` on Ray)."""
     from kvmesh.cluster.grpc_server import start_grpc_server
     from kvmesh.cluster.http_server import start_http_server
     from kvmesh.gc_pauses import freeze_start_up
@@ -162,7 +164,7 @@ def run_front_ends(args: argparse.Namespace, etcd: str, cluster: str, cluster_to
     router = Router(RouterConfig(etcd=etcd, model=args.model, cluster=cluster, routing=args.routing,
                                  max_in_flight=args.max_in_flight, cluster_token=cluster_token,
                                  otlp_endpoint=args.otlp_endpoint, trace_sample_ratio=args.trace_sample_ratio,
-                                 **role_config(args)))
+                                 max_nodes=getattr(args, "max_nodes", 0), **role_config(args)), supply=supply)
     router.supervision = supervision
     tls_files = (args.tls_cert, args.tls_key) if args.tls_cert else None
     tls_pem = tuple(open(f, "rb").read() for f in (args.tls_key, args.tls_cert)) if tls_files else None
@@ -241,6 +243,10 @@ def add_launch_arguments(p: argparse.ArgumentParser) -> None:
                    help="the node actors' device: auto (the GPU Ray assigned, else the CPU), cpu, cuda or cuda:N")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="the node actors' model dtype (auto: bfloat16 on CUDA and on CPUs with AMX or AVX512-BF16)")
+    p.add_argument("--max-nodes", type=int, default=0,
+                   help="with --roles auto: add node actors up to this many while a role is short of capacity and "
+                        "the Ray cluster has room, and remove idle ones (decode nodes drained first) down to "
+                        "--min-prefill + --min-decode (default 0: the nodes launched, no more, no fewer)")
     add_tensor_parallel_arguments(p)
     add_front_end_arguments(p)
 
@@ -259,6 +265,9 @@ def run_launch(args: argparse.Namespace) -> int:
     placement = dict(p.split("=", 1) for p in args.placement)
     if not set(placement) <= {"prefill", "decode"} or "" in placement.values():
         raise KvmeshError(f"--placement takes prefill=RESOURCE or decode=RESOURCE, not {args.placement}")
+    if args.max_nodes and (args.roles != "auto" or args.max_nodes < args.prefill + args.decode):
+        raise KvmeshError(f"--max-nodes {args.max_nodes} needs --roles auto and at least the nodes launched "
+                          f"({args.prefill + args.decode})")
     token = secret_from_args(args) or generate_token()
     cluster = RayCluster(args.prefill, args.decode, args.model, args.cluster, args.gpus_per_node,
                          args.cpus_per_node, etcd=args.etcd or "",
@@ -267,5 +276,6 @@ def run_launch(args: argparse.Namespace) -> int:
                                        "trace_sample_ratio": args.trace_sample_ratio},
                          placement=placement, tensor_parallel_sizes=tensor_parallel_sizes(args)).start()
     print(json.dumps({"etcd": cluster.etcd, "nodes": cluster.hosts()}), flush=True)
-    run_front_ends(args, cluster.etcd, args.cluster, token)  # Ray restarts dead node actors
+    run_front_ends(args, cluster.etcd, args.cluster, token,  # Ray restarts dead node actors
+                   supply=cluster if args.max_nodes else None)
     return 0

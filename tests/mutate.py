@@ -62,6 +62,13 @@ MUTATIONS = (
              "transfer/holder.py", "            push.chunk_blocks = msg.chunk_blocks", "            push.chunk_blocks = 0",
              ("tests/test_transfer.py::test_a_push_into_landing_slots_is_received_in_chunks_each_checked_while_the_"
               "next_is_written",)),
+    Mutation("a scale-down removes a decode node still draining its streams", "cluster/role_controller.py",
+             '            if roles.get(node_id) == "prefill":\n                self.supply.remove_node(node_id)',
+             '            if roles.get(node_id) is not None:\n                self.supply.remove_node(node_id)',
+             ("tests/test_scale_policy.py",)),
+    Mutation("the scale policy acts on a single tick's verdict (no hysteresis)", "cluster/scale_policy.py",
+             '        needed = cfg.sustain_down if verdict == "remove" else cfg.sustain',
+             "        needed = 1", ("tests/test_scale_policy.py",)),
     Mutation("the folded crc32 uses a wrong folding constant", "kvmesh/kv/crc32.c",
              "_mm_set_epi64x(0x1c6e41596LL, 0x154442bd4LL)", "_mm_set_epi64x(0x1c6e41596LL, 0x154442bd5LL)",
              ("tests/test_fast_crc.py",), requires="pclmulqdq"),

@@ -102,3 +102,57 @@ def test_launch_says_what_it_waits_for_and_refuses_actors_of_another_token(ray_i
         assert time.monotonic() - started < 60
     finally:
         assert set(stop_cluster()) >= {"etcd", "decode-0"}
+
+
+def test_the_router_adds_a_node_actor_under_load_and_removes_an_idle_one(ray_instance):
+    """``--roles auto --max-nodes 2`` on Ray: one decode node whose slots stay full gets a second node actor (no
+    prefill node to move: there is none); once idle, the cluster shrinks back to one node, the decode node
+    removed drained first, its actor gone for good; every stream equal to the single-process engine's."""
+    import threading
+
+    cluster = RayCluster(num_prefill=0, num_decode=1, cluster="ray-scale", cpus_per_node=1,
+                         node_options={"transfer_backend": "zmq", "role_changes": True, "max_num_seqs": 2}).start()
+    router = Router(RouterConfig(etcd=cluster.etcd, cluster_token=cluster.token, cluster="ray-scale",
+                                 liveness_s=1.0, roles="auto", max_nodes=2, role_interval_s=0.2,
+                                 role_cooldown_s=1.0), supply=cluster)
+    reference = LLM("tiny-llama", num_kv_blocks=256, progress=False)
+    long = SamplingParams(max_tokens=900, temperature=0.0, ignore_eos=True)
+    prompts = [list(range(30 + k, 70 + k)) for k in range(2)]
+    outputs: list[tuple[int, list[int]]] = []
+    added = threading.Event()
+
+    def keep_busy(k: int) -> None:  # both of decode-0's slots busy until a node is added
+        while not added.is_set():
+            outputs.append((k, [t for c in router.generate(prompts[k], long) for t in c.token_ids]))
+
+    try:
+        threads = [threading.Thread(target=keep_busy, args=(k,)) for k in range(2)]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 240
+        while len(router.directory.nodes) < 2:
+            assert time.monotonic() < deadline, f"no node added: {router.roles.history}"
+            time.sleep(0.2)
+        added.set()
+        assert router.roles.scaled["add"] == 1 and "decode-1" in router.directory.nodes
+        for t in threads:
+            t.join(timeout=120)
+        expected = [reference.generate(p, long, use_tqdm=False)[0].token_ids for p in prompts]
+        assert outputs and all(out == expected[k] for k, out in outputs)
+        while len(router.directory.nodes) > 1 or router.roles.scaled["remove"] < 1:  # idle: back to one
+            assert time.monotonic() < deadline, f"no node removed: {router.roles.history}"
+            time.sleep(0.2)
+        (left,) = router.directory.nodes
+        removed = ({"decode-0", "decode-1"} - {left}).pop()
+        assert [kind for _, node, kind, _ in router.roles.history if node == removed][-1] == "remove"
+        while removed in {a["name"] for a in ray.util.list_named_actors(all_namespaces=True)}:  # killed after
+            assert time.monotonic() < deadline, f"{removed}'s actor still up"  # its node closed and deregistered
+            time.sleep(0.2)
+        more = list(range(200, 240))
+        assert [t for c in router.generate(more, GREEDY) for t in c.token_ids] == \
+            reference.generate(more, GREEDY, use_tqdm=False)[0].token_ids
+    finally:
+        added.set()
+        router.close()
+        stopped = set(stop_cluster())
+        assert "etcd" in stopped and len(stopped & {"decode-0", "decode-1"}) == 1
