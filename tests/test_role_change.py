@@ -115,13 +115,14 @@ def test_a_decode_node_becomes_a_prefill_node_and_its_streams_continue_elsewhere
                        if any(cluster.client(n).stats()["num_running"] for n in ("decode-0", "decode-1")) else None,
                        "streams to run")
     busy = running[1]
+    changes_before = cluster.client(busy).stats()["num_role_changes"]  # (other tests of the module move nodes)
     reply = cluster.client(busy).set_role("prefill", drain_timeout_s=0.0)  # its streams go back at once
     assert reply.state == "prefill"
     for t in threads:
         t.join(120)
     assert results == expected  # every stream completed, token-exact, wherever it finished
     stats = cluster.client(busy).stats()
-    assert stats["role"] == "prefill" and stats["num_role_changes"] == 1
+    assert stats["role"] == "prefill" and stats["num_role_changes"] == changes_before + 1
     assert stats["num_streams_handed_back"] >= 1  # the streams it was running moved on
     wait_for(lambda: roles(router).get(busy) == "prefill", "the router to see the new role")
     # The cluster serves on: the other decode node, with two prefill nodes now.
@@ -134,6 +135,7 @@ def test_a_decode_node_becomes_a_prefill_node_and_its_streams_continue_elsewhere
 
 def test_a_prefill_node_becomes_a_decode_node_and_a_change_while_draining_is_refused(served, reference):
     cluster, router = served
+    changes_before = cluster.client("prefill-0").stats()["num_role_changes"]  # (other tests of the module move it)
     assert cluster.client("prefill-0").set_role("decode").state == "decode"  # at once
     wait_for(lambda: roles(router).get("prefill-0") == "decode", "the router to see prefill-0 decode")
     long_prompt, sp = prompt(300, 60), params(400)
@@ -151,7 +153,7 @@ def test_a_prefill_node_becomes_a_decode_node_and_a_change_while_draining_is_ref
     assert event.error == "" and tokens == reference([long_prompt], sp)[0]  # drained: it finished here
     wait_for(lambda: cluster.client("prefill-0").stats()["role"] == "prefill", "the drain to end")
     wait_for(lambda: roles(router).get("prefill-0") == "prefill", "the router to see prefill-0 prefill")
-    assert cluster.client("prefill-0").stats()["num_role_changes"] == 2
+    assert cluster.client("prefill-0").stats()["num_role_changes"] == changes_before + 2
     settle(cluster)
 
 
