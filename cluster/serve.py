@@ -255,6 +255,9 @@ def run_launch(args: argparse.Namespace) -> int:
     from kvmesh.cluster.ray_launcher import RayCluster, join_ray, stop_cluster
 
     if not args.stop:
+        if args.max_nodes and (args.roles != "auto" or args.max_nodes < args.prefill + args.decode):
+            raise KvmeshError(f"--max-nodes {args.max_nodes} needs --roles auto and at least the nodes launched "
+                              f"({args.prefill + args.decode})")
         check_front_end_ports(args)
     join_ray(args.address)
     if args.stop:
@@ -265,9 +268,6 @@ def run_launch(args: argparse.Namespace) -> int:
     placement = dict(p.split("=", 1) for p in args.placement)
     if not set(placement) <= {"prefill", "decode"} or "" in placement.values():
         raise KvmeshError(f"--placement takes prefill=RESOURCE or decode=RESOURCE, not {args.placement}")
-    if args.max_nodes and (args.roles != "auto" or args.max_nodes < args.prefill + args.decode):
-        raise KvmeshError(f"--max-nodes {args.max_nodes} needs --roles auto and at least the nodes launched "
-                          f"({args.prefill + args.decode})")
     token = secret_from_args(args) or generate_token()
     cluster = RayCluster(args.prefill, args.decode, args.model, args.cluster, args.gpus_per_node,
                          args.cpus_per_node, etcd=args.etcd or "",

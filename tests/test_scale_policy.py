@@ -142,3 +142,13 @@ def test_the_controller_adds_then_drains_a_decode_node_before_removing_it():
         controller.tick(float(t))
     assert calls[2:] == [("remove", "decode-0")] and controller.scaled == {"add": 1, "remove": 1}
     del entries[0]
+
+
+def test_launch_refuses_max_nodes_without_auto_roles_before_joining_ray(capsys):
+    from kvmesh.cli import main
+
+    assert main(["launch", "--address", "127.0.0.1:1", "--max-nodes", "3"]) == 2
+    assert "--max-nodes 3 needs --roles auto" in capsys.readouterr().err
+    assert main(["launch", "--address", "127.0.0.1:1", "--roles", "auto", "--prefill", "2", "--decode", "2",
+                 "--max-nodes", "3"]) == 2
+    assert "at least the nodes launched (4)" in capsys.readouterr().err
