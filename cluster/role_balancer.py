@@ -3,9 +3,11 @@
 Each tick the router hands it what the nodes measured (``NodeLoad``, from their stats) and it answers
 with at most one ``RoleMove``. Two pressures are compared, each as a share of its SLO:
 
-    prefill pressure  the longest prompt queue at a prefill node (seconds of queued prompt tokens at its
-                      rate) over the TTFT SLO; and, where decode nodes compute prompts themselves, the share
-                      of prompt tokens they computed since the last tick (their prefill nodes were busy)
+    prefill pressure  the longest prompt queue at a node (seconds of queued prompt tokens at its rate: a
+                      prefill node's accepted prompts, a decode node's own) over the TTFT SLO; and, where decode
+                      nodes compute prompts themselves beside prefill nodes, the share
+                      of prompt tokens they computed since the last tick that a prefill node could have
+                      (each prompt's tail, the block of its last token, is computed there whatever happens)
     decode pressure   the slowest decode node's recent decode-only step (one output token per stream) over the TPOT
                       SLO, or its KV blocks in use, or its streams over its ``max_num_seqs``, whichever is
                       highest
@@ -28,13 +30,14 @@ class NodeLoad:
 
     node_id: str
     role: str  # prefill | decode | draining
-    queue_s: float = 0.0  # prefill: its accepted prompt tokens still to compute, at its rate
+    queue_s: float = 0.0  # its prompt tokens still to compute (a prefill node's accepted ones), at its rate
     step_s: float = 0.0  # decode: its mean decode-only step since the last tick (0: none)
     kv_used: float = 0.0  # decode: share of its KV blocks held by running requests
     num_running: int = 0
     max_num_seqs: int = 0
     prompt_tokens_computed: int = 0  # decode: prompt tokens it computed itself, ever
     prompt_tokens_total: int = 0  # decode: prompt tokens of its finished requests, ever
+    prompt_tokens_always_here: int = 0  # decode: of those, each prompt's tail no other node could compute, ever
 
 
 @dataclass(frozen=True)
@@ -61,7 +64,8 @@ class RoleBalancer:
     config: BalancerConfig = field(default_factory=BalancerConfig)
     _streak: tuple[str, int] = ("", 0)  # the verdict of the last ticks and how many in a row
     _last_move_at: float = float("-inf")
-    _last_counts: dict[str, tuple[int, int]] = field(default_factory=dict)  # decode node -> (computed, total)
+    # decode node -> (computed, total, always here) at the last tick
+    _last_counts: dict[str, tuple[int, int, int]] = field(default_factory=dict)
     num_moves: int = 0
     last_reason: str = ""
     last_pressures: tuple[float, float] = (0.0, 0.0)  # (prefill, decode) of the last tick
@@ -69,15 +73,19 @@ class RoleBalancer:
     def pressures(self, loads: list[NodeLoad]) -> tuple[float, float]:
         """(prefill pressure, decode pressure) of this tick, each as a share of its SLO (see the module)."""
         cfg = self.config
-        prefill = max((n.queue_s for n in loads if n.role == "prefill"), default=0.0) / cfg.ttft_slo_s
+        # Prompts queued anywhere: at prefill nodes, or at decode nodes computing them themselves (a cluster left
+        # with no prefill node still sees its prompt work, and can move a node back to prefill).
+        prefill = max((n.queue_s for n in loads), default=0.0) / cfg.ttft_slo_s
         computed = total = 0
         for n in loads:
             if n.role != "decode":
                 continue
-            before = self._last_counts.get(n.node_id, (n.prompt_tokens_computed, n.prompt_tokens_total))
-            computed += n.prompt_tokens_computed - before[0]
-            total += n.prompt_tokens_total - before[1]
-            self._last_counts[n.node_id] = (n.prompt_tokens_computed, n.prompt_tokens_total)
+            now = (n.prompt_tokens_computed, n.prompt_tokens_total, n.prompt_tokens_always_here)
+            before = self._last_counts.get(n.node_id, now)
+            # Tokens a prefill node could have computed: each prompt's tail is computed here whatever happens.
+            computed += max(0, (now[0] - before[0]) - (now[2] - before[2]))
+            total += (now[1] - before[1]) - (now[2] - before[2])
+            self._last_counts[n.node_id] = now
         if total > 0 and any(n.role == "prefill" for n in loads):  # decode nodes computing prompts themselves
             prefill = max(prefill, computed / total)
         decode = max((max(n.step_s / cfg.tpot_slo_s, n.kv_used, n.num_running / n.max_num_seqs if n.max_num_seqs

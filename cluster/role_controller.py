@@ -83,11 +83,13 @@ class RoleController:
             step_s = (wall - before[0]) / (steps - before[1]) if steps > before[1] else 0.0
             used, total = stats.get("num_used_blocks", 0), stats.get("num_kv_blocks", 0)
             out.append(NodeLoad(
-                node_id, entry["role"], queue_s=stats.get("prefill_queue_s", 0.0), step_s=step_s,
+                node_id, entry["role"], queue_s=stats.get("prefill_queue_s", stats.get("prompt_queue_s", 0.0)),
+                step_s=step_s,
                 kv_used=used / total if total else 0.0, num_running=stats.get("num_running", 0),
                 max_num_seqs=stats.get("max_num_seqs", 0),
                 prompt_tokens_computed=stats.get("prompt_tokens_computed", 0),
-                prompt_tokens_total=stats.get("prompt_tokens_total", 0)))
+                prompt_tokens_total=stats.get("prompt_tokens_total", 0),
+                prompt_tokens_always_here=stats.get("prompt_tokens_always_here", 0)))
         return out
 
     def tick(self, now: float) -> RoleMove | None:

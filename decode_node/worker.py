@@ -86,6 +86,7 @@ class DecodeRole:
         self.num_aborted = 0
         self.num_tainted_swapped = 0
         self.num_handed_back = 0  # streams ended here for the router to continue elsewhere (a role change)
+        self.num_prompt_tokens_always_here = 0  # of finished prompts, the tails only this node could compute
         # Where every finished request's prompt tokens came from, each token counted once (engine thread only).
         # Keys fixed up front, so the stats thread can read it while the engine thread adds.
         self.prompt_token_sources: Counter[str] = Counter(dict.fromkeys(PROMPT_TOKEN_SOURCES, 0))
@@ -391,6 +392,10 @@ class DecodeRole:
                    "tokens_computed": seq.num_prompt_tokens - tier0 - host - disk - remote - prefill_cached
                    - from_prefill}
         self.prompt_token_sources.update(sources)
+        # The tail no peer can supply (the block holding the prompt's last token, computed here for its logits):
+        # what the role balancer leaves out of "decode nodes computed prompts themselves".
+        bs = self.cfg.block_size
+        self.num_prompt_tokens_always_here += seq.num_prompt_tokens - (seq.num_prompt_tokens - 1) // bs * bs
         stats = {**sources, "kv_wait_ms": request.kv_wait_s * 1e3, "fetch_ms": request.fetch_s * 1e3,
                  "promote_ms": request.promote_s * 1e3}
         if seq.num_draft_tokens:
@@ -410,13 +415,23 @@ class DecodeRole:
     def close(self) -> None:
         self._conversations.shutdown(wait=False, cancel_futures=True)
 
+    def prompt_queue_s(self) -> float:
+        """Seconds of prompt tokens admitted here and not computed yet, at this node's rate (read from the stats
+        thread: the scheduler's lists are copied first, a gauge that may miss a request moving meanwhile)."""
+        scheduler = self.engine.scheduler
+        pending = sum(max(0, seq.num_prompt_tokens - seq.num_computed_tokens)
+                      for seq in (*tuple(scheduler.waiting), *tuple(scheduler.running)))
+        return pending / max(self.node.prefill_tokens_per_s, 1e-9)
+
     def stats(self) -> dict:
         return {"num_remote": self.num_remote, "num_local": self.num_local, "num_aborted": self.num_aborted,
+                "prompt_queue_s": self.prompt_queue_s(),
                 "num_steps_bounded_for_landings": self.landings.num_bounded_steps,
                 "num_streams_handed_back": self.num_handed_back,
                 "num_tainted_swapped": self.num_tainted_swapped,
                 **{f"prompt_{key}": value for key, value in self.prompt_token_sources.items()},
                 "prompt_tokens_total": sum(self.prompt_token_sources.values()),
+                "prompt_tokens_always_here": self.num_prompt_tokens_always_here,
                 "transfer_gib_per_s_measured": self.rates.bytes_per_s / 2**30,
                 "transfer_gib_per_s_by_link": {k: v / 2**30 for k, v in self.rates.by_link().items()},
                 "rtt_ms_measured": self.rates.rtt_s * 1e3, "num_rtt_samples": self.rates.num_rtt_samples,

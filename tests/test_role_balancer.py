@@ -130,3 +130,24 @@ def test_the_controller_makes_the_move_and_counts_it_only_when_the_node_takes_it
     assert moves[:3] == [None, None, None]  # sustain, then a refused move (not counted, retried)
     assert moves[3].to_role == "prefill" and controller.moves == {"prefill": 1}
     assert [a[:2] for a in answers] == [("decode-1", "prefill")] * 2
+
+
+def test_each_prompts_own_tail_is_not_prefill_pressure():
+    """A decode node always computes the block holding a prompt's last token: short prompts whose tail is all
+    it computed do not read as prefill nodes falling behind (they did once: 16 of every 32 tokens)."""
+    balancer = RoleBalancer(CONFIG)
+    quiet = [NodeLoad("prefill-0", "prefill"), NodeLoad("decode-1", "decode", step_s=0.02, max_num_seqs=64)]
+    balancer.pressures(quiet)
+    tails_only = [quiet[0], NodeLoad("decode-1", "decode", step_s=0.02, max_num_seqs=64, prompt_tokens_computed=160,
+                                     prompt_tokens_total=320, prompt_tokens_always_here=160)]
+    assert balancer.pressures(tails_only)[0] == 0.0
+    more = [quiet[0], NodeLoad("decode-1", "decode", step_s=0.02, max_num_seqs=64, prompt_tokens_computed=400,
+                               prompt_tokens_total=640, prompt_tokens_always_here=320)]
+    assert balancer.pressures(more)[0] == pytest.approx(0.5)  # 80 of the 160 tokens a prefill node could take
+
+
+def test_a_cluster_left_without_a_prefill_node_sees_prompts_queue_at_its_decode_nodes_and_moves_one_back():
+    all_decode = [NodeLoad(f"decode-{i}", "decode", step_s=0.02, max_num_seqs=64, num_running=i,
+                           queue_s=3.0 if i else 0.5) for i in range(3)]
+    moves = run(RoleBalancer(CONFIG), [all_decode] * 3)
+    assert [(m.node_id, m.to_role) for _, m in moves] == [("decode-0", "prefill")]
