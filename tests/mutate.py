@@ -59,7 +59,8 @@ MUTATIONS = (
              "            good = leading_equal(self._check_blocks(list(block_ids)), checksums)",
              "            good = len(slots)", ("tests/test_landing.py",)),
     Mutation("a holder writes a landing push in one piece whatever chunks the requester asked for",
-             "transfer/holder.py", "            push.chunk_blocks = msg.chunk_blocks", "            push.chunk_blocks = 0",
+             "transfer/holder.py", "            push.chunk_blocks = msg.chunk_blocks",
+             "            push.chunk_blocks = 0",
              ("tests/test_transfer.py::test_a_push_into_landing_slots_is_received_in_chunks_each_checked_while_the_"
               "next_is_written",)),
     Mutation("a scale-down removes a decode node still draining its streams", "cluster/role_controller.py",

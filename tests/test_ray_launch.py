@@ -38,15 +38,18 @@ def ray_instance(ray_auth_env):
                 os.environ[name] = value
 
 
+def assert_serves_as_the_engine(router: Router, reference: LLM, ids: list[int]) -> None:
+    assert [t for c in router.generate(ids, GREEDY) for t in c.token_ids] == \
+        reference.generate(ids, GREEDY, use_tqdm=False)[0].token_ids
+
+
 def test_ray_cluster_serves_and_restarts_a_killed_node(ray_instance):
     cluster = RayCluster(num_prefill=1, num_decode=1, cluster="ray-test", cpus_per_node=1,
                          node_options={"transfer_backend": "zmq"}).start()
     router = Router(RouterConfig(etcd=cluster.etcd, cluster_token=cluster.token, cluster="ray-test", liveness_s=1.0))
     reference = LLM("tiny-llama", num_kv_blocks=256, progress=False)
     try:
-        ids = list(range(20, 90))
-        expected = reference.generate(ids, GREEDY, use_tqdm=False)[0].token_ids
-        assert [t for c in router.generate(ids, GREEDY) for t in c.token_ids] == expected
+        assert_serves_as_the_engine(router, reference, list(range(20, 90)))
         decode = cluster.actors["decode-0"]
         old_pid = ray.get(decode.pid.remote())
         old_endpoint = ray.get(decode.info.remote())["requests"]
@@ -67,9 +70,7 @@ def test_ray_cluster_serves_and_restarts_a_killed_node(ray_instance):
                 router.directory.nodes["decode-0"].request_endpoint != info["requests"]:
             assert time.monotonic() < deadline, "the restarted node did not register"
             time.sleep(0.1)
-        more = list(range(200, 260))
-        assert [t for c in router.generate(more, GREEDY) for t in c.token_ids] == \
-            reference.generate(more, GREEDY, use_tqdm=False)[0].token_ids
+        assert_serves_as_the_engine(router, reference, list(range(200, 260)))
     finally:
         router.close()
         assert set(stop_cluster()) >= {"etcd", "prefill-0", "decode-0"}
@@ -148,9 +149,7 @@ def test_the_router_adds_a_node_actor_under_load_and_removes_an_idle_one(ray_ins
         while removed in {a["name"] for a in ray.util.list_named_actors(all_namespaces=True)}:  # killed after
             assert time.monotonic() < deadline, f"{removed}'s actor still up"  # its node closed and deregistered
             time.sleep(0.2)
-        more = list(range(200, 240))
-        assert [t for c in router.generate(more, GREEDY) for t in c.token_ids] == \
-            reference.generate(more, GREEDY, use_tqdm=False)[0].token_ids
+        assert_serves_as_the_engine(router, reference, list(range(200, 240)))
     finally:
         added.set()
         router.close()

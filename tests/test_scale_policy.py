@@ -72,7 +72,8 @@ def test_bounds_max_nodes_changes_under_way_and_off():
     draining = nodes("prefill", "decode") + [NodeLoad("decode-9", "draining")]
     assert run(ScalePolicy(CONFIG), [(draining, 0.6, 1.5)] * 20) == []
     off = ScalePolicy(ScaleConfig(max_nodes=0))
-    assert run(off, [(nodes("decode"), 0.0, 2.0)] * 20) == [] and run(off, [(nodes("decode", "decode"), 0, 0)] * 30) == []
+    assert run(off, [(nodes("decode"), 0.0, 2.0)] * 20) == []
+    assert run(off, [(nodes("decode", "decode"), 0.0, 0.0)] * 30) == []
 
 
 def test_no_flapping_on_random_traces():

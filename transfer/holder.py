@@ -4,11 +4,11 @@ For each PushRequest / ComputeAndPush on the side channel it resolves the
 requester in the node directory (address, base, buffer size: never from the
 message), bounds-checks the granted block ids, and then writes the wanted blocks
 as they become matchable in its own pool, in chain order, one batched transfer
-per chunk (at most the request's ``chunk_blocks``), each chunk reported with a PushResult. Pending pushes are driven by
-one watcher thread that sleeps on the holder's own change counter (no thread is
-parked per push), bumped by its messages, its finished writes and the node when
-blocks become matchable (``blocks_cached``); the writes themselves run on a small
-worker pool.
+per chunk (at most the request's ``chunk_blocks``), each chunk reported with a
+PushResult. Pending pushes are driven by one watcher thread that sleeps on the
+holder's own change counter (no thread is parked per push), bumped by its
+messages, its finished writes and the node when blocks become matchable
+(``blocks_cached``); the writes themselves run on a small worker pool.
 
 Before every write the push's abort flag and deadline are checked; its deadline
 starts when the message arrives and is capped at MAX_WAIT_MS. The final

@@ -147,7 +147,8 @@ def _wire_seconds(proc: subprocess.Popen, num_blocks: int, repeat: int, requeste
     return json.loads(proc.stdout.readline())["wire_s"]
 
 
-def bench_backend(backend: str, repeat: int, bar: tqdm, token: str = _TOKEN, landing_chunk_bytes: int = -1) -> list[dict]:
+def bench_backend(backend: str, repeat: int, bar: tqdm, token: str = _TOKEN,
+                  landing_chunk_bytes: int = -1) -> list[dict]:
     num_blocks = max(SIZES_BLOCKS)
     hashes = chain_hashes(num_blocks)
     results = []
