@@ -424,3 +424,38 @@ def test_stored_checksums_hold_until_a_block_is_allocated_again():
     assert checksums.describe() == {"computed": 4, "reused": 3}
     pool.free(again)
     pool.check_integrity()
+
+
+def test_uncache_reports_come_after_the_lock_is_released_in_order_and_allocate_after_is_atomic():
+    """The tiers' hook hears of every hash that left the cache, in order, from the thread that evicted it, with
+    the pool's lock free (another thread can use the pool meanwhile: no callback runs under the lock)."""
+    import threading
+
+    pool = BlockPool(4)
+    hashes = hash_blocks(root_hash(b"r"), list(range(4 * 16)), 16)
+    blocks = pool.allocate(4)
+    cache_chain(pool, blocks, hashes)
+    pool.free(blocks)
+    heard, others_got_in = [], []
+
+    def hook(h, parent):
+        other = threading.Thread(target=lambda: others_got_in.append(pool.usage().num_cached))
+        other.start()
+        other.join(timeout=5)  # would time out with the lock held by this thread
+        assert not other.is_alive()
+        assert pool.cached_or_reported([h]) == (set(), {h})  # still being reported while the hook runs
+        heard.append((h, parent))
+
+    pool.on_uncache = hook
+    assert pool.evict(2) == [blocks[3], blocks[2]]  # leaves first
+    assert heard == [(hashes[3], hashes[2]), (hashes[2], hashes[1])] and len(others_got_in) == 2
+    assert pool.cached_or_reported(hashes) == (set(hashes[:2]), set())  # every report returned
+    # allocate_after: the cached blocks adopted only while they still hold their hashes, atomically with the rest
+    got = pool.allocate_after([blocks[0], blocks[1]], hashes[:2], 1)
+    assert got[:2] == [blocks[0], blocks[1]] and len(got) == 3
+    assert pool.allocate_after([], [], 5) is None  # no room: nothing taken
+    pool.free(got)
+    stale = pool.allocate(4)  # every block reallocated: the hashes are gone
+    assert pool.allocate_after([blocks[0]], hashes[:1], 0) is None
+    pool.free(stale)
+    pool.check_integrity()

@@ -64,10 +64,6 @@ class KVCacheManager:
         max_blocks = (seq.num_tokens - 1) // self.block_size
         return self.pool.match(seq.block_hashes[:max_blocks])
 
-    def can_fit(self, seq: Sequence, num_tokens: int, cached_block_ids: Seq[int] = ()) -> bool:
-        need = -(-num_tokens // self.block_size) - len(seq.block_ids) - len(cached_block_ids)
-        return self.pool.can_allocate(need, reusing=cached_block_ids)
-
     def allocate(self, seq: Sequence, num_tokens: int, cached_block_ids: Seq[int] = ()) -> bool:
         """Make ``seq``'s blocks cover ``num_tokens`` tokens, first adopting ``cached_block_ids``.
 
@@ -75,21 +71,17 @@ class KVCacheManager:
         """
         if not cached_block_ids and -(-num_tokens // self.block_size) <= len(seq.block_ids):
             return True  # most decode steps: the new token fits the last block
-        with self.pool.lock:  # other threads (transfers) allocate too: check, adopt and allocate at once
-            if not self.can_fit(seq, num_tokens, cached_block_ids):
-                return False
-            if cached_block_ids:
-                first = len(seq.block_ids)
-                held = self.pool.hold_if_cached(cached_block_ids, seq.block_hashes[first:first + len(cached_block_ids)])
-                if held < len(cached_block_ids):  # reallocated since the match: retry next step
-                    self.pool.free(cached_block_ids[:held])
-                    return False
-                seq.block_ids.extend(cached_block_ids)
-                seq.num_cached_blocks = len(seq.block_ids)
-            need = -(-num_tokens // self.block_size) - len(seq.block_ids)
-            if need > 0:
-                seq.block_ids.extend(self.pool.allocate(need))
-            return True
+        first = len(seq.block_ids)
+        need = max(0, -(-num_tokens // self.block_size) - first - len(cached_block_ids))
+        # One atomic pool call (other threads allocate too); None: no room, or a cached block was reallocated
+        # since the match (retried next step).
+        got = self.pool.allocate_after(cached_block_ids, seq.block_hashes[first:first + len(cached_block_ids)], need)
+        if got is None:
+            return False
+        seq.block_ids.extend(got)
+        if cached_block_ids:
+            seq.num_cached_blocks = first + len(cached_block_ids)
+        return True
 
     def cache_full_blocks(self, seq: Sequence) -> None:
         """Register the blocks ``seq`` has completely computed; switch to an existing copy if one exists.

@@ -74,13 +74,9 @@ class PinnedPrefixes:
         return {pin_id: (len(e.pinned_block_ids), len(e.block_hashes)) for pin_id, e in self._pins.items()}
 
     def _extend(self, entry: PinnedPrefix) -> None:
-        with self.pool.lock:
-            have = len(entry.pinned_block_ids)
-            matched = self.pool.match(entry.block_hashes)
-            if len(matched) > have:
-                new = matched[have:]
-                self.pool.pin(new)
-                entry.pinned_block_ids.extend(new)
+        # The blocks cached since past those pinned, pinned in the same atomic match
+        entry.pinned_block_ids.extend(self.pool.match(entry.block_hashes, hold="pin",
+                                                      skip=len(entry.pinned_block_ids)))
 
     def check_integrity(self) -> None:
         for entry in self._pins.values():

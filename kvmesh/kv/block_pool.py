@@ -108,14 +108,12 @@ class BlockPool:
         self._next = self._ids[1:] + [sentinel, 0]
         self._prev = [sentinel] + self._ids
         self._num_queued = num_blocks
-        # Called under the lock with (hash, parent hash or None) whenever a block loses its hash: the
-        # lower KV tiers (kvmesh.kv.tiers) keep their chains whole with it. Must not call back into the pool.
+        # Told (hash, parent hash or None) whenever a block lost its hash: the lower KV tiers (kvmesh.kv.tiers)
+        # keep their chains whole with it. Called after the pool's lock is released, by the thread whose call
+        # uncached the blocks (it may call the pool), in the order the blocks were uncached.
         self.on_uncache: Callable[[BlockHash, BlockHash | None], None] | None = None
-
-    @property
-    def lock(self) -> threading.RLock:
-        """The pool's re-entrant lock: hold it to make several calls one atomic operation."""
-        return self._lock
+        self._uncached: list[tuple[BlockHash, BlockHash | None]] = []  # for on_uncache, once the lock is let go
+        self._delivering: list[list[tuple[BlockHash, BlockHash | None]]] = []  # taken, on_uncache not done yet
 
     @property
     def num_free_blocks(self) -> int:
@@ -198,15 +196,60 @@ class BlockPool:
         (block-major buffer) and one slice write when they are cached.
         """
         with self._lock:
-            if num_blocks > self._num_queued:
-                raise OutOfBlocksError(f"asked for {num_blocks} blocks, {self._num_queued} free of {self.num_blocks}")
-            reports = self.on_uncache is not None or self.track_changes
-            out, removed = self._index.take_free(self._next, self._prev, num_blocks, self._ref, self._epoch, reports)
-            self._num_queued -= num_blocks
-            self.num_evicted += removed.num_removed  # their epochs moved on: memoised chains ending there are stale
-            if reports and removed.num_removed:
-                self._report_uncached(removed)
-            return out
+            out = self._allocate(num_blocks)
+        self._deliver_uncached()
+        return out
+
+    def allocate_after(self, cached_block_ids: Sequence[int], cached_hashes: Sequence[BlockHash],
+                       num_blocks: int) -> list[int] | None:
+        """Atomically: a reference on each of ``cached_block_ids`` (matched earlier without one) if each still
+        holds its hash of ``cached_hashes``, then ``num_blocks`` fresh blocks; returns the cached ids followed by
+        the fresh ones. None, changing nothing, when a cached block was reallocated meanwhile or the pool cannot
+        supply the fresh ones (the cached ones count as supply while free). The caller ``free``s them all."""
+        with self._lock:
+            if not self.can_allocate(num_blocks, reusing=cached_block_ids):
+                return None
+            held = self.hold_if_cached(cached_block_ids, cached_hashes)
+            if held < len(cached_block_ids):
+                self.free(cached_block_ids[:held])
+                return None
+            out = [*cached_block_ids, *(self._allocate(num_blocks) if num_blocks > 0 else [])]
+        self._deliver_uncached()
+        return out
+
+    def _allocate(self, num_blocks: int) -> list[int]:
+        """``allocate`` under the lock (its uncached hashes wait for ``_deliver_uncached``)."""
+        if num_blocks > self._num_queued:
+            raise OutOfBlocksError(f"asked for {num_blocks} blocks, {self._num_queued} free of {self.num_blocks}")
+        reports = self.on_uncache is not None or self.track_changes
+        out, removed = self._index.take_free(self._next, self._prev, num_blocks, self._ref, self._epoch, reports)
+        self._num_queued -= num_blocks
+        self.num_evicted += removed.num_removed  # their epochs moved on: memoised chains ending there are stale
+        if reports and removed.num_removed:
+            self._report_uncached(removed)
+        return out
+
+    def _deliver_uncached(self) -> None:
+        """Hand the hashes uncached so far to ``on_uncache``, outside the lock (callers of allocate and evict)."""
+        if self.on_uncache is None or not self._uncached:
+            return
+        with self._lock:
+            uncached, self._uncached = self._uncached, []
+            self._delivering.append(uncached)
+        try:
+            for h, parent in uncached:
+                self.on_uncache(h, parent)
+        finally:
+            with self._lock:
+                self._delivering = [batch for batch in self._delivering if batch is not uncached]
+
+    def cached_or_reported(self, block_hashes: Sequence[BlockHash]) -> tuple[set[BlockHash], set[BlockHash]]:
+        """At one instant: which of ``block_hashes`` are cached, and which left the cache with their ``on_uncache``
+        report not yet returned (the hook's view still has them: a consistent picture for its own checks)."""
+        with self._lock:
+            cached = {h for h in block_hashes if self._index.get(h) is not None}
+            pending = {h for batch in (self._uncached, *self._delivering) for h, _ in batch}
+            return cached, pending & set(block_hashes)
 
     def free(self, block_ids: Sequence[int]) -> None:
         """Drop one reference on each block; blocks reaching zero join the free queue in policy order."""
@@ -315,7 +358,8 @@ class BlockPool:
                         progress = True
                     block = self._next[block]
             self._uncache(evicted)
-            return evicted
+        self._deliver_uncached()
+        return evicted
 
     def take_changes(self) -> PoolChanges:
         """Hashes made matchable and hashes dropped since the last call (for the global index)."""
@@ -441,14 +485,14 @@ class BlockPool:
             self._report_uncached(removed)
 
     def _report_uncached(self, removed: RemovedBlocks) -> None:
-        """Hand the hashes that left the index to ``on_uncache`` and the change log."""
+        """Queue the hashes that left the index for ``on_uncache`` (``_deliver_uncached``) and the change log."""
         parents, hashes, parent_hashes = removed.parents, removed.hashes, removed.parent_hashes
         for i, parent in enumerate(parents):
             if parent == NOT_HELD:
                 continue
             h = hashes[16 * i : 16 * i + 16]
             if self.on_uncache is not None:
-                self.on_uncache(h, parent_hashes[16 * i : 16 * i + 16] if parent != NO_BLOCK else None)
+                self._uncached.append((h, parent_hashes[16 * i : 16 * i + 16] if parent != NO_BLOCK else None))
             if self.track_changes:
                 self._evicted.append(h)
 

@@ -365,7 +365,7 @@ class TieredCache:
                     log.warning("%s: demoting to %s failed: %s", self.name, first.name, e)
                     self._release(first, slot)
                     break
-                with self.pool.lock, self._lock:
+                with self._lock:  # (uncache reports come outside the pool's lock: no lock order to keep)
                     state = self.pool.block_state(block)
                     fresh = state.block_hash == h and state.epoch == epoch
                     if fresh and computed and self.checksums is not None:  # the bytes of that epoch: keep it
@@ -473,13 +473,15 @@ class TieredCache:
             self.counters["dropped"] += 1
 
     def _tier0_uncached(self, h: bytes, parent: bytes | None) -> None:
-        """BlockPool hook (its lock held): a block left tier 0."""
+        """BlockPool hook (after its lock is released): a block left tier 0."""
         with self._lock:
             store = self._where.get(h)
             if store is not None:
                 store.touch(h)  # demoted: it is the most recently evicted block of its tier now
                 self._dirty.add(h)
                 return
+            if self.pool.cached_block(h) is not None:
+                return  # cached again (by another thread) before this report came: its chain stands
             if self.stores:
                 self.counters["lost_undemoted"] += 1
             self._drop_descendants(h)
@@ -503,8 +505,9 @@ class TieredCache:
 
     # ---- life ------------------------------------------------------------------------------------------------
     def check_integrity(self) -> None:
-        """Every store consistent; every lower-tier block in one store; chains whole across tiers."""
-        with self.pool.lock, self._lock:
+        """Every store consistent; every lower-tier block in one store; chains whole across tiers (a parent in a
+        lower tier, in tier 0, or just uncached from tier 0 with the pool's report on its way here)."""
+        with self._lock:  # a report on its way waits for this lock: the pool's picture below matches ours
             held: dict[bytes, TierStore] = {}
             for store in self.stores:
                 store.check_integrity()
@@ -512,11 +515,13 @@ class TieredCache:
                     assert h not in held, f"block {h.hex()} is in two lower tiers"
                     held[h] = store
             assert held == self._where, "the tier map drifted from the stores"
+            parents = {h: store.get(h).parent for h, store in held.items()}
+            in_tier0, reported = self.pool.cached_or_reported([p for p in parents.values() if p is not None])
             children: dict[bytes, set[bytes]] = {}
-            for h, store in held.items():
-                parent = store.get(h).parent
+            for h, parent in parents.items():
                 if parent is not None:
-                    assert self._on_node(parent), f"{store.name} block {h.hex()} is an orphan (parent gone)"
+                    assert parent in held or parent in in_tier0 or parent in reported, \
+                        f"{held[h].name} block {h.hex()} is an orphan (parent gone)"
                     children.setdefault(parent, set()).add(h)
             assert children == self._children, "the child map drifted"
             if self.staging is not None:
