@@ -117,7 +117,7 @@ def test_the_router_adds_a_node_actor_under_load_and_removes_an_idle_one(ray_ins
                                  liveness_s=1.0, roles="auto", max_nodes=2, role_interval_s=0.2,
                                  role_cooldown_s=1.0), supply=cluster)
     reference = LLM("tiny-llama", num_kv_blocks=256, progress=False)
-    long = SamplingParams(max_tokens=900, temperature=0.0, ignore_eos=True)
+    long = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
     prompts = [list(range(30 + k, 70 + k)) for k in range(2)]
     outputs: list[tuple[int, list[int]]] = []
     added = threading.Event()
