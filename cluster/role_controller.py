@@ -105,7 +105,7 @@ class RoleController:
         move = self.balancer.observe(loads, now)
         if move is None or self._retiring:
             if self.scaler is not None:
-                self._scale(loads, now)
+                self._scale(loads, now, num_nodes=len(entries))
             return None
         log.info("role balancer: %s -> %s (%s)", move.node_id, move.to_role, move.reason)
         reply = self._set_role(move.node_id, move.to_role, self.drain_timeout_s)
@@ -118,9 +118,10 @@ class RoleController:
         self.history.append((time.time(), move.node_id, move.to_role, move.reason))
         return move
 
-    def _scale(self, loads: list[NodeLoad], now: float) -> None:
+    def _scale(self, loads: list[NodeLoad], now: float, num_nodes: int) -> None:
         pending = self.supply.num_starting({n.node_id for n in loads}) + len(self._retiring) + len(self._removed)
-        action = self.scaler.observe(loads, *self.balancer.last_pressures, now, pending)
+        action = self.scaler.observe(loads, *self.balancer.last_pressures, now, pending,
+                                     num_nodes=num_nodes - len(self._removed))
         if action is None:
             return
         node_id = action.node_id

@@ -53,10 +53,11 @@ class ScalePolicy:
     num_removed: int = 0
 
     def observe(self, loads: list[NodeLoad], prefill: float, decode: float, now: float,
-                num_pending: int = 0) -> ScaleAction | None:
-        """One tick, given the balancer's pressures of it (``RoleBalancer.pressures``) and how many changes are
-        still under way (added nodes not registered yet, removals draining): the action to take now, if any (the
-        caller says it did with ``acted``)."""
+                num_pending: int = 0, num_nodes: int | None = None) -> ScaleAction | None:
+        """One tick, given the balancer's pressures of it (``RoleBalancer.pressures``), how many changes are
+        still under way (added nodes not registered yet, removals draining) and how many nodes are registered
+        (default: those in ``loads``; a node whose stats did not come still counts against ``max_nodes``): the
+        action to take now, if any (the caller says it did with ``acted``)."""
         cfg = self.config
         if cfg.max_nodes <= 0:
             return None
@@ -78,7 +79,7 @@ class ScalePolicy:
         reason = f"prefill pressure {prefill:.2f} and decode pressure {decode:.2f} of their SLOs for " \
                  f"{self._streak[1]} ticks"
         if verdict.startswith("add"):
-            if len(loads) >= cfg.max_nodes:
+            if (len(loads) if num_nodes is None else num_nodes) >= cfg.max_nodes:
                 return None
             return ScaleAction("add", verdict.split()[1], reason=reason)
         prefill_nodes = [n for n in loads if n.role == "prefill" and n.queue_s == 0]

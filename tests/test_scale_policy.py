@@ -66,6 +66,10 @@ def test_an_idle_cluster_shrinks_to_its_minimums_prefill_nodes_first():
 def test_bounds_max_nodes_changes_under_way_and_off():
     full = [(nodes("prefill", "decode", "decode", "decode"), 0.6, 1.5)] * 20
     assert run(ScalePolicy(CONFIG), full) == []  # max_nodes 4
+    three = nodes("prefill", "decode", "decode")  # and a fourth registered whose stats did not come: it counts
+    counted = ScalePolicy(CONFIG)
+    assert [counted.observe(three, 0.6, 1.5, float(t), num_nodes=4) for t in range(5)] == [None] * 5
+    assert run(ScalePolicy(CONFIG), [(three, 0.6, 1.5)] * 3)[0][1].kind == "add"  # (three alone: room for one)
     policy = ScalePolicy(CONFIG)
     for t in range(10):  # an added node still starting: nothing more until it registers
         assert policy.observe(nodes("decode"), 0.0, 1.0, float(t), num_pending=1) is None
