@@ -83,8 +83,10 @@ class RoleController:
             step_s = (wall - before[0]) / (steps - before[1]) if steps > before[1] else 0.0
             used, total = stats.get("num_used_blocks", 0), stats.get("num_kv_blocks", 0)
             out.append(NodeLoad(
-                node_id, entry["role"], queue_s=stats.get("prefill_queue_s", stats.get("prompt_queue_s", 0.0)),
-                step_s=step_s,
+                # Every node reports both (its prefill role's accepted prompts, its engine's own prompt backlog;
+                # the first are usually in the second once admitted): the longer is how long a prompt waits there.
+                node_id, entry["role"],
+                queue_s=max(stats.get("prefill_queue_s", 0.0), stats.get("prompt_queue_s", 0.0)), step_s=step_s,
                 kv_used=used / total if total else 0.0, num_running=stats.get("num_running", 0),
                 max_num_seqs=stats.get("max_num_seqs", 0),
                 prompt_tokens_computed=stats.get("prompt_tokens_computed", 0),

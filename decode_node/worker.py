@@ -170,11 +170,16 @@ class DecodeRole:
     def _prompt_tokens_ahead(self, own_tokens: int) -> int:
         """Prompt tokens computed here before a new prompt of ``own_tokens`` is (engine thread): those admitted
         and not yet computed, each prompt's share bounded where this node slices prompts (``prompt_tokens_ahead``)."""
+        slice_tokens = self.engine.scheduler.config.long_prefill_token_threshold
+        return prompt_tokens_ahead(self._queued_prompt_tokens(), slice_tokens, own_tokens)
+
+    def _queued_prompt_tokens(self) -> list[int]:
+        """Each admitted request's prompt tokens not computed yet (over copies of the scheduler's lists: the stats
+        thread reads it too, a gauge that may miss a request moving meanwhile)."""
         scheduler = self.engine.scheduler
-        queued = [seq.num_prompt_tokens - seq.num_computed_tokens
-                  for seq in (*scheduler.waiting, *scheduler.kv_landed, *scheduler.running)
-                  if seq.num_prompt_tokens > seq.num_computed_tokens]
-        return prompt_tokens_ahead(queued, scheduler.config.long_prefill_token_threshold, own_tokens)
+        return [seq.num_prompt_tokens - seq.num_computed_tokens
+                for seq in (*tuple(scheduler.waiting), *tuple(scheduler.kv_landed), *tuple(scheduler.running))
+                if seq.num_prompt_tokens > seq.num_computed_tokens]
 
     def _admit(self, identity: bytes, msg: nm.GenerateRequest) -> None:
         rid = msg.request_id
@@ -416,12 +421,8 @@ class DecodeRole:
         self._conversations.shutdown(wait=False, cancel_futures=True)
 
     def prompt_queue_s(self) -> float:
-        """Seconds of prompt tokens admitted here and not computed yet, at this node's rate (read from the stats
-        thread: the scheduler's lists are copied first, a gauge that may miss a request moving meanwhile)."""
-        scheduler = self.engine.scheduler
-        pending = sum(max(0, seq.num_prompt_tokens - seq.num_computed_tokens)
-                      for seq in (*tuple(scheduler.waiting), *tuple(scheduler.running)))
-        return pending / max(self.node.prefill_tokens_per_s, 1e-9)
+        """Seconds of prompt tokens admitted here and not computed yet, at this node's rate (any thread)."""
+        return sum(self._queued_prompt_tokens()) / max(self.node.prefill_tokens_per_s, 1e-9)
 
     def stats(self) -> dict:
         return {"num_remote": self.num_remote, "num_local": self.num_local, "num_aborted": self.num_aborted,

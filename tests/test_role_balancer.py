@@ -102,13 +102,15 @@ def test_no_flapping_on_random_traces():
 def test_the_controller_reads_recent_decode_steps_from_the_step_clock_totals():
     entries = [{"node_id": "decode-0", "role": "decode", "stats": {
         "engine_decode_step_s": 10.0, "engine_decode_steps": 100, "num_used_blocks": 50, "num_kv_blocks": 100,
-        "num_running": 3, "max_num_seqs": 8, "prompt_tokens_computed": 5, "prompt_tokens_total": 10}},
-        {"node_id": "prefill-0", "role": "prefill", "stats": {"prefill_queue_s": 1.5}},
+        "num_running": 3, "max_num_seqs": 8, "prompt_tokens_computed": 5, "prompt_tokens_total": 10,
+        "prefill_queue_s": 0.0, "prompt_queue_s": 2.5}},  # every node reports both queues (both roles' stats)
+        {"node_id": "prefill-0", "role": "prefill", "stats": {"prefill_queue_s": 1.5, "prompt_queue_s": 0.5}},
         {"node_id": "gone", "role": "decode", "stats": {}}]
     controller = RoleController(RoleBalancer(CONFIG), lambda: entries, lambda *a: None)
     first = controller.loads(entries)
     assert [n.node_id for n in first] == ["decode-0", "prefill-0"]  # a node that did not answer is left out
-    assert first[0].step_s == 0.0 and first[0].kv_used == 0.5 and first[1].queue_s == 1.5
+    assert first[0].step_s == 0.0 and first[0].kv_used == 0.5
+    assert first[0].queue_s == 2.5 and first[1].queue_s == 1.5  # the longer of the two, a decode node's own too
     entries[0]["stats"].update(engine_decode_step_s=12.0, engine_decode_steps=120)
     assert controller.loads(entries)[0].step_s == pytest.approx(0.1)  # 2 s over the 20 steps since the last tick
 
