@@ -2,9 +2,9 @@
 
 Other threads hand it work with ``call_soon``; between commands it steps the
 engine while there is work (idle, it sleeps until a command arrives: no poll),
-reports finished requests (``on_finish``), requests
-failed by a broken step (``on_failed``: exactly that step's batch, already
-FAILED and freed) and runs ``after_step`` (the block publisher's drain).
+reports finished requests (``on_finish``), requests failed by a broken step
+(``on_failed``: exactly that step's batch, already FAILED and freed) and runs
+``after_step`` (the block publisher's drain).
 With a ``CoreShare`` it marks whether the node has work and sizes the step's compute
 threads to the cores the machine's other nodes leave (``kvmesh/node/core_share.py``).
 Construction starts nothing; ``start`` starts the thread.
