@@ -8,7 +8,8 @@ nodes choose it), DRAINING takes neither: streams without a token yet go back to
 running ones finish, and those still running at the drain deadline go back too; the router continues each
 on another decode node. The role is published in the node's record (``draining`` too, so nobody sends it
 work meanwhile); its cached blocks stay in the pool and in the index throughout. A change asked for while
-DRAINING is refused (never interleaved); a change to the role a node has already is a no-op. ``transition`` is the only place the state changes.
+DRAINING is refused (never interleaved); a change to the role a node has already is a no-op. ``transition``
+is the only place the state changes.
 """
 from __future__ import annotations
 
