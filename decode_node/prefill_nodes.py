@@ -4,9 +4,9 @@ Each prefill node's cost is fitted to this node's own conversations with it (``C
 for the messaging, that node's step and the writes, plus the tokens at its rate), seeded from the
 rate and decode step it published. ``best`` prices every registered prefill node for a number of
 tokens, its work in flight from this node included, and returns the planner's ``PrefillOption``;
-``compute_and_push`` runs one ``ComputeAndPush`` conversation at a time, the planned node first,
-moving on to the next candidate after a refusal or failure. Thread-safe: admissions (engine
-thread) price while fetch threads converse.
+``compute_and_push`` (the connector's load: into a ``KVLease``'s block ids) runs one ``ComputeAndPush``
+conversation at a time, the planned node first, moving on to the next candidate after a refusal or failure.
+Thread-safe: admissions (engine thread) price while fetch threads converse.
 """
 from __future__ import annotations
 
@@ -14,12 +14,11 @@ import logging
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
 from typing import NamedTuple
 
 from kvmesh.decode_node.cost_model import PeerLinks
 from kvmesh.node.planner import PrefillOption
-from kvmesh.engine.sequence import Sequence
+from kvmesh.engine.kv_connector import KVLease
 from kvmesh.rate_meter import CostFit
 from kvmesh.transfer import messages as m
 from kvmesh.transfer.errors import TransferRefused
@@ -125,11 +124,10 @@ class PrefillNodes:
         rotation = {n: (i - turn) % len(nodes) for i, n in enumerate(nodes)}
         return sorted(nodes, key=lambda n: (rank.get(n, len(rank)), -hits.get(n, 0), load.get(n, 0), rotation[n]))
 
-    def compute_and_push(self, seq: Sequence, start: int, end: int, order: list[str], local_s: float,
-                         aborting: Callable[[], bool], reserved: tuple[str, int] | None = None,
-                         trace_context: str = "") -> PrefillResult:
-        """Blocks ``[start, end)`` of ``seq`` computed by prefill nodes in ``order`` (at most MAX_CANDIDATES)
-        and pushed into its blocks; returns the first block not received, block ids a writer may still write,
+    def compute_and_push(self, lease: KVLease, start: int, end: int, order: list[str], local_s: float,
+                         reserved: tuple[str, int] | None = None, trace_context: str = "") -> PrefillResult:
+        """Blocks ``[start, end)`` of the lease's prompt computed by prefill nodes in ``order`` (at most
+        MAX_CANDIDATES) and pushed into its block ids (stopping once the lease is cancelled); returns the first block not received, block ids a writer may still write,
         how many of the received blocks the prefill nodes had cached rather than computed, and how the writes
         were fenced.
 
@@ -141,7 +139,7 @@ class PrefillNodes:
         asked, got, tainted, reused = time.perf_counter(), start, [], 0
         fences, rounds = [], 0
         for node_id in order[:MAX_CANDIDATES]:
-            if aborting():
+            if lease.cancelled():
                 break
             wanted_within_s = max(1e-3, local_s - (time.perf_counter() - asked)) if local_s > 0 else 0.0
             num_tokens = (end - got) * self._block_size
@@ -151,9 +149,9 @@ class PrefillNodes:
             started = time.perf_counter()
             try:
                 outcome = self._requester.compute_and_push(
-                    node_id, seq.block_ids[got:end], list(seq.prompt_token_ids), got,
-                    request_id=f"{seq.request_id}/prefill", timeout_s=self._timeout_s,
-                    wanted_within_s=wanted_within_s, cache_salt=seq.params.cache_salt or "",
+                    node_id, list(lease.block_ids[got:end]), list(lease.prompt_token_ids), got,
+                    request_id=f"{lease.request_id}/prefill", timeout_s=self._timeout_s,
+                    wanted_within_s=wanted_within_s, cache_salt=lease.cache_salt,
                     trace_context=trace_context)
             finally:
                 with self._lock:
@@ -176,7 +174,7 @@ class PrefillNodes:
                 self.num_fallbacks += 1
             busy = isinstance(outcome.error, TransferRefused) and outcome.error.code == m.ErrorCode.BUSY.value
             log.log(logging.INFO if busy else logging.WARNING, "%s: prefill node %s for %s: %s", self._node_id,
-                    node_id, seq.request_id, outcome.error)  # busy: a decision (computed here), not a fault
+                    node_id, lease.request_id, outcome.error)  # busy: a decision (computed here), not a fault
             if got >= end or outcome.tainted_block_ids:
                 break  # tainted blocks cannot be granted again: compute the rest here
         return PrefillResult(got, tainted, reused, fences, rounds)

@@ -6,13 +6,15 @@ walks admit -> plan -> execute -> arrived:
    read the in-memory index mirror for holders and price every source: this node's lower tiers,
    each holder over its measured link, the best prefill node (``prefill_nodes.py``), computing here;
 3. **execute**: a local plan joins the scheduler at once; one that only promotes from this node's
-   lower tiers does so on the engine thread; one that needs peers runs on a worker thread
-   (``fetcher.py``): a holder's push and a prefill node's conversation at the same time;
-4. **arrived** (engine thread): the outcome says where each block came from (the request's
-   accounting); blocks a stalled writer may still write are swapped for fresh ones; the
-   scheduler computes what is missing (at least the prompt's last partial block) and decodes with
-   continuous batching, streaming tokens back. A failed or timed-out transfer only means more local
-   work.
+   lower tiers does so on the engine thread; one that needs peers gets a ``KVLease`` of its blocks
+   (``KVLoads``, ``kvmesh/engine/kv_connector.py``) and runs on a worker thread (``fetcher.py``): the
+   connectors (``connectors.py``, ``prefill_nodes.py``) write into the lease's block ids, a holder's push
+   and a prefill node's conversation at the same time;
+4. **arrived** (engine thread, between two steps): ``KVLoads`` swaps blocks a stalled writer may still
+   write for fresh ones and hands the request to the scheduler, which computes what is missing (at least
+   the prompt's last partial block) and decodes with continuous batching, streaming tokens back; the
+   outcome says where each block came from (the request's accounting). A failed or timed-out transfer
+   only means more local work.
 
 An abort from the caller propagates to every writer of the request; the request's blocks are freed
 once its fetch has returned.
@@ -26,14 +28,16 @@ from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+from kvmesh.decode_node.connectors import HolderConnector, TierConnector
 from kvmesh.decode_node.cost_model import SHARED_MEMORY, PeerLinks, TransferRateEstimator
 from kvmesh.decode_node.fetcher import Fetcher, FetchOutcome
 from kvmesh.decode_node.link_probe import probe_shared_memory_round_trip
 from kvmesh.node.landing_bound import LandingBound
-from kvmesh.node.planner import FetchPlan, HolderOption, PlanRequest, prompt_tokens_ahead
+from kvmesh.node.planner import FetchPlan, PlanRequest, prompt_tokens_ahead
 from kvmesh.decode_node.prefill_nodes import PrefillNodes
+from kvmesh.engine.kv_connector import KVLoads
 from kvmesh.engine.sequence import Sequence
-from kvmesh.errors import InvalidRequestError, KvmeshError, OutOfBlocksError
+from kvmesh.errors import InvalidRequestError, KvmeshError
 from kvmesh.kv.block_pool import NO_BLOCK
 from kvmesh.node import messages as nm
 from kvmesh.tracing import NO_SPAN
@@ -48,8 +52,7 @@ class _ClientRequest:
     identity: bytes  # the caller's ZMQ identity, for streaming
     seq: Sequence
     fetch_started: float = 0.0  # when peers were asked for its KV
-    fetching: bool = False  # peers may still be writing its blocks
-    abort_after_fetch: bool = False
+    abort_after_fetch: bool = False  # the caller went away while peers were writing its blocks
     tokens_from_peers: int = 0  # reused from other nodes' caches
     tokens_from_prefill: int = 0  # pushed by a prefill node, which computed them
     tokens_reused_prefill: int = 0  # pushed by a prefill node from its cache (reused, not computed)
@@ -84,7 +87,6 @@ class DecodeRole:
         self.num_remote = 0
         self.num_local = 0
         self.num_aborted = 0
-        self.num_tainted_swapped = 0
         self.num_handed_back = 0  # streams ended here for the router to continue elsewhere (a role change)
         self.num_prompt_tokens_always_here = 0  # of finished prompts, the tails only this node could compute
         # Where every finished request's prompt tokens came from, each token counted once (engine thread only).
@@ -96,8 +98,12 @@ class DecodeRole:
                                           cfg.block_size, cfg.transfer_rtt_s, cfg.prefill_timeout_s)
         # Prefill conversations run beside the fetch that waits for them (never in its pool: no deadlock).
         self._conversations = ThreadPoolExecutor(16, thread_name_prefix=f"kvmesh-{cfg.node_id}-prefill")
-        self.fetcher = Fetcher(self.tiers, self.agent.requester, self.links, self.prefill_nodes,
-                               cfg.holder_timeout_s, self._conversations, cfg.block_size)
+        # The connectors: this node's lower tiers, peers holding a prefix, prefill nodes (``prefill_nodes``).
+        self.tier_connector = TierConnector(self.tiers)
+        self.holders = HolderConnector(self.agent.requester, self.links, self.membership, cfg.holder_timeout_s)
+        self.fetcher = Fetcher(self.tier_connector, self.holders, self.prefill_nodes, self._conversations,
+                               cfg.block_size)
+        self.loads = KVLoads(self.engine.scheduler, self.call_soon, self._kv_arrived)
         # Steps kept short while a fetch is about to land, so its blocks wait for no long step.
         self.landings = LandingBound(cfg.block_size, self._prompt_step_s, lambda: self.node.decode_step_s,
                                      lambda: self.node.prefill_tokens_per_s)
@@ -130,21 +136,18 @@ class DecodeRole:
 
         ``num_streams``: sequences running here, each held up while this node computes the prompt's blocks.
         ``lookup``: read the index mirror for holders (else only this node's lower tiers are considered)."""
-        bs = self.cfg.block_size
-        lower = self.tiers.lower_run(seq.block_hashes[:end], num_local) if self.tiers is not None else []
-        hits = self.node.lookup_holders(seq.block_hashes[:end]) if lookup else {}
-        start = num_local + len(lower)
-        holders = tuple(HolderOption(node_id, length, self._holder_bytes_per_s(seq, node_id, start, length),
-                                     self.links.rtt_s(node_id))
-                        for node_id, length in hits.items() if length > start)
+        bs, hashes = self.cfg.block_size, seq.block_hashes[:end]
+        lower = self.tier_connector.offer(hashes, num_local)
+        hits = self.node.lookup_holders(hashes) if lookup else {}
+        holders = self.holders.offers(hashes, hits, num_local + lower.num_blocks)
+        start = num_local + lower.num_blocks
         held_end = max([start, *(min(h.end, end) for h in holders)])
         prefill = None
         if lookup:
             prefill = (self.prefill_nodes.best((end - held_end) * bs, hits) if self.placement.prices_prefill_nodes
                        else self.prefill_nodes.any_option(hits))
         request = PlanRequest(num_local, end, bs, self.engine.layout.bytes_per_token, self.node.prefill_tokens_per_s,
-                              local_queue_s, len(lower), self.tiers.read_seconds(lower) if lower else 0.0,
-                              holders, prefill, num_streams)
+                              local_queue_s, lower.num_blocks, lower.seconds, holders, prefill, num_streams)
         return self.placement.plan(request), hits
 
     def _prompt_step_s(self) -> float:
@@ -152,15 +155,6 @@ class DecodeRole:
         config = self.engine.scheduler.config
         return self.node.prefill_cost.fixed_s + (config.long_prefill_token_threshold or config.max_num_batched_tokens) \
             / self.node.prefill_tokens_per_s
-
-    def _holder_bytes_per_s(self, seq: Sequence, node_id: str, start: int, end: int) -> float:
-        """A holder's link rate, or its disk's read rate where the blocks asked of it are on its disk tier."""
-        rate = self.links.bytes_per_s(node_id)
-        if end > start and self.membership.index.slowest_tier(seq.block_hashes[start:end], node_id) == 2:
-            disk_rate = self.membership.probe_of(node_id).disk_read_bytes_per_s
-            if disk_rate > 0:
-                rate = min(rate, disk_rate)
-        return rate
 
     def _streams_here(self) -> int:
         """Sequences running here (engine thread): each one's steps wait for the prompt tokens computed here, a
@@ -223,22 +217,21 @@ class DecodeRole:
         if plan is None or not plan.needs_fetch:
             self._add_local(seq)
             return
-        try:
-            self.engine.scheduler.add_awaiting_remote_kv(seq)
-        except OutOfBlocksError:
+        lease = self.loads.start(seq, plan.end)
+        if lease is None:  # no room for its blocks now: computed here, as blocks free up
             self._add_local(seq)
             return
         with self._lock:
             self.num_remote += 1
         if plan.prefill_node:  # the next admission prices that node with this conversation in its queue
             self.prefill_nodes.reserve(plan.prefill_node, (plan.end - plan.holders_end) * bs)
-        request.fetching, request.fetch_started = True, time.perf_counter()
+        request.fetch_started = time.perf_counter()
         self.landings.expect(rid, plan.promote_s + max(plan.holders_s, plan.prefill_s))
         request.fetch_span = self.tracer.start("fetch", request.span, {
             "kvmesh.holder": plan.holder, "kvmesh.prefill_node": plan.prefill_node,
             "kvmesh.blocks": plan.end - num_local, "kvmesh.transfer_backend": self.agent.engine.name})
-        self.workers.submit(self._fetch, seq, plan._replace(num_local=seq.num_prefix_hit_tokens // bs), hits,
-                            request.fetch_span.context)
+        plan, trace_context = plan._replace(num_local=lease.start), request.fetch_span.context
+        self.workers.submit(self.loads.run, lease, lambda: self.fetcher.fetch(lease, plan, hits, trace_context))
 
     def _add_local(self, seq: Sequence) -> None:
         with self._lock:
@@ -259,30 +252,14 @@ class DecodeRole:
             request.tier0_hit_tokens = num_local * bs
         self.pool.free(held)
 
-    # ---- fetching (worker thread) -----------------------------------------------------------------------
-    def _fetch(self, seq: Sequence, plan: FetchPlan, hits: dict[str, int], trace_context: str) -> None:
-        outcome = FetchOutcome.nothing(plan.num_local)
-        started = time.perf_counter()
-        try:
-            outcome = self.fetcher.fetch(seq, plan, hits, lambda: self._aborting(seq), trace_context)
-        except Exception:
-            log.exception("%s: fetching KV for %s failed", self.cfg.node_id, seq.request_id)
-        finally:
-            outcome.fetch_s = time.perf_counter() - started
-            self.call_soon(lambda: self._kv_arrived(seq, outcome))
-
-    def _aborting(self, seq: Sequence) -> bool:
-        request = self._requests.get(seq.request_id)
-        return request is None or request.abort_after_fetch
-
     # ---- back on the engine thread --------------------------------------------------------------------------
     def _kv_arrived(self, seq: Sequence, result: FetchOutcome) -> None:
+        """``KVLoads``' report of the request's fetch, its blocks ready for the scheduler: the accounting."""
         bs = self.cfg.block_size
         request = self._requests[seq.request_id]
-        request.fetching = False
         self.landings.landed(seq.request_id)
         request.kv_wait_s = time.perf_counter() - request.fetch_started
-        request.fetch_s = result.fetch_s
+        request.fetch_s = result.load_s
         num_moved = result.from_holders - result.promoted
         if num_moved > 0 and not result.asked_prefill and not result.tainted and result.promoted == result.num_local:
             # A fetch from holders alone, end to end (thread hops and the wait for a step boundary included):
@@ -296,8 +273,8 @@ class DecodeRole:
         request.tokens_from_prefill = (result.got - result.from_holders - result.prefill_reused) * bs
         if request.fetch_span is not NO_SPAN:
             request.fetch_span.set_attributes({
-                "kvmesh.kv_wait_ms": request.kv_wait_s * 1e3, "kvmesh.fetch_ms": result.fetch_s * 1e3,
-                "kvmesh.step_boundary_wait_ms": max(0.0, request.kv_wait_s - result.fetch_s) * 1e3,
+                "kvmesh.kv_wait_ms": request.kv_wait_s * 1e3, "kvmesh.fetch_ms": result.load_s * 1e3,
+                "kvmesh.step_boundary_wait_ms": max(0.0, request.kv_wait_s - result.load_s) * 1e3,
                 "kvmesh.blocks_from_holder": result.from_holders - result.promoted, "kvmesh.holder_used": result.holder,
                 "kvmesh.blocks_from_prefill_node": result.got - result.from_holders,
                 "kvmesh.blocks_from_lower_tiers": result.promoted - result.num_local,
@@ -305,15 +282,6 @@ class DecodeRole:
                 "kvmesh.blocks_tainted": len(result.tainted), "kvmesh.fences": list(result.fences),
                 "kvmesh.transfer_rounds": result.num_rounds})
             request.fetch_span.end()
-        if result.tainted:  # a stalled writer may still write these: never let this request (or anyone) use them
-            self.num_tainted_swapped += len(result.tainted)
-            try:
-                self.engine.kv.replace_blocks(seq, result.tainted)
-            except OutOfBlocksError:  # the pool is short while they are fenced: wait for blocks, do not fail
-                tainted = set(result.tainted)
-                self.engine.kv.release_from(seq, next((i for i, b in enumerate(seq.block_ids) if b in tainted),
-                                                         len(seq.block_ids)))
-        self.engine.scheduler.remote_kv_ready(seq.request_id, result.got * bs)
         if request.abort_after_fetch:
             self._abort(seq.request_id)
 
@@ -322,7 +290,7 @@ class DecodeRole:
         request = self._requests.get(request_id)
         if request is None:
             return
-        if request.fetching:  # writers may still be writing its blocks: stop them, free the blocks afterwards
+        if self.loads.cancel(request_id):  # writers may still write its blocks: stop them, free the blocks after
             request.abort_after_fetch = True
             self.agent.requester.abort(request_id, "the client aborted the request")
             return
@@ -361,6 +329,7 @@ class DecodeRole:
 
     def abandon_requests(self, why: str) -> None:
         requests, self._requests = self._requests, {}  # the engine loop has stopped: this thread owns them now
+        self.loads.cancel_all()
         for rid, request in requests.items():
             self.node.endpoint.send(request.identity, encode(nm.TokenEvent(
                 rid, [], finished=True, finish_reason="error", error=f"the node is leaving: {why}",
@@ -429,7 +398,7 @@ class DecodeRole:
                 "prompt_queue_s": self.prompt_queue_s(),
                 "num_steps_bounded_for_landings": self.landings.num_bounded_steps,
                 "num_streams_handed_back": self.num_handed_back,
-                "num_tainted_swapped": self.num_tainted_swapped,
+                "num_tainted_swapped": self.loads.num_tainted_swapped,
                 **{f"prompt_{key}": value for key, value in self.prompt_token_sources.items()},
                 "prompt_tokens_total": sum(self.prompt_token_sources.values()),
                 "prompt_tokens_always_here": self.num_prompt_tokens_always_here,

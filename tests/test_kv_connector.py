@@ -1,0 +1,145 @@
+"""The connector seam (``kvmesh/engine/kv_connector.py``): a load writes a lease's block ids off the engine thread,
+the engine learns of it between two steps; what arrived is used, what did not is computed, what a stalled writer
+may still write is never read. Outputs against Hugging Face transformers on the same weights."""
+from __future__ import annotations
+
+import dataclasses
+import threading
+
+import pytest
+import torch
+
+from kvmesh import LLM, SamplingParams
+from kvmesh.engine.kv_connector import KVLease, KVLoads, LoadReport
+from kvmesh.engine.request_state import RequestStatus
+from tests.conftest import hf_reference
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+PROMPT = "You are a terse assistant. Answer in one word. " * 2 + "Sky colour?"  # 105 bytes: 6 full blocks
+
+
+@pytest.fixture(scope="module")
+def peer():
+    """An engine that computed the prompt: its cached blocks are what a connector supplies."""
+    llm = LLM("tiny-llama", num_kv_blocks=64, progress=False)
+    llm.generate(PROMPT, SamplingParams(max_tokens=1, temperature=0.0), use_tqdm=False)
+    return llm
+
+
+@pytest.fixture(scope="module")
+def reference(peer):
+    ids = peer.tokenizer.encode(PROMPT)
+    with torch.inference_mode():
+        out = hf_reference(peer.loaded).generate(torch.tensor([ids]), max_new_tokens=GREEDY.max_tokens,
+                                                 do_sample=False, eos_token_id=None, pad_token_id=0,
+                                                 attention_mask=torch.ones(1, len(ids), dtype=torch.long))
+    return out[0, len(ids):].tolist()
+
+
+class Node:
+    """A node's engine with a ``KVLoads``; ``call_soon`` queues what the engine thread runs between steps."""
+
+    def __init__(self, num_kv_blocks: int = 64):
+        self.llm = LLM("tiny-llama", num_kv_blocks=num_kv_blocks, progress=False)
+        self.engine = self.llm.engine
+        self.between_steps: list = []
+        self.landed: list[tuple[str, LoadReport]] = []
+        self.loads = KVLoads(self.engine.scheduler, self.between_steps.append,
+                             lambda seq, report: self.landed.append((seq.request_id, report)))
+
+    def admit(self, request_id: str):
+        seq = self.engine.prepare_request(self.llm.tokenizer.encode(PROMPT), GREEDY, request_id=request_id)
+        return seq, self.loads.start(seq, (seq.num_prompt_tokens - 1) // 16)
+
+    def run(self) -> None:
+        """Steps until every request ends, running what loads handed over at each step boundary."""
+        while self.between_steps or self.engine.has_unfinished():
+            while self.between_steps:
+                self.between_steps.pop(0)()
+            if self.engine.scheduler.has_runnable():
+                self.engine.step()
+        self.engine.check_integrity()
+
+
+def copy_from(peer: LLM, node: Node, lease: KVLease, end: int) -> LoadReport:
+    """A connector's load: the peer's cached blocks [start, end) copied into the lease's block ids."""
+    src = [peer.engine.pool.cached_block(h) for h in lease.block_hashes[lease.start:end]]
+    assert None not in src
+    node.engine.runner.kv_buffer[list(lease.block_ids[lease.start:end])] = peer.engine.runner.kv_buffer[src]
+    return LoadReport(end)
+
+
+def test_a_load_on_another_thread_lands_between_steps(peer, reference):
+    node = Node()
+    seq, lease = node.admit("r1")
+    assert lease is not None and lease.start == 0 and lease.end == 6 and list(lease.block_ids) == seq.block_ids
+    assert seq.status is RequestStatus.WAITING_FOR_REMOTE_KV and node.loads.loading("r1")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        lease.end = 7  # a load cannot widen what it may write
+    worker = threading.Thread(target=node.loads.run, args=(lease, lambda: copy_from(peer, node, lease, 4)))
+    worker.start()
+    worker.join()
+    assert seq.status is RequestStatus.WAITING_FOR_REMOTE_KV  # nothing changes until the engine thread runs it
+    node.between_steps.pop(0)()
+    assert seq in node.engine.scheduler.kv_landed and seq.num_computed_tokens == 4 * 16  # the rest computed here
+    node.run()
+    (rid, report), = node.landed
+    assert rid == "r1" and report.got == 4 and report.load_s > 0 and not node.loads.loading("r1")
+    assert seq.num_prefix_hit_tokens == 0 and seq.output_token_ids == reference
+    # Blocks [0, 4) were used as landed, the rest computed here: a second request finds all six cached.
+    assert len(node.engine.kv.find_cached_prefix(node.engine.prepare_request(seq.prompt_token_ids, GREEDY))) == 6
+
+
+def test_a_load_that_raises_reports_nothing_and_the_request_is_computed(reference):
+    node = Node()
+    seq, lease = node.admit("r2")
+
+    def broken() -> LoadReport:
+        raise ConnectionError("the peer went away")
+
+    node.loads.run(lease, broken)
+    node.run()
+    assert node.landed[0][1].got == 0 and seq.output_token_ids == reference
+
+
+def test_blocks_a_writer_may_still_write_are_swapped_before_anyone_reads_them(peer, reference):
+    node = Node()
+    seq, lease = node.admit("r3")
+    late = list(lease.block_ids[2:4])
+    node.engine.pool.touch(late)  # the grant table's own reference while its writer may still write
+
+    def stalled() -> LoadReport:
+        copy_from(peer, node, lease, 2)
+        node.engine.runner.kv_buffer[late] = 7.0  # what a late writer leaves behind
+        return LoadReport(2, tainted=late)
+
+    node.loads.run(lease, stalled)
+    node.run()
+    assert not set(late) & set(seq.block_ids) and node.loads.num_tainted_swapped == 2
+    assert seq.output_token_ids == reference
+    assert [node.engine.pool.block_state(b).ref_count for b in late] == [1, 1]
+    node.engine.pool.free(late)  # the writer stopped: the quarantine lifts
+    node.engine.check_integrity()
+
+
+def test_cancel_reaches_the_load_and_its_blocks_wait_for_its_report(peer):
+    node = Node()
+    seq, lease = node.admit("r4")
+    assert not node.loads.cancel("nobody") and node.loads.cancel("r4") and lease.cancelled()
+    assert node.loads.loading("r4")  # cancelled, not reported: its blocks stay the request's
+    node.loads.run(lease, lambda: LoadReport(lease.start))
+    node.between_steps.pop(0)()
+    assert not node.loads.loading("r4") and seq in node.engine.scheduler.kv_landed
+    node.engine.abort(seq)
+    node.engine.check_integrity()
+    assert node.engine.pool.usage().num_used == 0
+
+
+def test_no_room_leases_nothing():
+    node = Node(num_kv_blocks=8)
+    busy = node.engine.pool.allocate(2)  # another request's: 6 free, the prompt needs 7
+    seq, lease = node.admit("r5")
+    assert lease is None and not seq.block_ids and node.loads.num_loading == 0
+    assert node.engine.pool.usage().num_used == 2
+    node.engine.pool.free(busy)
+    node.engine.check_integrity()
