@@ -114,8 +114,10 @@ def test_blocks_a_writer_may_still_write_are_swapped_before_anyone_reads_them(pe
         return LoadReport(2, tainted=late)
 
     node.loads.run(lease, stalled)
-    node.run()
+    node.between_steps.pop(0)()
     assert not set(late) & set(seq.block_ids) and node.loads.num_tainted_swapped == 2
+    assert seq.num_computed_tokens == 2 * 16 and len(seq.block_ids) == 7
+    node.run()
     assert seq.output_token_ids == reference
     assert [node.engine.pool.block_state(b).ref_count for b in late] == [1, 1]
     node.engine.pool.free(late)  # the writer stopped: the quarantine lifts
