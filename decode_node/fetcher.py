@@ -19,7 +19,7 @@ from __future__ import annotations
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 
-from kvmesh.decode_node.connectors import HolderConnector, TierConnector
+from kvmesh.node.connectors import HolderConnector, TierConnector
 from kvmesh.decode_node.prefill_nodes import PrefillNodes
 from kvmesh.engine.kv_connector import KVLease, LoadReport
 from kvmesh.node.planner import FetchPlan

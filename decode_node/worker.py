@@ -28,7 +28,7 @@ from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from kvmesh.decode_node.connectors import HolderConnector, TierConnector
+from kvmesh.node.connectors import HolderConnector, TierConnector
 from kvmesh.decode_node.cost_model import SHARED_MEMORY, PeerLinks, TransferRateEstimator
 from kvmesh.decode_node.fetcher import Fetcher, FetchOutcome
 from kvmesh.decode_node.link_probe import probe_shared_memory_round_trip

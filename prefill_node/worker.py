@@ -2,15 +2,17 @@
 
 It serves ComputeAndPush conversations on the node's side channel (its holder calls
 ``admit``) while the node takes prefills (``accepting``; otherwise BUSY): the prompt
-is validated and accepted or refused at once; then, on a worker thread, its local
-prefix hits are referenced and the rest of the prefix is planned with the cluster's
-planner (``kvmesh/node/planner.py``, no prefill option): what its lower KV tiers hold
-next is promoted and a longer prefix held by a peer is pulled into this node's pool
-where that beats computing them; the engine computes the rest with chunked prefill.
-Every full block is cached as soon as it is computed, and the holder writes the
-granted blocks into the decode node chunk by chunk. When the conversation ends (all
-blocks written, aborted, expired) ``release`` aborts what is left of the engine
-request and drops the references this node held.
+is validated and accepted or refused at once; then, on the engine thread, the rest of
+the prefix beyond its local hits is planned with the cluster's planner
+(``kvmesh/node/planner.py``, no prefill option) from the connectors' offers
+(``kvmesh/node/connectors.py``): where that beats computing them, what its lower KV tiers
+hold next is restored and a longer prefix held by a peer is pushed into the request's
+blocks, leased to a worker thread (``KVLoads``, ``kvmesh/engine/kv_connector.py``); the
+engine computes the rest with chunked prefill. Every full block is cached as soon as it
+is computed, and the holder writes the granted blocks into the decode node chunk by
+chunk. The blocks held before computing are referenced for the conversation; when it
+ends (all blocks written, aborted, expired) ``release`` aborts what is left of the
+engine request and drops those references.
 """
 from __future__ import annotations
 
@@ -18,14 +20,15 @@ import logging
 import threading
 from dataclasses import dataclass, field
 
-from kvmesh.node.planner import FetchPlan, HolderOption, PlanRequest
+from kvmesh.engine.kv_connector import KVLease, KVLoads, LoadReport
 from kvmesh.engine.sampling_params import SamplingParams
 from kvmesh.engine.sequence import Sequence
 from kvmesh.kv.block_hash import BlockHash
-from kvmesh.kv.block_pool import NO_BLOCK
+from kvmesh.node.connectors import HolderConnector, TierConnector, TierOffer
+from kvmesh.node.planner import FetchPlan, PlanRequest
 from kvmesh.tracing import NO_SPAN
 from kvmesh.transfer import messages as m
-from kvmesh.transfer.errors import TransferError, TransferRefused
+from kvmesh.transfer.errors import TransferRefused
 
 log = logging.getLogger("kvmesh.prefill")
 def _prefill_only(cache_salt: str) -> SamplingParams:
@@ -40,10 +43,26 @@ class _Prefill:
     hashes: list[BlockHash]
     cache_salt: str = ""
     first_block: int = 0  # the first block of the chain the requester asked for
-    held: list[int] = field(default_factory=list)  # local hits and pulled blocks we keep a reference on
+    held: list[int] = field(default_factory=list)  # blocks held before computing (hits, restored, pushed), referenced
     seq: Sequence | None = None
     released: bool = False
     span: object = NO_SPAN  # its trace span (kvmesh/tracing.py): acceptance to the conversation's end
+
+
+class _PriorLinks:
+    """Every holder's link at the configured prior: a prefill node fetches too rarely to learn them."""
+
+    def __init__(self, bytes_per_s: float, rtt_s: float):
+        self._bytes_per_s, self._rtt_s = bytes_per_s, rtt_s
+
+    def bytes_per_s(self, node_id: str) -> float:
+        return self._bytes_per_s
+
+    def rtt_s(self, node_id: str) -> float:
+        return self._rtt_s
+
+    def record_transfer(self, node_id: str, num_blocks: int, seconds: float) -> None:
+        pass
 
 
 class PrefillRole:
@@ -59,6 +78,12 @@ class PrefillRole:
         self.accepting = True  # takes new conversations (off while the node is not a prefill node)
         self._prefills: dict[str, _Prefill] = {}  # conversation id -> state
         self._lock = threading.Lock()
+        # The connectors a prefill node fetches its prefix through: its lower tiers, peers holding it.
+        self.tier_connector = TierConnector(self.tiers)
+        self.holders = HolderConnector(self.agent.requester, _PriorLinks(self.cfg.transfer_gib_per_s * 2**30,
+                                                                         self.cfg.transfer_rtt_s),
+                                       node.membership, self.cfg.holder_timeout_s)
+        self.loads = KVLoads(self.engine.scheduler, self.call_soon, self._prefix_landed)
         self.num_prefills = 0
         self.num_refused = 0
         self.num_refused_busy = 0  # of those: it could not beat the requester computing the prompt itself
@@ -100,7 +125,7 @@ class PrefillRole:
         prefill.span = self.tracer.start("prefill.compute", msg.trace_context, {
             "kvmesh.node": self.cfg.node_id, "kvmesh.prompt_tokens": len(prompt), "kvmesh.first_block": msg.first_block,
             "kvmesh.blocks": len(msg.dst_block_ids), "kvmesh.landing": msg.landing})
-        self.workers.submit(self._prepare, msg.request_id)
+        self.call_soon(lambda: self._begin(msg.request_id, prefill))
         return wanted
 
     def _finish_estimate_s(self, num_new_tokens: int) -> float:
@@ -122,16 +147,15 @@ class PrefillRole:
                 backlog += max(0, seq.num_prompt_tokens - seq.num_computed_tokens)
         return backlog
 
-    def _plan_prefix(self, prefill: _Prefill, num_local: int, lower: list[int], hits: dict[str, int]) -> FetchPlan:
-        """The planner the decode nodes use, for this node's own prefix: promote, pull, or compute (no prefill option).
-        Links are priced at the configured prior: a prefill node pulls too rarely to learn them."""
-        bs, end = self.cfg.block_size, len(prefill.hashes)
-        bytes_per_s, rtt_s = self.cfg.transfer_gib_per_s * 2**30, self.cfg.transfer_rtt_s
+    def _plan_prefix(self, prefill: _Prefill, num_local: int, lower: TierOffer, hits: dict[str, int]) -> FetchPlan:
+        """The planner the decode nodes use, for this node's own prefix: restore, fetch from a holder, or compute (no
+        prefill option). Links are priced at the configured prior (``_PriorLinks``)."""
+        bs, hashes = self.cfg.block_size, prefill.hashes
         with self._lock:
             queue_s = self._backlog_tokens(but=prefill) / self.node.prefill_tokens_per_s
-        request = PlanRequest(num_local, end, bs, self.engine.layout.bytes_per_token, self.node.prefill_tokens_per_s,
-                              queue_s, len(lower), self.tiers.read_seconds(lower) if lower else 0.0,
-                              tuple(HolderOption(n, length, bytes_per_s, rtt_s) for n, length in hits.items()))
+        request = PlanRequest(num_local, len(hashes), bs, self.engine.layout.bytes_per_token,
+                              self.node.prefill_tokens_per_s, queue_s, lower.num_blocks, lower.seconds,
+                              self.holders.offers(hashes, hits, num_local + lower.num_blocks))
         return self.placement.plan(request)
 
     def num_reused(self, request_id: str) -> int:
@@ -155,64 +179,70 @@ class PrefillRole:
             self.call_soon(lambda: self._drop(prefill))
 
     # ---- preparing and computing -------------------------------------------------------------------------
-    def _prepare(self, request_id: str) -> None:
-        """Worker thread: reference our own prefix, pull a longer one from a peer, then queue the prompt."""
-        with self._lock:
-            prefill = self._prefills.get(request_id)
-        if prefill is None:
-            return
-        if not self.cfg.enable_prefix_caching:  # the baseline: every prompt computed in full, nothing reused
-            self.call_soon(lambda: self._start(request_id, prefill))
-            return
-        hashes = prefill.hashes
-        held = self.pool.match(hashes, hold="ref")  # referenced: a concurrent allocation cannot take them
-        if len(held) >= len(hashes):
-            prefill.held = held
-            self.call_soon(lambda: self._start(request_id, prefill))
-            return
-        lower = self.tiers.lower_run(hashes, len(held)) if self.tiers is not None else []
-        hits = self.node.lookup_holders(hashes) if len(held) + len(lower) < len(hashes) else {}
-        plan = self._plan_prefix(prefill, len(held), lower, hits)
-        if plan.promote_end > len(held):  # our own lower tiers before any peer
-            promoted = self.tiers.promote(hashes[len(held):plan.promote_end], held[-1] if held else NO_BLOCK).block_ids
-            self.tokens_promoted += len(promoted) * self.cfg.block_size
-            held += promoted
-        if plan.holder:  # the planned holder first; after a failure, the next longest
-            for node_id, length in sorted(hits.items(), key=lambda kv: (kv[0] != plan.holder, -kv[1])):
-                if length <= len(held) or prefill.released:
-                    continue
-                try:
-                    pulled = self.agent.pull_prefix(node_id, hashes[len(held):length],
-                                                    parent_block_id=held[-1] if held else NO_BLOCK,
-                                                    timeout_s=self.cfg.holder_timeout_s,
-                                                    request_id=f"pull:{request_id}")
-                    self.tokens_pulled += len(pulled) * self.cfg.block_size
-                    held += pulled
-                    break
-                except TransferError as e:
-                    log.warning("%s: pulling from %s failed (%s); computing instead", self.cfg.node_id, node_id, e)
-        prefill.held = held
-        prefill.span.add_event("prefix_ready", {"kvmesh.blocks_held": len(held)})
-        self.call_soon(lambda: self._start(request_id, prefill))
-
-    def _start(self, request_id: str, prefill: _Prefill) -> None:
-        """Engine thread."""
+    def _begin(self, request_id: str, prefill: _Prefill) -> None:
+        """Engine thread: the prompt's request, its prefix planned beyond its local hits; fetched into its blocks
+        under a lease where that beats computing it, else queued at once."""
         if prefill.released:
-            self._drop(prefill)
-            return
+            return  # the conversation ended before it began (its ``_drop`` is queued)
         try:
-            prefill.seq = self.engine.add_request(prefill.prompt_token_ids, _prefill_only(prefill.cache_salt),
-                                                  request_id=f"prefill:{request_id}")
+            seq = prefill.seq = self.engine.prepare_request(prefill.prompt_token_ids,
+                                                            _prefill_only(prefill.cache_salt),
+                                                            request_id=f"prefill:{request_id}")
         except Exception as e:  # validated at admission; a failure here ends in the holder's deadline
             log.warning("%s: prefill %s failed to start: %s", self.cfg.node_id, request_id, e)
             self.release(request_id)
             return
         self.num_prefills += 1
+        hashes = prefill.hashes
+        num_local = len(self.engine.kv.find_cached_prefix(seq))
+        if self.cfg.enable_prefix_caching and num_local < len(hashes):  # (the baseline reuses nothing)
+            lower = self.tier_connector.offer(hashes, num_local)
+            hits = self.node.lookup_holders(hashes) if num_local + lower.num_blocks < len(hashes) else {}
+            plan = self._plan_prefix(prefill, num_local, lower, hits)
+            if plan.promote_end > num_local or plan.holder:
+                lease = self.loads.start(seq, len(hashes))
+                if lease is not None:
+                    self.workers.submit(self.loads.run, lease, lambda: self._fetch_prefix(lease, plan, hits))
+                    return
+        self._hold(prefill, num_local)
+        self.engine.scheduler.add(seq)
+
+    def _fetch_prefix(self, lease: KVLease, plan: FetchPlan, hits: dict[str, int]) -> LoadReport:
+        """Worker thread: this node's lower tiers first, then the planned holder (after a failure, the next
+        longest), into the lease's blocks."""
+        bs, got = self.cfg.block_size, lease.start
+        if plan.promote_end > got:
+            got += self.tier_connector.load(lease, got, plan.promote_end).num_blocks
+            self.tokens_promoted += (got - lease.start) * bs
+        if not plan.holder or lease.cancelled():
+            return LoadReport(got)
+        pushed = self.holders.load(lease, got, lease.end, hits, plan.holder)
+        self.tokens_pulled += (pushed.got - got) * bs
+        return LoadReport(pushed.got, pushed.tainted)
+
+    def _prefix_landed(self, seq: Sequence, report: LoadReport) -> None:
+        """Engine thread: the prefix fetch reported; blocks [0, got) are cached in the request's table."""
+        with self._lock:
+            prefill = self._prefills.get(seq.request_id.removeprefix("prefill:"))
+        if prefill is None or prefill.released:  # the conversation ended while the fetch ran
+            self.engine.abort(seq)
+            return
+        self._hold(prefill, report.got)
+
+    def _hold(self, prefill: _Prefill, num_blocks: int) -> None:
+        """Engine thread: reference the prompt's first ``num_blocks`` blocks (held before computing) for the
+        conversation, so the holder finds them until it ends."""
+        prefill.held = self.pool.match(prefill.hashes[:num_blocks], hold="ref")
+        prefill.span.add_event("prefix_ready", {"kvmesh.blocks_held": len(prefill.held)})
 
     def _drop(self, prefill: _Prefill) -> None:
-        """Engine thread: the conversation is over; stop computing and let go of our references."""
-        if prefill.seq is not None and not prefill.seq.is_finished:
-            self.engine.abort(prefill.seq)
+        """Engine thread: the conversation is over; stop computing and let go of our references (a request whose
+        prefix is still being fetched is aborted when the fetch reports)."""
+        seq = prefill.seq
+        if seq is not None and self.loads.cancel(seq.request_id):
+            self.agent.requester.abort(seq.request_id, "the prefill conversation ended")
+        elif seq is not None and not seq.is_finished:
+            self.engine.abort(seq)
         held, prefill.held = prefill.held, []
         self.pool.free(held)
 

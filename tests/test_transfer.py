@@ -24,7 +24,7 @@ from kvmesh.transfer.peers import PeerRecord
 from kvmesh.transfer.rdma_devices import choose_transport
 from kvmesh.kv.shared_buffer import SharedKVAllocator
 from tests.transfer_support import (  # noqa: F401 (requester: a fixture)
-    AUTH, BACKENDS, SHARED, Holder, kv_of, make_agent, requester, wait_until)
+    AUTH, BACKENDS, SHARED, Holder, kv_of, make_agent, pull_prefix, requester, wait_until)
 
 
 def test_coalescing_exact_runs():
@@ -124,7 +124,7 @@ def test_pull_prefix_caches_what_the_peer_holds(requester):
     holder = Holder(requester.engine.name, seed=12, requester=requester, chain=6)
     try:
         hashes = chain_hashes(10)  # the holder has only the first 6
-        ids = requester.pull_prefix(holder.node_id, hashes, timeout_s=30, request_id="p")
+        ids = pull_prefix(requester, holder.node_id, hashes, timeout_s=30, request_id="p")
         assert len(ids) == 6
         assert requester.pool.match(hashes) == ids
         for i, block in enumerate(ids):
@@ -155,7 +155,7 @@ def test_killed_holder_gives_a_typed_error_and_frees_blocks(requester):
     holder.proc.send_signal(signal.SIGKILL)
     holder.proc.wait()
     with pytest.raises(TransferTimeout, match="holder-14"):
-        requester.pull_prefix(holder.node_id, chain_hashes(8), timeout_s=1.5, request_id="k")
+        pull_prefix(requester, holder.node_id, chain_hashes(8), timeout_s=1.5, request_id="k")
     assert requester.pool.num_free_blocks == free_before
     requester.pool.check_integrity()
 
@@ -280,7 +280,7 @@ def test_malformed_messages_are_refused_and_the_holder_keeps_serving(requester):
             reply = m.decode(AUTH.open(sock.recv()))
             assert isinstance(reply, m.Refused) and reply.code == m.ErrorCode.MALFORMED.value
         sock.close()
-        ids = requester.pull_prefix(holder.node_id, chain_hashes(4), timeout_s=10, request_id="ok")
+        ids = pull_prefix(requester, holder.node_id, chain_hashes(4), timeout_s=10, request_id="ok")
         assert len(ids) == 4
         requester.pool.free(ids)
         assert holder.check()["num_malformed"] == len(bad)
@@ -368,7 +368,7 @@ def test_stale_index_entry_is_advisory(requester):
         publisher.publish(hashes)  # what the holder once had
         assert publisher.flush() and index.mirror.wait_healthy(5)
         assert index.lookup(hashes) == {holder.node_id: 10}
-        ids = requester.pull_prefix(holder.node_id, hashes[:10], timeout_s=10, request_id="stale")
+        ids = pull_prefix(requester, holder.node_id, hashes[:10], timeout_s=10, request_id="stale")
         assert len(ids) == 6
         for i, block in enumerate(ids):
             assert torch.equal(kv_of(requester)[block], holder.expected_block(i))

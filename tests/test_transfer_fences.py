@@ -10,7 +10,7 @@ import torch
 
 from kvmesh.transfer.errors import TransferTimeout
 from kvmesh.transfer.peer_process import chain_hashes
-from tests.transfer_support import BACKENDS, SHARED, Holder, kv_of, make_agent, requester, wait_until  # noqa: F401
+from tests.transfer_support import BACKENDS, SHARED, Holder, kv_of, make_agent, pull_prefix, requester, wait_until  # noqa: F401
 
 
 @pytest.mark.skipif("mooncake" not in BACKENDS, reason="landing slots are Mooncake's (one-sided writes)")
@@ -63,7 +63,7 @@ def test_a_block_damaged_in_flight_is_not_kept(requester):
     else:
         requester.requester.verify = flip_then_verify
     try:
-        ids = requester.pull_prefix(holder.node_id, chain_hashes(8), timeout_s=30, request_id="v")
+        ids = pull_prefix(requester, holder.node_id, chain_hashes(8), timeout_s=30, request_id="v")
         assert len(ids) == 5 and damaged and damaged[0] not in ids  # blocks 0..4 kept; 5 on are recomputed
         assert requester.pool.match(chain_hashes(8)) == ids
         for i, block in enumerate(ids):

@@ -109,3 +109,17 @@ def wait_until(predicate, timeout_s: float = 60.0) -> None:
     while not predicate():
         assert time.monotonic() < deadline, "timed out"
         time.sleep(0.02)
+
+
+def pull_prefix(agent: TransferAgent, peer_id: str, block_hashes: list, *, timeout_s: float,
+                request_id: str) -> list[int]:
+    """The longest prefix of ``block_hashes`` that ``peer_id`` holds, pushed into new blocks of ``agent``'s pool
+    and cached there, one reference each (the caller's); the rest freed. Raises the push's error when nothing
+    arrived."""
+    block_ids = agent.pool.allocate(len(block_hashes))
+    outcome = agent.requester.push(peer_id, block_ids, block_hashes, request_id=request_id, timeout_s=timeout_s)
+    kept = block_ids[:outcome.num_written]
+    agent.pool.free(block_ids[outcome.num_written:])
+    if not kept and outcome.error is not None:
+        raise outcome.error
+    return agent.pool.cache(kept, block_hashes[:len(kept)])

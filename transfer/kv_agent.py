@@ -7,9 +7,11 @@
     TransferEngine                                        moves the bytes (Mooncake or zmq)
     SharedMemoryWriter                                    ... or one copy, to a peer on this host
 
-The holder and the requester change the pool only through BlockPool's own
-atomic operations (``match(..., hold="pin")``, ``cache``). Construction
-registers the KV buffer and binds the side channel; ``start`` starts the threads.
+The holder changes the pool only through BlockPool's own atomic pins
+(``match(..., hold="pin")``); the requester writes into block ids its caller
+allocated (a ``KVLease``'s, ``kvmesh/engine/kv_connector.py``) and never caches
+them. Construction registers the KV buffer and binds the side channel; ``start``
+starts the threads.
 """
 from __future__ import annotations
 
@@ -21,8 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from kvmesh.auth import ClusterAuth
-from kvmesh.kv.block_hash import BlockHash
-from kvmesh.kv.block_pool import NO_BLOCK, BlockPool
+from kvmesh.kv.block_pool import BlockPool
 from kvmesh.router_endpoint import RouterEndpoint
 from kvmesh.transfer import messages as m
 from kvmesh.transfer.engine import TransferEngine
@@ -223,28 +224,6 @@ class TransferAgent:
             self._endpoint.send(identity, m.encode(m.Refused("", m.ErrorCode.MALFORMED.value, str(e))))
             return
         self.holder.on_message(identity, msg)
-
-    def pull_prefix(self, peer_id: str, block_hashes: list[BlockHash], *, parent_block_id: int = NO_BLOCK,
-                    timeout_s: float = 10.0, request_id: str) -> list[int]:
-        """Fetch the longest prefix of ``block_hashes`` that ``peer_id`` holds into new local blocks.
-
-        The written blocks are cached in our pool (their parent: ``parent_block_id``, on which the
-        caller holds a reference) and returned with one reference each, owned by the caller.
-        Everything else allocated is freed (tainted blocks stay with the grant table until the
-        writer stops). Raises TransferError when nothing could be fetched.
-        """
-        block_ids = self.pool.allocate(len(block_hashes))
-        outcome: PushOutcome = self.requester.push(peer_id, block_ids, block_hashes, request_id=request_id,
-                                                   timeout_s=timeout_s)
-        kept = block_ids[:outcome.num_written]
-        self.pool.free(block_ids[outcome.num_written:])
-        if not kept and outcome.error is not None:
-            raise outcome.error
-        if outcome.error is not None:
-            log.warning("%s: pull from %s ended early: %s", self.node_id, peer_id, outcome.error)
-        held = self.pool.cache(kept, block_hashes[:len(kept)], parent_block_id)
-        self.holder.blocks_cached()
-        return held
 
     def close(self) -> None:
         """Stop serving (pushes in progress end with SHUTTING_DOWN), then the requester and the engine."""

@@ -1,22 +1,32 @@
-"""Two of a decode node's KV connectors: its own lower tiers, and the peers that hold a prefix in their caches.
+"""The KV connectors every role composes: a node's own lower tiers, and the peers that hold a prefix in their caches.
 
-Each offers what it can supply of a prompt and at what price (what the planner, ``kvmesh/node/planner.py``,
-weighs against computing here), and loads into the block ids of a ``KVLease`` (``kvmesh/engine/kv_connector.py``):
-never the pool, never the request itself. The third connector, prefill nodes computing a prompt and pushing its
-blocks, is ``prefill_nodes.py``.
+Each offers what it can supply of a prompt and at what price (what the planner, ``planner.py``, weighs against
+computing here), and loads into the block ids of a ``KVLease`` (``kvmesh/engine/kv_connector.py``): never the
+pool, never the request itself. A decode node has a third, prefill nodes computing a prompt and pushing its
+blocks (``decode_node/prefill_nodes.py``).
 """
 from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
-from kvmesh.decode_node.cost_model import PeerLinks
 from kvmesh.engine.kv_connector import KVLease
 from kvmesh.kv.tiers.tiered_cache import RestoreResult
 from kvmesh.node.planner import HolderOption
 
 log = logging.getLogger("kvmesh.decode")
+
+
+class LinkPrices(Protocol):
+    """What a holder's link costs as this node knows it (a decode node's measured ``PeerLinks``, a prefill node's
+    priors), and where each transfer's measurement goes."""
+
+    def bytes_per_s(self, node_id: str) -> float: ...
+
+    def rtt_s(self, node_id: str) -> float: ...
+
+    def record_transfer(self, node_id: str, num_blocks: int, seconds: float) -> None: ...
 
 
 class TierOffer(NamedTuple):
@@ -54,7 +64,7 @@ class HolderConnector:
     """Peers whose caches hold a prompt's prefix (the global index's hits), each priced over its measured link:
     the planned holder pushes first, the next longest after a failure."""
 
-    def __init__(self, requester, links: PeerLinks, membership, timeout_s: float):
+    def __init__(self, requester, links: LinkPrices, membership, timeout_s: float):
         self._requester = requester
         self._links = links
         self._membership = membership
