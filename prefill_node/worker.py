@@ -227,6 +227,8 @@ class PrefillRole:
         if prefill is None or prefill.released:  # the conversation ended while the fetch ran
             self.engine.abort(seq)
             return
+        # Counted as the scheduler counts a prompt it admits: what was here before computing is reused.
+        self.engine.kv.stats.record_lookup(seq.num_prompt_tokens, seq.num_computed_tokens)
         self._hold(prefill, report.got)
 
     def _hold(self, prefill: _Prefill, num_blocks: int) -> None:
