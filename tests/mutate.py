@@ -127,7 +127,7 @@ MUTATIONS = (
              "        self._send(encode(nm.AbortRequest(request_id)))",
              "        pass  # mutation: the abort never leaves",
              ("tests/test_router.py", "-k", "goes_away or stop_strings")),
-    Mutation("received blocks land in reversed slots", "decode_node/connectors.py",
+    Mutation("received blocks land in reversed slots", "kvmesh/node/connectors.py",
              "            pushed = self._requester.push(node_id, list(lease.block_ids[start:length]),",
              "            pushed = self._requester.push(node_id, list(lease.block_ids[start:length])[::-1],",
              ("tests/test_cluster.py", "-k", "cross_node")),

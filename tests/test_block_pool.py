@@ -121,7 +121,7 @@ def test_pinned_prefix_survives_pressure():
     hashes = hash_blocks(ROOT, list(range(32)), 16)
     sys_prompt = pool.allocate(2)
     cache_chain(pool, sys_prompt, hashes)
-    pool.pin(sys_prompt)
+    assert pool.match(hashes, hold="pin") == sys_prompt
     pool.free(sys_prompt)
     assert pool.num_free_blocks == 4
     pool.allocate(4)
@@ -278,7 +278,11 @@ def test_match_holds_what_it_matched_and_evict_names_its_victims():
     assert pool.match(hashes) == blocks[:1]
     with pytest.raises(ValueError, match="hold must be"):
         pool.match(hashes, hold="touch")
-    assert pool.can_allocate(8) and not pool.can_allocate(8, reusing=blocks[:1])
+    # Cached free blocks adopted count as supply: 8 free, block 0 among them, so 8 fresh after it do not fit.
+    assert pool.allocate_after(blocks[:1], hashes[:1], 8) is None and pool.usage().num_used == 0
+    adopted = pool.allocate_after(blocks[:1], hashes[:1], 7)
+    assert adopted[0] == blocks[0] and len(adopted) == 8 and pool.num_free_blocks == 0
+    pool.free(adopted)
     pool.check_integrity()
 
 

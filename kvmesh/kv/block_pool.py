@@ -70,9 +70,10 @@ class PoolChanges(NamedTuple):
 
 
 class BlockPool:
-    """Public verbs: queries ``match``, ``cached_block``, ``block_state``, ``next_victims``, ``usage``,
-    ``can_allocate``; references ``allocate``/``free``, ``touch``, ``pin``/``unpin``; the prefix cache
-    ``cache``, ``hold_if_cached``, ``evict``, ``take_changes``; and ``check_integrity``."""
+    """Public verbs: queries ``match`` (which may also reference or pin what it finds), ``cached_block``,
+    ``cached_or_reported``, ``block_state``, ``epochs``, ``next_victims``, ``usage``; references ``allocate``/
+    ``free``, ``allocate_after``, ``touch``, ``unpin``; the prefix cache ``cache``, ``evict``, ``take_changes``;
+    and ``check_integrity``. Each is atomic under the pool's own lock, which no caller sees."""
 
     def __init__(self, num_blocks: int, policy: EvictionPolicy | None = None, track_changes: bool = False,
                  max_memo_chains: int = 1024):
@@ -137,7 +138,7 @@ class BlockPool:
             if hold == "ref":
                 self.touch(found)
             elif hold == "pin":
-                self.pin(found)
+                self._pin(found)
             elif hold is not None:
                 raise ValueError(f"hold must be None, 'ref' or 'pin', not {hold!r}")
             return found
@@ -180,7 +181,7 @@ class BlockPool:
             return PoolUsage(self.num_blocks - self._num_queued, num_cached, self._num_queued - num_cached,
                              sum(1 for p in self._pins if p))
 
-    def can_allocate(self, num_blocks: int, reusing: Sequence[int] = ()) -> bool:
+    def _can_allocate(self, num_blocks: int, reusing: Sequence[int] = ()) -> bool:
         """Whether ``num_blocks`` fresh blocks can be allocated after ``touch(reusing)`` (cached blocks a
         request adopts leave the free queue if they sit in it)."""
         ref, pins = self._ref, self._pins
@@ -207,9 +208,9 @@ class BlockPool:
         the fresh ones. None, changing nothing, when a cached block was reallocated meanwhile or the pool cannot
         supply the fresh ones (the cached ones count as supply while free). The caller ``free``s them all."""
         with self._lock:
-            if not self.can_allocate(num_blocks, reusing=cached_block_ids):
+            if not self._can_allocate(num_blocks, reusing=cached_block_ids):
                 return None
-            held = self.hold_if_cached(cached_block_ids, cached_hashes)
+            held = self._hold_if_cached(cached_block_ids, cached_hashes)
             if held < len(cached_block_ids):
                 self.free(cached_block_ids[:held])
                 return None
@@ -271,7 +272,7 @@ class BlockPool:
                     self._unlink(b)
                 ref[b] += 1
 
-    def pin(self, block_ids: Sequence[int]) -> None:
+    def _pin(self, block_ids: Sequence[int]) -> None:
         """Keep blocks (a system prompt, a push's source) out of eviction until ``unpin``."""
         with self._lock:
             for b in block_ids:
@@ -323,7 +324,7 @@ class BlockPool:
                     self.free([own for own, _ in duplicates])
             return holders
 
-    def hold_if_cached(self, block_ids: Sequence[int], block_hashes: Sequence[BlockHash]) -> int:
+    def _hold_if_cached(self, block_ids: Sequence[int], block_hashes: Sequence[BlockHash]) -> int:
         """Touch the leading ``block_ids`` that still hold ``block_hashes``, atomically; returns how many.
 
         For callers that matched earlier without a reference (the engine's admission):
