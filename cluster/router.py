@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
-from kvmesh.cluster.detokenizer import IncrementalDetokenizer
+from kvmesh.detokenizer import IncrementalDetokenizer
 from kvmesh.cluster.role_balancer import BalancerConfig, RoleBalancer
 from kvmesh.cluster.role_controller import NodeSupply, RoleController
 from kvmesh.cluster.scale_policy import ScaleConfig, ScalePolicy

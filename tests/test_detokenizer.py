@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from kvmesh.cluster.detokenizer import IncrementalDetokenizer
+from kvmesh.detokenizer import IncrementalDetokenizer
 from kvmesh.model.card import load_tokenizer
 
 TEXT = ("Ünïcödé — 日本語のテキスト 🚀🎉 and plain words, café, naïve; 数学 ∑∫ √2 ≈ 1.414… "

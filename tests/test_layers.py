@@ -14,7 +14,7 @@ LAYERS = [
               "kvmesh.device", "kvmesh.rate_meter", "kvmesh.router_endpoint", "kvmesh.native_build",
               "kvmesh.gc_pauses", "kvmesh.tracing"]),
     ("kernels", ["kvmesh.kernels"]),
-    ("model", ["kvmesh.model", "kvmesh.tokenizer"]),
+    ("model", ["kvmesh.model", "kvmesh.tokenizer", "kvmesh.detokenizer"]),
     ("kv", ["kvmesh.kv"]),
     ("engine", ["kvmesh.engine", "kvmesh.parallel"]),
     ("metadata", ["kvmesh.metadata"]),

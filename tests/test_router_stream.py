@@ -6,7 +6,7 @@ import queue
 
 import pytest
 
-from kvmesh.cluster.detokenizer import IncrementalDetokenizer
+from kvmesh.detokenizer import IncrementalDetokenizer
 from kvmesh.cluster.router import Router, RouterConfig, _StreamState
 from kvmesh.errors import InvalidRequestError, KvmeshError
 from kvmesh.model.card import load_tokenizer

@@ -20,7 +20,7 @@ STOPS = ("</answer>", "\n\nUser:")
 
 
 def _stream_cpu_s(router, tokens: list[int], stop: tuple[str, ...]) -> tuple[float, str]:
-    from kvmesh.cluster.detokenizer import IncrementalDetokenizer
+    from kvmesh.detokenizer import IncrementalDetokenizer
     from kvmesh.cluster.router import _StreamState
     from kvmesh.node import messages as nm
 

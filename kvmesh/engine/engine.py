@@ -21,10 +21,11 @@ from kvmesh.engine.pinned_prefixes import PinnedPrefix, PinnedPrefixes
 from kvmesh.engine.request_state import RequestStatus
 from kvmesh.engine.run_ahead import RunAhead
 from kvmesh.engine.sampler import NON_FINITE
-from kvmesh.engine.sampling_params import SamplingParams, first_stop
+from kvmesh.engine.sampling_params import SamplingParams
 from kvmesh.engine.scheduler import Scheduler, SchedulerConfig
 from kvmesh.engine.sequence import Sequence
 from kvmesh.engine.spec_decode.speculator import SpeculativeConfig, Speculator
+from kvmesh.engine.stop_strings import StopStrings
 from kvmesh.errors import InvalidRequestError, KvmeshError
 from kvmesh.kv.block_hash import HashNamespace, hash_blocks
 from kvmesh.kv.block_pool import BlockPool
@@ -298,10 +299,11 @@ class LLMEngine:
             seq.finish_reason = "stop"
             return True
         if params.stop:
-            text = self.tokenizer.decode(seq.output_token_ids)
-            cut = first_stop(text, params.stop)
-            if cut >= 0:
-                seq.output_text = text[:cut]
+            if seq.stop_strings is None:
+                seq.stop_strings = StopStrings(self.tokenizer, params.stop)
+            text = seq.stop_strings.text_before_stop(seq.output_token_ids)
+            if text is not None:
+                seq.output_text = text
                 seq.finish_reason = "stop"
                 return True
         if len(seq.output_token_ids) >= params.max_tokens or seq.num_tokens >= self.max_model_len:

@@ -29,6 +29,7 @@ class Sequence:
     output_logprobs: list[float] = field(default_factory=list)  # per output token
     output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)  # when params.logprobs
     output_text: str | None = None  # set when a stop string cut the text
+    stop_strings: object = None  # a request with stop strings: its ``StopStrings`` (the engine's)
     finish_reason: str | None = None
     error: str = ""  # why a FAILED sequence failed
     arrival: int = 0  # the scheduler's arrival order (ties between equal priorities: earlier first)
