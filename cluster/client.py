@@ -23,7 +23,7 @@ class Completion:
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str = ""
     error: str = ""
-    stats: dict = field(default_factory=dict)
+    stats: nm.RequestStats = field(default_factory=nm.RequestStats)  # where the prompt's KV came from (when finished)
     ttft_s: float = 0.0
     latency_s: float = 0.0
 
@@ -67,7 +67,8 @@ class NodeClient:
                 c.ttft_s = time.perf_counter() - start
             c.token_ids += event.token_ids
             if event.finished:
-                c.finish_reason, c.error, c.stats = event.finish_reason, event.error, event.stats
+                c.finish_reason, c.error = event.finish_reason, event.error
+                c.stats = event.stats or nm.RequestStats()
                 c.latency_s = time.perf_counter() - start
                 pending.discard(event.request_id)
         return list(completions.values())

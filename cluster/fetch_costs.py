@@ -27,13 +27,13 @@ class FetchCosts:
         self._num_samples: dict[str, int] = {}
         self._lock = threading.Lock()
 
-    def record(self, node_id: str, stats: dict, bytes_per_token: int) -> None:
-        """A request finished on ``node_id`` with these stats (a decode node's final ``TokenEvent.stats``).
-        Only fetches from peers alone count: a prefill node's compute or a tier's reads are not a fetch's."""
-        tokens = stats.get("tokens_reused_remote", 0)
-        if tokens <= 0 or stats.get("tokens_from_prefill_node", 0) > 0 or stats.get("promote_ms", 0.0) > 0:
+    def record(self, node_id: str, stats, bytes_per_token: int) -> None:
+        """A request finished on ``node_id`` with these ``RequestStats`` (its decode node's final account). Only
+        fetches from peers alone count: a prefill node's compute or a tier's reads are not a fetch's."""
+        tokens = stats.tokens_reused_remote
+        if tokens <= 0 or stats.tokens_from_prefill_node > 0 or stats.promote_ms > 0:
             return
-        overhead = stats.get("kv_wait_ms", 0.0) / 1e3 - tokens * bytes_per_token / self.bytes_per_s
+        overhead = stats.kv_wait_ms / 1e3 - tokens * bytes_per_token / self.bytes_per_s
         overhead = max(0.0, overhead)
         with self._lock:
             seen = self._num_samples.get(node_id, 0)

@@ -21,6 +21,7 @@ from kvmesh.cluster.openai_protocol import MAX_CHOICES, seeded_choices
 from kvmesh.cluster.router import Overloaded, RequestTimeout, Router
 from kvmesh.engine.sampling_params import SamplingParams
 from kvmesh.errors import InvalidRequestError, KvmeshError
+from kvmesh.node.messages import PROMPT_TOKEN_SOURCES
 
 PROTO_DIR = Path(__file__).parent / "proto"
 
@@ -125,10 +126,8 @@ class RouterServicer(pb_grpc.RouterServicer):
                 if chunk.finished:
                     reply.usage.prompt_tokens = chunk.prompt_tokens
                     reply.usage.completion_tokens = chunk.completion_tokens
-                    for key in ("tokens_reused_local", "tokens_reused_host", "tokens_reused_disk",
-                                "tokens_reused_remote", "tokens_reused_prefill_node", "tokens_computed",
-                                "tokens_from_prefill_node"):
-                        setattr(reply.cache, key, int(chunk.cache.get(key, 0)))
+                    for key in PROMPT_TOKEN_SOURCES:
+                        setattr(reply.cache, key, getattr(chunk.cache, key))
                 yield reply
         except InvalidRequestError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))

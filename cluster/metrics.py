@@ -52,13 +52,14 @@ class RouterMetrics:
         if readiness is not None:
             r.register(_ReadinessCollector(readiness))
 
-    def record_finished(self, cache: dict) -> None:
+    def record_finished(self, stats) -> None:
+        """A request finished with these ``RequestStats`` (its decode node's account)."""
         self.requests.labels("ok").inc()
         for key, source in PROMPT_SOURCES:
-            self.prompt_tokens.labels(source).inc(int(cache.get(key, 0)))
-        if cache.get("spec_draft_tokens"):
-            self.spec_tokens.labels("drafted").inc(int(cache["spec_draft_tokens"]))
-            self.spec_tokens.labels("accepted").inc(int(cache.get("spec_accepted_tokens", 0)))
+            self.prompt_tokens.labels(source).inc(getattr(stats, key))
+        if stats.spec_draft_tokens:
+            self.spec_tokens.labels("drafted").inc(stats.spec_draft_tokens)
+            self.spec_tokens.labels("accepted").inc(stats.spec_accepted_tokens)
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

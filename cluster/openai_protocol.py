@@ -97,14 +97,10 @@ def logprobs_object(tokenizer, chunks, chat: bool, text_start: int = 0) -> dict 
             "top_logprobs": [{text(a): v for a, v in top} for _, _, top in entries], "text_offset": offsets}
 
 
-REUSED_SOURCES = ("tokens_reused_local", "tokens_reused_host", "tokens_reused_disk", "tokens_reused_remote",
-                  "tokens_reused_prefill_node")
-
-
 def usage(chunk) -> dict:
     """OpenAI's usage object; ``cached_tokens``: prompt tokens whose KV was reused from any cache (the KV buffer,
     the node's host or disk tier, a peer, a prefill node's cache)."""
-    cached = sum(int(chunk.cache.get(key, 0)) for key in REUSED_SOURCES)
+    cached = chunk.cache.cached_tokens
     return {"prompt_tokens": chunk.prompt_tokens, "completion_tokens": chunk.completion_tokens,
             "total_tokens": chunk.prompt_tokens + chunk.completion_tokens,
             "prompt_tokens_details": {"cached_tokens": cached}}

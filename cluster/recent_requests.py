@@ -19,8 +19,9 @@ class RecentRequests:
         self._lock = threading.Lock()
         self._finished: deque[tuple[float, dict[str, int]]] = deque()
 
-    def record(self, stats: dict) -> None:
-        tokens = {name: int(stats.get(key, 0)) for key, name in PROMPT_SOURCES}
+    def record(self, stats) -> None:
+        """``stats``: the request's ``RequestStats``."""
+        tokens = {name: getattr(stats, key) for key, name in PROMPT_SOURCES}
         with self._lock:
             self._finished.append((self._clock(), tokens))
             self._forget()

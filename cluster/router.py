@@ -134,7 +134,7 @@ class Chunk:
     node_id: str = ""
     prompt_tokens: int = 0
     completion_tokens: int = 0
-    cache: dict = field(default_factory=dict)
+    cache: nm.RequestStats = field(default_factory=nm.RequestStats)  # the last chunk's: where its prompt's KV came from
     logprobs: list[float] = field(default_factory=list)  # per token of token_ids, when asked for
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)  # alternatives per token
 
@@ -339,7 +339,7 @@ class Router:
             if cut >= 0:
                 state.cut_by_stop_string = True
                 yield Chunk(event.token_ids, state.held[:cut], True, "stop", node_id, state.num_prompt,
-                            len(state.tokens), dict(event.stats), logprobs, tops)
+                            len(state.tokens), event.stats or nm.RequestStats(), logprobs, tops)
                 return
             if event.finished:
                 sendable = len(state.held)
@@ -348,7 +348,7 @@ class Router:
             delta, state.held = state.held[:sendable], state.held[sendable:]
             if event.finished:
                 yield Chunk(event.token_ids, delta, True, event.finish_reason, node_id, state.num_prompt,
-                            len(state.tokens), dict(event.stats), logprobs, tops)
+                            len(state.tokens), event.stats or nm.RequestStats(), logprobs, tops)
                 return
             if event.token_ids or delta:
                 yield Chunk(event.token_ids, delta, node_id=node_id, logprobs=logprobs, top_logprobs=tops)

@@ -127,9 +127,9 @@ class PrefillNodes:
     def compute_and_push(self, lease: KVLease, start: int, end: int, order: list[str], local_s: float,
                          reserved: tuple[str, int] | None = None, trace_context: str = "") -> PrefillResult:
         """Blocks ``[start, end)`` of the lease's prompt computed by prefill nodes in ``order`` (at most
-        MAX_CANDIDATES) and pushed into its block ids (stopping once the lease is cancelled); returns the first block not received, block ids a writer may still write,
-        how many of the received blocks the prefill nodes had cached rather than computed, and how the writes
-        were fenced.
+        MAX_CANDIDATES) and pushed into its block ids (stopping once the lease is cancelled); returns the first
+        block not received, block ids a writer may still write, how many of the received blocks the prefill nodes
+        had cached rather than computed, and how the writes were fenced.
 
         ``local_s``: the plan's estimate without peers (0: forced, no limit): a prefill node that cannot deliver
         sooner, its backlog from every decode node included, refuses (BUSY). ``reserved``: the (node, tokens)

@@ -67,8 +67,6 @@ class _ClientRequest:
     fetch_span: object = NO_SPAN
 
 
-PROMPT_TOKEN_SOURCES = ("tokens_reused_local", "tokens_reused_host", "tokens_reused_disk", "tokens_reused_remote",
-                        "tokens_reused_prefill_node", "tokens_from_prefill_node", "tokens_computed")
 
 
 class DecodeRole:
@@ -91,7 +89,7 @@ class DecodeRole:
         self.num_prompt_tokens_always_here = 0  # of finished prompts, the tails only this node could compute
         # Where every finished request's prompt tokens came from, each token counted once (engine thread only).
         # Keys fixed up front, so the stats thread can read it while the engine thread adds.
-        self.prompt_token_sources: Counter[str] = Counter(dict.fromkeys(PROMPT_TOKEN_SOURCES, 0))
+        self.prompt_token_sources: Counter[str] = Counter(dict.fromkeys(nm.PROMPT_TOKEN_SOURCES, 0))
         self.rates = TransferRateEstimator(self.cfg.transfer_gib_per_s * 2**30, self.cfg.transfer_rtt_s)
         self.links = PeerLinks(self.rates, self.membership, self.agent.shared_region, self.agent.block_bytes)
         self.prefill_nodes = PrefillNodes(cfg.node_id, self.membership, self.agent.requester, self.links,
@@ -370,12 +368,11 @@ class DecodeRole:
         # what the role balancer leaves out of "decode nodes computed prompts themselves".
         bs = self.cfg.block_size
         self.num_prompt_tokens_always_here += seq.num_prompt_tokens - (seq.num_prompt_tokens - 1) // bs * bs
-        stats = {**sources, "kv_wait_ms": request.kv_wait_s * 1e3, "fetch_ms": request.fetch_s * 1e3,
-                 "promote_ms": request.promote_s * 1e3}
-        if seq.num_draft_tokens:
-            stats.update(spec_draft_tokens=seq.num_draft_tokens, spec_accepted_tokens=seq.num_accepted_tokens)
+        stats = nm.RequestStats(**sources, kv_wait_ms=request.kv_wait_s * 1e3, fetch_ms=request.fetch_s * 1e3,
+                                promote_ms=request.promote_s * 1e3, spec_draft_tokens=seq.num_draft_tokens,
+                                spec_accepted_tokens=seq.num_accepted_tokens)
         if request.span is not NO_SPAN:
-            request.span.set_attributes({f"kvmesh.{key}": value for key, value in stats.items()})
+            request.span.set_attributes({f"kvmesh.{key}": value for key, value in stats.as_dict().items()})
             request.span.set_attribute("kvmesh.completion_tokens", len(seq.output_token_ids))
             request.span.end()
         self.node.send_event(request.identity, nm.TokenEvent(seq.request_id, [], finished=True,

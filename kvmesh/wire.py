@@ -1,8 +1,10 @@
 """The wire codec every kvmesh message uses: typed dataclasses <-> MessagePack maps.
 
 A message class is a frozen dataclass with a ``TYPE`` class variable and a
-``validate()`` method, registered with ``register``. ``decode`` checks the type
-tag, the field names and every field's type before building the object, so bad
+``validate()`` method, registered with ``register``. A field may also hold a record:
+a frozen dataclass of scalar fields registered with ``register_record`` (the field's
+annotation names its class, optionally ``| None``), sent as a map. ``decode`` checks the type tag, the field
+names and every field's type (a record's too) before building the object, so bad
 input is refused with a MessageError that says what is wrong.
 """
 from __future__ import annotations
@@ -19,6 +21,7 @@ class MessageError(KvmeshError, ValueError):
 
 
 _REGISTRY: dict[str, type] = {}
+_RECORDS: dict[str, type] = {}  # record classes by name, as field annotations name them
 _SCALARS = {"str": str, "int": int, "bool": bool, "float": (float, int), "bytes": bytes, "dict": dict}
 
 
@@ -28,10 +31,21 @@ def register(*classes: type) -> None:
             raise ValueError(f"message type {cls.TYPE!r} registered twice")
 
 
+def register_record(*classes: type) -> None:
+    for cls in classes:
+        if _RECORDS.setdefault(cls.__name__, cls) is not cls:
+            raise ValueError(f"record {cls.__name__!r} registered twice")
+
+
 def encode(msg) -> bytes:
-    payload = {f.name: getattr(msg, f.name) for f in dataclasses.fields(msg)}
+    payload = _fields_of(msg)
     payload["type"] = msg.TYPE
     return msgpack.packb(payload, use_bin_type=True)
+
+
+def _fields_of(obj) -> dict:
+    return {f.name: _fields_of(v) if dataclasses.is_dataclass(v := getattr(obj, f.name)) else v
+            for f in dataclasses.fields(obj)}
 
 
 def decode(data: bytes, expected: tuple[type, ...] | None = None):
@@ -46,19 +60,33 @@ def decode(data: bytes, expected: tuple[type, ...] | None = None):
     if cls is None or (expected is not None and cls not in expected):
         known = ", ".join(c.TYPE for c in expected) if expected else ", ".join(_REGISTRY)
         raise MessageError(f"unknown or unexpected message type (expected: {known})")
+    msg = _build(cls.TYPE, cls, payload)
+    msg.validate()
+    return msg
+
+
+def _build(kind: str, cls: type, payload: dict):
+    """``cls`` from a map whose names and types were checked (records among its fields built the same way)."""
     fields = {f.name: f for f in dataclasses.fields(cls)}
     unknown = set(payload) - set(fields)
     if unknown:
-        raise MessageError(f"{cls.TYPE}: unknown fields {sorted(unknown)}")
+        raise MessageError(f"{kind}: unknown fields {sorted(unknown)}")
     missing = [n for n, f in fields.items() if n not in payload
                and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
     if missing:
-        raise MessageError(f"{cls.TYPE}: missing fields {missing}")
+        raise MessageError(f"{kind}: missing fields {missing}")
     for name, value in payload.items():
-        _check_type(cls.TYPE, name, fields[name].type, value)
-    msg = cls(**payload)
-    msg.validate()
-    return msg
+        annotation = fields[name].type
+        record = _RECORDS.get(annotation.removesuffix(" | None"))
+        if record is None:
+            _check_type(kind, name, annotation, value)
+        elif value is None and annotation.endswith(" | None"):
+            pass
+        elif isinstance(value, dict):
+            payload[name] = _build(f"{kind}.{name}", record, value)
+        else:
+            raise MessageError(f"{kind}.{name}: expected a {record.__name__} map, got {type(value).__name__}")
+    return cls(**payload)
 
 
 def _check_type(kind: str, name: str, annotation: str, value) -> None:

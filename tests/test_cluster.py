@@ -73,7 +73,7 @@ def test_one_prefill_one_decode_matches_the_single_node_engine(cluster, referenc
     out = cluster.client("decode-0").generate_many(prompts, GREEDY)
     assert [c.error for c in out] == [""] * 5
     assert [c.token_ids for c in out] == reference(prompts)
-    assert all(c.stats["tokens_from_prefill_node"] > 0 for c, p in zip(out, prompts) if len(p) > 32)
+    assert all(c.stats.tokens_from_prefill_node > 0 for c, p in zip(out, prompts) if len(p) > 32)
     check_all(cluster)
 
 
@@ -109,7 +109,7 @@ def test_host_staged_nodes_compute_what_the_single_node_engine_does(cluster, ref
     for round_, decode_id in enumerate(["decode-1", "decode-0", "decode-1"]):
         out = cluster.client(decode_id).generate_many(prompts, GREEDY)
         assert [c.error for c in out] == [""] * 3 and [c.token_ids for c in out] == reference(prompts)
-        assert all(c.stats["tokens_from_prefill_node"] > 0 for c in out)
+        assert all(c.stats.tokens_from_prefill_node > 0 for c in out)
         prompts = [prompt(60 + 3 * round_ + i, n) for i, n in enumerate((70, 100, 48))]
     after_in, after_out = (cluster.client(n).stats()["kv_memory"] for n in ("decode-1", "prefill-1"))
     landing = cluster.client("decode-1").stats()["landing"]
@@ -150,9 +150,9 @@ def test_cross_node_prefix_reuse_by_counters(cluster, reference):
     after = prefill_totals()
     # decode-1 got the prefix from its holder (decode-2); the prefill node had the suffix to do, after pulling
     # the prefix it attends to from that holder.
-    assert out1.stats["tokens_from_prefill_node"] == 0 and out2.stats["tokens_reused_remote"] >= 96
-    assert 0 < out2.stats["fetch_ms"] <= out2.stats["kv_wait_ms"]  # the fetch thread's part of the KV wait
-    assert out1.stats["fetch_ms"] == out1.stats["kv_wait_ms"] == 0  # computed where it landed: no fetch
+    assert out1.stats.tokens_from_prefill_node == 0 and out2.stats.tokens_reused_remote >= 96
+    assert 0 < out2.stats.fetch_ms <= out2.stats.kv_wait_ms  # the fetch thread's part of the KV wait
+    assert out1.stats.fetch_ms == out1.stats.kv_wait_ms == 0  # computed where it landed: no fetch
     # The KV itself, position by position: received blocks in the wrong slots leave greedy tokens unchanged.
     assert_same_kv(cluster.client("decode-1"), reference.llm, second, min_blocks=(len(second) - 1) // 16)
     assert 0 < after["tokens_computed"] - before["tokens_computed"] <= len(second) - 96
@@ -164,7 +164,7 @@ def test_cross_node_prefix_reuse_by_counters(cluster, reference):
     turn2 = first + out1.token_ids + prompt(103, 30)
     out3 = cluster.client("decode-2").generate(turn2, GREEDY)
     assert out3.token_ids == reference([turn2])[0]
-    assert out3.stats["tokens_reused_local"] >= (len(first) + len(out1.token_ids)) // 16 * 16 - 16
+    assert out3.stats.tokens_reused_local >= (len(first) + len(out1.token_ids)) // 16 * 16 - 16
     check_all(cluster)
 
 
@@ -290,8 +290,8 @@ def test_a_silent_holder_is_given_up_on_after_the_holder_timeout(reference):
         finally:
             c.nodes["decode-0"].proc.send_signal(signal.SIGCONT)
         assert out.error == "" and out.token_ids == reference([second])[0]
-        assert out.stats["tokens_reused_remote"] == 0, out.stats  # nothing came from the silent holder
-        assert 500 <= out.stats["kv_wait_ms"] < 5000, out.stats  # it waited the holder timeout, not the default
+        assert out.stats.tokens_reused_remote == 0, out.stats  # nothing came from the silent holder
+        assert 500 <= out.stats.kv_wait_ms < 5000, out.stats  # it waited the holder timeout, not the default
         check_all(c)
 
 

@@ -173,7 +173,7 @@ def _three_hosts(hosts, endpoint: str, placement: dict, args: list[str], token: 
         out = cluster.client("decode-0").generate_many(prompts, GREEDY)
         assert [c.error for c in out] == [""] * 3
         assert [c.token_ids for c in out] == reference(prompts)
-        assert all(c.stats["tokens_from_prefill_node"] > 0 for c in out)  # KV came from host 2
+        assert all(c.stats.tokens_from_prefill_node > 0 for c in out)  # KV came from host 2
         for p in prompts:  # ... into the right slots of decode-0's block tables
             assert_same_kv(cluster.client("decode-0"), reference_llm(), p, min_blocks=(len(p) - 1) // 16)
         prefill_stats = cluster.client("prefill-0").stats(check=True)
@@ -224,7 +224,7 @@ def test_a_host_link_going_down_and_coming_back(hosts):
             out = client.generate_many(prompts[4:8], GREEDY, timeout_s=60)  # must not hang
             assert all(c.token_ids == w or c.error for c, w in zip(out, want[4:8]))
             assert all(not c.error for c in out)  # the decode node computed what host 2 could not send
-            assert all(c.stats["tokens_from_prefill_node"] == 0 and c.stats["tokens_computed"] >= 64 for c in out)
+            assert all(c.stats.tokens_from_prefill_node == 0 and c.stats.tokens_computed >= 64 for c in out)
             wait_until(lambda: held_by_prefill() == 0 and "prefill-0" not in registered(), 30,
                        "host 2's lease to expire")
         finally:

@@ -78,3 +78,21 @@ def test_a_batched_frame_reaches_each_stream_in_order_and_a_malformed_one_nothin
         endpoint.close()
     with pytest.raises(nm.MessageError):
         nm.TokenBatch([b"\x00"]).unpack()
+
+
+def test_a_finished_requests_account_travels_as_a_typed_record():
+    """``TokenEvent.stats`` is a ``RequestStats`` on both ends; a malformed one is refused, naming the field."""
+    import msgpack
+
+    from kvmesh.wire import MessageError
+
+    stats = nm.RequestStats(tokens_reused_remote=64, tokens_computed=5, kv_wait_ms=12.5, spec_draft_tokens=3)
+    event = decode(encode(nm.TokenEvent("r", [], finished=True, stats=stats)))
+    assert event.stats == stats and event.stats.cached_tokens == 64
+    assert decode(encode(nm.TokenEvent("r", [7]))).stats is None  # tokens in flight carry no account
+    good = msgpack.unpackb(encode(nm.TokenEvent("r", [], finished=True, stats=stats)))
+    for bad, match in (({"tokens_computed": "5"}, r"tokens\.stats\.tokens_computed: expected int"),
+                       ({"made_up": 1}, r"tokens\.stats: unknown fields \['made_up'\]"),
+                       ([1, 2], "expected a RequestStats map")):
+        with pytest.raises(MessageError, match=match):
+            decode(msgpack.packb({**good, "stats": bad}))

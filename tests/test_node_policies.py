@@ -186,16 +186,17 @@ def test_the_router_learns_what_fetches_into_each_node_cost():
     """The prior until a fetch is seen; then each observed wait beyond the bytes (a weighted mean); requests whose
     KV came from a prefill node or a lower tier, or from nowhere, teach nothing."""
     from kvmesh.cluster.fetch_costs import FetchCosts
+    from kvmesh.node.messages import RequestStats
 
     costs = FetchCosts(prior_rtt_s=0.01, bytes_per_s=1e9, weight=0.5)
     assert costs.rtt_s("d0") == 0.01
-    costs.record("d0", {"tokens_reused_remote": 0, "kv_wait_ms": 0.0}, 1000)
-    costs.record("d0", {"tokens_reused_remote": 512, "tokens_from_prefill_node": 16, "kv_wait_ms": 900.0}, 1000)
-    costs.record("d0", {"tokens_reused_remote": 512, "promote_ms": 5.0, "kv_wait_ms": 900.0}, 1000)
+    costs.record("d0", RequestStats(tokens_reused_remote=0, kv_wait_ms=0.0), 1000)
+    costs.record("d0", RequestStats(tokens_reused_remote=512, tokens_from_prefill_node=16, kv_wait_ms=900.0), 1000)
+    costs.record("d0", RequestStats(tokens_reused_remote=512, promote_ms=5.0, kv_wait_ms=900.0), 1000)
     assert costs.rtt_s("d0") == 0.01 and costs.describe() == {}
-    costs.record("d0", {"tokens_reused_remote": 1000, "kv_wait_ms": 301.0}, 1000)  # 1 MB: 1 ms of it is bytes
+    costs.record("d0", RequestStats(tokens_reused_remote=1000, kv_wait_ms=301.0), 1000)  # 1 MB: 1 ms of it is bytes
     assert costs.rtt_s("d0") == pytest.approx(0.3) and costs.rtt_s("d1") == 0.01
-    costs.record("d0", {"tokens_reused_remote": 1000, "kv_wait_ms": 101.0}, 1000)
+    costs.record("d0", RequestStats(tokens_reused_remote=1000, kv_wait_ms=101.0), 1000)
     assert costs.rtt_s("d0") == pytest.approx(0.2)
     assert costs.describe() == {"d0": {"rtt_ms": pytest.approx(200.0), "num_samples": 2}}
 

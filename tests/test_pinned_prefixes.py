@@ -93,7 +93,7 @@ def test_kvmesh_pin_keeps_a_prefix_on_every_node_through_a_storm(capsys):
             for node_id in ("decode-0", "decode-1"):
                 assert all(c.error == "" for c in cluster.client(node_id).generate_many(storm, ONE))
                 out = cluster.client(node_id).generate(SYSTEM + [7, 8], ONE)
-                assert out.stats["tokens_reused_local"] == 64, node_id
+                assert out.stats.tokens_reused_local == 64, node_id
                 cluster.client(node_id).stats(check=True)
             assert main(["pin", "--url", url, "--api-key", "k3y", "--list"]) == 0
             listed = json.loads(capsys.readouterr().out)["pins"]

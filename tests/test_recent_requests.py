@@ -2,14 +2,15 @@
 from __future__ import annotations
 
 from kvmesh.cluster.recent_requests import RecentRequests
+from kvmesh.node.messages import RequestStats
 
 
 def test_only_the_window_is_counted():
     now = [0.0]
     recent = RecentRequests(window_s=60.0, clock=lambda: now[0])
-    recent.record({"tokens_computed": 30, "tokens_reused_local": 16})
+    recent.record(RequestStats(tokens_computed=30, tokens_reused_local=16))
     now[0] = 30.0
-    recent.record({"tokens_from_prefill_node": 48, "tokens_reused_remote": 32, "unrelated": 5})
+    recent.record(RequestStats(tokens_from_prefill_node=48, tokens_reused_remote=32, kv_wait_ms=5.0))
     totals = recent.totals()
     assert totals["num_requests"] == 2 and totals["window_s"] == 60.0
     assert totals["prompt_tokens"] == {"local": 16, "host": 0, "disk": 0, "remote": 32, "prefill_node_cache": 0,

@@ -282,8 +282,8 @@ def test_cache_aware_routing_reuses_more_than_round_robin(served):
             for q in range(4):
                 ids = system + [rng.randrange(256) for _ in range(10)]
                 final = list(router.generate(ids, SamplingParams(max_tokens=2, temperature=0.0)))[-1]
-                total += final.cache.get("tokens_reused_local", 0)
-                computed += final.cache.get("tokens_computed", 0)
+                total += final.cache.tokens_reused_local
+                computed += final.cache.tokens_computed
         reused[name] = total
     router.policy = make_policy("cache-aware")
     assert reused["cache-aware"] > reused["round-robin"]

@@ -101,8 +101,10 @@ def test_cached_tokens_count_every_cache_the_prompt_came_from():
     from kvmesh.cluster.openai_protocol import usage
     from kvmesh.cluster.router import Chunk
 
-    cache = {"tokens_reused_local": 16, "tokens_reused_host": 32, "tokens_reused_disk": 48, "tokens_reused_remote": 64,
-             "tokens_reused_prefill_node": 80, "tokens_from_prefill_node": 100, "tokens_computed": 5}
+    from kvmesh.node.messages import RequestStats
+
+    cache = RequestStats(tokens_reused_local=16, tokens_reused_host=32, tokens_reused_disk=48, tokens_reused_remote=64,
+                         tokens_reused_prefill_node=80, tokens_from_prefill_node=100, tokens_computed=5)
     assert usage(Chunk([], "", True, prompt_tokens=345, cache=cache))["prompt_tokens_details"]["cached_tokens"] == 240
     metrics = RouterMetrics()
     metrics.record_finished(cache)

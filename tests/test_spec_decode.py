@@ -173,9 +173,9 @@ def test_a_decode_node_speculates_and_reports_acceptance():
         out = cluster.client("decode-0").generate(ids, GREEDY)
         stats = cluster.client("decode-0").stats(check=True)
     assert out.error == "" and out.token_ids == want
-    assert 0 < out.stats["spec_accepted_tokens"] <= out.stats["spec_draft_tokens"]
-    assert stats["spec_draft_tokens"] == out.stats["spec_draft_tokens"]
+    assert 0 < out.stats.spec_accepted_tokens <= out.stats.spec_draft_tokens
+    assert stats["spec_draft_tokens"] == out.stats.spec_draft_tokens
     metrics = RouterMetrics()
     metrics.record_finished(out.stats)
     text = metrics.exposition().decode()
-    assert f'kvmesh_spec_tokens_total{{outcome="accepted"}} {float(out.stats["spec_accepted_tokens"])}' in text
+    assert f'kvmesh_spec_tokens_total{{outcome="accepted"}} {float(out.stats.spec_accepted_tokens)}' in text

@@ -47,7 +47,7 @@ def test_kv_crosses_tensor_parallel_sizes_as_a_size_one_engine_computes_it(clust
     out_a = cluster.client("decode-0").generate(first, GREEDY)
     out_b = cluster.client("decode-1").generate(second, GREEDY)
     assert [out_a.token_ids, out_b.token_ids] == reference([first, second])
-    assert out_a.stats["tokens_from_prefill_node"] >= 64 and out_b.stats["tokens_from_prefill_node"] >= 64
+    assert out_a.stats.tokens_from_prefill_node >= 64 and out_b.stats.tokens_from_prefill_node >= 64
     assert_same_kv(cluster.client("decode-0"), reference.llm, first, min_blocks=len(first) // 16)
     assert_same_kv(cluster.client("decode-1"), reference.llm, second, min_blocks=len(second) // 16)
     # decode-2 computes a prefix itself; decode-0 then gets it from that holder, and the prefill node pulls it
@@ -58,7 +58,7 @@ def test_kv_crosses_tensor_parallel_sizes_as_a_size_one_engine_computes_it(clust
     later = [prefix + prompt(304, 20), prefix + prompt(305, 30)]
     outs = [cluster.client(d).generate(p, GREEDY) for d, p in zip(("decode-0", "decode-1"), later)]
     assert [own.token_ids, *(o.token_ids for o in outs)] == reference([prefix + prompt(303, 10), *later])
-    assert all(o.stats["tokens_reused_remote"] + o.stats["tokens_reused_prefill_node"] >= 96 for o in outs), \
+    assert all(o.stats.tokens_reused_remote + o.stats.tokens_reused_prefill_node >= 96 for o in outs), \
         [o.stats for o in outs]
     for node_id, p in zip(("decode-0", "decode-1"), later):
         assert_same_kv(cluster.client(node_id), reference.llm, p, min_blocks=len(p) // 16)

@@ -95,14 +95,14 @@ def test_host_tier_promotes_locally_and_serves_peers(reference):
         run_each(c, "decode-0", prompts, "tier_demoted_host")
         again = run(c, "decode-0", prompts[:1])[0]
         assert again.token_ids == reference(prompts[:1])[0]
-        assert again.stats["tokens_reused_host"] == 64  # its 4 full prompt blocks came back from host memory
-        assert again.stats["tokens_computed"] == 16
+        assert again.stats.tokens_reused_host == 64  # its 4 full prompt blocks came back from host memory
+        assert again.stats.tokens_computed == 16
         assert_same_kv(c.client("decode-0"), reference.llm, prompts[0], min_blocks=4)  # promoted into place
         # decode-1 has nothing: decode-0 pushes blocks that are in its host tier only (published as tier 1)
         wait_until(lambda: 1 in index_of(c, "decode-0").values(), what="host-tier blocks in the index")
         pulled = run(c, "decode-1", prompts[1:2])[0]
         assert pulled.token_ids == reference(prompts[1:2])[0]
-        assert pulled.stats["tokens_reused_remote"] == 64
+        assert pulled.stats.tokens_reused_remote == 64
         assert_same_kv(c.client("decode-1"), reference.llm, prompts[1], min_blocks=4)  # pushed from host memory
         stats = c.client("decode-0").stats()
         assert stats["tier_served_host"] > 0 and stats["tier_corrupt"] == 0
@@ -124,7 +124,7 @@ def test_disk_tier_corruption_is_recomputed_and_a_restart_re_adopts(reference, t
         medium.close()
         again = run(c, "decode-0", prompts[:1])[0]
         assert again.token_ids == reference(prompts[:1])[0]  # recomputed, never served corrupted
-        assert again.stats["tokens_reused_disk"] == 16  # block 0 only
+        assert again.stats.tokens_reused_disk == 16  # block 0 only
         stats = c.client("decode-0").stats(check=True)
         assert stats["tier_corrupt"] == 1
         # Restart under the same id: the disk file is re-adopted and its blocks published again (tier 2).
@@ -143,6 +143,6 @@ def test_disk_tier_corruption_is_recomputed_and_a_restart_re_adopts(reference, t
         assert c.client("decode-0").stats()["tier_disk_blocks"] == len(after)
         third = run(c, "decode-0", prompts[2:3])[0]
         assert third.token_ids == reference(prompts[2:3])[0]
-        assert third.stats["tokens_reused_disk"] == 64
+        assert third.stats.tokens_reused_disk == 64
         assert_same_kv(c.client("decode-0"), reference.llm, prompts[2], min_blocks=4)  # re-adopted from disk
         check_all(c)

@@ -280,7 +280,7 @@ class _Run:
                 "forged_accepted": self.forged["accepted"], "flood": self.flood,
                 "errors": sorted({r["final"].error[:80] for r in finished if r["final"].error}),
                 "nodes": stats, "events": self.events,
-                "corrupted_detail": [(r["index"], r["node"], round(r["t"], 2), r["final"].stats) for r in corrupted],
+                "corrupted_detail": [(r["index"], r["node"], round(r["t"], 2), r["final"].stats.as_dict()) for r in corrupted],
                 "kv_mismatched_detail": kv_mismatched}
 
     def probe_kv(self, results: list[dict]) -> dict[int, tuple[str, dict]]:

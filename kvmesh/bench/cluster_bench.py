@@ -86,7 +86,7 @@ def stream_one(router: Router, prompt: list[int], max_tokens: int, session: str)
             last = now
             tokens += chunk.token_ids
         final = chunk
-    return Record(ttft or 0.0, time.perf_counter() - start, itl, len(tokens), len(prompt), dict(final.cache), tokens)
+    return Record(ttft or 0.0, time.perf_counter() - start, itl, len(tokens), len(prompt), final.cache.as_dict(), tokens)
 
 
 def _drive(router: Router, workload: str, requests, concurrency: int, bar: tqdm) -> list[Record]:

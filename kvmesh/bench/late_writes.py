@@ -92,10 +92,10 @@ def run_one(hosts: Hosts, backend: str, path: str, cfg: LateWritesConfig, bar: t
                 if round_no % cfg.far_every == 0 and far_prompts:
                     sent.append(far_prompts.pop(0) + _prompt(rng, lo, hi, 16))
                     out = requester.generate(sent[-1], GREEDY, timeout_s=600, liveness_s=LIVENESS_S)
-                    moved = sum(out.stats.get(k, 0) for k in ("tokens_reused_remote", "tokens_from_prefill_node",
+                    moved = sum(getattr(out.stats, k) for k in ("tokens_reused_remote", "tokens_from_prefill_node",
                                                               "tokens_reused_prefill_node"))
                     given_up += moved < cfg.prefix_tokens // 2
-                    far.append({k: out.stats.get(k, 0) for k in ("tokens_reused_remote", "tokens_from_prefill_node",
+                    far.append({k: getattr(out.stats, k) for k in ("tokens_reused_remote", "tokens_from_prefill_node",
                                                                  "tokens_computed", "kv_wait_ms")})
                     outs.append(out)
                 y = _prompt(rng, lo, hi, cfg.local_tokens)
@@ -122,7 +122,7 @@ def run_one(hosts: Hosts, backend: str, path: str, cfg: LateWritesConfig, bar: t
             "given_up": given_up, "far": far, "differ_at": differ[:20], "errors": sorted({o.error[:100] for o in outs if o.error}),
             "num_checksum_failures": stats["num_checksum_failures"], "num_fallbacks": stats.get("num_fallbacks", 0),
             "landing": stats.get("landing", {}), "num_quarantined_total": stats["num_quarantined_total"],
-            "tokens_reused_local": sum(o.stats.get("tokens_reused_local", 0) for o in outs if not o.error)}
+            "tokens_reused_local": sum(o.stats.tokens_reused_local for o in outs if not o.error)}
 
 
 def _published_revision(cluster: LocalCluster, num_blocks: int, timeout_s: float = 60.0) -> int:

@@ -51,7 +51,7 @@ def _measure(path: str, model: str, prompt_tokens: int, suffix_tokens: int, roun
             reused = d1.generate(prefix[: prompt_tokens - suffix_tokens] +
                                  [rng.randrange(lo, hi) for _ in range(suffix_tokens)], params, timeout_s=600)
             res["rounds"].append({"ttft_full_s": full.ttft_s, "ttft_reuse_s": reused.ttft_s,
-                                  "full_stats": full.stats, "reuse_stats": reused.stats,
+                                  "full_stats": full.stats.as_dict(), "reuse_stats": reused.stats.as_dict(),
                                   "reuse_bytes_received": d1.stats()["bytes_received"] - received})
         res["decode_1"] = d1.stats()
         res["bytes_sent_shared_memory"] = sum(cluster.client(n).stats()["bytes_sent_shared_memory"]

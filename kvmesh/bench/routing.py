@@ -51,9 +51,9 @@ def run(json_path: str | None, model: str = "tiny-llama", groups: int = 6, per_g
                                 first_at = time.perf_counter() - start
                             final = chunk
                         ttfts.append(first_at)
-                        local = final.cache.get("tokens_reused_local", 0)
+                        local = final.cache.tokens_reused_local
                         hits += local > 0
-                        reused += local + final.cache.get("tokens_reused_remote", 0)
+                        reused += local + final.cache.tokens_reused_remote
                         processed += len(prompt)
                         time.sleep(0.02)  # publication to the index is asynchronous
                         bar.update(1)

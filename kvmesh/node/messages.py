@@ -1,12 +1,12 @@
 """Node request messages (client/router <-> decode nodes), via ``kvmesh.wire``; sealed by ``kvmesh.auth``."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import ClassVar
 
 from kvmesh.engine.sampling_params import SamplingParams, from_wire
 from kvmesh.tracing import check_trace_context
-from kvmesh.wire import MessageError, decode, register
+from kvmesh.wire import MessageError, decode, register, register_record
 
 
 @dataclass(frozen=True)
@@ -34,6 +34,39 @@ ERROR_NODE_LOST = "node-lost"  # the node is leaving (it cannot compute any more
 ERROR_KINDS = ("", ERROR_INVALID, ERROR_INTERNAL, ERROR_NODE_LOST)
 
 
+PROMPT_TOKEN_SOURCES = ("tokens_reused_local", "tokens_reused_host", "tokens_reused_disk", "tokens_reused_remote",
+                        "tokens_reused_prefill_node", "tokens_from_prefill_node", "tokens_computed")
+REUSED_SOURCES = PROMPT_TOKEN_SOURCES[:5]  # KV reused from a cache (any tier, any node) rather than computed
+
+
+@dataclass(frozen=True)
+class RequestStats:
+    """A finished request's account, in its decode node's final ``TokenEvent``: where each prompt token's KV came
+    from (each token counted once: this node's KV buffer, host or disk tier, a peer's cache, a prefill node's cache,
+    a prefill node's compute, computed here), the fetch's times, speculative decoding."""
+
+    tokens_reused_local: int = 0
+    tokens_reused_host: int = 0
+    tokens_reused_disk: int = 0
+    tokens_reused_remote: int = 0
+    tokens_reused_prefill_node: int = 0
+    tokens_from_prefill_node: int = 0
+    tokens_computed: int = 0
+    kv_wait_ms: float = 0.0  # from the fetch's start to its blocks joining the engine (a step boundary)
+    fetch_ms: float = 0.0  # ... of which the fetch thread's own time
+    promote_ms: float = 0.0  # reads from this node's lower tiers
+    spec_draft_tokens: int = 0  # speculative decoding: guesses verified ...
+    spec_accepted_tokens: int = 0  # ... and kept
+
+    @property
+    def cached_tokens(self) -> int:
+        """Prompt tokens whose KV was reused from any cache (OpenAI's ``cached_tokens``)."""
+        return sum(getattr(self, key) for key in REUSED_SOURCES)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
 @dataclass(frozen=True)
 class TokenEvent:
     """Decode node -> client: new tokens; the last event has ``finished`` (and stats, or an error).
@@ -47,7 +80,7 @@ class TokenEvent:
     finish_reason: str = ""
     error: str = ""
     error_kind: str = ""
-    stats: dict = field(default_factory=dict)  # tokens_reused_local / _remote, tokens_computed
+    stats: RequestStats | None = None  # the last event's (a finished request's account)
     logprobs: list[float] = field(default_factory=list)  # per token of token_ids, when asked for
     top_token_ids: list[int] = field(default_factory=list)  # k alternatives per token, flattened
     top_logprobs: list[float] = field(default_factory=list)
@@ -150,5 +183,6 @@ class RoleReply:
             raise MessageError(f"role_reply: unknown state {self.state!r}")
 
 
+register_record(RequestStats)
 register(GenerateRequest, TokenEvent, TokenBatch, AbortRequest, StatsRequest, StatsReply, SetRole, RoleReply)
 REQUESTS = (GenerateRequest, AbortRequest, StatsRequest, SetRole)
