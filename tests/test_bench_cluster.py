@@ -16,20 +16,20 @@ KEYS = {"ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "throughput_tok_s", "hit_ra
 
 
 def test_shared_prefix_quick_compares_all_modes(tmp_path, caplog):
-    """Two runs per mode (modes taking turns): metrics over the 60 requests pooled, each run's p50 kept; the
-    clusters' clean stops log no warning (no "watch broke" from a mirror its own close cancelled)."""
+    """One run per mode (runs pooled: ``test_runs_of_a_mode_are_pooled``); the clusters' clean stops log no
+    warning (no "watch broke" from a mirror its own close cancelled)."""
     import logging
 
     caplog.set_level(logging.WARNING)
     path = tmp_path / "bench.json"
-    assert main(["bench", "cluster", "--workload", "shared-prefix", "--quick", "--repeat", "2", "--json", str(path),
+    assert main(["bench", "cluster", "--workload", "shared-prefix", "--quick", "--repeat", "1", "--json", str(path),
                  "--plots", str(tmp_path / "plots")]) == 0
     res = json.loads(path.read_text())
     modes = res["modes"]
-    assert set(modes) == {"kvmesh", "local-rr", "no-cache", "colocated"} and res["repeat"] == 2
+    assert set(modes) == {"kvmesh", "local-rr", "no-cache", "colocated"} and res["repeat"] == 1
     for m in modes.values():
-        assert KEYS <= set(m) and m["requests"] == 60 and len(m["ttft_ms_all"]) == 60
-        assert m["runs"] == 2 and len(m["ttft_p50_ms_per_run"]) == 2 and min(m["ttft_p50_ms_per_run"]) > 0
+        assert KEYS <= set(m) and m["requests"] == 30 and len(m["ttft_ms_all"]) == 30
+        assert m["runs"] == 1 and len(m["ttft_p50_ms_per_run"]) == 1 and min(m["ttft_p50_ms_per_run"]) > 0
     assert modes["no-cache"]["tokens_reused"] == 0 and modes["no-cache"]["hit_rate_global"] == 0
     assert modes["kvmesh"]["tokens_computed"] < 0.5 * modes["no-cache"]["tokens_computed"]
     assert modes["kvmesh"]["hit_rate_global"] >= modes["local-rr"]["hit_rate_global"]
@@ -42,6 +42,23 @@ def test_shared_prefix_quick_compares_all_modes(tmp_path, caplog):
     assert sorted(p.name for p in (tmp_path / "plots").iterdir()) == ["hit_rate.png", "throughput.png",
                                                                       "ttft_cdf.png"]
     assert not [r.getMessage() for r in caplog.records if "watch broke" in r.getMessage()]
+
+
+def test_runs_of_a_mode_are_pooled():
+    """``--repeat N``: a mode's metrics over every run's requests, its node counters summed, each run's TTFT p50."""
+    from kvmesh.bench.cluster_bench import ModeRun, Record, summarize_runs
+
+    def run(ttfts_ms: list[float], computed: int) -> ModeRun:
+        records = [Record(t / 1e3, t / 1e3 + 0.05, [0.01] * 3, 4, 32, {"tokens_computed": 32}, [1, 2, 3, 4])
+                   for t in ttfts_ms]
+        delta = {"num_local": len(records), "num_remote": 0, "prefill_tokens_computed": computed,
+                 "bytes_received": 0, "tier_bytes_demoted": 0, "tier_bytes_promoted": 0}
+        return ModeRun(records, 1.0, delta, {})
+
+    pooled = summarize_runs([run([10, 20, 30], 100), run([100, 200, 300], 50)], 1000.0, 100.0)
+    assert pooled["runs"] == 2 and pooled["requests"] == 6 and pooled["ttft_p50_ms_per_run"] == [20, 200]
+    assert pooled["decisions"] == {"computed_locally": 6, "fetched": 0}
+    assert pooled["tokens_computed"] == 6 * 32 + 150 and len(pooled["ttft_ms_all"]) == 6
 
 
 def test_multi_turn_reuses_earlier_turns_across_nodes(tmp_path):
