@@ -52,13 +52,15 @@ def test_runs_of_a_mode_are_pooled():
         records = [Record(t / 1e3, t / 1e3 + 0.05, [0.01] * 3, 4, 32, {"tokens_computed": 32}, [1, 2, 3, 4])
                    for t in ttfts_ms]
         delta = {"num_local": len(records), "num_remote": 0, "prefill_tokens_computed": computed,
-                 "bytes_received": 0, "tier_bytes_demoted": 0, "tier_bytes_promoted": 0}
+                 "bytes_received": 0, "tier_bytes_demoted": 0, "tier_bytes_promoted": 0, "decode_step_s": 0.5,
+                 "decode_steps": 10}
         return ModeRun(records, 1.0, delta, {})
 
     pooled = summarize_runs([run([10, 20, 30], 100), run([100, 200, 300], 50)], 1000.0, 100.0)
     assert pooled["runs"] == 2 and pooled["requests"] == 6 and pooled["ttft_p50_ms_per_run"] == [20, 200]
     assert pooled["decisions"] == {"computed_locally": 6, "fetched": 0}
     assert pooled["tokens_computed"] == 6 * 32 + 150 and len(pooled["ttft_ms_all"]) == 6
+    assert pooled["fetched_requests"]["decode_step_mean_ms"] == 50.0  # the runs' decode steps: 1 s over 20
 
 
 def test_multi_turn_reuses_earlier_turns_across_nodes(tmp_path):

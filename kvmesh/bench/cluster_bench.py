@@ -187,6 +187,10 @@ def _summarize(records: list[Record], seconds: float, node_delta: dict, slo_ttft
         "ttft_p50_ms": percentile([r.ttft_s * 1e3 for r in fetched], 0.5),
         "kv_wait_p50_ms": percentile([r.cache.get("kv_wait_ms", 0.0) for r in fetched], 0.5),
         "fetch_p50_ms": percentile([r.cache.get("fetch_ms", 0.0) for r in fetched], 0.5),
+        # Of the KV wait, what is not the fetch itself: the wait for the fetching node's next step boundary.
+        "step_boundary_wait_p50_ms": percentile([r.cache.get("kv_wait_ms", 0.0) - r.cache.get("fetch_ms", 0.0)
+                                                 for r in fetched], 0.5),
+        "decode_step_mean_ms": node_delta["decode_step_s"] / max(node_delta["decode_steps"], 1) * 1e3,
         "tokens_fetched_mean": statistics.mean(num_fetched(r) for r in fetched) if fetched else 0.0}
     for name, values in (("ttft", ttft), ("tpot", tpot), ("itl", itl), ("e2e", e2e)):
         for q in (50, 90, 99):
@@ -197,13 +201,16 @@ def _summarize(records: list[Record], seconds: float, node_delta: dict, slo_ttft
 
 def _node_totals(cluster: LocalCluster) -> dict:
     totals = {"prefill_tokens_computed": 0, "bytes_received": 0, "num_local": 0, "num_remote": 0,
-              "tier_bytes_demoted": 0, "tier_bytes_promoted": 0}
+              "tier_bytes_demoted": 0, "tier_bytes_promoted": 0, "decode_step_s": 0.0, "decode_steps": 0}
     for node_id, node in cluster.nodes.items():
         stats = cluster.client(node_id).stats()
         for key in ("bytes_received", "num_local", "num_remote", "tier_bytes_demoted", "tier_bytes_promoted"):
             totals[key] += stats.get(key, 0)
         if node.role == "prefill":
             totals["prefill_tokens_computed"] += stats.get("tokens_computed", 0)
+        else:  # decode-only steps (one token per stream): what a landing should wait at most
+            totals["decode_step_s"] += stats.get("engine_decode_step_s", 0.0)
+            totals["decode_steps"] += stats.get("engine_decode_steps", 0)
     return totals
 
 
