@@ -67,8 +67,6 @@ class _ClientRequest:
     fetch_span: object = NO_SPAN
 
 
-
-
 class DecodeRole:
     name = "decode"
 
@@ -229,7 +227,8 @@ class DecodeRole:
             "kvmesh.holder": plan.holder, "kvmesh.prefill_node": plan.prefill_node,
             "kvmesh.blocks": plan.end - num_local, "kvmesh.transfer_backend": self.agent.engine.name})
         plan, trace_context = plan._replace(num_local=lease.start), request.fetch_span.context
-        self.workers.submit(self.loads.run, lease, lambda: self.fetcher.fetch(lease, plan, hits, trace_context))
+        self.workers.submit(self.loads.run, lease, lambda: self.fetcher.fetch(lease, plan, hits, trace_context),
+                            FetchOutcome.nothing(lease.start))
 
     def _add_local(self, seq: Sequence) -> None:
         with self._lock:

@@ -86,14 +86,15 @@ class KVLoads:
         self._leases[seq.request_id] = (seq, lease)
         return lease
 
-    def run(self, lease: KVLease, load: Callable[[], LoadReport]) -> None:
-        """A load's thread: run ``load`` and hand its report to the engine thread; a load that raises reported
-        nothing (the request is computed here, its blocks freed as the request's)."""
-        report, started = LoadReport(lease.start), time.perf_counter()
+    def run(self, lease: KVLease, load: Callable[[], LoadReport], nothing: LoadReport | None = None) -> None:
+        """A load's thread: run ``load`` and hand its report to the engine thread. A load that raises reports
+        ``nothing`` (default: no block arrived; the request is computed here, its blocks freed as the request's)."""
+        started = time.perf_counter()
         try:
             report = load()
         except Exception:
             log.exception("loading KV for %s failed", lease.request_id)
+            report = nothing if nothing is not None else LoadReport(lease.start)
         report.load_s = time.perf_counter() - started
         self._call_soon(lambda: self._land(lease, report))
 
