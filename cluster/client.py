@@ -86,6 +86,13 @@ class NodeClient:
             raise RequestFailed(f"{reply.node_id}: {reply.error}")
         return reply.stats
 
+    def load(self, timeout_s: float = 10.0) -> nm.NodeLoadStats:
+        """What the router reads of the node (``NodeLoadStats``)."""
+        reply = self._conn.stats(False, timeout_s)
+        if reply is None or reply.load is None:
+            raise RequestFailed(f"no load from {self.endpoint}")
+        return reply.load
+
     def set_role(self, role: str, drain_timeout_s: float = 30.0, timeout_s: float = 10.0) -> nm.RoleReply:
         """Ask the node to take ``role`` (``kvmesh/node/roles.py``); raises RequestFailed when it does not answer
         or refuses (another change in progress)."""

@@ -15,7 +15,8 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30,
 
 class RouterMetrics:
     def __init__(self, node_stats=None, readiness=None, role_moves=None, scale_actions=None):
-        """``node_stats()`` -> {node_id: stats dict}, read at scrape time (per-node load, hit rates, bytes);
+        """``node_stats()`` -> {node_id: (``NodeLoadStats``, fetch round trip s)}, read at scrape time (per-node load,
+        hit rates, bytes);
         ``readiness()`` -> (ready, detail) as ``Router.readiness`` (process states under a supervisor);
         ``role_moves``: the role balancer's moves by the role moved to (``--roles auto``), read at scrape time;
         ``scale_actions``: nodes added and removed (``--max-nodes`` on Ray), likewise."""
@@ -101,16 +102,15 @@ class _NodeCollector:
                                          "threads' ends) since the node started", labels=["node", "part"])
         role = GaugeMetricFamily("kvmesh_node_role", "1 for the role the node takes now (prefill, decode, draining: on "
                                  "its way from decode to prefill)", labels=["node", "role"])
-        for node_id, stats in self._node_stats().items():
-            if "role" in stats:
-                role.add_metric([node_id, str(stats["role"])], 1.0)
+        for node_id, (load, fetch_rtt_s) in self._node_stats().items():
+            if load.role:
+                role.add_metric([node_id, load.role], 1.0)
             for key, family in gauges.items():
-                if key in stats:
-                    family.add_metric([node_id], float(stats[key]))
-            for part in ("on_cpu", "runnable", "asleep"):
-                if f"engine_{part}_share" in stats:
-                    engine_share.add_metric([node_id, part], float(stats[f"engine_{part}_share"]))
-            for generation, pause_ms in enumerate(stats.get("gc_max_pause_ms", ())):
+                family.add_metric([node_id], fetch_rtt_s if key == "fetch_rtt_s" else float(getattr(load, key)))
+            if load.engine_on_cpu_share + load.engine_runnable_share + load.engine_asleep_share > 0:
+                for part in ("on_cpu", "runnable", "asleep"):
+                    engine_share.add_metric([node_id, part], getattr(load, f"engine_{part}_share"))
+            for generation, pause_ms in enumerate(load.gc_max_pause_ms):
                 gc_pause.add_metric([node_id, str(generation)], float(pause_ms) / 1e3)
         yield from gauges.values()
         yield gc_pause

@@ -71,27 +71,25 @@ class RoleController:
         """The balancer's inputs from ``Router.status`` entries (nodes that did not answer are left out)."""
         out = []
         for entry in entries:
-            stats = entry["stats"]
-            if not stats:
+            load = entry["load"]
+            if load is None:
                 continue
             node_id = entry["node_id"]
             # Decode-only steps: a stream's next token when no prompt shares the step (steps computing prompt
             # tokens are prefill work, whoever does it).
-            wall, steps = stats.get("engine_decode_step_s", 0.0), stats.get("engine_decode_steps", 0)
+            wall, steps = load.engine_decode_step_s, load.engine_decode_steps
             before = self._steps.get(node_id, (wall, steps))
             self._steps[node_id] = (wall, steps)
             step_s = (wall - before[0]) / (steps - before[1]) if steps > before[1] else 0.0
-            used, total = stats.get("num_used_blocks", 0), stats.get("num_kv_blocks", 0)
+            used, total = load.num_used_blocks, load.num_kv_blocks
             out.append(NodeLoad(
                 # Every node reports both (its prefill role's accepted prompts, its engine's own prompt backlog;
                 # the first are usually in the second once admitted): the longer is how long a prompt waits there.
                 node_id, entry["role"],
-                queue_s=max(stats.get("prefill_queue_s", 0.0), stats.get("prompt_queue_s", 0.0)), step_s=step_s,
-                kv_used=used / total if total else 0.0, num_running=stats.get("num_running", 0),
-                max_num_seqs=stats.get("max_num_seqs", 0),
-                prompt_tokens_computed=stats.get("prompt_tokens_computed", 0),
-                prompt_tokens_total=stats.get("prompt_tokens_total", 0),
-                prompt_tokens_always_here=stats.get("prompt_tokens_always_here", 0)))
+                queue_s=max(load.prefill_queue_s, load.prompt_queue_s), step_s=step_s,
+                kv_used=used / total if total else 0.0, num_running=load.num_running, max_num_seqs=load.max_num_seqs,
+                prompt_tokens_computed=load.prompt_tokens_computed, prompt_tokens_total=load.prompt_tokens_total,
+                prompt_tokens_always_here=load.prompt_tokens_always_here))
         return out
 
     def tick(self, now: float) -> RoleMove | None:

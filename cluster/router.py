@@ -461,27 +461,23 @@ class Router:
         return bool(up), detail
 
     def status(self) -> list[dict]:
-        """Every registered node with its counters (and, under a supervisor, its process state)."""
+        """Every registered node: ``load`` (its ``NodeLoadStats``, None when it did not answer), ``stats`` (every
+        counter, for people) and, under a supervisor, ``process`` (its process state)."""
         processes = self.supervision()["nodes"] if self.supervision is not None else {}
         out = []
         for node_id, record in sorted(self.directory.nodes.items()):
             conn = self._connection(node_id)
             reply = conn.stats(timeout_s=2.0)
-            stats = dict(reply.stats) if reply else {}
-            if node_id in processes:
-                stats["process"] = processes[node_id]
             out.append({"node_id": node_id, "role": record.role, "requests": record.request_endpoint,
-                        "in_flight": conn.num_open, "stats": stats})
+                        "in_flight": conn.num_open, "stats": dict(reply.stats) if reply else {},
+                        "load": reply.load if reply else None,
+                        **({"process": processes[node_id]} if node_id in processes else {})})
         return out
 
-    def _node_metrics(self) -> dict[str, dict]:
-        """Each node's counters with what the router knows of it (its buffer's size, the fetch cost it measured)."""
-        out = {}
-        for entry in self.status():
-            record = self.directory.nodes.get(entry["node_id"])
-            out[entry["node_id"]] = {**entry["stats"], "fetch_rtt_s": self.fetch_costs.rtt_s(entry["node_id"]),
-                                     **({"num_kv_blocks": record.kv_layout.num_blocks} if record is not None else {})}
-        return out
+    def _node_metrics(self) -> dict[str, tuple[nm.NodeLoadStats, float]]:
+        """Each answering node's load with the fetch cost the router measured into it."""
+        return {entry["node_id"]: (entry["load"], self.fetch_costs.rtt_s(entry["node_id"]))
+                for entry in self.status() if entry["load"] is not None}
 
     def cluster_view(self) -> dict:
         """What ``kvmesh status`` shows: every node's role, load, KV use, hit rate and links, the router's load,
@@ -489,17 +485,16 @@ class Router:
         costs = self.fetch_costs.describe()
         nodes = []
         for entry in self.status():
-            stats, record = entry["stats"], self.directory.nodes.get(entry["node_id"])
+            load, record = entry["load"] or nm.NodeLoadStats(), self.directory.nodes.get(entry["node_id"])
             nodes.append({
-                "node_id": entry["node_id"], "role": entry["role"], "answering": bool(stats),
-                "in_flight": entry["in_flight"], "running": stats.get("num_running", 0),
-                "kv_blocks_used": stats.get("num_used_blocks", 0), "kv_blocks_cached": stats.get("num_cached_blocks", 0),
+                "node_id": entry["node_id"], "role": entry["role"], "answering": entry["load"] is not None,
+                "in_flight": entry["in_flight"], "running": load.num_running,
+                "kv_blocks_used": load.num_used_blocks, "kv_blocks_cached": load.num_cached_blocks,
                 "kv_blocks": record.kv_layout.num_blocks if record is not None else 0,
-                "hit_rate": stats.get("hit_rate", 0.0), "host_tier_blocks": stats.get("tier_host_blocks", 0),
-                "transfer_gib_per_s": stats.get("transfer_gib_per_s_measured", 0.0),
-                "rtt_ms": stats.get("rtt_ms_measured", 0.0),
+                "hit_rate": load.hit_rate, "host_tier_blocks": load.tier_host_blocks,
+                "transfer_gib_per_s": load.transfer_gib_per_s_measured, "rtt_ms": load.rtt_ms_measured,
                 "fetch_rtt_ms": costs.get(entry["node_id"], {}).get("rtt_ms"),
-                **({"process": stats["process"]} if "process" in stats else {})})
+                **({"process": entry["process"]} if "process" in entry else {})})
         with self._lock:
             in_flight = self._in_flight
         return {"model": self.cfg.model, "cluster": self.cfg.cluster, "in_flight": in_flight,
@@ -543,7 +538,7 @@ class Router:
 
     def pins(self) -> list[dict]:
         """Every pin, with how many of its blocks each node holds pinned right now."""
-        held = {n["node_id"]: n["stats"].get("pinned_prefixes", {}) for n in self.status()}
+        held = {n["node_id"]: n["load"].pinned_prefixes for n in self.status() if n["load"] is not None}
         out = []
         for pin_id, record in sorted(self.pin_registry.read().items()):
             num_blocks = len(record.token_ids) // self.cfg.block_size

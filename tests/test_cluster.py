@@ -133,6 +133,21 @@ def test_the_shared_memory_round_trip_is_measured_at_start(cluster):
     check_all(cluster)
 
 
+def test_every_node_reports_what_the_router_reads_as_a_typed_record(cluster):
+    """Each ``NodeLoadStats`` field is one of the node's counters (none left at its default by a renamed key), and
+    the record carries their values."""
+    from dataclasses import fields
+
+    from kvmesh.node.messages import NodeLoadStats
+
+    required = {f.name for f in fields(NodeLoadStats)} - set(NodeLoadStats.OPTIONAL)
+    for node_id, node in cluster.nodes.items():
+        stats, load = cluster.client(node_id).stats(), cluster.client(node_id).load()
+        assert required <= set(stats), (node_id, required - set(stats))
+        assert load.role == node.role == stats["role"] and load.num_kv_blocks == stats["num_kv_blocks"] > 0
+        assert load.max_num_seqs == stats["max_num_seqs"] > 0
+
+
 def test_cross_node_prefix_reuse_by_counters(cluster, reference):
     prefix = prompt(100, 96)  # 6 blocks
     first, second = prefix + prompt(101, 20), prefix + prompt(102, 25)
@@ -185,8 +200,8 @@ def test_a_prefill_nodes_own_cache_hits_are_counted_as_reused(reference):
         for tail in (prompt(801, 40), prompt(802, 40)):
             out = c.client("decode-0").generate(shared + tail, GREEDY)
             assert out.error == "" and out.token_ids == reference([shared + tail])[0]
-            assert sum(out.stats[k] for k in SOURCES) == len(shared + tail), out.stats
-            stats.append(out.stats)
+            assert sum(getattr(out.stats, k) for k in SOURCES) == len(shared + tail), out.stats
+            stats.append(out.stats.as_dict())
         assert stats[0]["tokens_reused_prefill_node"] == 0 and stats[0]["tokens_from_prefill_node"] >= 112
         assert stats[1]["tokens_reused_prefill_node"] == 80, stats[1]
         assert stats[1]["tokens_from_prefill_node"] == 32, stats[1]  # the new full blocks only
@@ -203,10 +218,11 @@ def test_every_prompt_token_is_counted_once(cluster, reference):
     def run(node_id: str, ids: list[int]) -> dict:
         out = cluster.client(node_id).generate(ids, GREEDY)
         assert out.error == "" and out.token_ids == reference([ids])[0]
-        assert sum(out.stats[k] for k in keys) == len(ids) and all(out.stats[k] >= 0 for k in keys), out.stats
+        counts = out.stats.as_dict()
+        assert sum(counts[k] for k in keys) == len(ids) and all(counts[k] >= 0 for k in keys), out.stats
         for k in keys:
-            totals[node_id][k] += out.stats[k]
-        return out.stats
+            totals[node_id][k] += counts[k]
+        return counts
 
     shared = prompt(500, 80)
     assert run("decode-0", shared + prompt(501, 30))["tokens_from_prefill_node"] > 0

@@ -4,11 +4,13 @@ controller's reading of node stats."""
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 
 from kvmesh.cluster.role_balancer import BalancerConfig, NodeLoad, RoleBalancer
 from kvmesh.cluster.role_controller import RoleController
+from kvmesh.node.messages import NodeLoadStats
 
 CONFIG = BalancerConfig(ttft_slo_s=2.0, tpot_slo_s=0.1, high=0.8, low=0.5, sustain=3, cooldown_s=30.0,
                         min_prefill=0, min_decode=1)
@@ -100,18 +102,18 @@ def test_no_flapping_on_random_traces():
 
 
 def test_the_controller_reads_recent_decode_steps_from_the_step_clock_totals():
-    entries = [{"node_id": "decode-0", "role": "decode", "stats": {
-        "engine_decode_step_s": 10.0, "engine_decode_steps": 100, "num_used_blocks": 50, "num_kv_blocks": 100,
-        "num_running": 3, "max_num_seqs": 8, "prompt_tokens_computed": 5, "prompt_tokens_total": 10,
-        "prefill_queue_s": 0.0, "prompt_queue_s": 2.5}},  # every node reports both queues (both roles' stats)
-        {"node_id": "prefill-0", "role": "prefill", "stats": {"prefill_queue_s": 1.5, "prompt_queue_s": 0.5}},
-        {"node_id": "gone", "role": "decode", "stats": {}}]
+    entries = [{"node_id": "decode-0", "role": "decode", "load": NodeLoadStats(
+        engine_decode_step_s=10.0, engine_decode_steps=100, num_used_blocks=50, num_kv_blocks=100,
+        num_running=3, max_num_seqs=8, prompt_tokens_computed=5, prompt_tokens_total=10,
+        prefill_queue_s=0.0, prompt_queue_s=2.5)},  # every node reports both queues (both roles' stats)
+        {"node_id": "prefill-0", "role": "prefill", "load": NodeLoadStats(prefill_queue_s=1.5, prompt_queue_s=0.5)},
+        {"node_id": "gone", "role": "decode", "load": None}]
     controller = RoleController(RoleBalancer(CONFIG), lambda: entries, lambda *a: None)
     first = controller.loads(entries)
     assert [n.node_id for n in first] == ["decode-0", "prefill-0"]  # a node that did not answer is left out
     assert first[0].step_s == 0.0 and first[0].kv_used == 0.5
     assert first[0].queue_s == 2.5 and first[1].queue_s == 1.5  # the longer of the two, a decode node's own too
-    entries[0]["stats"].update(engine_decode_step_s=12.0, engine_decode_steps=120)
+    entries[0]["load"] = replace(entries[0]["load"], engine_decode_step_s=12.0, engine_decode_steps=120)
     assert controller.loads(entries)[0].step_s == pytest.approx(0.1)  # 2 s over the 20 steps since the last tick
 
 
@@ -122,9 +124,8 @@ def test_the_controller_makes_the_move_and_counts_it_only_when_the_node_takes_it
         def __init__(self, error=""):
             self.error = error
 
-    entries = [{"node_id": n.node_id, "role": n.role, "stats": {"prefill_queue_s": n.queue_s, "num_running":
-                n.num_running, "max_num_seqs": 64, "engine_decode_step_s": 0.0, "engine_decode_steps": 0}}
-               for n in prefill_heavy()]
+    entries = [{"node_id": n.node_id, "role": n.role, "load": NodeLoadStats(
+                prefill_queue_s=n.queue_s, num_running=n.num_running, max_num_seqs=64)} for n in prefill_heavy()]
     replies = iter([Reply("busy"), Reply()])
     controller = RoleController(RoleBalancer(CONFIG), lambda: entries,
                                 lambda *a: answers.append(a) or next(replies))

@@ -7,6 +7,7 @@ from types import SimpleNamespace
 
 from kvmesh.cluster.role_balancer import NodeLoad
 from kvmesh.cluster.scale_policy import ScaleConfig, ScalePolicy
+from kvmesh.node.messages import NodeLoadStats
 
 CONFIG = ScaleConfig(max_nodes=4, high=0.8, low=0.5, idle=0.2, sustain=3, sustain_down=10, cooldown_s=30.0,
                      min_prefill=0, min_decode=1)
@@ -124,7 +125,7 @@ def test_the_controller_adds_then_drains_a_decode_node_before_removing_it():
             return 0 if "decode-1" in registered or ("add", "decode") not in calls else 1
 
     def entry(node_id, role, running):
-        return {"node_id": node_id, "role": role, "stats": {"num_running": running, "max_num_seqs": 2}}
+        return {"node_id": node_id, "role": role, "load": NodeLoadStats(num_running=running, max_num_seqs=2)}
 
     entries = [entry("decode-0", "decode", 2)]
     controller = RoleController(

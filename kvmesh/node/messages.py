@@ -1,7 +1,7 @@
 """Node request messages (client/router <-> decode nodes), via ``kvmesh.wire``; sealed by ``kvmesh.auth``."""
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import ClassVar
 
 from kvmesh.engine.sampling_params import SamplingParams, from_wire
@@ -119,11 +119,53 @@ class StatsRequest:
 
 
 @dataclass(frozen=True)
+class NodeLoadStats:
+    """What the router's machinery reads of a node (routing status, the role balancer, /metrics), typed; the
+    reply's ``stats`` dict holds every counter for people and tests. Counters since the node started."""
+
+    role: str = ""  # prefill | decode | draining
+    num_running: int = 0
+    max_num_seqs: int = 0
+    num_used_blocks: int = 0  # KV blocks held by running requests
+    num_cached_blocks: int = 0  # cached and free
+    num_kv_blocks: int = 0
+    hit_rate: float = 0.0  # its local prefix cache's
+    prefill_queue_s: float = 0.0  # its prefill role's accepted prompt tokens still to compute, at its rate
+    prompt_queue_s: float = 0.0  # its engine's admitted prompt tokens still to compute, at its rate
+    engine_decode_step_s: float = 0.0  # decode-only steps: their time ...
+    engine_decode_steps: int = 0  # ... and number
+    prompt_tokens_computed: int = 0  # its finished streams' prompt tokens it computed itself ...
+    prompt_tokens_total: int = 0  # ... of all of theirs
+    prompt_tokens_always_here: int = 0  # ... and each prompt's tail, which no other node could compute
+    tier_host_blocks: int = 0
+    bytes_received: int = 0
+    bytes_sent: int = 0
+    bytes_sent_shared_memory: int = 0
+    num_steps_bounded_for_landings: int = 0
+    transfer_gib_per_s_measured: float = 0.0
+    rtt_ms_measured: float = 0.0
+    engine_on_cpu_share: float = 0.0  # of its engine thread's step time
+    engine_runnable_share: float = 0.0
+    engine_asleep_share: float = 0.0
+    gc_max_pause_ms: list[float] = field(default_factory=list)  # per collector generation
+    pinned_prefixes: dict = field(default_factory=dict)  # pin id -> [blocks pinned here, blocks of the pin]
+
+    OPTIONAL = ("tier_host_blocks", "engine_on_cpu_share", "engine_runnable_share", "engine_asleep_share")
+
+    @classmethod
+    def from_stats(cls, stats: dict) -> NodeLoadStats:
+        """The record from a node's counters (``OPTIONAL`` ones absent where the node has no such part: no host
+        tier, no step timed yet)."""
+        return cls(**{f.name: stats[f.name] for f in fields(cls) if f.name in stats})
+
+
+@dataclass(frozen=True)
 class StatsReply:
     TYPE: ClassVar[str] = "stats_reply"
     node_id: str
     stats: dict = field(default_factory=dict)
     error: str = ""
+    load: NodeLoadStats | None = None  # what the router reads (None from a reply that failed)
 
     def validate(self) -> None:
         pass
@@ -183,6 +225,6 @@ class RoleReply:
             raise MessageError(f"role_reply: unknown state {self.state!r}")
 
 
-register_record(RequestStats)
+register_record(RequestStats, NodeLoadStats)
 register(GenerateRequest, TokenEvent, TokenBatch, AbortRequest, StatsRequest, StatsReply, SetRole, RoleReply)
 REQUESTS = (GenerateRequest, AbortRequest, StatsRequest, SetRole)

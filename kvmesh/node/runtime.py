@@ -449,9 +449,10 @@ class NodeRuntime:
                  **(self.tiers.stats() if self.tiers is not None else {}),
                  "pinned_prefixes": {pin_id: list(counts) for pin_id, counts in self.engine.pins.status().items()},
                  **(self.engine.speculator.stats() if self.engine.speculator is not None else {})}
+        load = nm.NodeLoadStats.from_stats({"role": self.role_name, **stats})
         if kv_probe:
             stats["kv_probe"] = prompt_kv_sums(self.engine, kv_probe)
-        return nm.StatsReply(self.cfg.node_id, stats, error)
+        return nm.StatsReply(self.cfg.node_id, stats, error, load)
 
     # ---- role hooks -----------------------------------------------------------------------------------
     def handle(self, identity: bytes, msg) -> None:
