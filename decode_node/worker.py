@@ -32,7 +32,6 @@ from kvmesh.node.connectors import HolderConnector, TierConnector
 from kvmesh.decode_node.cost_model import SHARED_MEMORY, PeerLinks, TransferRateEstimator
 from kvmesh.decode_node.fetcher import Fetcher, FetchOutcome
 from kvmesh.decode_node.link_probe import probe_shared_memory_round_trip
-from kvmesh.node.landing_bound import LandingBound
 from kvmesh.node.planner import FetchPlan, PlanRequest, prompt_tokens_ahead
 from kvmesh.decode_node.prefill_nodes import PrefillNodes
 from kvmesh.engine.kv_connector import KVLoads
@@ -100,10 +99,7 @@ class DecodeRole:
         self.fetcher = Fetcher(self.tier_connector, self.holders, self.prefill_nodes, self._conversations,
                                cfg.block_size)
         self.loads = KVLoads(self.engine.scheduler, self.call_soon, self._kv_arrived)
-        # Steps kept short while a fetch is about to land, so its blocks wait for no long step.
-        self.landings = LandingBound(cfg.block_size, self._prompt_step_s, lambda: self.node.decode_step_s,
-                                     lambda: self.node.prefill_tokens_per_s)
-        self.engine.scheduler.prompt_budget = self.landings
+        self.landings = node.landings  # the scheduler's steps kept short while a fetch is about to land
 
     def before_serving(self) -> None:
         """Seed the shared-memory link's round trip (``link_probe.py``); network links keep ``--transfer-rtt-ms``."""
@@ -145,12 +141,6 @@ class DecodeRole:
         request = PlanRequest(num_local, end, bs, self.engine.layout.bytes_per_token, self.node.prefill_tokens_per_s,
                               local_queue_s, lower.num_blocks, lower.seconds, holders, prefill, num_streams)
         return self.placement.plan(request), hits
-
-    def _prompt_step_s(self) -> float:
-        """A step computing this node's usual prompt slice, estimated at its fitted prompt cost."""
-        config = self.engine.scheduler.config
-        return self.node.prefill_cost.fixed_s + (config.long_prefill_token_threshold or config.max_num_batched_tokens) \
-            / self.node.prefill_tokens_per_s
 
     def _streams_here(self) -> int:
         """Sequences running here (engine thread): each one's steps wait for the prompt tokens computed here, a

@@ -22,7 +22,7 @@ from kvmesh.engine.request_state import RequestStatus
 from kvmesh.engine.run_ahead import RunAhead
 from kvmesh.engine.sampler import NON_FINITE
 from kvmesh.engine.sampling_params import SamplingParams
-from kvmesh.engine.scheduler import Scheduler, SchedulerConfig
+from kvmesh.engine.scheduler import PromptBudget, Scheduler, SchedulerConfig
 from kvmesh.engine.sequence import Sequence
 from kvmesh.engine.spec_decode.speculator import SpeculativeConfig, Speculator
 from kvmesh.engine.stop_strings import StopStrings
@@ -68,10 +68,13 @@ class EngineConfig:
 
 
 class LLMEngine:
-    def __init__(self, loaded: LoadedModel, config: EngineConfig, kv_allocator: SharedKVAllocator | None = None):
+    def __init__(self, loaded: LoadedModel, config: EngineConfig, kv_allocator: SharedKVAllocator | None = None,
+                 prompt_budget: PromptBudget | None = None):
         """``kv_allocator``: allocates the KV cache in shared memory (nodes: for same-host peers,
         ``kvmesh/kv/shared_buffer.py``); used only when the model is on the CPU. Default: ``torch.zeros``, or at
-        tensor-parallel size > 1 on the CPU an allocator of the engine's own (the ranks map the buffer)."""
+        tensor-parallel size > 1 on the CPU an allocator of the engine's own (the ranks map the buffer).
+        ``prompt_budget``: the scheduler's cap on a step's prompt tokens (a node's ``LandingBound``; none: the
+        step's token budget only)."""
         self.loaded = loaded
         self.config = config
         self.tokenizer = loaded.tokenizer
@@ -91,7 +94,7 @@ class LLMEngine:
                                                  str(loaded.dtype).removeprefix("torch."),
                                                  cache_salt=config.cache_salt)
         self.kv = KVCacheManager(self.pool, config.block_size, self.namespace.root(), config.enable_prefix_caching)
-        self.scheduler = Scheduler(config.scheduler, self.kv)
+        self.scheduler = Scheduler(config.scheduler, self.kv, prompt_budget)
         on_host = torch.device(loaded.device).type == "cpu"
         shares_kv = getattr(loaded.model, "shares_kv", False)
         self._own_allocator = SharedKVAllocator() if shares_kv and kv_allocator is None else None

@@ -61,7 +61,7 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager):
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, prompt_budget: PromptBudget | None = None):
         self.config = config
         self.kv = kv
         self.waiting: list[Sequence] = []  # sorted by ``_urgency`` at the start of every admission
@@ -71,7 +71,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_steps = 0
         self._arrivals = itertools.count()
-        self.prompt_budget: PromptBudget | None = None  # no cap but the step's token budget
+        self.prompt_budget = prompt_budget  # None: no cap but the step's token budget
 
     def add(self, seq: Sequence) -> None:
         seq.arrival, seq.arrival_step = next(self._arrivals), self.num_steps

@@ -47,6 +47,7 @@ from kvmesh.node.placement import make_placement
 from kvmesh.node import messages as nm
 from kvmesh.node.core_share import CoreShare
 from kvmesh.node.engine_loop import EngineLoop
+from kvmesh.node.landing_bound import LandingBound
 from kvmesh.netaddr import advertise_address
 from kvmesh.node.membership import ClusterMembership
 from kvmesh.rate_meter import CostFit
@@ -151,6 +152,10 @@ class NodeRuntime:
             self.loaded = load_model(cfg.model, dtype=cfg.dtype, device=self.device, progress=False,
                                      load_format=cfg.load_format)
         self.shared_kv = SharedKVAllocator() if cfg.shared_memory_transfers else None
+        # Steps kept short while a fetch is about to land, so its blocks wait for no long step (the decode role
+        # says when one is due; the rates it reads are the node's, set below).
+        self.landings = LandingBound(cfg.block_size, self.prompt_step_s, lambda: self.decode_step_s,
+                                     lambda: self.prefill_tokens_per_s)
         self.engine = LLMEngine(self.loaded, EngineConfig(
             block_size=cfg.block_size, num_kv_blocks=cfg.num_kv_blocks, track_pool_changes=True,
             enable_prefix_caching=cfg.enable_prefix_caching,
@@ -161,7 +166,7 @@ class NodeRuntime:
             scheduler=SchedulerConfig(max_num_seqs=cfg.max_num_seqs,
                                       max_num_batched_tokens=cfg.max_num_batched_tokens,
                                       long_prefill_token_threshold=max(cfg.long_prefill_token_threshold, 0))),
-            kv_allocator=self.shared_kv)
+            kv_allocator=self.shared_kv, prompt_budget=self.landings)
         self.pool = self.engine.pool
         # Seeded by a start-up measurement, then kept current by every step that computes prompt tokens.
         probe = self._probe()
@@ -217,6 +222,12 @@ class NodeRuntime:
     def role_name(self) -> str:
         """The role published in the node's record (a node that changes role says so here)."""
         return self.cfg.role
+
+    def prompt_step_s(self) -> float:
+        """A step computing this node's usual prompt slice, estimated at its fitted prompt cost."""
+        config = self.engine.scheduler.config
+        return self.prefill_cost.fixed_s + (config.long_prefill_token_threshold or config.max_num_batched_tokens) \
+            / self.prefill_tokens_per_s
 
     def slice_prompts(self, streams_beside: bool) -> None:
         """Engine thread (or before it starts): with ``streams_beside`` (a decode node) and an automatic
