@@ -6,10 +6,11 @@ import gc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 
+from kvmesh.node.messages import PROMPT_TOKEN_SOURCES
+
 # A request's prompt tokens by where their KV came from: the decode node's stats key -> the source label.
-PROMPT_SOURCES = (("tokens_reused_local", "local"), ("tokens_reused_host", "host"), ("tokens_reused_disk", "disk"),
-                  ("tokens_reused_remote", "remote"), ("tokens_reused_prefill_node", "prefill_node_cache"),
-                  ("tokens_from_prefill_node", "prefill_node"), ("tokens_computed", "computed"))
+PROMPT_SOURCES = tuple(zip(PROMPT_TOKEN_SOURCES, ("local", "host", "disk", "remote", "prefill_node_cache",
+                                                  "prefill_node", "computed"), strict=True))
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
 

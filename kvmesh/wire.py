@@ -3,9 +3,9 @@
 A message class is a frozen dataclass with a ``TYPE`` class variable and a
 ``validate()`` method, registered with ``register``. A field may also hold a record:
 a frozen dataclass of scalar fields registered with ``register_record`` (the field's
-annotation names its class, optionally ``| None``), sent as a map. ``decode`` checks the type tag, the field
-names and every field's type (a record's too) before building the object, so bad
-input is refused with a MessageError that says what is wrong.
+annotation names its class, optionally ``| None``), sent as a map. ``decode`` checks
+the type tag, the field names and every field's type (a record's too) before building
+the object, so bad input is refused with a MessageError that says what is wrong.
 """
 from __future__ import annotations
 
