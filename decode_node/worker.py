@@ -150,7 +150,7 @@ class DecodeRole:
     def _prompt_tokens_ahead(self, own_tokens: int) -> int:
         """Prompt tokens computed here before a new prompt of ``own_tokens`` is (engine thread): those admitted
         and not yet computed, each prompt's share bounded where this node slices prompts (``prompt_tokens_ahead``)."""
-        slice_tokens = self.engine.scheduler.config.long_prefill_token_threshold
+        slice_tokens = self.engine.scheduler.prompt_slice_tokens
         return prompt_tokens_ahead(self._queued_prompt_tokens(), slice_tokens, own_tokens)
 
     def _queued_prompt_tokens(self) -> list[int]:

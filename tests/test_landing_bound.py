@@ -52,6 +52,9 @@ class Fixed:
         self.asked.append(num_decodes)
         return self.tokens
 
+    def prompt_slice(self):
+        return None
+
 
 def test_the_scheduler_computes_no_prompt_tokens_past_the_cap_and_decodes_go_on():
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
@@ -74,3 +77,27 @@ def test_the_scheduler_computes_no_prompt_tokens_past_the_cap_and_decodes_go_on(
         engine.step()
     assert [first.output_token_ids, second.output_token_ids] == expected  # the same tokens as uncapped
     engine.check_integrity()
+
+
+def test_the_nodes_prompt_slice_comes_through_its_budget_without_touching_the_scheduler_config():
+    """A node slices prompts as its role says (``slice_tokens``, set on the engine thread); unset, the scheduler's
+    configured threshold holds. Outputs equal the unsliced engine's."""
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    prompt = list(range(3, 83))  # 80 tokens
+    expected = LLM("tiny-llama", progress=False).generate([prompt], params)[0].outputs[0].token_ids
+    engine = LLM("tiny-llama", progress=False, long_prefill_token_threshold=48).engine
+    budget = LandingBound(16, lambda: 1.0, lambda: 0.01, lambda: 1000.0)
+    engine.scheduler.prompt_budget = budget
+    config = engine.scheduler.config
+    seq = engine.add_request(prompt, params)
+    engine.step()
+    assert seq.num_computed_tokens == 48 == engine.scheduler.prompt_slice_tokens  # unset: the config's
+    budget.slice_tokens = 16
+    engine.step()
+    assert seq.num_computed_tokens == 64 and engine.scheduler.prompt_slice_tokens == 16
+    budget.slice_tokens = 0  # the step's whole budget
+    engine.step()
+    assert seq.num_computed_tokens == 80 and engine.scheduler.config is config
+    while not seq.is_finished:
+        engine.step()
+    assert seq.output_token_ids == expected

@@ -5,7 +5,8 @@ Each step spends a token budget (``max_num_batched_tokens``) in this order:
 1. running decodes (one token each), oldest first; when blocks run out, the least
    urgent request is preempted, the newest of them first (blocks freed, recomputed
    later; its own cached blocks usually make that cheap);
-2. running prefills, the next chunk each (at most ``long_prefill_token_threshold``);
+2. running prefills, the next chunk each (at most ``prompt_slice_tokens``: the prompt budget's slice or
+   ``long_prefill_token_threshold``);
 3. waiting requests by (effective priority, arrival): prefix-cache hits are adopted and
    only the rest is scheduled, while at most ``max_num_partial_prefills`` requests stay
    mid-prefill after the step (a prompt that fits in the step always may). A waiting
@@ -47,10 +48,16 @@ class SchedulerConfig:
 
 
 class PromptBudget(Protocol):
-    """Policy: how many prompt tokens this step may compute beside its ``num_decodes`` decodes (None: as many as
-    the token budget allows). A node shortens steps with it while a fetch is about to land."""
+    """Policy: the prompt tokens a step may compute. A node slices prompts with it where streams decode beside
+    them, and shortens steps while a fetch is about to land."""
 
-    def prompt_tokens(self, num_decodes: int) -> int | None: ...
+    def prompt_tokens(self, num_decodes: int) -> int | None:
+        """This step's prompt tokens beside its ``num_decodes`` decodes, at most (None: as the token budget
+        allows)."""
+
+    def prompt_slice(self) -> int | None:
+        """One prompt's tokens per step, at most (0: the step's whole budget; None: the config's
+        ``long_prefill_token_threshold``)."""
 
 
 @dataclass(slots=True)
@@ -163,8 +170,14 @@ class Scheduler:
         return sum(1 for s in self.running
                    if s.is_prefilling and s.num_computed_tokens + chunk.get(id(s), 0) < s.num_tokens)
 
+    @property
+    def prompt_slice_tokens(self) -> int:
+        """One prompt's tokens per step, at most, as the prompt budget or else the config says (0: no cap)."""
+        tokens = self.prompt_budget.prompt_slice() if self.prompt_budget is not None else None
+        return self.config.long_prefill_token_threshold if tokens is None else tokens
+
     def _threshold(self) -> int:
-        return self.config.long_prefill_token_threshold or self.config.max_num_batched_tokens
+        return self.prompt_slice_tokens or self.config.max_num_batched_tokens
 
     def _chunk(self, seq: Sequence, budget: int) -> int:
         return min(seq.num_tokens - seq.num_computed_tokens, budget, self._threshold())

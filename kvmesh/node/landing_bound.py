@@ -1,4 +1,8 @@
-"""LandingBound: steps kept short while a fetch is about to land (the scheduler's ``PromptBudget`` policy).
+"""LandingBound: a node's prompt budget (the scheduler's ``PromptBudget`` policy): prompts computed in slices
+where streams decode beside them, and steps kept short while a fetch is about to land.
+
+The slice (``slice_tokens``) is the node's to set, on the engine thread, as its role changes (None: the
+scheduler's configured ``long_prefill_token_threshold``).
 
 A fetch's blocks join the engine at a step boundary. A step that starts just before they land and
 computes a slice of some prompt holds them (and the request's first token) for that whole step. While a
@@ -26,6 +30,7 @@ class LandingBound:
         self._tokens_per_s = prefill_tokens_per_s
         self._clock = clock
         self._due: dict[str, tuple[float, float]] = {}  # request id -> (expected landing, stop bounding after)
+        self.slice_tokens: int | None = None  # one prompt's tokens per step, at most (0: the step's budget)
         self.num_bounded_steps = 0
 
     def expect(self, request_id: str, seconds: float) -> None:
@@ -40,6 +45,9 @@ class LandingBound:
     @property
     def num_expected(self) -> int:
         return len(self._due)
+
+    def prompt_slice(self) -> int | None:
+        return self.slice_tokens
 
     def prompt_tokens(self, num_decodes: int) -> int | None:
         if not self._due:

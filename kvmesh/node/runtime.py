@@ -22,7 +22,7 @@ import signal
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
@@ -225,8 +225,8 @@ class NodeRuntime:
 
     def prompt_step_s(self) -> float:
         """A step computing this node's usual prompt slice, estimated at its fitted prompt cost."""
-        config = self.engine.scheduler.config
-        return self.prefill_cost.fixed_s + (config.long_prefill_token_threshold or config.max_num_batched_tokens) \
+        scheduler = self.engine.scheduler
+        return self.prefill_cost.fixed_s + (scheduler.prompt_slice_tokens or scheduler.config.max_num_batched_tokens) \
             / self.prefill_tokens_per_s
 
     def slice_prompts(self, streams_beside: bool) -> None:
@@ -237,7 +237,7 @@ class NodeRuntime:
         tokens = max(cfg.long_prefill_token_threshold, 0)
         if cfg.long_prefill_token_threshold < 0 and streams_beside:
             tokens = prompt_slice(self.prefill_tokens_per_s, cfg.block_size, cfg.max_num_batched_tokens)
-        self.engine.scheduler.config = replace(self.engine.scheduler.config, long_prefill_token_threshold=tokens)
+        self.landings.slice_tokens = tokens
 
     def _start_ranks(self):
         """This node's tensor-parallel ranks (the CPU only: its ranks share one KV buffer of every head, the format
@@ -303,7 +303,7 @@ class NodeRuntime:
                          index_namespace(self.engine.namespace))
         disk = self.tiers.read_rates[2].per_s if self.tiers is not None and self.tiers.disk is not None else 0.0
         probe = ComputeProbe(float(self.prefill_tokens_per_s), float(self.decode_step_s), float(disk),
-                             self.engine.scheduler.config.long_prefill_token_threshold)
+                             self.engine.scheduler.prompt_slice_tokens)
         return NodeRecord(self.cfg.node_id, self.role_name, self.advertise_host, self.agent.engine.endpoint,
                           self.agent.side_channel, self.endpoint.endpoint, kv_layout, card, probe,
                           layout.num_blocks, {"free_blocks": self.pool.num_free_blocks})
@@ -438,7 +438,7 @@ class NodeRuntime:
                  "max_num_seqs": self.engine.scheduler.config.max_num_seqs,
                  "num_cached_blocks": usage.num_cached, "num_pinned": usage.num_pinned,
                  "num_running": len(self.engine.scheduler.running), "prefill_tokens_per_s": self.prefill_tokens_per_s,
-                 "prompt_tokens_per_step": self.engine.scheduler.config.long_prefill_token_threshold,
+                 "prompt_tokens_per_step": self.engine.scheduler.prompt_slice_tokens,
                  "num_unauthenticated": self.endpoint.num_refused + self.agent.num_unauthenticated,
                  "num_transfers_refused": sum(self.agent.holder.num_refused.values()),
                  "num_refused_writes": self.agent.grants.num_refused_writes,
