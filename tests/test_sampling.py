@@ -46,6 +46,28 @@ def test_sampler_top_k_and_top_p_restrict_the_support():
     assert [v for _, v in top[0]] == pytest.approx(want.sort(descending=True).values[:3].tolist())
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_each_rows_logprob_is_its_chosen_tokens_under_the_model_and_a_broken_row_fails_alone(dtype):
+    """A batch of greedy and drawn rows (float32 rows take NumPy's path on the host, others torch's): every row's
+    logprob is log_softmax of its logits at the token it got; a row with a NaN or an infinity gets NON_FINITE."""
+    from kvmesh.engine.sampler import NON_FINITE
+
+    logits = torch.randn(6, 40, generator=torch.Generator().manual_seed(3)).to(dtype)
+    logits[2, 7] = float("nan")
+    logits[4, 0] = float("-inf")
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.8, seed=1),
+              SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, top_k=5),
+              SamplingParams(temperature=0.0), SamplingParams(temperature=0.0)]
+    gens = [torch.Generator().manual_seed(i) for i in range(6)]
+    tokens, logprobs, _ = sample(logits, params, gens)
+    assert tokens[2] == NON_FINITE and tokens[4] == NON_FINITE
+    want = torch.log_softmax(logits.float(), -1)
+    for row in (0, 1, 3, 5):
+        assert logprobs[row] == pytest.approx(want[row, tokens[row]].item(), abs=1e-2 if dtype != torch.float32 else 1e-6)
+    for row in (0, 5):
+        assert tokens[row] == int(logits[row].float().argmax())
+
+
 def test_seeded_sampling_is_reproducible_and_seed_dependent(llm):
     prompt = "abc"
     a = llm.generate(prompt, SamplingParams(max_tokens=24, temperature=1.0, seed=5, ignore_eos=True), use_tqdm=False)

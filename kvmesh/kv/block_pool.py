@@ -109,6 +109,8 @@ class BlockPool:
         self._next = self._ids[1:] + [sentinel, 0]
         self._prev = [sentinel] + self._ids
         self._num_queued = num_blocks
+        self._num_cached_queued = 0  # of the queued blocks, those holding a hash (``usage`` in O(1))
+        self._num_pinned = 0  # blocks with a pin
         # Told (hash, parent hash or None) whenever a block lost its hash: the lower KV tiers (kvmesh.kv.tiers)
         # keep their chains whole with it. Called after the pool's lock is released, by the thread whose call
         # uncached the blocks (it may call the pool), in the order the blocks were uncached.
@@ -175,11 +177,12 @@ class BlockPool:
             return out
 
     def usage(self) -> PoolUsage:
+        """Used, cached (free and matchable), free and pinned blocks, from counters kept as blocks move (O(1):
+        the stats thread reads it without holding the lock across the pool)."""
         with self._lock:
-            slots, queued = self._slot, self._is_queued
-            num_cached = sum(1 for b in range(self.num_blocks) if slots[b] >= 0 and queued(b))
+            num_cached = self._num_cached_queued
             return PoolUsage(self.num_blocks - self._num_queued, num_cached, self._num_queued - num_cached,
-                             sum(1 for p in self._pins if p))
+                             self._num_pinned)
 
     def _can_allocate(self, num_blocks: int, reusing: Sequence[int] = ()) -> bool:
         """Whether ``num_blocks`` fresh blocks can be allocated after ``touch(reusing)`` (cached blocks a
@@ -225,6 +228,7 @@ class BlockPool:
         reports = self.on_uncache is not None or self.track_changes
         out, removed = self._index.take_free(self._next, self._prev, num_blocks, self._ref, self._epoch, reports)
         self._num_queued -= num_blocks
+        self._num_cached_queued -= removed.num_removed  # every block taken was queued
         self.num_evicted += removed.num_removed  # their epochs moved on: memoised chains ending there are stale
         if reports and removed.num_removed:
             self._report_uncached(removed)
@@ -278,6 +282,7 @@ class BlockPool:
             for b in block_ids:
                 if self._ref[b] == 0 and self._pins[b] == 0:
                     self._unlink(b)
+                self._num_pinned += self._pins[b] == 0
                 self._pins[b] += 1
 
     def unpin(self, block_ids: Sequence[int]) -> None:
@@ -286,6 +291,7 @@ class BlockPool:
                 if self._pins[b] <= 0:
                     raise ValueError(f"block {b} is not pinned")
                 self._pins[b] -= 1
+                self._num_pinned -= self._pins[b] == 0
                 if self._ref[b] == 0 and self._pins[b] == 0:
                     self._append(b)
 
@@ -358,7 +364,7 @@ class BlockPool:
                             orphaned[parent] = orphaned.get(parent, 0) + 1
                         progress = True
                     block = self._next[block]
-            self._uncache(evicted)
+            self._num_cached_queued -= self._uncache(evicted)  # every victim was queued
         self._deliver_uncached()
         return evicted
 
@@ -463,6 +469,7 @@ class BlockPool:
         self._next[prev] = nxt
         self._prev[nxt] = prev
         self._num_queued -= 1
+        self._num_cached_queued -= self._slot[block] >= 0
 
     def _append(self, block: int) -> None:
         sentinel = self.num_blocks
@@ -472,18 +479,21 @@ class BlockPool:
         self._next[block] = sentinel
         self._prev[sentinel] = block
         self._num_queued += 1
+        self._num_cached_queued += self._slot[block] >= 0
 
-    def _uncache(self, block_ids: list[int]) -> None:
-        """Drop the hashes of those of ``block_ids`` that hold one (in order: a parent after its children)."""
+    def _uncache(self, block_ids: list[int]) -> int:
+        """Drop the hashes of those of ``block_ids`` that hold one (in order: a parent after its children);
+        returns how many held one."""
         reports = self.on_uncache is not None or self.track_changes
         removed = self._index.remove_blocks(block_ids, with_hashes=reports)
         if not removed.num_removed:
-            return
+            return 0
         self.num_evicted += removed.num_removed
         if not self._chains.keys().isdisjoint(block_ids):
             self._trim_chains(block_ids)
         if reports:
             self._report_uncached(removed)
+        return removed.num_removed
 
     def _report_uncached(self, removed: RemovedBlocks) -> None:
         """Queue the hashes that left the index for ``on_uncache`` (``_deliver_uncached``) and the change log."""
@@ -512,8 +522,10 @@ class BlockPool:
             for b in range(n):
                 assert self._ref[b] >= 0 and self._pins[b] >= 0, f"block {b}: negative count"
                 assert (b in queued) == self._is_queued(b), f"block {b}: queue membership != ref/pin state"
-            used, cached, free, _ = self.usage()
+            used, cached, free, pinned = self.usage()
             assert used + cached + free == n, "used + cached + free != total"
+            assert cached == sum(1 for b in queued if self._slot[b] >= 0), "cached counter drifted"
+            assert pinned == sum(1 for p in self._pins if p), "pinned counter drifted"
             self._index.check_integrity()
             hash_of = self._index.hash_of
             children = [0] * n
