@@ -72,3 +72,30 @@ def test_the_step_clock_splits_the_steps_wall_time():
     assert stats["engine_on_cpu_share"] > 0.0 and stats["engine_step_s"] > 0.0
     assert 10 <= stats["engine_decode_steps"] < stats["engine_steps_timed"]  # the prompt step is not one
     assert 0.0 < stats["engine_decode_step_s"] < stats["engine_step_s"]
+
+
+def test_changes_as_the_owner_run_on_the_engine_thread_in_order_and_at_once_where_no_loop_runs():
+    """``run_as_owner``: from another thread, on the engine thread, after what was sent before it (a grant's
+    quarantine reference must be taken before the load that reports its blocks lands); before the loop starts,
+    at once on the caller's thread."""
+    llm = LLM("tiny-llama", progress=False)
+    loop = EngineLoop(llm.engine, "t", lambda seq: None, lambda seq, why: None, lambda: None)
+    ran: list[tuple[str, str]] = []
+    loop.run_as_owner(lambda: ran.append(("before start", threading.current_thread().name)))
+    assert ran == [("before start", threading.current_thread().name)]
+    loop.start()
+    try:
+        release = threading.Event()
+        loop.call_soon(release.wait)  # the engine thread is busy: what follows must queue behind it
+        loop.call_soon(lambda: ran.append(("sent first", threading.current_thread().name)))
+        loop.run_as_owner(lambda: ran.append(("as owner", threading.current_thread().name)))
+        loop.call_soon(lambda: loop.run_as_owner(lambda: ran.append(("from the engine thread", "at once"))))
+        assert len(ran) == 1  # nothing ran on this thread
+        release.set()
+        deadline = time.monotonic() + 30
+        while len(ran) < 4 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert ran[1:] == [("sent first", "kvmesh-engine-t"), ("as owner", "kvmesh-engine-t"),
+                           ("from the engine thread", "at once")]
+    finally:
+        loop.close()

@@ -371,16 +371,3 @@ def test_a_busy_node_sends_out_what_an_idle_one_computes():
 
     assert not worth_a_lookup(768, 100_000.0, 0.010)  # 7.7 ms here: no fetch can win
     assert worth_a_lookup(768, 100_000.0, 0.010, local_queue_s=0.005)
-
-
-def test_a_prefill_node_refuses_a_prompt_it_would_finish_after_the_requesters_deadline():
-    """Forced or not, a prompt estimated past the requester's deadline is refused at once: accepted, the requester
-    would wait out its timeout and then compute the prompt itself: the work twice, the first token later than
-    computing it there from the start."""
-    from kvmesh.prefill_node.worker import too_late
-
-    assert too_late(2.0, 0, 10_000) == ""  # forced (no wanted_within), in time: taken
-    assert "past the requester's deadline of 10000 ms" in too_late(12.0, 0, 10_000)
-    assert "the requester computes it in 1500 ms" in too_late(2.0, 1500, 10_000)  # the requester is sooner
-    assert too_late(1.0, 1500, 10_000) == ""
-    assert "deadline" in too_late(12.0, 20_000, 10_000)  # sooner than the requester, still past its deadline

@@ -26,7 +26,10 @@ fence, the proof that no byte of the transfer lands after release:
 
 The caller of ``revoke`` keeps its own references (PROCESS) and must stop using the
 returned (tainted) block ids: swap them for fresh blocks and free its references; the
-pool only hands them out again once the table has released its own. A LANDING grant's
+pool only hands them out again once the table has released its own. The table takes and
+drops those references through ``run_on_owner``: on a node, messages the engine thread (the
+pool's owner) runs at its next step boundary, in the order sent; a conversation revokes before
+its load reports, so the table's reference is taken before the caller's is dropped. A LANDING grant's
 slots belong to the conversation while the grant is open or closed, to the table once
 it is revoked.
 """
@@ -76,10 +79,13 @@ class Grant:
 
 class GrantTable:
     def __init__(self, pool: BlockPool, base_addr: int, block_bytes: int, writes_refusable: bool,
-                 landing: LandingZone | None = None):
+                 landing: LandingZone | None = None,
+                 run_on_owner: Callable[[Callable[[], None]], None] | None = None):
         """``writes_refusable``: the transfer backend calls ``guard_write`` before every incoming write.
-        ``landing``: where LANDING grants' slots go back to (None: this node issues none)."""
+        ``landing``: where LANDING grants' slots go back to (None: this node issues none). ``run_on_owner``:
+        runs a change of the pool on the thread that owns it, in the order given (None: at once, here)."""
         self.pool = pool
+        self._run_on_owner = run_on_owner or _run_here
         self.base_addr = base_addr
         self.block_bytes = block_bytes
         self.writes_refusable = writes_refusable
@@ -143,7 +149,7 @@ class GrantTable:
             if grant.fence is Fence.LANDING:
                 self.landing.fence(held)
             else:
-                self.pool.touch(held)
+                self._run_on_owner(lambda: self.pool.touch(held))
             grant.state, grant.quarantined = GrantState.QUARANTINED, tuple(held)
             grant.quarantined_at = time.monotonic()
             self.num_quarantined_total += len(held)
@@ -187,7 +193,8 @@ class GrantTable:
         blocks = [b for g in grants if g.fence is not Fence.LANDING for b in g.quarantined]
         if slots:
             self.landing.unfence(slots)
-        self.pool.free(blocks)
+        if blocks:
+            self._run_on_owner(lambda: self.pool.free(blocks))
         return len(slots) + len(blocks)
 
     def has(self, grant_id: str) -> bool:
@@ -244,6 +251,10 @@ class GrantTable:
                     assert self.pool.block_state(b).ref_count >= 1, f"quarantined block {b} has no reference"
         if self.landing is not None:
             self.landing.check_integrity()
+
+
+def _run_here(change: Callable[[], None]) -> None:
+    change()
 
 
 def _alive(grant: Grant) -> bool:

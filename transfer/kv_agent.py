@@ -49,7 +49,8 @@ class TransferAgent:
                  directory: PeerDirectory, auth: ClusterAuth | None = None, host: str = "127.0.0.1",
                  num_workers: int = 4, advertise: str | None = None, verify_kv: bool = False,
                  kv_memory: str = "auto", shared_region: SharedRegion | None = None, shared_writes: bool = True,
-                 num_landing_slots: int = -1, landing_chunk_bytes: int = -1, tracer=None):
+                 num_landing_slots: int = -1, landing_chunk_bytes: int = -1, tracer=None,
+                 run_on_owner: Callable[[Callable[[], None]], None] | None = None):
         """``verify_kv``: send a crc32 of every pushed block and check the ones received (registered memory
         the CPU can read); blocks through landing slots are checked always. ``kv_memory``: direct, host-staging
         or auto (``transfer/kv_memory.py``). ``shared_region``: where ``kv_buffer`` lives in shared memory
@@ -58,7 +59,9 @@ class TransferAgent:
         from the buffer, ``transfer/landing.py``; ignored for an engine whose receiver refuses stray writes).
         ``landing_chunk_bytes``: pushes into those slots come in chunks of about this size, each copied and checked
         while the next is on the wire (-1: ``default_chunk_bytes`` for the transport and this machine; 0: whole).
-        ``tracer``: the node's (``kvmesh/tracing.py``): its holder's pushes of traced requests are spans."""
+        ``tracer``: the node's (``kvmesh/tracing.py``): its holder's pushes of traced requests are spans.
+        ``run_on_owner``: runs a change of the pool on the thread that owns it (a node's engine thread, between
+        steps; None: at once, on the caller's): the grant table's quarantine references go through it."""
         self.node_id = node_id
         self.pool = pool
         self.engine = engine
@@ -90,7 +93,7 @@ class TransferAgent:
             if engine.register(self.landing.tensor) != self.landing.base_addr:
                 raise TransferError("the transfer engine registered the landing zone at another address")
         self.grants = GrantTable(pool, self.base_addr, self.block_bytes, writes_refusable=refusable,
-                                 landing=self.landing)
+                                 landing=self.landing, run_on_owner=run_on_owner)
         if refusable:
             engine.set_write_guard(self.grants.guard_write)
         self._endpoint = RouterEndpoint(host, self._on_message, f"side-channel-{node_id}", self.auth,

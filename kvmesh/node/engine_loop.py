@@ -62,6 +62,15 @@ class EngineLoop:
         """Run ``fn`` on the engine thread (the only one that touches the engine)."""
         self._commands.put(fn)
 
+    def run_as_owner(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` as the engine's owner: while the loop runs, on its thread between steps, in order behind the
+        commands sent before it (``call_soon``); at once where the caller is that thread or no loop runs yet
+        (start-up probes own the engine then) or any more."""
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self.call_soon(fn)
+        else:
+            fn()
+
     def wake(self) -> None:
         """Any thread: run one more loop round (its ``after_step``: something else changed what the node
         publishes)."""

@@ -174,6 +174,13 @@ class NodeRuntime:
         self.decode_step_s = probe.decode_step_s
         self.engine.on_prefill_step = self.prefill_cost.record
         self.engine.on_token = self.on_token
+        # Engine thread: the events of this step per client connection, sent as one frame at its end.
+        self._outbox: dict[bytes, list[bytes]] = {}
+        self.num_events_sent = self.num_event_frames = 0
+        self.loop = EngineLoop(self.engine, cfg.node_id, self.on_finish, self.on_failed, self._after_step,
+                               cores=CoreShare.from_argument(cfg.core_share) if cfg.core_share else None,
+                               on_broken=self._break)
+        self.call_soon = self.loop.call_soon
         self.membership = ClusterMembership(cfg.etcd, cfg.cluster, cfg.node_id,
                                             index_namespace(self.engine.namespace), cfg.lease_ttl_s,
                                             on_peer_left=self._peer_left, on_pin_change=self._pin_changed,
@@ -186,7 +193,8 @@ class NodeRuntime:
                                    kv_memory=cfg.kv_transfer_memory,
                                    shared_region=self.shared_kv.region if self.shared_kv is not None else None,
                                    shared_writes=cfg.shared_memory_transfers,
-                                   num_landing_slots=cfg.num_landing_slots, tracer=self.tracer)
+                                   num_landing_slots=cfg.num_landing_slots, tracer=self.tracer,
+                                   run_on_owner=self.loop.run_as_owner)  # the pool's owner: the engine thread
         self.tiers: TieredCache | None = None
         host_kv_bytes = cfg.host_kv_bytes
         if host_kv_bytes < 0:  # sized here: none without a prefix cache (nothing would ever be reused from it)
@@ -196,22 +204,15 @@ class NodeRuntime:
         if tier_cfg.enabled:
             self.tiers = TieredCache(self.pool, self.engine.runner.kv_buffer, tier_cfg, self.engine.kv.root_hash,
                                      name=cfg.node_id, checksums=self.agent.checksums,
-                                     on_index_change=lambda: self.loop.wake())  # publish them, even when idle
+                                     on_index_change=self.loop.wake)  # publish them, even when idle
             for tensor in self.tiers.registered_tensors():  # pushes read host-tier and staged disk blocks in place
                 self.agent.engine.register(tensor)
             self.agent.holder.source = TieredSource(self.pool, self.agent.base_addr, self.agent.block_bytes,
                                                     self.tiers, self.agent.memory.stage_out)
         self.gc_pauses = GCPauses()  # installed when serving starts (stats: every collection's pause)
-        # Engine thread: the events of this step per client connection, sent as one frame at its end.
-        self._outbox: dict[bytes, list[bytes]] = {}
-        self.num_events_sent = self.num_event_frames = 0
-        self.loop = EngineLoop(self.engine, cfg.node_id, self.on_finish, self.on_failed, self._after_step,
-                               cores=CoreShare.from_argument(cfg.core_share) if cfg.core_share else None,
-                               on_broken=self._break)
         self.workers = ThreadPoolExecutor(16, thread_name_prefix=f"kvmesh-{cfg.node_id}")
         self.endpoint = RouterEndpoint(cfg.host, self._on_request, f"requests-{cfg.node_id}", self.auth,
                                        advertise=self.advertise_host)
-        self.call_soon = self.loop.call_soon
 
     @property
     def may_decode(self) -> bool:
