@@ -105,7 +105,8 @@ class DecodeRole:
         """Seed the shared-memory link's round trip (``link_probe.py``); network links keep ``--transfer-rtt-ms``."""
         if self.agent.shared_region is None or self.agent.shared_writer is None or not self.cfg.enable_prefix_caching:
             return
-        probe_s = probe_shared_memory_round_trip(self.cfg.node_id, self.engine, self.agent)
+        with self.engine.unobserved():  # its prompt is no client's, its step no measure of serving
+            probe_s = probe_shared_memory_round_trip(self.cfg.node_id, self.engine, self.agent)
         if probe_s is not None:
             self.rates.seed_round_trip(probe_s + self.node.decode_step_s / 2, SHARED_MEMORY)
             log.info("%s: shared-memory fetch round trip %.2f ms (probe %.2f ms + half a decode step)",

@@ -220,3 +220,27 @@ def test_remote_kv_never_runs_more_than_max_num_seqs(reference):
             assert third.status is RequestStatus.WAITING_FOR_REMOTE_KV and third in engine.scheduler.kv_landed
     assert most <= 2 and third.output_token_ids == reference[PROMPTS[3]]
     engine.check_integrity()
+
+
+def test_hooks_given_at_construction_hear_every_token_and_prompt_step_except_unobserved_ones():
+    """A node passes its accounting as ``EngineHooks`` when it builds the engine; its start-up probes step inside
+    ``unobserved`` (their tokens are no client's, their steps no measure of serving)."""
+    from kvmesh.engine.engine import EngineHooks, LLMEngine
+
+    tokens, prompt_steps = [], []
+    base = LLM("tiny-llama", progress=False).engine
+    engine = LLMEngine(base.loaded, base.config, hooks=EngineHooks(
+        on_token=lambda seq, token_id: tokens.append((seq.request_id, token_id)),
+        on_prefill_step=lambda num_tokens, seconds: prompt_steps.append(num_tokens)))
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    with engine.unobserved():
+        probe = engine.add_request(list(range(5, 45)), params)
+        while not probe.is_finished:
+            engine.step()
+    assert tokens == [] and prompt_steps == []
+    seq = engine.add_request(list(range(7, 47)), params)
+    while not seq.is_finished:
+        engine.step()
+    assert tokens == [(seq.request_id, t) for t in seq.output_token_ids] and len(tokens) == 3
+    assert prompt_steps == [40]
+    engine.check_integrity()

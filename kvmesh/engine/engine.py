@@ -9,7 +9,8 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -67,14 +68,24 @@ class EngineConfig:
     run_ahead: bool = True  # with decode graphs: launch the next decode step before reading this one's tokens
 
 
+@dataclass(frozen=True)
+class EngineHooks:
+    """Who hears of the engine's work, on the thread that steps it: every sampled token (``on_token(seq, token_id)``)
+    and every step that computed prompt tokens (``on_prefill_step(num_tokens, seconds)``: the whole step)."""
+
+    on_token: Callable[[Sequence, int], None] | None = None
+    on_prefill_step: Callable[[int, float], None] | None = None
+
+
 class LLMEngine:
     def __init__(self, loaded: LoadedModel, config: EngineConfig, kv_allocator: SharedKVAllocator | None = None,
-                 prompt_budget: PromptBudget | None = None):
+                 prompt_budget: PromptBudget | None = None, hooks: EngineHooks = EngineHooks()):
         """``kv_allocator``: allocates the KV cache in shared memory (nodes: for same-host peers,
         ``kvmesh/kv/shared_buffer.py``); used only when the model is on the CPU. Default: ``torch.zeros``, or at
         tensor-parallel size > 1 on the CPU an allocator of the engine's own (the ranks map the buffer).
         ``prompt_budget``: the scheduler's cap on a step's prompt tokens (a node's ``LandingBound``; none: the
-        step's token budget only)."""
+        step's token budget only). ``hooks``: told of tokens and prompt steps (a node's accounting; none by default),
+        except inside ``unobserved``."""
         self.loaded = loaded
         self.config = config
         self.tokenizer = loaded.tokenizer
@@ -122,9 +133,8 @@ class LLMEngine:
         self.run_ahead = RunAhead(self.runner, self.scheduler, self.kv, self.pool, self.max_model_len,
                                   enabled=config.run_ahead and self.speculator is None)
         self.num_steps = 0
-        self.on_token: Callable[[Sequence, int], None] | None = None  # called for every sampled token
-        # Called after every step that computed prompt tokens: (tokens computed in the step, its seconds).
-        self.on_prefill_step: Callable[[int, float], None] | None = None
+        self.hooks = hooks
+        self._observed = True  # False inside ``unobserved``
 
     def _capture_graphs(self) -> None:
         """CUDA graphs of decode steps for every batch size up to ``max_num_seqs`` and of prompt steps per token
@@ -218,6 +228,16 @@ class LLMEngine:
             self.run_ahead.drop_dead()
 
     # ---- one step --------------------------------------------------------------------------
+    @contextmanager
+    def unobserved(self) -> Iterator[None]:
+        """Steps inside report to no hook: a node's start-up probes (their tokens are no client's, their steps no
+        measure of serving)."""
+        self._observed = False
+        try:
+            yield
+        finally:
+            self._observed = True
+
     def step(self) -> list[Sequence]:
         """Run one forward; returns the sequences that finished in it (their blocks are freed), FAILED ones (a
         row of non-finite logits) among them with ``error`` set."""
@@ -248,8 +268,9 @@ class LLMEngine:
         drafts = drafts or {}
         started = time.perf_counter()
         results = self.runner.execute(batch, drafts)
-        if self.on_prefill_step is not None and any(n > 1 and i not in drafts for i, (_, n) in enumerate(batch)):
-            self.on_prefill_step(sum(n for _, n in batch), time.perf_counter() - started)
+        on_prefill_step = self.hooks.on_prefill_step if self._observed else None
+        if on_prefill_step is not None and any(n > 1 and i not in drafts for i, (_, n) in enumerate(batch)):
+            on_prefill_step(sum(n for _, n in batch), time.perf_counter() - started)
         return self.finish_step(batch, drafts, results)
 
     def finish_step(self, batch, drafts: dict, results: list) -> list[Sequence]:
@@ -291,8 +312,8 @@ class LLMEngine:
         seq.output_logprobs.append(sampled.logprob)
         if seq.params.logprobs is not None:
             seq.output_top_logprobs.append(sampled.top)
-        if self.on_token is not None:
-            self.on_token(seq, sampled.token_id)
+        if self.hooks.on_token is not None and self._observed:
+            self.hooks.on_token(seq, sampled.token_id)
         return self._check_stop(seq)
 
     def _check_stop(self, seq: Sequence) -> bool:

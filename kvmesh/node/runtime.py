@@ -31,7 +31,7 @@ from kvmesh import lifecycle
 from kvmesh.auth import ClusterAuth, require_secret
 from kvmesh.gc_pauses import GCPauses, freeze_start_up
 from kvmesh.metadata.keys import DEFAULT_CLUSTER  # noqa: F401 (re-exported: NodeConfig's default)
-from kvmesh.engine.engine import EngineConfig, LLMEngine
+from kvmesh.engine.engine import EngineConfig, EngineHooks, LLMEngine
 from kvmesh.engine.scheduler import SchedulerConfig
 from kvmesh.engine.sequence import Sequence
 from kvmesh.engine.spec_decode.speculator import SpeculativeConfig
@@ -166,14 +166,14 @@ class NodeRuntime:
             scheduler=SchedulerConfig(max_num_seqs=cfg.max_num_seqs,
                                       max_num_batched_tokens=cfg.max_num_batched_tokens,
                                       long_prefill_token_threshold=max(cfg.long_prefill_token_threshold, 0))),
-            kv_allocator=self.shared_kv, prompt_budget=self.landings)
+            kv_allocator=self.shared_kv, prompt_budget=self.landings,
+            hooks=EngineHooks(on_token=self.on_token, on_prefill_step=self._prefill_step_done))
         self.pool = self.engine.pool
         # Seeded by a start-up measurement, then kept current by every step that computes prompt tokens.
-        probe = self._probe()
+        with self.engine.unobserved():
+            probe = self._probe()
         self.prefill_cost = CostFit(probe.prefill_points)
         self.decode_step_s = probe.decode_step_s
-        self.engine.on_prefill_step = self.prefill_cost.record
-        self.engine.on_token = self.on_token
         # Engine thread: the events of this step per client connection, sent as one frame at its end.
         self._outbox: dict[bytes, list[bytes]] = {}
         self.num_events_sent = self.num_event_frames = 0
@@ -471,6 +471,10 @@ class NodeRuntime:
         self.endpoint.send(identity, encode(nm.TokenEvent(getattr(msg, "request_id", ""), [], finished=True,
                                                           error=f"{self.role_name} node does not take {msg.TYPE}",
                                                           error_kind=nm.ERROR_INVALID)))
+
+    def _prefill_step_done(self, num_tokens: int, seconds: float) -> None:
+        """Engine thread: a step that computed prompt tokens keeps the fitted prompt cost current."""
+        self.prefill_cost.record(num_tokens, seconds)
 
     def on_token(self, seq: Sequence, token_id: int) -> None:
         pass
