@@ -177,8 +177,8 @@ class BlockPool:
             return out
 
     def usage(self) -> PoolUsage:
-        """Used, cached (free and matchable), free and pinned blocks, from counters kept as blocks move (O(1):
-        the stats thread reads it without holding the lock across the pool)."""
+        """Used, cached (free and matchable), free and pinned blocks, from counters kept as blocks move: O(1) under
+        the lock (the stats thread calls it; a scan of every block held the lock for the whole pool)."""
         with self._lock:
             num_cached = self._num_cached_queued
             return PoolUsage(self.num_blocks - self._num_queued, num_cached, self._num_queued - num_cached,
