@@ -129,4 +129,9 @@ def test_the_shifting_workload_reports_every_mode_and_phase(tmp_path):
     assert [p["name"] for p in m["phases"]] == ["prefill-heavy", "decode-heavy"]
     assert all(p["requests"] == 6 == len(p["requests_ms"]) and p["goodput_rps"] >= 0 for p in m["phases"])
     assert m["roles_over_time"] and m["nodes"] == {"prefill": 1, "decode": 2}
+    from kvmesh.bench.shifting import NODE_WORK_KEYS  # each node's account, read from its stats at the end
+
+    assert set(m["node_work"]) == {"prefill-0", "decode-0", "decode-1"}
+    assert all(set(work) == set(NODE_WORK_KEYS) and work["num_prefills"] >= 0 and work["prefill_tokens_per_s"] > 0
+               for work in m["node_work"].values())
     assert (tmp_path / "plots" / "roles_over_time.png").stat().st_size > 0

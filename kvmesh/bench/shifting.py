@@ -26,6 +26,10 @@ from kvmesh.cluster.local_launcher import LocalCluster
 from kvmesh.cluster.router import Router, RouterConfig
 
 PHASES = ("prefill-heavy", "decode-heavy")
+# Each node's account at the end of a mode: prompts it computed for others and refused as busy; as a decode node,
+# conversations with prefill nodes that failed or were refused, and the rate it fitted to each prefill node.
+NODE_WORK_KEYS = ("num_prefills", "num_prefills_refused_busy", "prefill_tokens_per_s", "num_fallbacks",
+                  "num_prefill_refusals", "prefill_node_tokens_per_s")
 
 
 @dataclass
@@ -98,6 +102,7 @@ def run_shifting_mode(name: str, args, phases: list[list[ShiftRequest]], bar) ->
         sampler.start()
         outcomes: list[Outcome] = []
         phase_s = []
+        node_work: dict[str, dict] = {}
         try:
             for requests in phases:
                 began = time.perf_counter()
@@ -106,8 +111,9 @@ def run_shifting_mode(name: str, args, phases: list[list[ShiftRequest]], bar) ->
                         outcomes.append(outcome)
                         bar.update(1)
                 phase_s.append(time.perf_counter() - began)
-            for node_id in cluster.nodes:
-                cluster.client(node_id).stats(check=True)  # every pool still consistent
+            for node_id in cluster.nodes:  # every pool still consistent; who computed and refused what
+                stats = cluster.client(node_id).stats(check=True)
+                node_work[node_id] = {key: stats.get(key, 0) for key in NODE_WORK_KEYS}
         finally:
             stop.set()
             sampler.join(5)
@@ -115,7 +121,7 @@ def run_shifting_mode(name: str, args, phases: list[list[ShiftRequest]], bar) ->
             history = [{"t": t - wall_start, "node": n, "to": role, "reason": why} for t, n, role, why in
                        (router.roles.history if router.roles is not None else [])]
             router.close()
-    return _summary(name, args, phases, outcomes, phase_s, timeline, moves, history)
+    return {**_summary(name, args, phases, outcomes, phase_s, timeline, moves, history), "node_work": node_work}
 
 
 def _summary(name, args, phases, outcomes, phase_s, timeline, moves, history) -> dict:
