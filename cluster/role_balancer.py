@@ -15,7 +15,7 @@ with at most one ``RoleMove``. Two pressures are compared, each as a share of it
 A decode node moves to prefill when prefill pressure is high (>= ``high``) and decode pressure low
 (<= ``low``), and back the other way; the node moved is the least loaded of its role. A cluster without a
 prefill node is a special case both ways: the last prefill node leaves only when decode nodes miss their SLO
-(decode pressure >= 1) for twice ``sustain`` ticks, and with none left a decode node moves back on prefill
+(decode pressure >= 1, not only ``high``), and with none left a decode node moves back on prefill
 pressure alone (the decode nodes compute every prompt then, so their own pressure is partly the load a
 prefill node takes off them, and waiting for it to fall would keep the cluster all-decode). Hysteresis keeps
 it from flapping: the same verdict must hold for ``sustain`` ticks in a row, no move within
@@ -107,11 +107,9 @@ class RoleBalancer:
         elif decode >= cfg.high and prefill <= cfg.low:
             verdict = "decode"
         self._streak = (verdict, self._streak[1] + 1 if verdict == self._streak[0] else 1)
-        last_prefill_leaves = verdict == "decode" and num_prefill == 1
-        sustain = 2 * cfg.sustain if last_prefill_leaves else cfg.sustain
-        if not verdict or self._streak[1] < sustain or now - self._last_move_at < cfg.cooldown_s:
+        if not verdict or self._streak[1] < cfg.sustain or now - self._last_move_at < cfg.cooldown_s:
             return None
-        if last_prefill_leaves and decode < 1.0:
+        if verdict == "decode" and num_prefill == 1 and decode < 1.0:
             return None  # an all-decode cluster computes every prompt on its decode nodes: only for a missed SLO
         if any(n.role == "draining" for n in loads):
             return None  # one change at a time
