@@ -5,8 +5,9 @@ interface, advertised as ``advertise``) with a data dir of its own, waited on
 until healthy, and stopped on ``stop()`` / context exit / interpreter exit.
 ``restart()`` keeps the client port and data (tests use it to take etcd down and bring
 it back). A port picked here can be taken by another process before etcd binds it
-(any outgoing connection may be handed it as its source port): a start that fails on
-"address already in use" picks new ports, where they are ours to pick, and tries again.
+(any outgoing connection may be handed it as its source port, another etcd may be listening on it):
+a start that fails on "address already in use", or whose health check another etcd answers, picks
+new ports, where they are ours to pick, and tries again.
 ``command_prefix`` runs it elsewhere (``ip netns exec NS``: another host).
 etcd runs under ``metadata/etcd_keeper.py``, which stops it and removes its data dir
 if this process dies without cleaning up (even by SIGKILL).
@@ -14,6 +15,7 @@ if this process dies without cleaning up (even by SIGKILL).
 from __future__ import annotations
 
 import atexit
+import json
 import os
 import shutil
 import socket
@@ -146,14 +148,28 @@ class EmbeddedEtcd:
                 raise EtcdStartError(f"etcd exited with {code}: {tail}")
             try:
                 with _NO_PROXY.open(f"{advertised}/health", timeout=1) as r:
-                    if b'"health":"true"' in r.read():
-                        return
-            except OSError:
+                    healthy = b'"health":"true"' in r.read()
+                if healthy and self._answered_by_us(advertised, peer):
+                    return
+                if healthy:  # another etcd listens on the port ours was to take: ours will not bind it
+                    self.stop()
+                    raise _PortTaken(self.client_port)
+            except (OSError, ValueError):  # not answering yet; a reply cut short
                 pass
             time.sleep(0.05)
         tail = self._log_tail(log_path, log_start)
         self.stop()
         raise EtcdStartError(f"etcd not healthy within {timeout_s} s: {tail}")
+
+    @staticmethod
+    def _answered_by_us(advertised: str, peer: str) -> bool:
+        """Whether the etcd answering at ``advertised`` is the one started here (its only member has our peer
+        URL): until ours binds the client port or fails to, another etcd holding that port answers health
+        checks (the member list needs no credentials)."""
+        request = urllib.request.Request(f"{advertised}/v3/cluster/member/list", data=b"{}", method="POST")
+        with _NO_PROXY.open(request, timeout=1) as r:
+            members = json.loads(r.read()).get("members", [])
+        return any(peer in member.get("peerURLs", ()) for member in members)
 
     def _log_tail(self, log_path: Path, offset: int, lines: int = 5) -> str:
         """The last lines etcd logged in this start, quoted into errors: a data dir of ours is removed with its

@@ -219,6 +219,28 @@ def test_a_given_port_in_use_is_a_clear_error():
             server.cleanup()
 
 
+def test_another_etcd_on_the_port_is_never_taken_for_ours():
+    """Until ours binds its client port (or fails to), another etcd already listening there answers the health
+    check: a start must not take it for its own (CI saw nodes register with another test's etcd, which then
+    went away). A picked port is picked again; a given one is a clear error."""
+    with EmbeddedEtcd() as other:
+        given = EmbeddedEtcd(port=other.client_port)
+        try:
+            with pytest.raises(EtcdStartError, match=f"port {other.client_port}: address already in use"):
+                given.start()
+        finally:
+            given.cleanup()
+        picked = EmbeddedEtcd()
+        picked.client_port = other.client_port  # taken by the other etcd after it was picked
+        with picked:
+            assert picked.client_port != other.client_port
+            ours, theirs = EtcdStore(picked.endpoint), EtcdStore(other.endpoint)
+            ours.put_many([KeyValue("/kvmesh-test/whose", b"ours")])
+            assert theirs.get_many(["/kvmesh-test/whose"]) == [None]
+            ours.close()
+            theirs.close()
+
+
 def test_an_etcd_that_cannot_start_says_why_in_the_error():
     """The error quotes etcd's own words: its log lives in a temporary data dir that is removed with it."""
     server = EmbeddedEtcd(command_prefix=["sh", "-c", "echo 'etcd: cannot start: the disk is on fire'; exit 3", "--"])
