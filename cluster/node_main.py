@@ -77,7 +77,8 @@ def add_node_arguments(p: argparse.ArgumentParser) -> None:
                         "with one copy, and push that way to such peers; off: every push goes through the engine")
     p.add_argument("--lease-ttl", type=int, default=10)
     p.add_argument("--prefill-timeout", type=float, default=10.0,
-                   help="decode nodes give up on a prefill node's blocks after this many seconds (then compute)")
+                   help="decode nodes give up on a prefill node's blocks this many seconds past the time it "
+                        "accepted them for (the decode node's own estimate of computing them), then compute")
     p.add_argument("--enforce-eager", action="store_true",
                    help="on a CUDA device: no CUDA graphs of decode or prompt steps (captured at start-up otherwise)")
     p.add_argument("--role-changes", action="store_true",

@@ -132,7 +132,8 @@ class PrefillNodes:
         had cached rather than computed, and how the writes were fenced.
 
         ``local_s``: the plan's estimate without peers (0: forced, no limit): a prefill node that cannot deliver
-        sooner, its backlog from every decode node included, refuses (BUSY). ``reserved``: the (node, tokens)
+        sooner, its backlog from every decode node included, refuses (BUSY); one that accepted is given that long
+        plus the prefill timeout before this node computes the blocks itself. ``reserved``: the (node, tokens)
         ``reserve``d when this conversation was planned, released here as each conversation counts its own."""
         if reserved is not None:
             self.release(*reserved)
@@ -142,6 +143,9 @@ class PrefillNodes:
             if lease.cancelled():
                 break
             wanted_within_s = max(1e-3, local_s - (time.perf_counter() - asked)) if local_s > 0 else 0.0
+            # A prefill node that accepts promises to beat ``wanted_within_s``; giving up on one that is late but
+            # still computing would only start the whole prompt again here. The timeout is the grace past that.
+            timeout_s = min(self._timeout_s + wanted_within_s, m.MAX_WAIT_MS / 1000)
             num_tokens = (end - got) * self._block_size
             with self._lock:
                 self._in_flight[node_id] += 1
@@ -150,7 +154,7 @@ class PrefillNodes:
             try:
                 outcome = self._requester.compute_and_push(
                     node_id, list(lease.block_ids[got:end]), list(lease.prompt_token_ids), got,
-                    request_id=f"{lease.request_id}/prefill", timeout_s=self._timeout_s,
+                    request_id=f"{lease.request_id}/prefill", timeout_s=timeout_s,
                     wanted_within_s=wanted_within_s, cache_salt=lease.cache_salt,
                     trace_context=trace_context)
             finally:

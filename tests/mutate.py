@@ -275,6 +275,11 @@ MUTATIONS = (
              "            q = ops.rope_store(qkv, *rope, k_cache, v_cache, md, self.num_heads, keys_out=k)\n"
              "            k = qkv[:, self.split_sizes[0]: self.split_sizes[0] + self.split_sizes[1]].view_as(k)",
              ("tests/test_kernels.py", "-k", "fresh_prompts_take_sdpa")),
+    Mutation("a decode node gives up on a prefill node at the bare timeout, its promise ignored",
+             "decode_node/prefill_nodes.py",
+             "            timeout_s = min(self._timeout_s + wanted_within_s, m.MAX_WAIT_MS / 1000)",
+             "            timeout_s = self._timeout_s",
+             ("tests/test_planner.py", "-k", "within_its_promise")),
     Mutation("an embedded etcd takes another etcd answering on its port for its own", "metadata/embedded_etcd.py",
              "                if healthy and self._answered_by_us(advertised, peer):",
              "                if healthy:",

@@ -184,3 +184,46 @@ def test_prefill_candidates_put_the_named_nodes_first_whatever_their_load():
         nodes.reserve(firsts[-1], 64)
         nodes.release(firsts[-1], 64)
     assert sorted(firsts) == ["p0", "p1", "p2"]
+
+
+def test_a_prefill_node_late_but_within_its_promise_is_waited_for():
+    """A prefill node that accepts a prompt promises to beat the requester's own estimate of computing it
+    (``wanted_within``); the prefill timeout is the grace past that promise. Giving up on a node that is late
+    but still computing would start the whole prompt again here, after the wait. A node that never answers is
+    still given up on (and the rest computed here); a forced conversation (no estimate) waits the timeout."""
+    from kvmesh.decode_node.prefill_nodes import PrefillNodes
+    from kvmesh.engine.kv_connector import KVLease
+    from kvmesh.transfer.errors import TransferTimeout
+    from kvmesh.transfer.requester import PushOutcome
+
+    class Requester:
+        """Each prefill node needs ``work_s`` to deliver; a conversation that allows less times out."""
+        def __init__(self, work_s):
+            self.work_s, self.timeouts = work_s, []
+
+        def compute_and_push(self, node_id, block_ids, prompt, first_block, *, timeout_s, wanted_within_s, **_):
+            self.timeouts.append(timeout_s)
+            if self.work_s[node_id] > timeout_s:
+                return PushOutcome(0, [], TransferTimeout("no final result", peer=node_id))
+            return PushOutcome(len(block_ids), [], None)
+
+    class Links:
+        def record_transfer(self, *args):
+            pass
+
+    class Membership:
+        def nodes(self, role):
+            return {"p0": None}
+
+    lease = KVLease("r", tuple(range(8)), (b"h" * 16,) * 8, tuple(range(130)), 0, 8)
+    late = Requester({"p0": 5.0})  # twice the timeout, within the promise of 8 s
+    nodes = PrefillNodes("d0", Membership(), late, Links(), block_size=16, prior_rtt_s=0.01, timeout_s=2.5)
+    assert nodes.compute_and_push(lease, 0, 8, ["p0"], local_s=8.0).got == 8
+    assert nodes.num_fallbacks == 0 and 10.0 <= late.timeouts[0] <= 10.5
+    hung = Requester({"p0": float("inf")})
+    nodes = PrefillNodes("d0", Membership(), hung, Links(), block_size=16, prior_rtt_s=0.01, timeout_s=2.5)
+    assert nodes.compute_and_push(lease, 0, 8, ["p0"], local_s=8.0).got == 0
+    assert nodes.num_fallbacks == 1
+    forced = Requester({"p0": 5.0})
+    nodes = PrefillNodes("d0", Membership(), forced, Links(), block_size=16, prior_rtt_s=0.01, timeout_s=2.5)
+    assert nodes.compute_and_push(lease, 0, 8, ["p0"], local_s=0.0).got == 0 and forced.timeouts == [2.5]
