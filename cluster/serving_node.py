@@ -34,8 +34,7 @@ class ServingNode(NodeRuntime):
         self.role = NodeRole(RoleState(cfg.role))
         self._record_lock = threading.Lock()
         self.decode = DecodeRole(self)
-        self.prefill = PrefillRole(self)
-        self.agent.holder.compute = self.prefill
+        self.prefill = PrefillRole(self)  # the holder's ComputeAndPush conversations reach it through the node
         self._take_role()
 
     @property

@@ -41,7 +41,7 @@ from kvmesh.kv.block_pool import BlockPool
 from kvmesh.kv.change_signal import ChangeSignal
 from kvmesh.tracing import NO_SPAN, Tracer
 from kvmesh.transfer import messages as m
-from kvmesh.transfer.block_source import BlockSource, PoolSource
+from kvmesh.transfer.block_source import BlockSource, PoolSource, TieredSource
 from kvmesh.transfer.coalesce import address_descriptors
 from kvmesh.transfer.engine import TransferEngine
 from kvmesh.transfer.errors import TransferError, TransferRefused, TransferTimeout
@@ -100,10 +100,13 @@ class _Push:
 class KVHolder:
     def __init__(self, node_id: str, pool: BlockPool, engine: TransferEngine, base_addr: int, block_bytes: int,
                  directory: PeerDirectory, reply: Callable[[bytes, m.Message], None], num_workers: int = 4,
-                 stage_out: Callable[[list[int]], None] | None = None, tracer: Tracer | None = None):
+                 stage_out: Callable[[list[int]], None] | None = None, tracer: Tracer | None = None,
+                 tiers=None, compute: ComputeHook | None = None):
         """``reply(identity, msg)`` sends on the side channel (any thread). ``stage_out(block_ids)`` copies
         pool blocks into the registered memory before they are written (``transfer/kv_memory.py``). ``tracer``:
-        a ``holder.push`` span per push of a traced request."""
+        a ``holder.push`` span per push of a traced request. ``tiers``: the node's lower KV tiers
+        (``TieredCache``), whose blocks pushes send past the pool's cached prefix (None: the pool's only).
+        ``compute``: what serves ComputeAndPush (None: refused, NOT_A_PREFILL_NODE)."""
         self.tracer = tracer or Tracer("")
         self.node_id = node_id
         self.pool = pool
@@ -112,13 +115,14 @@ class KVHolder:
         self.block_bytes = block_bytes
         self.directory = directory
         self.stage_out = stage_out
-        self.source: BlockSource = PoolSource(pool, base_addr, block_bytes, stage_out)  # lower tiers swap it
+        self.source: BlockSource = PoolSource(pool, base_addr, block_bytes, stage_out) if tiers is None else \
+            TieredSource(pool, base_addr, block_bytes, tiers, stage_out)
         # crc32 of the blocks at these source addresses (None: cannot checksum). Sent with every PushResult into
         # landing slots, and with the others too when ``checksum_all``.
         self.checksum: Callable[[list[int]], list[int]] | None = None
         self.checksum_all = False
         self.engine_refusable = hasattr(engine, "set_write_guard")  # receivers of this backend refuse stray writes
-        self.compute: ComputeHook | None = None
+        self.compute = compute
         self.shared: SharedMemoryWriter | None = None  # same-host writes (None: always the engine)
         self._reply = reply
         self._pushes: dict[str, _Push] = {}

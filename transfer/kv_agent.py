@@ -18,7 +18,6 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -29,7 +28,8 @@ from kvmesh.transfer import messages as m
 from kvmesh.transfer.engine import TransferEngine
 from kvmesh.transfer.errors import TransferError
 from kvmesh.transfer.grants import GrantTable
-from kvmesh.transfer.holder import KVHolder
+from kvmesh.transfer.holder import ComputeHook, KVHolder
+from kvmesh.transfer.kv_checksummer import KVChecksummer
 from kvmesh.transfer.kv_memory import choose_kv_memory
 from kvmesh.transfer.landing import LandingZone, default_chunk_bytes, default_num_slots, leading_equal
 from kvmesh.transfer.peers import PeerDirectory, PeerRecord
@@ -41,8 +41,6 @@ from kvmesh.transfer.shared_memory import PeerProcesses, SharedMemoryWriter
 
 log = logging.getLogger("kvmesh.transfer")
 
-_PARALLEL_CHECKSUM_BYTES = 8 * 2**20  # shorter lists are checksummed on the calling thread
-
 
 class TransferAgent:
     def __init__(self, node_id: str, pool: BlockPool, kv_buffer: torch.Tensor, engine: TransferEngine,
@@ -50,7 +48,9 @@ class TransferAgent:
                  num_workers: int = 4, advertise: str | None = None, verify_kv: bool = False,
                  kv_memory: str = "auto", shared_region: SharedRegion | None = None, shared_writes: bool = True,
                  num_landing_slots: int = -1, landing_chunk_bytes: int = -1, tracer=None,
-                 run_on_owner: Callable[[Callable[[], None]], None] | None = None):
+                 run_on_owner: Callable[[Callable[[], None]], None] | None = None,
+                 checksummer: KVChecksummer | None = None, checksums: BlockChecksums | None = None,
+                 tiers=None, compute: ComputeHook | None = None):
         """``verify_kv``: send a crc32 of every pushed block and check the ones received (registered memory
         the CPU can read); blocks through landing slots are checked always. ``kv_memory``: direct, host-staging
         or auto (``transfer/kv_memory.py``). ``shared_region``: where ``kv_buffer`` lives in shared memory
@@ -61,7 +61,11 @@ class TransferAgent:
         while the next is on the wire (-1: ``default_chunk_bytes`` for the transport and this machine; 0: whole).
         ``tracer``: the node's (``kvmesh/tracing.py``): its holder's pushes of traced requests are spans.
         ``run_on_owner``: runs a change of the pool on the thread that owns it (a node's engine thread, between
-        steps; None: at once, on the caller's): the grant table's quarantine references go through it."""
+        steps; None: at once, on the caller's): the grant table's quarantine references go through it.
+        ``checksummer`` / ``checksums``: the node's (``KVChecksummer`` over ``kv_buffer``, the ``BlockChecksums``
+        of ``pool`` computed through it), which it closes; None: the agent's own. ``tiers``: the node's lower KV
+        tiers (``TieredCache``): their host memory is registered and pushes read it. ``compute``: what serves
+        ComputeAndPush conversations (a prefill node's; None: refused)."""
         self.node_id = node_id
         self.pool = pool
         self.engine = engine
@@ -79,16 +83,16 @@ class TransferAgent:
         self.shared_region = shared_region if exposed else None
         # The engine's receiver refuses writes outside open grants (zmq), or one-sided writes land in slots.
         refusable = hasattr(engine, "set_write_guard")
-        self._num_crc_threads = min(4, os.cpu_count() or 1)
-        self._checksummers = ThreadPoolExecutor(self._num_crc_threads, thread_name_prefix=f"kvmesh-crc-{node_id}") \
-            if self._num_crc_threads > 1 else None
+        self.checksummer = checksummer or KVChecksummer(kv_buffer, node_id)
         # A push's checksums of cached blocks: computed once per block, kept while its bytes cannot change.
         # (From the KV buffer itself: a staged host mirror holds the same bytes once a push staged them out.)
-        self.checksums = BlockChecksums(pool, self._checksum_kv_blocks)
+        self.checksums = checksums or BlockChecksums(pool, self.checksummer.kv_blocks)
+        for tensor in tiers.registered_tensors() if tiers is not None else ():  # pushes read them in place
+            engine.register(tensor)
         self.landing: LandingZone | None = None
         if not refusable:
             slots = default_num_slots(self.num_blocks, self.block_bytes) if num_landing_slots < 0 else num_landing_slots
-            self.landing = LandingZone(kv_buffer, slots, self._checksum_kv_blocks, on_landed=self.checksums.remember,
+            self.landing = LandingZone(kv_buffer, slots, self.checksummer.kv_blocks, on_landed=self.checksums.remember,
                                        copy_and_check=None if kv_buffer.is_cuda else self._copy_and_check)
             if engine.register(self.landing.tensor) != self.landing.base_addr:
                 raise TransferError("the transfer engine registered the landing zone at another address")
@@ -101,7 +105,7 @@ class TransferAgent:
         self.side_channel = self._endpoint.endpoint
         self.holder = KVHolder(node_id, pool, engine, self.base_addr, self.block_bytes, directory,
                                lambda identity, msg: self._endpoint.send(identity, m.encode(msg)), num_workers,
-                               stage_out=self.memory.stage_out, tracer=tracer)
+                               stage_out=self.memory.stage_out, tracer=tracer, tiers=tiers, compute=compute)
         self.shared_writer = SharedMemoryWriter(node_id) if shared_writes else None
         self.holder.shared = self.shared_writer
         self.requester = KVRequester(node_id, self.grants, directory, self.auth)
@@ -119,40 +123,19 @@ class TransferAgent:
             self.requester.verify = self._verify_blocks
         self.num_malformed = 0
 
-    def _per_block_on_threads(self, fn: Callable[[list], list[int]], items: list) -> list[int]:
-        """``fn(items)`` (one value per block), a long list split among the checksum threads (the crc32 library and
-        zlib release the GIL)."""
-        if len(items) * self.block_bytes < _PARALLEL_CHECKSUM_BYTES or self._checksummers is None:
-            return fn(items)
-        n = self._num_crc_threads
-        parts = [items[i * len(items) // n:(i + 1) * len(items) // n] for i in range(n)]
-        return [c for part in self._checksummers.map(fn, parts) for c in part]
-
-    def _checksum_addresses(self, addrs: list[int]) -> list[int]:
-        """crc32 of the block at each host address (a lower tier's, the host-visible KV memory), long lists split
-        among threads."""
-        return self._per_block_on_threads(lambda part: fast_crc.crc32_at(part, self.block_bytes), addrs)
-
-    def _checksum_kv_blocks(self, block_ids: list[int]) -> list[int]:
-        """crc32 of KV blocks where the KV buffer lives: a GPU's blocks by one kernel launch on the GPU (no block
-        copied to the host), host blocks on the checksum threads."""
-        if self.kv_buffer.is_cuda:
-            return fast_crc.crc32_blocks(self.kv_buffer, block_ids)
-        return self._per_block_on_threads(lambda part: fast_crc.crc32_blocks(self.kv_buffer, part), block_ids)
-
     def _checksum_sends(self, addrs: list[int]) -> list[int]:
         """crc32 of what a push sends: blocks of the registered KV memory (cached, pinned by the push) from their
         stored checksums (``BlockChecksums``), other memory (a lower tier's host blocks) computed now."""
         end = self.base_addr + self.num_blocks * self.block_bytes
         in_pool = [i for i, a in enumerate(addrs) if self.base_addr <= a < end]
         if not in_pool:
-            return self._checksum_addresses(addrs)
+            return self.checksummer.addresses(addrs)
         out = [0] * len(addrs)
         stored = self.checksums.of_cached([(addrs[i] - self.base_addr) // self.block_bytes for i in in_pool])
         for i, value in zip(in_pool, stored):
             out[i] = value
         rest = [i for i, a in enumerate(addrs) if not self.base_addr <= a < end]
-        for i, value in zip(rest, self._checksum_addresses([addrs[i] for i in rest]) if rest else []):
+        for i, value in zip(rest, self.checksummer.addresses([addrs[i] for i in rest]) if rest else []):
             out[i] = value
         return out
 
@@ -164,11 +147,11 @@ class TransferAgent:
         def run(part: list[tuple[int, int]]) -> list[int]:
             return fast_crc.copy_crc32_at([base + b * nbytes for _, b in part],
                                           [slot_base + s * nbytes for s, _ in part], nbytes)
-        return self._per_block_on_threads(run, pairs)
+        return self.checksummer.per_block(run, pairs)
 
     def _verify_blocks(self, block_ids: list[int], checksums: list[int]) -> int:
         """How many leading blocks of ours hold bytes whose crc32 is the writer's."""
-        return leading_equal(self._checksum_addresses([self.base_addr + b * self.block_bytes for b in block_ids]),
+        return leading_equal(self.checksummer.addresses([self.base_addr + b * self.block_bytes for b in block_ids]),
                              checksums)
 
     def start(self) -> TransferAgent:
@@ -236,8 +219,7 @@ class TransferAgent:
         self.engine.close()
         if self.shared_writer is not None:
             self.shared_writer.close()
-        if self._checksummers is not None:
-            self._checksummers.shutdown(wait=True)
+        self.checksummer.close()
         self.peer_processes.close()
 
 

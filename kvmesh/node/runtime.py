@@ -37,7 +37,7 @@ from kvmesh.engine.sequence import Sequence
 from kvmesh.engine.spec_decode.speculator import SpeculativeConfig
 from kvmesh.device import device_name, resolve_device
 from kvmesh.errors import KvmeshError
-from kvmesh.kv.block_hash import HashNamespace
+from kvmesh.kv.block_hash import BlockHash, HashNamespace
 from kvmesh.engine.kv_probe import prompt_kv_sums
 from kvmesh.kv.shared_buffer import SharedKVAllocator
 from kvmesh.kv.tiers.tiered_cache import TierConfig, TieredCache, auto_host_bytes
@@ -53,9 +53,13 @@ from kvmesh.node.membership import ClusterMembership
 from kvmesh.rate_meter import CostFit
 from kvmesh.router_endpoint import RouterEndpoint
 from kvmesh.tracing import Tracer
-from kvmesh.transfer.block_source import TieredSource
+from kvmesh.kv.block_checksums import BlockChecksums
+from kvmesh.transfer import messages as tm
 from kvmesh.transfer.engine import create_transfer_engine
+from kvmesh.transfer.errors import TransferRefused
+from kvmesh.transfer.holder import ComputeHook
 from kvmesh.transfer.kv_agent import TransferAgent
+from kvmesh.transfer.kv_checksummer import KVChecksummer
 from kvmesh.transfer.peers import FunctionPeers
 from kvmesh.wire import MessageError, decode, encode
 
@@ -185,7 +189,20 @@ class NodeRuntime:
                                             index_namespace(self.engine.namespace), cfg.lease_ttl_s,
                                             on_peer_left=self._peer_left, on_pin_change=self._pin_changed,
                                             token=cfg.cluster_token)
-        self.agent = TransferAgent(cfg.node_id, self.pool, self.engine.runner.kv_buffer,
+        kv_buffer = self.engine.runner.kv_buffer
+        self.tiers: TieredCache | None = None
+        host_kv_bytes = cfg.host_kv_bytes
+        if host_kv_bytes < 0:  # sized here: none without a prefix cache (nothing would ever be reused from it)
+            kv_bytes = kv_buffer.numel() * kv_buffer.element_size()
+            host_kv_bytes = auto_host_bytes(kv_bytes) if cfg.enable_prefix_caching else 0
+        tier_cfg = TierConfig(host_kv_bytes, cfg.disk_kv_bytes, cfg.disk_kv_path, cfg.verify_kv)
+        # The stored crc32 of cached blocks: the transfer agent's pushes and landings and the lower tiers share it.
+        checksummer = KVChecksummer(kv_buffer, cfg.node_id)
+        checksums = BlockChecksums(self.pool, checksummer.kv_blocks)
+        if tier_cfg.enabled:
+            self.tiers = TieredCache(self.pool, kv_buffer, tier_cfg, self.engine.kv.root_hash, name=cfg.node_id,
+                                     checksums=checksums, on_index_change=self.loop.wake)  # publish them, even idle
+        self.agent = TransferAgent(cfg.node_id, self.pool, kv_buffer,
                                    create_transfer_engine(cfg.transfer_backend, host=cfg.host, auth=self.auth,
                                                           advertise=self.advertise_host),
                                    FunctionPeers(self._peer), self.auth, host=cfg.host,
@@ -194,21 +211,9 @@ class NodeRuntime:
                                    shared_region=self.shared_kv.region if self.shared_kv is not None else None,
                                    shared_writes=cfg.shared_memory_transfers,
                                    num_landing_slots=cfg.num_landing_slots, tracer=self.tracer,
-                                   run_on_owner=self.loop.run_as_owner)  # the pool's owner: the engine thread
-        self.tiers: TieredCache | None = None
-        host_kv_bytes = cfg.host_kv_bytes
-        if host_kv_bytes < 0:  # sized here: none without a prefix cache (nothing would ever be reused from it)
-            kv_bytes = self.engine.runner.kv_buffer.numel() * self.engine.runner.kv_buffer.element_size()
-            host_kv_bytes = auto_host_bytes(kv_bytes) if cfg.enable_prefix_caching else 0
-        tier_cfg = TierConfig(host_kv_bytes, cfg.disk_kv_bytes, cfg.disk_kv_path, cfg.verify_kv)
-        if tier_cfg.enabled:
-            self.tiers = TieredCache(self.pool, self.engine.runner.kv_buffer, tier_cfg, self.engine.kv.root_hash,
-                                     name=cfg.node_id, checksums=self.agent.checksums,
-                                     on_index_change=self.loop.wake)  # publish them, even when idle
-            for tensor in self.tiers.registered_tensors():  # pushes read host-tier and staged disk blocks in place
-                self.agent.engine.register(tensor)
-            self.agent.holder.source = TieredSource(self.pool, self.agent.base_addr, self.agent.block_bytes,
-                                                    self.tiers, self.agent.memory.stage_out)
+                                   run_on_owner=self.loop.run_as_owner,  # the pool's owner: the engine thread
+                                   checksummer=checksummer, checksums=checksums, tiers=self.tiers,
+                                   compute=self)  # ComputeAndPush: this node's prefill work, when it has any
         self.gc_pauses = GCPauses()  # installed when serving starts (stats: every collection's pause)
         self.workers = ThreadPoolExecutor(16, thread_name_prefix=f"kvmesh-{cfg.node_id}")
         self.endpoint = RouterEndpoint(cfg.host, self._on_request, f"requests-{cfg.node_id}", self.auth,
@@ -314,6 +319,22 @@ class NodeRuntime:
         if not (self.cfg.use_global_pool and self.cfg.enable_prefix_caching):
             return {}
         return self.membership.lookup_holders(block_hashes)
+
+    # ---- ComputeHook (the holder's worker threads): prompts computed for other nodes go to the prefill work ----
+    prefill: ComputeHook | None = None  # a subclass's prefill role (``PrefillRole``); None: none taken here
+
+    def admit(self, msg: tm.ComputeAndPush) -> list[BlockHash]:
+        if self.prefill is None:
+            raise TransferRefused(f"{self.cfg.node_id} does not compute prompts",
+                                  code=tm.ErrorCode.NOT_A_PREFILL_NODE.value, request_id=msg.request_id)
+        return self.prefill.admit(msg)
+
+    def release(self, request_id: str) -> None:
+        if self.prefill is not None:
+            self.prefill.release(request_id)
+
+    def num_reused(self, request_id: str) -> int:
+        return self.prefill.num_reused(request_id) if self.prefill is not None else 0
 
     def _peer(self, node_id: str):
         """A peer's transfer record from the directory; our own is known without it."""
