@@ -20,8 +20,12 @@ pressure alone (the decode nodes compute every prompt then, so their own pressur
 prefill node takes off them, and waiting for it to fall would keep the cluster all-decode). Hysteresis keeps
 it from flapping: the same verdict must hold for ``sustain`` ticks in a row, no move within
 ``cooldown_s`` of the last one (a drain and the router's view settle first), none while a node is
-draining, and each role keeps its minimum. With one node there is nothing to balance: it serves
-colocated (a decode node computes its own prompts). Pure: no I/O, the clock passed in.
+draining, and each role keeps its minimum. A move is judged by its effect: at the first tick past its
+cooldown, the pressure it was made for must have fallen by ``helped`` (a share of what it was); if it has
+not, no further node moves that way (the role's capacity was not what held it back: nodes sharing cores or
+memory bandwidth, a load that a node more does not spread) until that pressure falls to ``low`` or a node
+moves the other way. With one node there is nothing to balance: it serves colocated (a decode node
+computes its own prompts). Pure: no I/O, the clock passed in.
 """
 from __future__ import annotations
 
@@ -61,6 +65,7 @@ class BalancerConfig:
     cooldown_s: float = 30.0  # after a move, before the next
     min_prefill: int = 0
     min_decode: int = 1
+    helped: float = 0.1  # a move's pressure must fall by this share of itself for another move the same way
 
 
 @dataclass
@@ -73,6 +78,8 @@ class RoleBalancer:
     num_moves: int = 0
     last_reason: str = ""
     last_pressures: tuple[float, float] = (0.0, 0.0)  # (prefill, decode) of the last tick
+    _judging: tuple[str, float] | None = None  # the last move's role and the pressure it was made for, until judged
+    unhelpful: str = ""  # a role the last move to did not relieve: no more moves to it for now
 
     def pressures(self, loads: list[NodeLoad]) -> tuple[float, float]:
         """(prefill pressure, decode pressure) of this tick, each as a share of its SLO (see the module)."""
@@ -100,6 +107,14 @@ class RoleBalancer:
         """One tick: the move to make now, if any (the caller makes it and says so with ``moved``)."""
         cfg = self.config
         prefill, decode = self.last_pressures = self.pressures(loads)
+        pressure_of = {"prefill": prefill, "decode": decode}
+        if self._judging is not None and now - self._last_move_at >= cfg.cooldown_s:
+            role, before = self._judging
+            self._judging = None
+            if pressure_of[role] > before * (1.0 - cfg.helped):
+                self.unhelpful = role
+        if self.unhelpful and pressure_of[self.unhelpful] <= cfg.low:
+            self.unhelpful = ""  # that load is gone: the next rise is judged afresh
         num_prefill = sum(n.role == "prefill" for n in loads)
         verdict = ""
         if prefill >= cfg.high and (decode <= cfg.low or num_prefill == 0):
@@ -109,6 +124,8 @@ class RoleBalancer:
         self._streak = (verdict, self._streak[1] + 1 if verdict == self._streak[0] else 1)
         if not verdict or self._streak[1] < cfg.sustain or now - self._last_move_at < cfg.cooldown_s:
             return None
+        if verdict == self.unhelpful:
+            return None  # the last node moved that way did not relieve it
         if verdict == "decode" and num_prefill == 1 and decode < 1.0:
             return None  # an all-decode cluster computes every prompt on its decode nodes: only for a missed SLO
         if any(n.role == "draining" for n in loads):
@@ -123,8 +140,12 @@ class RoleBalancer:
         return RoleMove(node.node_id, verdict, reason)
 
     def moved(self, move: RoleMove, now: float) -> None:
-        """The move was made: the cooldown starts and the streak restarts."""
+        """The move was made: the cooldown starts, the streak restarts, and the move is judged after the cooldown by
+        the pressure it was made for (this tick's)."""
         self._last_move_at = now
+        self._judging = (move.to_role, self.last_pressures[0 if move.to_role == "prefill" else 1])
+        if self.unhelpful and self.unhelpful != move.to_role:
+            self.unhelpful = ""
         self._streak = ("", 0)
         self.num_moves += 1
         self.last_reason = f"{move.node_id} -> {move.to_role}: {move.reason}"

@@ -102,7 +102,12 @@ class RoleController:
             self._finish_retirements(roles)
             self._removed &= set(roles)  # gone from the directory: forgotten
             loads = [n for n in loads if n.node_id not in self._removed]
+        held = self.balancer.unhelpful
         move = self.balancer.observe(loads, now)
+        if self.balancer.unhelpful and self.balancer.unhelpful != held:
+            prefill, decode = self.balancer.last_pressures
+            log.info("role balancer: the last move to %s did not relieve it (pressure now: prefill %.2f, decode %.2f); "
+                     "no more nodes move that way until it falls", self.balancer.unhelpful, prefill, decode)
         if move is None or self._retiring:
             if self.scaler is not None:
                 self._scale(loads, now, num_nodes=len(entries))

@@ -73,12 +73,48 @@ def test_minimums_one_change_at_a_time_and_one_node():
     assert run(RoleBalancer(CONFIG), [prefill_heavy(("decode",))] * 10) == []  # one node: colocated
 
 
+def relieved_by_moves(balancer: RoleBalancer, loads: list[NodeLoad], ticks: int, relief: float,
+                      tick_s: float = 2.0) -> list[tuple[float, object]]:
+    """``ticks`` ticks of ``loads`` whose prompt queues shrink to ``relief`` of themselves with every move made."""
+    moves = []
+    for k in range(ticks):
+        now = k * tick_s
+        move = balancer.observe([replace(n, queue_s=n.queue_s * relief ** len(moves)) for n in loads], now)
+        if move is not None:
+            balancer.moved(move, now)
+            moves.append((now, move))
+    return moves
+
+
 def test_the_cooldown_spaces_moves():
-    balancer = RoleBalancer(CONFIG)
-    trace = [prefill_heavy(("prefill", "decode", "decode", "decode"))] * 30
-    moves = run(balancer, trace)
+    four = prefill_heavy(("prefill", "decode", "decode", "decode"))  # prefill pressure 1.5, less after each move
+    moves = relieved_by_moves(RoleBalancer(CONFIG), four, 60, relief=0.8)
     times = [t for t, _ in moves]
     assert len(moves) >= 2 and all(b - a >= CONFIG.cooldown_s for a, b in zip(times, times[1:]))
+
+
+def test_a_move_that_did_not_relieve_its_pressure_is_not_repeated():
+    """Session 30's fault: a prefill node moved to decode on a decode pressure of 0.83; past the cooldown the
+    decode nodes were slower still (1.02: three engines on two shared cores), and the balancer moved the last
+    prefill node too, leaving every prompt of the next phase to the decode nodes. A move is judged by the
+    pressure it was made for: one that did not fall by ``helped`` is not repeated until that pressure falls to
+    ``low`` or a node moves the other way; one that relieved it is (above)."""
+    four = prefill_heavy(("prefill", "decode", "decode", "decode"))
+    moves = relieved_by_moves(RoleBalancer(CONFIG), four, 60, relief=0.95)  # 1.5 -> 1.43: not 10% less
+    assert [(m.node_id, m.to_role) for _, m in moves] == [("decode-1", "prefill")]
+    two_prefill = [NodeLoad("prefill-0", "prefill"), NodeLoad("prefill-1", "prefill", queue_s=0.01),
+                   NodeLoad("decode-2", "decode", step_s=0.083, max_num_seqs=64, num_running=4)]
+    balancer = RoleBalancer(CONFIG)
+    moves = run(balancer, [two_prefill] * CONFIG.sustain)
+    assert [(m.node_id, m.to_role) for _, m in moves] == [("prefill-0", "decode")]
+    slower = [NodeLoad("prefill-1", "prefill", queue_s=0.01),
+              *(NodeLoad(f"decode-{i}", "decode", step_s=0.102, max_num_seqs=64, num_running=2) for i in (0, 2))]
+    later = CONFIG.sustain * 2.0
+    assert run(balancer, [slower] * 40, start=later) == []  # a missed SLO, yet the last prefill node stays
+    assert balancer.unhelpful == "decode"
+    quiet = [replace(n, step_s=0.02) for n in slower]  # the decode load is gone: a new rise is judged afresh
+    moves = run(balancer, [quiet] + [slower] * CONFIG.sustain, start=later + 80.0)
+    assert [(m.node_id, m.to_role) for _, m in moves] == [("prefill-1", "decode")]
 
 
 def test_no_flapping_on_random_traces():

@@ -18,7 +18,10 @@
  *                 apart (num_kv_heads * head_dim, or more for a tensor-parallel rank's heads of a whole buffer)
  *
  * A query head h reads KV head h / (num_heads / num_kv_heads) (grouped-query attention); the group's
- * query rows are processed together so every key row is loaded once per KV head.
+ * query rows are processed together so every key row is loaded once per KV head. Keys are read in one pass
+ * and values in a second, each prefetching the next block of what it reads; on AVX2 machines without AVX-512,
+ * eight key rows are dotted at a time (one horizontal sum per eight scores) and value rows are summed into
+ * accumulators held in registers over a block's rows.
  * Returns 0, -1 when scratch space cannot be allocated, -2 for shapes it does not take.
  */
 #include "common.h"
@@ -29,6 +32,26 @@
 #ifdef __AVX512BF16__
 #define HAVE_AVX512_BF16 1
 #endif
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define HAVE_AVX2 1
+#endif
+
+#ifdef HAVE_AVX2
+/* 8 elements from p[i] on, as float32 */
+INLINE __m256 load8(const void *p, int64_t i, int bf16) {
+    if (bf16)
+        return _mm256_castsi256_ps(_mm256_slli_epi32(
+            _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + i))), 16));
+    return _mm256_loadu_ps((const float *)p + i);
+}
+
+/* the sums of a[0..7]'s lanes, in one register (lane r: a[r]'s sum) */
+INLINE __m256 sum8x8(const __m256 *a) {
+    __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+    __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
 #endif
 
 /* scores[g * n] = round(q[g] . k) * scale for the group's query rows q [group, head_dim] (q_raw: the
@@ -104,12 +127,74 @@ INLINE void axpy_group(const float *restrict p, int64_t n, const void *restrict 
     }
 }
 
-/* Brings a block's K and V rows [first, first + bytes) towards the cache while the previous one is used. */
-INLINE void prefetch_block(const char *k, const char *v, size_t bytes) {
-    for (size_t off = 0; off < bytes; off += 64) {
-        __builtin_prefetch(k + off, 0, 3);
-        __builtin_prefetch(v + off, 0, 3);
+/* Brings a block's rows [first, first + bytes) towards the cache while the previous one is used. */
+INLINE void prefetch_block(const char *rows, size_t bytes) {
+    for (size_t off = 0; off < bytes; off += 64) __builtin_prefetch(rows + off, 0, 3);
+}
+
+/* scores[g * n + i] = round(q[g] . k_i) * scale for one KV head's key rows i < end of a block (k: its first
+ * row, rows `row` elements apart). With AVX2, eight rows at a time: one horizontal sum per eight scores. */
+INLINE void dot_block(const float *restrict q, const void *restrict q_raw, const char *k, int64_t end, int64_t row,
+                      int group, int head_dim, float scale, float *restrict scores, int64_t n, int bf16) {
+    size_t elem = bf16 ? 2 : 4;
+    int64_t i = 0;
+#ifdef HAVE_AVX2
+    if (head_dim % 8 == 0) {
+        for (; i + 8 <= end; i += 8)
+            for (int g = 0; g < group; g++) {
+                __m256 acc[8];
+                for (int r = 0; r < 8; r++) acc[r] = _mm256_setzero_ps();
+                for (int d = 0; d < head_dim; d += 8) {
+                    __m256 qd = _mm256_loadu_ps(q + g * head_dim + d);
+                    for (int r = 0; r < 8; r++)
+                        acc[r] = _mm256_fmadd_ps(qd, load8(k, (i + r) * row + d, bf16), acc[r]);
+                }
+                __m256 sums = sum8x8(acc);
+                float *out = scores + g * n + i;
+                if (bf16) {
+                    float lanes[8];
+                    _mm256_storeu_ps(lanes, sums);
+                    for (int r = 0; r < 8; r++) out[r] = round_to(lanes[r], 1) * scale;
+                } else {
+                    _mm256_storeu_ps(out, _mm256_mul_ps(sums, _mm256_set1_ps(scale)));
+                }
+            }
     }
+#endif
+    for (; i < end; i++)
+        dot_group(q, q_raw, k + i * row * elem, group, head_dim, scale, scores + i, n, bf16);
+}
+
+/* acc[g] += p[g * n + i] * v_i for one KV head's value rows i < end of a block (v: its first row). With AVX2,
+ * 32 accumulator columns at a time stay in registers over the block's rows. */
+INLINE void axpy_block(const float *restrict p, int64_t n, const char *v, int64_t end, int64_t row, int group,
+                       int head_dim, float *restrict acc, int bf16) {
+    size_t elem = bf16 ? 2 : 4;
+#ifdef HAVE_AVX2
+    if (head_dim % 32 == 0) {
+        for (int g = 0; g < group; g++)
+            for (int d = 0; d < head_dim; d += 32) {
+                float *a = acc + g * head_dim + d;
+                __m256 a0 = _mm256_loadu_ps(a), a1 = _mm256_loadu_ps(a + 8), a2 = _mm256_loadu_ps(a + 16),
+                       a3 = _mm256_loadu_ps(a + 24);
+                for (int64_t i = 0; i < end; i++) {
+                    __m256 pg = _mm256_set1_ps(p[g * n + i]);
+                    int64_t at = i * row + d;
+                    a0 = _mm256_fmadd_ps(pg, load8(v, at, bf16), a0);
+                    a1 = _mm256_fmadd_ps(pg, load8(v, at + 8, bf16), a1);
+                    a2 = _mm256_fmadd_ps(pg, load8(v, at + 16, bf16), a2);
+                    a3 = _mm256_fmadd_ps(pg, load8(v, at + 24, bf16), a3);
+                }
+                _mm256_storeu_ps(a, a0);
+                _mm256_storeu_ps(a + 8, a1);
+                _mm256_storeu_ps(a + 16, a2);
+                _mm256_storeu_ps(a + 24, a3);
+            }
+        return;
+    }
+#endif
+    for (int64_t i = 0; i < end; i++)
+        axpy_group(p + i, n, v + i * row * elem, group, head_dim, acc, bf16);
 }
 
 /* One sequence, KV heads [h0, h1): the rows of every block are walked in memory order (all heads of a
@@ -124,30 +209,29 @@ INLINE void attend(const void *query, const void *k_cache, const void *v_cache, 
     float *scores = scratch, *q = scores + rows * n, *acc = q + rows * head_dim;
     const char *qh = (const char *)query + (size_t)h0 * group * head_dim * elem;
     for (size_t i = 0; i < rows * head_dim; i++) q[i] = load(qh, i, bf16);
-    for (int64_t blk = 0; blk < num_blocks; blk++) {
+    for (int64_t blk = 0; blk < num_blocks; blk++) {  /* keys: each pass prefetches only what it reads next */
         int64_t t0 = blk * block_size, end = n - t0 < block_size ? n - t0 : block_size;
         const char *k = (const char *)k_cache + table[blk] * block_stride * elem;
         if (blk + 1 < num_blocks)
-            prefetch_block((const char *)k_cache + table[blk + 1] * block_stride * elem,
-                           (const char *)v_cache + table[blk + 1] * block_stride * elem, block_bytes);
-        for (int64_t i = 0; i < end; i++)
-            for (int h = h0; h < h1; h++) {
-                size_t r = (size_t)(h - h0) * group;
-                dot_group(q + r * head_dim, qh + r * head_dim * elem, k + (i * row + h * head_dim) * elem, group,
-                          head_dim, scale, scores + r * n + t0 + i, n, bf16);
-            }
+            prefetch_block((const char *)k_cache + table[blk + 1] * block_stride * elem, block_bytes);
+        for (int h = h0; h < h1; h++) {
+            size_t r = (size_t)(h - h0) * group;
+            dot_block(q + r * head_dim, qh + r * head_dim * elem, k + h * head_dim * elem, end, row, group, head_dim,
+                      scale, scores + r * n + t0, n, bf16);
+        }
     }
     softmax_rows(scores, (int)rows, n, bf16);
     memset(acc, 0, sizeof(float) * rows * head_dim);
-    for (int64_t blk = 0; blk < num_blocks; blk++) {
+    for (int64_t blk = 0; blk < num_blocks; blk++) {  /* values */
         int64_t t0 = blk * block_size, end = n - t0 < block_size ? n - t0 : block_size;
         const char *v = (const char *)v_cache + table[blk] * block_stride * elem;
-        for (int64_t i = 0; i < end; i++)
-            for (int h = h0; h < h1; h++) {
-                size_t r = (size_t)(h - h0) * group;
-                axpy_group(scores + r * n + t0 + i, n, v + (i * row + h * head_dim) * elem, group, head_dim,
-                           acc + r * head_dim, bf16);
-            }
+        if (blk + 1 < num_blocks)
+            prefetch_block((const char *)v_cache + table[blk + 1] * block_stride * elem, block_bytes);
+        for (int h = h0; h < h1; h++) {
+            size_t r = (size_t)(h - h0) * group;
+            axpy_block(scores + r * n + t0, n, v + h * head_dim * elem, end, row, group, head_dim, acc + r * head_dim,
+                       bf16);
+        }
     }
     char *o = (char *)out + (size_t)h0 * group * head_dim * elem;
     for (size_t i = 0; i < rows * head_dim; i++) store(o, i, acc[i], bf16);
