@@ -30,7 +30,9 @@ class Mutation:
     old: str
     new: str
     tests: tuple[str, ...]  # pytest arguments that must fail with the breakage
-    requires: str = ""  # a CPU flag without which the mutated code never runs here (then: not applicable)
+    # CPU flags without which the mutated code never runs here, space-separated; "!flag": only without it
+    # (else: not applicable)
+    requires: str = ""
 
 
 MUTATIONS = (
@@ -284,6 +286,10 @@ MUTATIONS = (
              "        if verdict == self.unhelpful:",
              "        if False:",
              ("tests/test_role_balancer.py", "-k", "did_not_relieve")),
+    Mutation("the AVX2 decode attention sums the first half of every key row twice", "kernels/cpu/decode_attention.c",
+             "    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));",
+             "    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x20));",
+             ("tests/test_cpu_kernels.py", "-k", "native_decode_attention_matches"), requires="avx2 fma !avx512f"),
     Mutation("an embedded etcd takes another etcd answering on its port for its own", "metadata/embedded_etcd.py",
              "                if healthy and self._answered_by_us(advertised, peer):",
              "                if healthy:",
@@ -319,8 +325,10 @@ def run_one(mutation: Mutation) -> tuple[str, float]:
     original = path.read_text()
     if original.count(mutation.old) != 1:
         raise SystemExit(f"{mutation.name}: the snippet to replace is not in {mutation.path} exactly once")
-    if mutation.requires and mutation.requires not in cpu_flags():
-        return f"n/a (no {mutation.requires})", 0.0
+    flags = cpu_flags()
+    for flag in mutation.requires.split():
+        if (flag[1:] in flags) if flag.startswith("!") else (flag not in flags):
+            return f"n/a ({'has ' + flag[1:] if flag.startswith('!') else 'no ' + flag})", 0.0
     started = time.monotonic()
     clean_code, _ = _run_tests(mutation.tests)
     if clean_code != 0:
