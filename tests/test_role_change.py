@@ -160,10 +160,14 @@ def test_a_prefill_node_becomes_a_decode_node_and_a_change_while_draining_is_ref
 def test_the_router_balancer_moves_a_prefill_node_to_decode_when_decode_slots_run_out(served, reference):
     """``--roles auto`` end to end: eight clients against two decode nodes of three slots each keep every slot
     taken (decode pressure 1.0) while nothing queues at the prefill node: the balancer moves it to decode, the
-    streams complete exactly, the move is counted in /metrics."""
+    streams complete exactly, the move is counted in /metrics. The SLOs are far off, so that the slots alone make
+    the pressures whatever else runs on the machine: prompts waiting for a slot count as prompt work queued at a
+    decode node, at its rate, and a slowed step against the TPOT SLO (under the suite's load a CI run saw no move
+    in two minutes with the default SLOs)."""
     cluster, _ = served
     router = Router(RouterConfig(etcd=cluster.etcd_endpoint, cluster_token=cluster.token, cluster=cluster.cluster,
-                                 request_timeout_s=30.0, roles="auto", role_interval_s=0.1, role_cooldown_s=0.0))
+                                 request_timeout_s=30.0, roles="auto", role_interval_s=0.1, role_cooldown_s=0.0,
+                                 ttft_slo_ms=600_000.0, tpot_slo_ms=60_000.0))
     try:
         prompts = [prompt(400 + i, 40 + 3 * i) for i in range(48)]
         sp = params(24)
