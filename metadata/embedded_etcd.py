@@ -91,6 +91,7 @@ class EmbeddedEtcd:
         self.advertise = advertise or (route_source("192.0.2.1") if is_wildcard(host) else host)
         self.client_port, self.peer_port = port or _free_port(), _free_port()
         self._can_repick_client = not port  # until clients have seen the port
+        self._peer_urls: set[str] = set()  # every peer URL this etcd started with (its data keeps the first)
         self.command_prefix = command_prefix or []
         self._proc: subprocess.Popen | None = None
         self._log = None
@@ -124,6 +125,7 @@ class EmbeddedEtcd:
         client = f"http://{self.host}:{self.client_port}"
         advertised = f"http://{self.advertise}:{self.client_port}"
         peer = f"http://127.0.0.1:{self.peer_port}"  # a single-member cluster: peers never connect
+        self._peer_urls.add(peer)
         log_path = self.data_dir / "etcd.log"
         self._log = open(log_path, "ab")
         log_start = self._log.tell()
@@ -149,7 +151,7 @@ class EmbeddedEtcd:
             try:
                 with _NO_PROXY.open(f"{advertised}/health", timeout=1) as r:
                     healthy = b'"health":"true"' in r.read()
-                if healthy and self._answered_by_us(advertised, peer):
+                if healthy and self._answered_by_us(advertised):
                     return
                 if healthy:  # another etcd listens on the port ours was to take: ours will not bind it
                     self.stop()
@@ -161,15 +163,15 @@ class EmbeddedEtcd:
         self.stop()
         raise EtcdStartError(f"etcd not healthy within {timeout_s} s: {tail}")
 
-    @staticmethod
-    def _answered_by_us(advertised: str, peer: str) -> bool:
-        """Whether the etcd answering at ``advertised`` is the one started here (its only member has our peer
-        URL): until ours binds the client port or fails to, another etcd holding that port answers health
-        checks (the member list needs no credentials)."""
+    def _answered_by_us(self, advertised: str) -> bool:
+        """Whether the etcd answering at ``advertised`` is the one started here (its member has one of our peer
+        URLs: a restart on kept data keeps the first, even where a new peer port had to be picked): until ours
+        binds the client port or fails to, another etcd holding that port answers health checks (the member
+        list needs no credentials)."""
         request = urllib.request.Request(f"{advertised}/v3/cluster/member/list", data=b"{}", method="POST")
         with _NO_PROXY.open(request, timeout=1) as r:
             members = json.loads(r.read()).get("members", [])
-        return any(peer in member.get("peerURLs", ()) for member in members)
+        return any(url in self._peer_urls for member in members for url in member.get("peerURLs", ()))
 
     def _log_tail(self, log_path: Path, offset: int, lines: int = 5) -> str:
         """The last lines etcd logged in this start, quoted into errors: a data dir of ours is removed with its
