@@ -107,13 +107,12 @@ class RoleBalancer:
         """One tick: the move to make now, if any (the caller makes it and says so with ``moved``)."""
         cfg = self.config
         prefill, decode = self.last_pressures = self.pressures(loads)
-        pressure_of = {"prefill": prefill, "decode": decode}
         if self._judging is not None and now - self._last_move_at >= cfg.cooldown_s:
             role, before = self._judging
             self._judging = None
-            if pressure_of[role] > before * (1.0 - cfg.helped):
+            if self._pressure_of(role) > before * (1.0 - cfg.helped):
                 self.unhelpful = role
-        if self.unhelpful and pressure_of[self.unhelpful] <= cfg.low:
+        if self.unhelpful and self._pressure_of(self.unhelpful) <= cfg.low:
             self.unhelpful = ""  # that load is gone: the next rise is judged afresh
         num_prefill = sum(n.role == "prefill" for n in loads)
         verdict = ""
@@ -139,11 +138,15 @@ class RoleBalancer:
                   f"{self._streak[1]} ticks")
         return RoleMove(node.node_id, verdict, reason)
 
+    def _pressure_of(self, role: str) -> float:
+        """The last tick's pressure of ``role`` (prefill or decode)."""
+        return self.last_pressures[0 if role == "prefill" else 1]
+
     def moved(self, move: RoleMove, now: float) -> None:
         """The move was made: the cooldown starts, the streak restarts, and the move is judged after the cooldown by
         the pressure it was made for (this tick's)."""
         self._last_move_at = now
-        self._judging = (move.to_role, self.last_pressures[0 if move.to_role == "prefill" else 1])
+        self._judging = (move.to_role, self._pressure_of(move.to_role))
         if self.unhelpful and self.unhelpful != move.to_role:
             self.unhelpful = ""
         self._streak = ("", 0)

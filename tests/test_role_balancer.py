@@ -30,11 +30,12 @@ def decode_heavy(roles=("prefill", "prefill", "decode")) -> list[NodeLoad]:
                      else 0.01 * i) for i, role in enumerate(roles)]
 
 
-def run(balancer: RoleBalancer, trace, start: float = 0.0, tick_s: float = 2.0):
+def run(balancer: RoleBalancer, trace, start: float = 0.0, tick_s: float = 2.0, loads_at=None):
+    """Each tick's loads from ``trace``, or ``loads_at(tick, moves made so far)`` for ``trace`` ticks; the moves."""
     moves = []
-    for k, loads in enumerate(trace):
+    for k in range(trace) if loads_at is not None else range(len(trace)):
         now = start + k * tick_s
-        move = balancer.observe(loads, now)
+        move = balancer.observe(loads_at(k, len(moves)) if loads_at is not None else trace[k], now)
         if move is not None:
             balancer.moved(move, now)
             moves.append((now, move))
@@ -73,17 +74,10 @@ def test_minimums_one_change_at_a_time_and_one_node():
     assert run(RoleBalancer(CONFIG), [prefill_heavy(("decode",))] * 10) == []  # one node: colocated
 
 
-def relieved_by_moves(balancer: RoleBalancer, loads: list[NodeLoad], ticks: int, relief: float,
-                      tick_s: float = 2.0) -> list[tuple[float, object]]:
+def relieved_by_moves(balancer: RoleBalancer, loads: list[NodeLoad], ticks: int, relief: float):
     """``ticks`` ticks of ``loads`` whose prompt queues shrink to ``relief`` of themselves with every move made."""
-    moves = []
-    for k in range(ticks):
-        now = k * tick_s
-        move = balancer.observe([replace(n, queue_s=n.queue_s * relief ** len(moves)) for n in loads], now)
-        if move is not None:
-            balancer.moved(move, now)
-            moves.append((now, move))
-    return moves
+    return run(balancer, ticks, loads_at=lambda k, num_moves: [replace(n, queue_s=n.queue_s * relief ** num_moves)
+                                                               for n in loads])
 
 
 def test_the_cooldown_spaces_moves():
