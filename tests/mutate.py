@@ -294,6 +294,10 @@ MUTATIONS = (
              "                if healthy and self._answered_by_us(advertised):",
              "                if healthy:",
              ("tests/test_metadata.py", "-k", "another_etcd")),
+    Mutation("the decode thread chooser keeps the slower count", "kvmesh/node/decode_threads.py",
+             "        state.choice = more if more_s < fewer_s * (1 - self.margin) else fewer",
+             "        state.choice = more if more_s > fewer_s * (1 - self.margin) else fewer",
+             ("tests/test_core_share.py", "-k", "chooser")),
 )
 
 

@@ -79,12 +79,16 @@ def test_one_prefill_one_decode_matches_the_single_node_engine(cluster, referenc
 
 def test_a_node_computing_alone_computes_on_every_core(cluster, reference):
     """The launcher's nodes share this machine's cores (kvmesh/node/core_share.py): decode-2 computes a prompt
-    while every other node idles, so its prompt step runs on every core, its decode steps on all but one."""
+    while every other node idles, so its prompt step runs on every core, its decode steps on all but one or on
+    every one, as its probe of the two measures faster."""
     p = prompt(99, 40)
     out = cluster.client("decode-2").generate(p, GREEDY)
     assert out.error == "" and out.token_ids == reference([p])[0]
     cores = machine_cores()
-    assert cluster.client("decode-2").stats()["compute_threads"] == {"prompt": cores, "decode": max(1, cores - 1)}
+    stats = cluster.client("decode-2").stats()
+    assert stats["compute_threads"]["prompt"] == cores
+    assert stats["compute_threads"]["decode"] in {max(1, cores - 1), cores}
+    assert set(stats["decode_thread_choices"]) <= {f"{max(1, cores - 1)}-{cores}"}
     check_all(cluster)
 
 

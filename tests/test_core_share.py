@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from kvmesh.node.core_share import MAX_NODES, CoreShare, CoreTable, machine_cores
+from kvmesh.node.decode_threads import DecodeThreadChooser
 
 
 @pytest.fixture
@@ -36,9 +37,9 @@ def test_threads_follow_the_nodes_with_work(table):
     prefill.set_busy(False)
     third.set_busy(False)
     assert decode.threads_now() == 4
-    assert decode.threads_now(computes_prompts=False) == 3  # one core left to the serving machinery
+    assert decode.decode_candidates() == (3, 4)  # one core left to the serving machinery, or not
     prefill.set_busy(True)
-    assert decode.threads_now(computes_prompts=False) == 1  # 3 // 2
+    assert decode.decode_candidates() == (1, 2)  # 3 // 2, 4 // 2
     prefill.close()
     prefill.close()  # twice: nothing more
     assert decode.num_busy() == 1  # a closed node is unmarked
@@ -105,3 +106,85 @@ def test_the_table_crosses_processes_through_the_inherited_descriptor(table):
 
 def test_machine_cores_is_this_process_affinity():
     assert machine_cores() == len(os.sched_getaffinity(0))
+
+
+def probe(chooser: DecodeThreadChooser, fewer: int, more: int, seconds: dict[int, float]) -> list[int]:
+    """Run decode-only steps that take ``seconds[threads]`` until a choice is made; the counts they ran on."""
+    ran = []
+    while not chooser.choices().get(f"{fewer}-{more}"):
+        n = chooser.pick(fewer, more)
+        ran.append(n)
+        chooser.record(fewer, more, n, seconds[n])
+        assert len(ran) < 100
+    return ran
+
+
+def test_the_chooser_alternates_then_keeps_the_faster_count_and_probes_again():
+    chooser = DecodeThreadChooser(probe_steps=3, hold_steps=5)
+    assert probe(chooser, 1, 2, {1: 0.090, 2: 0.070}) == [1, 2, 1, 2, 1, 2]  # in turn, fewer first
+    assert chooser.choices() == {"1-2": 2} and chooser.num_probes == 1
+    for _ in range(5):  # held
+        assert chooser.pick(1, 2) == 2
+        chooser.record(1, 2, 2, 0.070)
+    assert chooser.pick(1, 2) == 1 and chooser.choices() == {}  # held long enough: a new probe
+    assert probe(chooser, 1, 2, {1: 0.060, 2: 0.070}) == [1, 2, 1, 2, 1, 2]  # the machine changed
+    assert chooser.choices() == {"1-2": 1} and chooser.num_probes == 2
+
+
+def test_the_whole_share_must_win_by_the_margin_and_pairs_are_apart():
+    chooser = DecodeThreadChooser(probe_steps=2, margin=0.05)
+    probe(chooser, 3, 4, {3: 0.100, 4: 0.097})  # 3% faster: not worth a core taken from everything else
+    assert chooser.choices() == {"3-4": 3}
+    assert chooser.pick(1, 2) == 1  # another share: its own probe
+    probe(chooser, 1, 2, {1: 0.100, 2: 0.080})
+    assert chooser.choices() == {"3-4": 3, "1-2": 2}
+    assert chooser.pick(1, 1) == 1 and chooser.pick(2, 2) == 2  # one candidate: nothing to choose
+    chooser.record(5, 6, 5, 1.0)  # a pair never picked: ignored
+    assert "5-6" not in chooser.choices()
+
+
+def test_the_chooser_takes_the_median_so_one_stall_does_not_decide():
+    chooser = DecodeThreadChooser(probe_steps=5)
+    times = iter([0.09, 0.07, 0.09, 0.07, 0.09, 0.50, 0.09, 0.07, 0.09, 0.07])  # one stalled step on 2 threads
+    while not chooser.choices():
+        n = chooser.pick(1, 2)
+        chooser.record(1, 2, n, next(times))
+    assert chooser.choices() == {"1-2": 2}
+
+
+@pytest.mark.parametrize("bad", [dict(probe_steps=0), dict(hold_steps=0), dict(margin=1.0), dict(margin=-0.1)])
+def test_a_chooser_out_of_range_is_refused(bad):
+    with pytest.raises(ValueError):
+        DecodeThreadChooser(**bad)
+
+
+class _Recorder(DecodeThreadChooser):
+    def __init__(self):
+        super().__init__(probe_steps=1)
+        self.recorded = []
+
+    def record(self, fewer, more, threads, seconds):
+        self.recorded.append((fewer, more, threads, seconds))
+        super().record(fewer, more, threads, seconds)
+
+
+def test_decode_only_steps_are_sized_by_the_chooser_and_timed_for_it(table):
+    recorder = _Recorder()
+    decode = CoreShare(table.fd, table.slot_of("decode-0"), 4, chooser=recorder)
+    seen = []
+
+    def engine_thread():
+        decode.set_busy(True)
+        for computes_prompts in (True, False, False):
+            seen.append((decode.fit_threads(computes_prompts), torch.get_num_threads()))
+            decode.end_step()
+        decode.end_step()  # no step sized: nothing recorded
+
+    t = threading.Thread(target=engine_thread)
+    t.start()
+    t.join()
+    assert seen == [(4, 4), (3, 3), (4, 4)]  # a prompt step on the whole share; decode-only steps probe 3, then 4
+    assert [r[:3] for r in recorder.recorded] == [(3, 4, 3), (3, 4, 4)]  # the prompt step is not a decode sample
+    assert all(r[3] >= 0 for r in recorder.recorded)
+    assert recorder.choices() == {"3-4": recorder.choices()["3-4"]} and recorder.num_probes == 1
+    decode.close()

@@ -6,11 +6,9 @@ the nodes, so nothing is left behind however the launcher ends) with a byte per 
 Each node's engine thread marks its byte while it has work and, before every step, sizes
 its compute threads to the machine's cores divided among the nodes that have work right
 then (``CoreShare.fit_threads``). A step that computes prompt tokens (long GEMMs) takes its
-whole share; a decode-only step leaves one core out of the division for the serving machinery
-(the router, etcd, every node's I/O threads): its OpenMP regions are short, each only as fast
-as its slowest thread, and a thread descheduled for a token's delivery stalls the whole step
-(measured on a 2-core machine: a lone decode node on both cores decoded slower than on one).
-A node that starts while another is mid-step oversubscribes the cores for at most that step.
+whole share; a decode-only step runs either on its whole share or on one core fewer, the core
+left to the serving machinery (the router, etcd, every node's I/O threads), whichever its own
+steps measure faster (``kvmesh/node/decode_threads.py``). A node that starts while another is mid-step oversubscribes the cores for at most that step.
 
 A node that dies with its byte marked leaves it marked until its restart clears it (the
 others meanwhile compute on fewer threads, never on more).
@@ -20,6 +18,9 @@ from __future__ import annotations
 import mmap
 import os
 import tempfile
+import time
+
+from kvmesh.node.decode_threads import DecodeThreadChooser
 
 MAX_NODES = 64  # slots of one table; nodes started beyond it compute on fixed threads
 
@@ -64,7 +65,7 @@ class CoreTable:
 class CoreShare:
     """A node's side, used by its engine thread only."""
 
-    def __init__(self, fd: int, slot: int, num_cores: int):
+    def __init__(self, fd: int, slot: int, num_cores: int, chooser: DecodeThreadChooser | None = None):
         if not 0 <= slot < MAX_NODES or num_cores < 1:
             raise ValueError(f"core share slot {slot} of {MAX_NODES}, {num_cores} cores: out of range")
         self._map = mmap.mmap(fd, MAX_NODES)
@@ -73,6 +74,8 @@ class CoreShare:
         self._busy = False
         self._map[slot] = 0  # a restart clears what a dead predecessor left marked
         self.num_threads = 0  # what this thread computes on now (0: not set yet)
+        self.chooser = chooser or DecodeThreadChooser()
+        self._step: tuple[int, int, int, float] | None = None  # a decode-only step's (fewer, more, threads, start)
 
     @classmethod
     def from_argument(cls, value: str) -> CoreShare:
@@ -93,21 +96,41 @@ class CoreShare:
         """Nodes with work now, this one counted if it has."""
         return self._map[:].count(1)
 
+    def decode_candidates(self) -> tuple[int, int]:
+        """A decode-only step's two thread counts: the share of the cores less the one left to the machinery,
+        and the whole share (each at least 1)."""
+        busy = max(1, self.num_busy())
+        return max(1, (self.num_cores - 1) // busy), max(1, self.num_cores // busy)
+
     def threads_now(self, computes_prompts: bool = True) -> int:
-        """The cores divided among the nodes with work, less one for the machinery in decode-only steps (at
-        least 1)."""
-        cores = self.num_cores if computes_prompts else self.num_cores - 1
-        return max(1, cores // max(1, self.num_busy()))
+        """The cores divided among the nodes with work; for a decode-only step, the candidate its chooser
+        picks."""
+        if computes_prompts:
+            return max(1, self.num_cores // max(1, self.num_busy()))
+        return self.chooser.pick(*self.decode_candidates())
 
     def fit_threads(self, computes_prompts: bool = True) -> int:
-        """Before a step: set this thread's compute threads to ``threads_now()``; returns it."""
-        n = self.threads_now(computes_prompts)
+        """Before a step: set this thread's compute threads to ``threads_now()``; returns it. ``end_step`` after
+        it hands a decode-only step's time to the chooser."""
+        if computes_prompts:
+            n, self._step = self.threads_now(), None
+        else:
+            fewer, more = self.decode_candidates()
+            n = self.chooser.pick(fewer, more)
+            self._step = (fewer, more, n, time.perf_counter())
         if n != self.num_threads:
             import torch
 
             torch.set_num_threads(n)
             self.num_threads = n
         return n
+
+    def end_step(self) -> None:
+        """After the step ``fit_threads`` sized: a decode-only one's time goes to the chooser."""
+        if self._step is not None:
+            fewer, more, n, start = self._step
+            self.chooser.record(fewer, more, n, time.perf_counter() - start)
+            self._step = None
 
     def close(self) -> None:
         """Unmark this node and unmap the table (again: nothing)."""

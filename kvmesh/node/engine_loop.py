@@ -71,6 +71,11 @@ class EngineLoop:
         else:
             fn()
 
+    def decode_thread_choices(self) -> dict[str, int]:
+        """What the node's decode-only steps measured best per pair of candidate thread counts (``"1-2"`` -> 2;
+        empty with fixed threads or before a probe ends)."""
+        return self._cores.chooser.choices() if self._cores is not None else {}
+
     def wake(self) -> None:
         """Any thread: run one more loop round (its ``after_step``: something else changed what the node
         publishes)."""
@@ -118,6 +123,8 @@ class EngineLoop:
                     for seq in e.failed:
                         self._on_failed(seq, str(e))
                 self.clock.end()
+                if self._cores is not None:
+                    self._cores.end_step()
             self._after_step()
         self.clock.close()
         if self._cores is not None:
