@@ -101,6 +101,11 @@ class _NodeCollector:
         engine_share = GaugeMetricFamily("kvmesh_node_engine_step_share", "Share of the engine thread's step time "
                                          "on a core, runnable but waiting for one, or asleep (the GIL, compute "
                                          "threads' ends) since the node started", labels=["node", "part"])
+        decode_steps = GaugeMetricFamily("kvmesh_node_decode_steps", "Decode-only steps since the node started, by "
+                                         "the compute threads they ran on (kvmesh/node/decode_threads.py)",
+                                         labels=["node", "threads"])
+        decode_seconds = GaugeMetricFamily("kvmesh_node_decode_step_seconds", "Wall seconds of the decode-only steps "
+                                           "in kvmesh_node_decode_steps", labels=["node", "threads"])
         role = GaugeMetricFamily("kvmesh_node_role", "1 for the role the node takes now (prefill, decode, draining: on "
                                  "its way from decode to prefill)", labels=["node", "role"])
         for node_id, (load, fetch_rtt_s) in self._node_stats().items():
@@ -113,8 +118,13 @@ class _NodeCollector:
                     engine_share.add_metric([node_id, part], getattr(load, f"engine_{part}_share"))
             for generation, pause_ms in enumerate(load.gc_max_pause_ms):
                 gc_pause.add_metric([node_id, str(generation)], float(pause_ms) / 1e3)
+            for threads, (num_steps, seconds) in load.decode_steps_by_threads.items():
+                decode_steps.add_metric([node_id, threads], float(num_steps))
+                decode_seconds.add_metric([node_id, threads], float(seconds))
         yield from gauges.values()
         yield gc_pause
+        yield decode_steps
+        yield decode_seconds
         yield engine_share
         yield role
 

@@ -325,6 +325,15 @@ def test_metrics_endpoint(served):
     assert shares and all(len(s) == 3 and abs(sum(s) - 1.0) < 1e-6 for s in shares.values())  # split three ways
     ok = [line for line in text.splitlines() if line.startswith('kvmesh_requests_total{outcome="ok"}')]
     assert float(ok[0].split()[-1]) >= 1
+    # The decode-only steps of the request (3 after its first token), by their compute threads, with their time:
+    # what `kvmesh bench serve` records of each kvmesh target.
+    from kvmesh.bench.serve_bench import node_decode_steps
+
+    by_threads = node_decode_steps(served["http"])
+    decode_ids = [node_id for node_id in by_threads if node_id.startswith("decode")]
+    assert decode_ids and all(by_threads[n] for n in decode_ids), by_threads
+    assert sum(v["steps"] for n in decode_ids for v in by_threads[n].values()) >= 3
+    assert all(v["mean_ms"] > 0 for n in decode_ids for v in by_threads[n].values())
 
 
 def test_bearer_token_and_tls_on_both_endpoints(served, tmp_path):

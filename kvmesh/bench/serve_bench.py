@@ -129,6 +129,31 @@ def _wait_http(base_url: str, path: str, timeout_s: float, proc: subprocess.Pope
     raise TimeoutError(f"{base_url}{path} not ready within {timeout_s:.0f} s")
 
 
+def node_decode_steps(base_url: str) -> dict[str, dict[str, dict[str, float]]]:
+    """A kvmesh server's decode-only steps per node by the compute threads they ran on (its ``/metrics``):
+    node -> threads -> {"steps": N, "mean_ms": M}."""
+    url = urllib.parse.urlsplit(base_url)
+    conn = http.client.HTTPConnection(url.hostname, url.port, timeout=30)
+    try:
+        conn.request("GET", "/metrics")
+        text = conn.getresponse().read().decode()
+    finally:
+        conn.close()
+    found: dict[tuple[str, str], dict[str, float]] = {}
+    for line in text.splitlines():
+        for name, key in (("kvmesh_node_decode_steps{", "steps"), ("kvmesh_node_decode_step_seconds{", "seconds")):
+            if line.startswith(name):
+                labels, value = line[len(name):].rsplit("} ", 1)
+                parts = {k: v.strip('"') for k, v in (item.split("=", 1) for item in labels.split(","))}
+                found.setdefault((parts["node"], parts["threads"]), {})[key] = float(value)
+    out: dict[str, dict[str, dict[str, float]]] = {}
+    for (node, threads), v in sorted(found.items()):
+        steps = int(v.get("steps", 0))
+        out.setdefault(node, {})[threads] = {"steps": steps,
+                                             "mean_ms": v.get("seconds", 0.0) / steps * 1e3 if steps else 0.0}
+    return out
+
+
 @contextmanager
 def _process(cmd: list[str], **kwargs):
     """A child in its own process group, stopped when the block ends: SIGTERM to it (it stops its own children in
@@ -244,6 +269,9 @@ def run(args) -> dict:
                 streams[target.name] += got
                 seconds[target.name] += secs
                 client_cpu[target.name] += cpu
+        for target in targets:
+            if target.name.split()[0] == "kvmesh":  # what its decode-only steps ran on (kvmesh/node/decode_threads.py)
+                res["targets"][target.name]["decode_steps_by_threads"] = node_decode_steps(target.base_url)
     for name, got in streams.items():
         res["targets"][name].update(summarize(got, seconds[name], client_cpu[name]))
     first = next(iter(streams))

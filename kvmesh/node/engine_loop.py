@@ -14,6 +14,8 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
+from collections import Counter
 from collections.abc import Callable
 
 import torch
@@ -53,6 +55,9 @@ class EngineLoop:
         # Compute threads of the last step that computed prompt tokens and of the last decode-only step (with
         # fixed threads: those of every step).
         self.compute_threads = {"prompt": 0, "decode": 0}
+        # Decode-only steps by the compute threads they ran on: how many, and their wall seconds.
+        self.decode_steps_by_threads: Counter[int] = Counter()
+        self.decode_seconds_by_threads: Counter[int] = Counter()
 
     def start(self) -> EngineLoop:
         self._thread.start()
@@ -75,6 +80,11 @@ class EngineLoop:
         """What the node's decode-only steps measured best per pair of candidate thread counts (``"1-2"`` -> 2;
         empty with fixed threads or before a probe ends)."""
         return self._cores.chooser.choices() if self._cores is not None else {}
+
+    def decode_steps(self) -> dict[str, list[float]]:
+        """Any thread: decode-only steps by their compute threads (``"2"`` -> [steps, wall seconds])."""
+        steps, seconds = dict(self.decode_steps_by_threads), dict(self.decode_seconds_by_threads)
+        return {str(n): [steps[n], seconds.get(n, 0.0)] for n in sorted(steps)}
 
     def wake(self) -> None:
         """Any thread: run one more loop round (its ``after_step``: something else changed what the node
@@ -109,6 +119,7 @@ class EngineLoop:
                     self.compute_threads["prompt" if computes_prompts else "decode"] = \
                         self._cores.fit_threads(computes_prompts)
                 self.clock.begin(decode_only=not computes_prompts)
+                began = time.perf_counter()
                 try:
                     for seq in self.engine.step():
                         if seq.status is RequestStatus.FAILED:
@@ -123,6 +134,10 @@ class EngineLoop:
                     for seq in e.failed:
                         self._on_failed(seq, str(e))
                 self.clock.end()
+                if not computes_prompts:
+                    threads = self.compute_threads["decode"]
+                    self.decode_steps_by_threads[threads] += 1
+                    self.decode_seconds_by_threads[threads] += time.perf_counter() - began
                 if self._cores is not None:
                     self._cores.end_step()
             self._after_step()

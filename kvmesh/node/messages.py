@@ -149,6 +149,8 @@ class NodeLoadStats:
     engine_asleep_share: float = 0.0
     gc_max_pause_ms: list[float] = field(default_factory=list)  # per collector generation
     pinned_prefixes: dict = field(default_factory=dict)  # pin id -> [blocks pinned here, blocks of the pin]
+    # compute threads (str) -> [decode-only steps on them, their wall seconds]
+    decode_steps_by_threads: dict = field(default_factory=dict)
 
     OPTIONAL = ("tier_host_blocks", "engine_on_cpu_share", "engine_runnable_share", "engine_asleep_share")
 

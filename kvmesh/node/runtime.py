@@ -476,6 +476,7 @@ class NodeRuntime:
                  "device": device_name(self.device), "kv_memory": self.agent.memory.describe(),
                  "num_failed_steps": self.loop.num_failed_steps, "compute_threads": self.loop.compute_threads,
                  "decode_thread_choices": self.loop.decode_thread_choices(),
+                 "decode_steps_by_threads": self.loop.decode_steps(),
                  **self.loop.clock.stats(),
                  "num_events_sent": self.num_events_sent, "num_event_frames": self.num_event_frames,
                  **self.gc_pauses.stats(),
