@@ -137,3 +137,33 @@ def test_supervisor_backoff_doubles_and_max_restarts_count_within_the_window():
     s.state, s.restarts = ProcessState.UP, deque([10.0, 20.0, 30.0])
     sup._died(s, 100.0)  # those restarts are older than the window: the count starts over
     assert s.state is ProcessState.RESTARTING and s.next_start == 100.5 and list(s.restarts) == []
+
+
+_BENCH_PARENT = """
+import sys, time
+from kvmesh.bench.serve_bench import _process
+from kvmesh.lifecycle import stop_on_sigterm
+stop_on_sigterm()  # as `kvmesh bench serve` does
+with _process([sys.executable, "-c", "import time; time.sleep(600)"]) as server:
+    print(server.pid, flush=True)
+    time.sleep(600)
+"""
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])
+def test_a_server_that_bench_serve_started_stops_with_it(sig):
+    """`kvmesh bench serve` starts each target (`kvmesh serve`, llama-server) in a session of its own: a SIGTERM
+    to the benchmark stops it on the way out, and a SIGKILL through the kernel (the child's parent-death signal)."""
+    bench = subprocess.Popen([sys.executable, "-c", _BENCH_PARENT], stdout=subprocess.PIPE, text=True)
+    server = int(bench.stdout.readline())
+    try:
+        assert alive(server)
+        bench.send_signal(sig)
+        bench.wait(timeout=60)
+        deadline = time.monotonic() + 60
+        while alive(server):
+            assert time.monotonic() < deadline, "the server outlived the benchmark"
+            time.sleep(0.05)
+    finally:
+        if alive(server):
+            os.kill(server, signal.SIGKILL)

@@ -157,8 +157,11 @@ def node_decode_steps(base_url: str) -> dict[str, dict[str, dict[str, float]]]:
 @contextmanager
 def _process(cmd: list[str], **kwargs):
     """A child in its own process group, stopped when the block ends: SIGTERM to it (it stops its own children in
-    order), then SIGKILL to the whole group if it has not ended within a minute."""
-    proc = subprocess.Popen(cmd, start_new_session=True, **kwargs)
+    order), then SIGKILL to the whole group if it has not ended within a minute. If this process dies first (even
+    by SIGKILL), the kernel sends the child SIGTERM."""
+    from kvmesh.lifecycle import die_with_parent
+
+    proc = subprocess.Popen(cmd, start_new_session=True, preexec_fn=die_with_parent(), **kwargs)
     try:
         yield proc
     finally:
@@ -221,6 +224,9 @@ def workload(args, vocab: int) -> list[wl.BenchRequest]:
 
 def run(args) -> dict:
     from kvmesh.bench.report import machine, print_table, write_json
+    from kvmesh.lifecycle import stop_on_sigterm
+
+    stop_on_sigterm()  # SIGTERM unwinds like Ctrl-C: every server this run started is stopped
     from kvmesh.model.card import load_tokenizer
 
     vocab = load_tokenizer(args.model).config.vocab_size
