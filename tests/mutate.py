@@ -298,6 +298,10 @@ MUTATIONS = (
              "        state.choice = more if more_s < fewer_s * (1 - self.margin) else fewer",
              "        state.choice = more if more_s > fewer_s * (1 - self.margin) else fewer",
              ("tests/test_core_share.py", "-k", "chooser")),
+    Mutation("a server that bench serve started outlives a killed benchmark", "kvmesh/bench/serve_bench.py",
+             "    proc = subprocess.Popen(cmd, start_new_session=True, preexec_fn=die_with_parent(), **kwargs)",
+             "    proc = subprocess.Popen(cmd, start_new_session=True, **kwargs)",
+             ("tests/test_lifecycle.py", "-k", "bench_serve")),
 )
 
 
