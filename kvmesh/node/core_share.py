@@ -8,7 +8,8 @@ its compute threads to the machine's cores divided among the nodes that have wor
 then (``CoreShare.fit_threads``). A step that computes prompt tokens (long GEMMs) takes its
 whole share; a decode-only step runs either on its whole share or on one core fewer, the core
 left to the serving machinery (the router, etcd, every node's I/O threads), whichever its own
-steps measure faster (``kvmesh/node/decode_threads.py``). A node that starts while another is mid-step oversubscribes the cores for at most that step.
+steps measure faster (``kvmesh/node/decode_threads.py``). A node that starts while another
+is mid-step oversubscribes the cores for at most that step.
 
 A node that dies with its byte marked leaves it marked until its restart clears it (the
 others meanwhile compute on fewer threads, never on more).
