@@ -1,11 +1,10 @@
 """Prometheus metrics of the router: latencies, outcomes, cache reuse, per-node load and transfers."""
 from __future__ import annotations
 
-import gc
-
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 
+from kvmesh.gc_pauses import num_frozen
 from kvmesh.node.messages import PROMPT_TOKEN_SOURCES
 
 # A request's prompt tokens by where their KV came from: the decode node's stats key -> the source label.
@@ -38,7 +37,7 @@ class RouterMetrics:
         self.migrations = Counter("kvmesh_migrations", "Streams moved to another decode node", registry=r)
         self.in_flight = Gauge("kvmesh_in_flight", "Requests in flight through this router", registry=r)
         Gauge("kvmesh_router_gc_frozen_objects", "Objects this router process froze out of the garbage collector's "
-              "full walks at start-up (kvmesh/gc_pauses.py)", registry=r).set_function(gc.get_freeze_count)
+              "full walks at start-up (kvmesh/gc_pauses.py)", registry=r).set_function(num_frozen)
         if node_stats is not None:
             r.register(_NodeCollector(node_stats))
         if role_moves is not None:

@@ -7,6 +7,8 @@ every stream it decodes or relays, for a tenth of a second or more on a small CP
 objects is ever garbage, so ``freeze_start_up`` moves them out of the collector's sight once start-up
 is done (what ``gc.freeze`` is for), and later collections walk only what serving allocated since.
 ``GCPauses`` times every collection (a ``gc.callbacks`` hook: two clock reads each) for a node's stats.
+How many objects were frozen is remembered at the freeze (``num_frozen``): ``gc.get_freeze_count`` walks
+every frozen object under the GIL, tens of milliseconds a call in a node, far too long for a stats answer.
 """
 from __future__ import annotations
 
@@ -14,12 +16,22 @@ import gc
 import time
 
 
+_num_frozen = 0  # objects frozen by ``freeze_start_up``, counted once at the freeze
+
+
 def freeze_start_up() -> int:
     """Collect once, then freeze every object alive now (never scanned again); returns how many were frozen.
     Call when start-up is done and before serving begins: what it allocates from then on stays collectable."""
+    global _num_frozen
     gc.collect()
     gc.freeze()
-    return gc.get_freeze_count()
+    _num_frozen = gc.get_freeze_count()
+    return _num_frozen
+
+
+def num_frozen() -> int:
+    """Objects ``freeze_start_up`` froze, as counted then (some may have been freed since); no walk."""
+    return _num_frozen
 
 
 class GCPauses:
@@ -52,6 +64,6 @@ class GCPauses:
     def stats(self) -> dict:
         """``{"gc_frozen_objects": n, "gc_collections": [g0, g1, g2], "gc_max_pause_ms": [...], "gc_total_pause_ms":
         [...]}``."""
-        return {"gc_frozen_objects": gc.get_freeze_count(), "gc_collections": list(self.num_collections),
+        return {"gc_frozen_objects": num_frozen(), "gc_collections": list(self.num_collections),
                 "gc_max_pause_ms": [round(v, 3) for v in self.max_ms],
                 "gc_total_pause_ms": [round(v, 3) for v in self.total_ms]}

@@ -302,6 +302,10 @@ MUTATIONS = (
              "    proc = subprocess.Popen(cmd, start_new_session=True, preexec_fn=die_with_parent(), **kwargs)",
              "    proc = subprocess.Popen(cmd, start_new_session=True, **kwargs)",
              ("tests/test_lifecycle.py", "-k", "bench_serve")),
+    Mutation("a node's stats walk every frozen object for their count", "kvmesh/gc_pauses.py",
+             '        return {"gc_frozen_objects": num_frozen(), "gc_collections": list(self.num_collections),',
+             '        return {"gc_frozen_objects": gc.get_freeze_count(), "gc_collections": list(self.num_collections),',
+             ("tests/test_gc_pauses.py",)),
 )
 
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import gc
 
-from kvmesh.gc_pauses import GCPauses, freeze_start_up
+from kvmesh.gc_pauses import GCPauses, freeze_start_up, num_frozen
 
 
 def test_collections_are_counted_per_generation_while_installed():
@@ -31,3 +31,22 @@ def test_freezing_moves_what_is_alive_out_of_the_collectors_walks():
         assert not any(obj is kept for obj in gc.get_objects(2))  # frozen objects are in no generation
     finally:
         gc.unfreeze()
+
+
+def test_stats_never_walk_the_frozen_objects(monkeypatch):
+    """A node answers stats every second for the role balancer, on a thread that holds the GIL meanwhile: the
+    frozen count comes from the freeze, never from ``gc.get_freeze_count`` (a walk of every frozen object)."""
+    kept = [[i] for i in range(1000)]
+    try:
+        frozen = freeze_start_up()
+        assert num_frozen() == frozen >= 1000
+
+        def walk():
+            raise AssertionError("gc.get_freeze_count walked the frozen objects")
+
+        monkeypatch.setattr(gc, "get_freeze_count", walk)
+        assert GCPauses().stats()["gc_frozen_objects"] == frozen
+    finally:
+        monkeypatch.undo()
+        gc.unfreeze()
+    assert kept
