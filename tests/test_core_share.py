@@ -175,16 +175,15 @@ def test_decode_only_steps_are_sized_by_the_chooser_and_timed_for_it(table):
 
     def engine_thread():
         decode.set_busy(True)
-        for computes_prompts in (True, False, False):
+        for computes_prompts, seconds in ((True, 0.5), (False, 0.09), (False, 0.07)):
             seen.append((decode.fit_threads(computes_prompts), torch.get_num_threads()))
-            decode.end_step()
-        decode.end_step()  # no step sized: nothing recorded
+            decode.end_step(seconds)
+        decode.end_step(0.5)  # no step sized: nothing recorded
 
     t = threading.Thread(target=engine_thread)
     t.start()
     t.join()
     assert seen == [(4, 4), (3, 3), (4, 4)]  # a prompt step on the whole share; decode-only steps probe 3, then 4
-    assert [r[:3] for r in recorder.recorded] == [(3, 4, 3), (3, 4, 4)]  # the prompt step is not a decode sample
-    assert all(r[3] >= 0 for r in recorder.recorded)
-    assert recorder.choices() == {"3-4": recorder.choices()["3-4"]} and recorder.num_probes == 1
+    assert recorder.recorded == [(3, 4, 3, 0.09), (3, 4, 4, 0.07)]  # the prompt step is not a decode sample
+    assert recorder.choices() == {"3-4": 4} and recorder.num_probes == 1
     decode.close()

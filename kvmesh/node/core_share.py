@@ -19,7 +19,6 @@ from __future__ import annotations
 import mmap
 import os
 import tempfile
-import time
 
 from kvmesh.node.decode_threads import DecodeThreadChooser
 
@@ -76,7 +75,7 @@ class CoreShare:
         self._map[slot] = 0  # a restart clears what a dead predecessor left marked
         self.num_threads = 0  # what this thread computes on now (0: not set yet)
         self.chooser = chooser or DecodeThreadChooser()
-        self._step: tuple[int, int, int, float] | None = None  # a decode-only step's (fewer, more, threads, start)
+        self._step: tuple[int, int, int] | None = None  # the decode-only step sized last: (fewer, more, threads)
 
     @classmethod
     def from_argument(cls, value: str) -> CoreShare:
@@ -118,7 +117,7 @@ class CoreShare:
         else:
             fewer, more = self.decode_candidates()
             n = self.chooser.pick(fewer, more)
-            self._step = (fewer, more, n, time.perf_counter())
+            self._step = (fewer, more, n)
         if n != self.num_threads:
             import torch
 
@@ -126,11 +125,10 @@ class CoreShare:
             self.num_threads = n
         return n
 
-    def end_step(self) -> None:
-        """After the step ``fit_threads`` sized: a decode-only one's time goes to the chooser."""
+    def end_step(self, seconds: float) -> None:
+        """After the step ``fit_threads`` sized, with its wall time: a decode-only one's goes to the chooser."""
         if self._step is not None:
-            fewer, more, n, start = self._step
-            self.chooser.record(fewer, more, n, time.perf_counter() - start)
+            self.chooser.record(*self._step, seconds)
             self._step = None
 
     def close(self) -> None:

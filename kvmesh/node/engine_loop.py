@@ -14,7 +14,6 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-import time
 from collections import Counter
 from collections.abc import Callable
 
@@ -119,7 +118,6 @@ class EngineLoop:
                     self.compute_threads["prompt" if computes_prompts else "decode"] = \
                         self._cores.fit_threads(computes_prompts)
                 self.clock.begin(decode_only=not computes_prompts)
-                began = time.perf_counter()
                 try:
                     for seq in self.engine.step():
                         if seq.status is RequestStatus.FAILED:
@@ -133,13 +131,13 @@ class EngineLoop:
                         self._on_broken(str(e))
                     for seq in e.failed:
                         self._on_failed(seq, str(e))
-                self.clock.end()
+                seconds = self.clock.end()
                 if not computes_prompts:
                     threads = self.compute_threads["decode"]
                     self.decode_steps_by_threads[threads] += 1
-                    self.decode_seconds_by_threads[threads] += time.perf_counter() - began
+                    self.decode_seconds_by_threads[threads] += seconds
                 if self._cores is not None:
-                    self._cores.end_step()
+                    self._cores.end_step(seconds)
             self._after_step()
         self.clock.close()
         if self._cores is not None:

@@ -49,13 +49,14 @@ class StepClock:
         if self._fd is not None:
             self._at = self._read()
 
-    def end(self) -> None:
+    def end(self) -> float:
+        """The step ended; returns its wall seconds."""
         elapsed = time.perf_counter() - self._began
         if self._decode_only:
             self.num_decode_steps += 1
             self.decode_wall_s += elapsed
         if self._fd is None or self._at is None:
-            return
+            return elapsed
         on_cpu, runnable = self._at
         now_on_cpu, now_runnable = self._read()
         self.wall_s += elapsed
@@ -63,6 +64,7 @@ class StepClock:
         self.runnable_s += (now_runnable - runnable) / 1e9
         self.num_steps += 1
         self._at = None
+        return elapsed
 
     def stats(self) -> dict:
         """Shares of the steps' wall time so far (engine thread or not: plain floats, read as they are)."""
