@@ -9,6 +9,7 @@ import signal
 from kvmesh.auth import InsecureClusterError, add_secret_arguments, secret_from_args
 from kvmesh.lifecycle import stop_on_sigterm
 from kvmesh.metadata.keys import DEFAULT_CLUSTER
+from kvmesh.node.landing_bound import PROMPT_SLICE_S
 from kvmesh.tracing import add_tracing_arguments
 
 
@@ -17,7 +18,11 @@ def add_scheduling_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--long-prefill-token-threshold", type=int, default=-1,
                    help="a prompt's tokens in one engine step, at most: a long prompt computed over several steps "
                         "lets the streams decoding beside it keep going (0: the step's whole budget; -1: decode "
-                        "nodes take what they compute in a quarter second, prefill nodes the whole budget)")
+                        "nodes take what they compute in --prompt-slice-ms, prefill nodes the whole budget)")
+    p.add_argument("--prompt-slice-ms", type=float, default=PROMPT_SLICE_S * 1e3,
+                   help="with --long-prefill-token-threshold -1: a node with streams decoding beside its prompts "
+                        "computes the prompt tokens of this many milliseconds (at its measured rate) per step, so "
+                        "those streams' next token waits at most that much more (default: %(default)s)")
     p.add_argument("--kv-placement", default="cost", metavar="cost|cost:request|threshold:N",
                    help="where a request's uncached KV comes from: 'cost' takes the cheapest plan by measured rates, "
                         "a prompt computed here counting once for itself and once for each stream decoding here that "
@@ -30,6 +35,8 @@ def scheduling_argument_error(args: argparse.Namespace) -> str | None:
     """What is wrong with ``add_scheduling_arguments``' values that the parser cannot see, or None."""
     if args.long_prefill_token_threshold < -1:
         return "--long-prefill-token-threshold must be -1 (auto), 0 (a whole step) or more"
+    if not args.prompt_slice_ms > 0:
+        return f"--prompt-slice-ms must be more than 0, not {args.prompt_slice_ms}"
     return None
 
 
@@ -149,6 +156,7 @@ def run_node(role: str, args: argparse.Namespace) -> int:
                      num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
                      max_num_batched_tokens=args.max_num_batched_tokens,
                      long_prefill_token_threshold=args.long_prefill_token_threshold,
+                     prompt_slice_s=args.prompt_slice_ms / 1e3,
                      host=args.host, advertise_host=args.advertise_host, transfer_backend=args.transfer_backend,
                      shared_memory_transfers=args.shared_memory_transfers,
                      lease_ttl_s=args.lease_ttl, transfer_gib_per_s=args.transfer_gib_per_s,

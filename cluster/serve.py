@@ -94,7 +94,8 @@ def node_share_args(args: argparse.Namespace) -> list[str]:
     out = ["--device", args.device, "--load-format", args.load_format, "--speculative", args.speculative,
            "--host-kv-gib", args.host_kv_gib, "--disk-kv-gib", repr(args.disk_kv_gib),
            "--kv-placement", args.kv_placement,
-           "--long-prefill-token-threshold", str(args.long_prefill_token_threshold)]
+           "--long-prefill-token-threshold", str(args.long_prefill_token_threshold),
+           "--prompt-slice-ms", repr(args.prompt_slice_ms)]
     if getattr(args, "otlp_endpoint", ""):  # the front ends' collector: the nodes' spans join the router's traces
         out += ["--otlp-endpoint", args.otlp_endpoint, "--trace-sample-ratio", repr(args.trace_sample_ratio)]
     return out + (["--disk-kv-path", args.disk_kv_path] if args.disk_kv_path else []) + \

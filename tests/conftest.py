@@ -21,6 +21,10 @@ os.environ["HOME"] = SUITE_HOME
 os.environ["XDG_CACHE_HOME"] = os.path.join(SUITE_HOME, ".cache")
 for _name in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH", "RAY_ADDRESS"):
     os.environ.pop(_name, None)  # the caller's Ray settings are not the suite's
+# The suite runs several torch processes per core (two workers, each with node processes): OpenMP threads that
+# spin after every parallel region (libgomp's default) take those cores from the others. Every process the
+# suite starts inherits this; it must precede the first torch import.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch  # noqa: E402
 

@@ -159,8 +159,27 @@ def test_a_long_prompt_is_computed_a_threshold_at_a_time_beside_a_decoding_strea
 def test_a_decode_node_slices_prompts_to_a_quarter_second_at_its_rate():
     """The automatic threshold: what the node computes in PROMPT_SLICE_S, in whole blocks; no cap where that
     reaches the step's budget (a fast device); one block at least."""
-    from kvmesh.node.runtime import PROMPT_SLICE_S, prompt_slice
+    from kvmesh.node.landing_bound import PROMPT_SLICE_S, prompt_slice
 
     assert prompt_slice(640.0, 16, 2048) == int(640 * PROMPT_SLICE_S) // 16 * 16 == 160
     assert prompt_slice(50_000.0, 16, 2048) == 0
     assert prompt_slice(10.0, 16, 2048) == 16
+    assert prompt_slice(640.0, 16, 2048, slice_s=0.1) == 64  # --prompt-slice-ms 100
+
+
+def test_serve_passes_the_prompt_slice_to_its_nodes_and_refuses_a_slice_of_nothing():
+    """``--prompt-slice-ms`` reaches every node ``kvmesh serve`` starts (their NodeConfig's ``prompt_slice_s``);
+    0 or less is refused before anything starts."""
+    from kvmesh.cli import build_parser
+    from kvmesh.cluster.node_main import scheduling_argument_error
+    from kvmesh.cluster.serve import node_share_args
+
+    args = build_parser().parse_args(["serve", "--prompt-slice-ms", "120"])
+    passed = node_share_args(args)
+    assert passed[passed.index("--prompt-slice-ms") + 1] == "120.0"
+    assert scheduling_argument_error(args) is None
+    node = build_parser().parse_args(["decode-node", "--node-id", "d", "--etcd", "x:1", *passed])
+    assert node.prompt_slice_ms == 120.0 and scheduling_argument_error(node) is None
+    for bad in ("0", "-5"):
+        args = build_parser().parse_args(["serve", "--prompt-slice-ms", bad])
+        assert "--prompt-slice-ms must be more than 0" in scheduling_argument_error(args)

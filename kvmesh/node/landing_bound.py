@@ -2,7 +2,8 @@
 where streams decode beside them, and steps kept short while a fetch is about to land.
 
 The slice (``slice_tokens``) is the node's to set, on the engine thread, as its role changes (None: the
-scheduler's configured ``long_prefill_token_threshold``).
+scheduler's configured ``long_prefill_token_threshold``); ``prompt_slice`` sizes the automatic one: the
+tokens the node computes in ``--prompt-slice-ms`` at its measured rate.
 
 A fetch's blocks join the engine at a step boundary. A step that starts just before they land and
 computes a slice of some prompt holds them (and the request's first token) for that whole step. While a
@@ -17,6 +18,17 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+
+PROMPT_SLICE_S = 0.25  # auto: a decode node computes at most this much of a prompt in one step, at its probed rate
+
+
+def prompt_slice(prefill_tokens_per_s: float, block_size: int, step_budget: int,
+                 slice_s: float = PROMPT_SLICE_S) -> int:
+    """The automatic ``long_prefill_token_threshold`` of a decode node: the prompt tokens it computes in
+    ``slice_s`` (whole blocks, one at least), so the streams decoding beside a long prompt wait that
+    long per step, not for the whole prompt; 0 (no cap) where that reaches the step's budget (a GPU)."""
+    tokens = int(prefill_tokens_per_s * slice_s) // block_size * block_size
+    return 0 if tokens >= step_budget else max(tokens, block_size)
 
 
 class LandingBound:

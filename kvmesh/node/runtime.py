@@ -47,7 +47,7 @@ from kvmesh.node.placement import make_placement
 from kvmesh.node import messages as nm
 from kvmesh.node.core_share import CoreShare
 from kvmesh.node.engine_loop import EngineLoop
-from kvmesh.node.landing_bound import LandingBound
+from kvmesh.node.landing_bound import PROMPT_SLICE_S, LandingBound, prompt_slice
 from kvmesh.netaddr import advertise_address
 from kvmesh.node.membership import ClusterMembership
 from kvmesh.rate_meter import CostFit
@@ -73,17 +73,6 @@ class ProbeMeasurement(NamedTuple):
     decode_step_s: float  # one decode step of one sequence: about what each request in flight adds to a step
 
 
-PROMPT_SLICE_S = 0.25  # auto: a decode node computes at most this much of a prompt in one step, at its probed rate
-
-
-def prompt_slice(prefill_tokens_per_s: float, block_size: int, step_budget: int) -> int:
-    """The automatic ``long_prefill_token_threshold`` of a decode node: the prompt tokens it computes in
-    ``PROMPT_SLICE_S`` (whole blocks, one at least), so the streams decoding beside a long prompt wait that
-    long per step, not for the whole prompt; 0 (no cap) where that reaches the step's budget (a GPU)."""
-    tokens = int(prefill_tokens_per_s * PROMPT_SLICE_S) // block_size * block_size
-    return 0 if tokens >= step_budget else max(tokens, block_size)
-
-
 @dataclass(frozen=True)
 class NodeConfig:
     node_id: str
@@ -101,6 +90,7 @@ class NodeConfig:
     max_num_batched_tokens: int = 2048
     # A prompt's tokens per engine step, at most (0: the step's whole budget; -1: auto, ``prompt_slice``).
     long_prefill_token_threshold: int = -1
+    prompt_slice_s: float = PROMPT_SLICE_S  # ... and with -1, the seconds of prompt a step takes beside streams
     host: str = "127.0.0.1"  # where every listener binds (0.0.0.0: all interfaces)
     advertise_host: str = ""  # what peers are told; "": the bind address, or the route to etcd
     transfer_backend: str = "auto"
@@ -242,7 +232,8 @@ class NodeRuntime:
         cfg = self.cfg
         tokens = max(cfg.long_prefill_token_threshold, 0)
         if cfg.long_prefill_token_threshold < 0 and streams_beside:
-            tokens = prompt_slice(self.prefill_tokens_per_s, cfg.block_size, cfg.max_num_batched_tokens)
+            tokens = prompt_slice(self.prefill_tokens_per_s, cfg.block_size, cfg.max_num_batched_tokens,
+                                  cfg.prompt_slice_s)
         self.landings.slice_tokens = tokens
 
     def _start_ranks(self):
