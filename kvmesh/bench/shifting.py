@@ -153,30 +153,31 @@ def _summary(name, args, phases, outcomes, phase_s, timeline, moves, history) ->
 
 
 def plot_roles(res: dict, folder: str) -> str:
-    """Prefill nodes over time per mode, phase ends marked: roles_over_time.png in ``folder``."""
+    """Prefill nodes over time, one row per mode with its own phase ends marked: roles_over_time.png in
+    ``folder`` (rows apart: a mode holding another's shape would hide behind its line)."""
     from pathlib import Path
 
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     out = Path(folder)
     out.mkdir(parents=True, exist_ok=True)
-    fig, ax = plt.subplots(figsize=(8, 3.5))
-    for name, m in res["modes"].items():
+    modes = res["modes"]
+    fig, axes = plt.subplots(len(modes), 1, figsize=(8, 1.2 + 1.3 * len(modes)), sharex=True, squeeze=False)
+    for ax, (name, m) in zip(axes[:, 0], modes.items()):
         points = m["roles_over_time"]
         ax.step([p["t"] for p in points], [sum(r == "prefill" for r in p["roles"].values()) for p in points],
-                where="post", label=name)
-    for end in next(iter(res["modes"].values()))["phase_ends_s"][:-1]:
-        ax.axvline(end, color="grey", linestyle=":", linewidth=1)
-    ax.set_xlabel("seconds (dotted: a phase ends, in the first mode)")
-    ax.set_ylabel("prefill nodes")
-    from matplotlib.ticker import MaxNLocator
-
-    ax.yaxis.set_major_locator(MaxNLocator(integer=True))
-    ax.set_title("Roles over time")
-    ax.legend()
+                where="post")
+        for end in m["phase_ends_s"][:-1]:
+            ax.axvline(end, color="grey", linestyle=":", linewidth=1)
+        ax.set_ylabel(f"{name}\nprefill nodes")
+        ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.set_ylim(-0.2, sum(m["nodes"].values()) - 0.8)
+    axes[-1, 0].set_xlabel("seconds (dotted: the mode's phase ends)")
+    axes[0, 0].set_title("Roles over time")
     fig.tight_layout()
     path = out / "roles_over_time.png"
     fig.savefig(path, dpi=110)
