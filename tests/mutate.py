@@ -306,6 +306,14 @@ MUTATIONS = (
              '        return {"gc_frozen_objects": num_frozen(), "gc_collections": list(self.num_collections),',
              '        return {"gc_frozen_objects": gc.get_freeze_count(), "gc_collections": list(self.num_collections),',
              ("tests/test_gc_pauses.py",)),
+    Mutation("serve's nodes never get its --prompt-slice-ms", "cluster/serve.py",
+             '           "--prompt-slice-ms", repr(args.prompt_slice_ms)]',
+             '           ]',
+             ("tests/test_priorities.py", "-k", "slice")),
+    Mutation("a node's prompt slice ignores --prompt-slice-ms", "kvmesh/node/landing_bound.py",
+             "    tokens = int(prefill_tokens_per_s * slice_s) // block_size * block_size",
+             "    tokens = int(prefill_tokens_per_s * PROMPT_SLICE_S) // block_size * block_size",
+             ("tests/test_priorities.py", "-k", "slice")),
 )
 
 

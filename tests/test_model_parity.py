@@ -9,7 +9,8 @@ from kvmesh.device import cpu_features
 from tests.conftest import hf_reference, run_prefill
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a land far"]
-LONG_PROMPT = " ".join(f"Step {i}: add {i * 7 % 13} apples to the basket, then count them again." for i in range(24))
+# Three chunks of the bf16 prefill attention (128 rows each at this length) and a part of a fourth.
+LONG_PROMPT = " ".join(f"Step {i}: add {i * 7 % 13} apples to the basket, then count them again." for i in range(16))
 
 
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen3"])
@@ -113,10 +114,10 @@ def test_smollm2_bfloat16_matches_transformers_in_bfloat16(smollm2_hf):
     assert ours_err.mean().item() <= 1.1 * hf_err.mean().item()  # ~0.38 both
     assert ours_err.max().item() <= 1.25 * hf_err.max().item()  # ~1.6 both
     ours_flips, hf_flips = ((x.argmax(-1) != ref32.argmax(-1)).sum().item() for x in (ours, ref16))
-    assert ours_flips <= hf_flips + 2, (ours_flips, hf_flips)  # of 427 rows
-    batched = llm.generate(PROMPTS, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    assert ours_flips <= hf_flips + 2, (ours_flips, hf_flips)  # of ~280 rows
+    batched = llm.generate(PROMPTS, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True), use_tqdm=False)
     for prompt, out in zip(PROMPTS, batched):
-        assert out.token_ids == _hf_greedy(hf, llm.tokenizer.encode(prompt), 24), prompt
+        assert out.token_ids == _hf_greedy(hf, llm.tokenizer.encode(prompt), 16), prompt
     llm.engine.check_integrity()
 
 

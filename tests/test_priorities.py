@@ -176,7 +176,7 @@ def test_serve_passes_the_prompt_slice_to_its_nodes_and_refuses_a_slice_of_nothi
 
     args = build_parser().parse_args(["serve", "--prompt-slice-ms", "120"])
     passed = node_share_args(args)
-    assert passed[passed.index("--prompt-slice-ms") + 1] == "120.0"
+    assert "--prompt-slice-ms" in passed and passed[passed.index("--prompt-slice-ms") + 1] == "120.0"
     assert scheduling_argument_error(args) is None
     node = build_parser().parse_args(["decode-node", "--node-id", "d", "--etcd", "x:1", *passed])
     assert node.prompt_slice_ms == 120.0 and scheduling_argument_error(node) is None
