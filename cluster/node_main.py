@@ -35,8 +35,8 @@ def scheduling_argument_error(args: argparse.Namespace) -> str | None:
     """What is wrong with ``add_scheduling_arguments``' values that the parser cannot see, or None."""
     if args.long_prefill_token_threshold < -1:
         return "--long-prefill-token-threshold must be -1 (auto), 0 (a whole step) or more"
-    if not args.prompt_slice_ms > 0:
-        return f"--prompt-slice-ms must be more than 0, not {args.prompt_slice_ms}"
+    if not 0 < args.prompt_slice_ms < float("inf"):
+        return f"--prompt-slice-ms must be more than 0 and finite, not {args.prompt_slice_ms}"
     return None
 
 

@@ -180,6 +180,6 @@ def test_serve_passes_the_prompt_slice_to_its_nodes_and_refuses_a_slice_of_nothi
     assert scheduling_argument_error(args) is None
     node = build_parser().parse_args(["decode-node", "--node-id", "d", "--etcd", "x:1", *passed])
     assert node.prompt_slice_ms == 120.0 and scheduling_argument_error(node) is None
-    for bad in ("0", "-5"):
+    for bad in ("0", "-5", "nan", "inf"):
         args = build_parser().parse_args(["serve", "--prompt-slice-ms", bad])
-        assert "--prompt-slice-ms must be more than 0" in scheduling_argument_error(args)
+        assert "--prompt-slice-ms must be more than 0 and finite" in scheduling_argument_error(args), bad
