@@ -49,6 +49,9 @@ def add_node_share_arguments(p: argparse.ArgumentParser) -> None:
                         "cuda:N; every node of this machine shares it")
     p.add_argument("--threads", type=int, default=0,
                    help="compute threads per node (0: this machine's cores split evenly among the nodes)")
+    p.add_argument("--no-fork-nodes", action="store_true",
+                   help="start every node as a fresh process (default: fork each from one process that imported "
+                        "the model stack once, so start-ups and restarts skip that import)")
     p.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
                    help="auto: the model's weights; dummy: seeded weights of its shape drawn on the device at start-up, nothing "
                         "read but the config (speed at real sizes; the *-dummy presets always load this way)")
@@ -90,7 +93,7 @@ def role_args(args: argparse.Namespace) -> dict[str, list[str]]:
 
 
 def node_share_args(args: argparse.Namespace) -> list[str]:
-    """The node arguments ``add_node_share_arguments`` adds beyond dtype and threads."""
+    """The node arguments ``add_node_share_arguments`` adds beyond dtype, threads and how nodes start."""
     out = ["--device", args.device, "--load-format", args.load_format, "--speculative", args.speculative,
            "--host-kv-gib", args.host_kv_gib, "--disk-kv-gib", repr(args.disk_kv_gib),
            "--kv-placement", args.kv_placement,
@@ -217,7 +220,7 @@ def run_serve(args: argparse.Namespace) -> int:
         with LocalCluster(args.prefill, args.decode, model=args.model, etcd=args.etcd, cluster=args.cluster,
                           start_timeout_s=600, dtype=args.dtype, threads_per_node=args.threads,
                           node_args=node_share_args(args), role_args=role_args(args),
-                          cluster_token=secret_from_args(args) or None) as cluster, \
+                          fork_nodes=not args.no_fork_nodes, cluster_token=secret_from_args(args) or None) as cluster, \
                 Supervisor(cluster, max_restarts=args.max_restarts) as supervisor:
             run_front_ends(args, cluster.etcd_endpoint, args.cluster, cluster.token, supervisor.status)
     except KeyboardInterrupt:  # during start-up

@@ -440,7 +440,7 @@ def _run_local_cluster(args: argparse.Namespace) -> int:
           file=sys.stderr)
     try:
         with LocalCluster(args.prefill, args.decode, model=args.model, etcd=args.etcd, start_timeout_s=600,
-                          dtype=args.dtype, threads_per_node=args.threads,
+                          dtype=args.dtype, threads_per_node=args.threads, fork_nodes=not args.no_fork_nodes,
                           node_args=node_share_args(args), role_args=role_args(args)) as cluster, \
                 Supervisor(cluster, max_restarts=args.max_restarts):
             generated = not token_from_env()
