@@ -14,22 +14,18 @@ stops the nodes (closing their stdin, then killing stragglers) and the private e
 from __future__ import annotations
 
 import json
-import logging
 import os
 import subprocess
-import sys
 import time
 from dataclasses import dataclass
 
 from kvmesh.auth import TOKEN_ENV, ClusterAuth, generate_token, token_from_env
 from kvmesh.cluster.client import NodeClient
 from kvmesh.cluster.hosts import Hosts
-from kvmesh.cluster.node_forkserver import ForkedProcess, ForkServerError, fork_server
+from kvmesh.cluster.node_forkserver import ForkedProcess, start_module
 from kvmesh.metadata.embedded_etcd import EmbeddedEtcd
 from kvmesh.metadata.registry import wait_for_nodes
 from kvmesh.node.core_share import CoreTable
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -58,8 +54,8 @@ class LocalCluster:
         ``CoreTable``), or on simulated ``hosts`` split them evenly (at least one each). ``role_args``: role ->
         arguments of that role's nodes (after ``node_args``); ``per_node_args``: node id -> arguments added to
         that node's command line only (after those). ``fork_nodes``: fork node processes from a server that
-        has imported the model stack once (``node_forkserver``) instead of starting each from scratch; not on
-        simulated hosts (each node runs inside its host's network namespace).
+        has imported the model stack once (``node_forkserver``; on simulated hosts, one server inside each
+        host's namespace) instead of starting each from scratch.
         """
         self.num_prefill, self.num_decode = num_prefill, num_decode
         self.hosts = hosts
@@ -77,7 +73,7 @@ class LocalCluster:
         self.per_node_args = dict(per_node_args or {})
         self.role_args = dict(role_args or {})
         self.dtype = dtype
-        self.fork_nodes = fork_nodes and hosts is None
+        self.fork_nodes = fork_nodes
         self.cores = CoreTable() if threads_per_node == 0 and hosts is None else None
         self.threads_per_node = threads_per_node or max(1, (os.cpu_count() or 1) // max(1, num_prefill + num_decode))
         self.start_timeout_s = start_timeout_s
@@ -107,15 +103,16 @@ class LocalCluster:
 
     def start_node(self, role: str, node_id: str, wait: bool = True, extra_args: tuple[str, ...] = ()) -> NodeProcess:
         """Start (or restart) one node process; with ``wait``, until it is registered."""
-        cmd = [sys.executable, "-m", "kvmesh.cli", f"{role}-node", "--node-id", node_id, "--etcd",
-               self.etcd_endpoint, "--cluster", self.cluster, "--model", self.model, "--dtype", self.dtype,
-               *self._thread_args(node_id), *self.node_args, *self.role_args.get(role, ()),
-               *self.per_node_args.get(node_id, ()), *extra_args]
+        argv = [f"{role}-node", "--node-id", node_id, "--etcd", self.etcd_endpoint, "--cluster", self.cluster,
+                "--model", self.model, "--dtype", self.dtype, *self._thread_args(node_id), *self.node_args,
+                *self.role_args.get(role, ()), *self.per_node_args.get(node_id, ()), *extra_args]
+        prefix: tuple[str, ...] = ()
         if self.hosts is not None:
             host = self.hosts[self.placement.setdefault(node_id, self.hosts.hosts[-1].index)]
-            cmd = [*host.exec_prefix, *cmd, "--host", host.address]
+            prefix, argv = tuple(host.exec_prefix), [*argv, "--host", host.address]
         env = {**os.environ, TOKEN_ENV: self.token}  # never on argv: every local user can read that
-        proc = self._spawn(cmd, env, (self.cores.fd,) if self.cores is not None else (), node_id)
+        proc = start_module("kvmesh.cli", argv, env, secret_env=(TOKEN_ENV,), prefix=prefix, name=node_id,
+                            pass_fds=(self.cores.fd,) if self.cores is not None else (), fork=self.fork_nodes)
         node = self.nodes[node_id] = NodeProcess(node_id, role, proc, {})
         stale = self._clients.pop(node_id, None)  # a restarted node listens elsewhere
         if stale is not None:
@@ -127,17 +124,6 @@ class LocalCluster:
             node.info = json.loads(line)
             self.wait_registered({node_id})
         return node
-
-    def _spawn(self, cmd: list[str], env: dict[str, str], pass_fds: tuple[int, ...],
-               node_id: str) -> subprocess.Popen | ForkedProcess:
-        if self.fork_nodes:
-            try:
-                return fork_server(env, ignore=(TOKEN_ENV,)).spawn(cmd[2], cmd[3:], env, pass_fds, name=node_id)
-            except ForkServerError as e:
-                logger.warning("%s; starting nodes as plain processes", e)
-                self.fork_nodes = False
-        return subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
-                                pass_fds=pass_fds)
 
     def _thread_args(self, node_id: str) -> list[str]:
         share = self.cores.node_argument(node_id) if self.cores is not None else None

@@ -21,6 +21,7 @@ import ctypes
 import ctypes.util
 import gc
 import json
+import logging
 import os
 import runpy
 import selectors
@@ -31,6 +32,7 @@ import sys
 import threading
 import time
 
+logger = logging.getLogger(__name__)
 PRELOAD = ("torch", "kvmesh.cli", "kvmesh.cluster.node_main", "kvmesh.node.runtime", "kvmesh.cluster.serving_node")
 _MAX_FDS = 16
 _MAX_MESSAGE = 1 << 20
@@ -55,15 +57,14 @@ def _send(sock: socket.socket, message: dict) -> None:
     sock.send(json.dumps(message).encode())
 
 
-def serve(sock: socket.socket) -> _Child | None:
+def serve(sock: socket.socket, preload: tuple[str, ...] = PRELOAD) -> _Child | None:
     """Fork a child per request until the launcher's end closes; returns only in a child (its job) or at EOF."""
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN)
-    for module in PRELOAD:
+    for module in preload:
         __import__(module)
-    import torch
-
-    if torch.cuda.is_initialized() or threading.active_count() != 1:
+    torch = sys.modules.get("torch")
+    if (torch is not None and torch.cuda.is_initialized()) or threading.active_count() != 1:
         raise ForkServerError("importing the model stack started a device or a thread: forking it is unsafe")
     gc.collect()
     gc.freeze()  # the imported objects stay out of every child's collections (and unwritten: shared pages)
@@ -100,9 +101,9 @@ def serve(sock: socket.socket) -> _Child | None:
 
 
 def _become_child(request: dict, fds: list[int]) -> _Child:
-    """In the fork: the received descriptors on their numbers (stdin, stdout, then ``pass_fds``), the
-    requested environment, default signal handlers."""
-    targets = [0, 1, *request["pass_fds"]]
+    """In the fork: the received descriptors on their numbers (stdin, stdout, stderr if sent, then
+    ``pass_fds``), the requested environment, default signal handlers."""
+    targets = [0, 1, *([2] if request["stderr"] else []), *request["pass_fds"]]
     high = [_dup_above(fd, 1024) for fd in fds]  # off every target number before any lands
     for fd in fds:
         os.close(fd)
@@ -130,8 +131,9 @@ def _dup_above(fd: int, lowest: int) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="kvmesh's node fork server (started by launchers, not by hand)")
     parser.add_argument("--fd", type=int, required=True, help="this end of the launcher's socket pair")
+    parser.add_argument("--preload", default=",".join(PRELOAD), help="modules to import before forking")
     args = parser.parse_args(argv)
-    child = serve(socket.socket(fileno=args.fd))
+    child = serve(socket.socket(fileno=args.fd), tuple(m for m in args.preload.split(",") if m))
     if child is None:
         return 0
     sys.argv = [child.module, *child.argv]
@@ -193,10 +195,13 @@ class ForkServer:
     the children's pids and exit codes. ``close()`` (or this process's exit) ends the server, never its
     children (they stop when their stdin closes, as plain node processes do)."""
 
-    def __init__(self, env: dict[str, str], start_timeout_s: float = 120.0):
+    def __init__(self, env: dict[str, str], prefix: tuple[str, ...] = (), preload: tuple[str, ...] = PRELOAD,
+                 start_timeout_s: float = 120.0):
+        """``prefix``: the command the server runs under (``ip netns exec HOST``: its children live there too)."""
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        self.proc = subprocess.Popen([sys.executable, "-m", "kvmesh.cluster.node_forkserver", "--fd",
-                                      str(theirs.fileno())], pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL,
+        self.proc = subprocess.Popen([*prefix, sys.executable, "-m", "kvmesh.cluster.node_forkserver", "--fd",
+                                      str(theirs.fileno()), "--preload", ",".join(preload)],
+                                     pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL,
                                      stdout=subprocess.DEVNULL, env=env)
         theirs.close()
         self._sock = mine
@@ -239,18 +244,21 @@ class ForkServer:
         return self._alive and self.proc.poll() is None
 
     def spawn(self, module: str, argv: list[str], env: dict[str, str], pass_fds: tuple[int, ...] = (),
-              name: str = "", timeout_s: float = 60.0) -> ForkedProcess:
-        """Fork ``python -m <module> <argv>`` with ``env`` and the descriptors ``pass_fds`` (on the same numbers); its stdin
-        and stdout are pipes to this process (text, line-buffered stdin), as ``Popen(stdin=PIPE, stdout=PIPE)``."""
+              name: str = "", stderr: int | None = None, timeout_s: float = 60.0) -> ForkedProcess:
+        """Fork ``python -m <module> <argv>`` with ``env`` and the descriptors ``pass_fds`` (on the same numbers);
+        its stdin and stdout are pipes to this process (text, line-buffered stdin), as ``Popen(stdin=PIPE,
+        stdout=PIPE)``; its stderr the server's (this process's when started), or the descriptor ``stderr``."""
         stdin_r, stdin_w = os.pipe()
         stdout_r, stdout_w = os.pipe()
         try:
             with self._cond:
                 self._seq += 1
                 seq = self._seq
-                request = {"seq": seq, "module": module, "argv": argv, "env": env, "pass_fds": list(pass_fds), "name": name}
+                request = {"seq": seq, "module": module, "argv": argv, "env": env, "pass_fds": list(pass_fds),
+                           "name": name, "stderr": stderr is not None}
+                fds = [stdin_r, stdout_w, *([stderr] if stderr is not None else []), *pass_fds]
                 try:
-                    socket.send_fds(self._sock, [json.dumps(request).encode()], [stdin_r, stdout_w, *pass_fds])
+                    socket.send_fds(self._sock, [json.dumps(request).encode()], fds)
                 except OSError as e:
                     raise ForkServerError(f"the node fork server is gone: {e}") from None
                 deadline = time.monotonic() + timeout_s
@@ -286,6 +294,10 @@ class ForkServer:
             return code
 
     def close(self) -> None:
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)  # wakes the reader's recv (a close alone would not) and ends the server
+        except OSError:
+            pass
         self._sock.close()
         try:
             self.proc.wait(timeout=10)
@@ -304,16 +316,36 @@ _servers: dict[tuple, ForkServer] = {}
 _servers_lock = threading.Lock()
 
 
-def fork_server(env: dict[str, str], ignore: tuple[str, ...] = ()) -> ForkServer:
-    """The running server for this environment (``ignore``: variables every node gets its own value of,
-    such as the cluster token), started on first use. Variables libraries read once at import (thread pools,
-    caches) differ between environments, so each environment has a server of its own."""
-    key = (sys.executable, tuple(sorted((k, v) for k, v in env.items() if k not in ignore)))
+def fork_server(env: dict[str, str], ignore: tuple[str, ...] = (), prefix: tuple[str, ...] = ()) -> ForkServer:
+    """The running server for this environment and ``prefix`` (``ignore``: variables every child gets its own
+    value of, such as the cluster token), started on first use. Variables libraries read once at import
+    (thread pools, caches) differ between environments, so each environment has a server of its own."""
+    key = (sys.executable, tuple(prefix), tuple(sorted((k, v) for k, v in env.items() if k not in ignore)))
     with _servers_lock:
         server = _servers.get(key)
         if server is None or not server.alive:
-            server = _servers[key] = ForkServer({k: v for k, v in env.items() if k not in ignore})
+            server = _servers[key] = ForkServer({k: v for k, v in env.items() if k not in ignore}, tuple(prefix))
         return server
+
+
+def start_module(module: str, argv: list[str], env: dict[str, str], secret_env: tuple[str, ...] = (),
+                 pass_fds: tuple[int, ...] = (), stderr: int | None = None, prefix: tuple[str, ...] = (),
+                 name: str = "", fork: bool = True) -> subprocess.Popen | ForkedProcess:
+    """``python -m module argv`` with text pipes on stdin and stdout: forked from this environment's server
+    (``fork``), else (or when no server can start) a fresh process, as ``Popen``. ``secret_env``: variables
+    kept out of the server's key and environment (each child gets its own)."""
+    if fork:
+        devnull = os.open(os.devnull, os.O_WRONLY) if stderr == subprocess.DEVNULL else None
+        try:
+            return fork_server(env, secret_env, prefix).spawn(module, argv, env, pass_fds, name,
+                                                              stderr if devnull is None else devnull)
+        except ForkServerError as e:
+            logger.warning("%s; starting %s as a fresh process", e, module)
+        finally:
+            if devnull is not None:
+                os.close(devnull)
+    return subprocess.Popen([*prefix, sys.executable, "-m", module, *argv], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=stderr, text=True, env=env, pass_fds=pass_fds)
 
 
 if __name__ == "__main__":

@@ -16,6 +16,8 @@ if __name__ == "__main__":
                       "sigterm_default": signal.getsignal(signal.SIGTERM) == signal.SIG_DFL,
                       "torch_loaded": "torch" in sys.modules,
                       "comm": open(f"/proc/{os.getpid()}/comm").read().strip()}), flush=True)
+    if len(sys.argv) > 3:
+        print("stderr " + sys.argv[3], file=sys.stderr, flush=True)
     for line in sys.stdin:
         print("echo " + line.strip(), flush=True)
     sys.exit(int(sys.argv[1]))

@@ -64,7 +64,7 @@ def test_a_signal_ends_a_child_with_popens_negative_code_and_a_timeout_raises(se
 
 
 def test_children_outlive_a_killed_server_and_their_end_is_still_seen():
-    server = ForkServer(dict(os.environ))
+    server = ForkServer(dict(os.environ), preload=())
     proc, _ = _start(server, 0, {})
     server.proc.kill()
     server.proc.wait()
@@ -75,10 +75,32 @@ def test_children_outlive_a_killed_server_and_their_end_is_still_seen():
 
 def test_the_launcher_going_away_ends_the_server():
     code = ("import os, sys; from kvmesh.cluster.node_forkserver import ForkServer; "
-            "s = ForkServer(dict(os.environ)); print(s.proc.pid, flush=True); os._exit(0)")
+            "s = ForkServer(dict(os.environ), preload=()); print(s.proc.pid, flush=True); os._exit(0)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     pid = int(out.stdout.split()[0])
     deadline = __import__("time").monotonic() + 30
     while os.path.exists(f"/proc/{pid}") and "Z" not in open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]:
         assert __import__("time").monotonic() < deadline, "the fork server outlived its launcher"
         __import__("time").sleep(0.05)
+
+
+def test_start_module_sends_stderr_where_asked_and_runs_under_a_prefix(tmp_path):
+    """``prefix`` wraps the server (as ``ip netns exec HOST`` does), so its children run under it too; a child
+    writes its errors to the descriptor given, not to the launcher's stderr."""
+    from kvmesh.cluster.node_forkserver import ForkedProcess, start_module
+
+    log = tmp_path / "err.log"
+    with open(log, "w") as err:
+        proc = start_module("tests.fork_probe", ["7", "-1", "boom"], dict(os.environ), stderr=err.fileno(),
+                            prefix=("env", "KVMESH_PROBE=under the prefix"))
+    assert isinstance(proc, ForkedProcess)
+    seen = json.loads(proc.stdout.readline())
+    assert seen["probe"] is None, "the launcher's environment, not the prefix's, reaches the child"
+    assert seen["torch_loaded"]
+    proc.stdin.close()
+    assert proc.wait(timeout=30) == 7
+    assert log.read_text() == "stderr boom\n"
+    fresh = start_module("tests.fork_probe", ["0"], dict(os.environ), fork=False)
+    assert isinstance(fresh, subprocess.Popen) and not json.loads(fresh.stdout.readline())["torch_loaded"]
+    fresh.stdin.close()
+    assert fresh.wait(timeout=30) == 0

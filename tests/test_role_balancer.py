@@ -210,3 +210,15 @@ def test_an_all_decode_cluster_moves_a_node_back_to_prefill_while_its_own_decode
     assert [(m.node_id, m.to_role) for _, m in moves] == [("decode-0", "prefill")]
     with_prefill = [replace(busy[0], role="prefill"), *busy[1:]]  # one prefill node: decode pressure gates again
     assert run(RoleBalancer(CONFIG), [with_prefill] * 10) == []
+
+
+def test_the_held_shifting_mode_runs_a_balancer_that_can_never_move():
+    """``bench cluster --workload shifting --modes 2p1d-held``: 2p1d's shape with the balancer's floors at that
+    shape, under both loads it would otherwise act on."""
+    from kvmesh.bench.shifting import shifting_modes
+
+    mode = shifting_modes(3)["2p1d-held"]
+    assert mode.roles_auto and (mode.num_prefill, mode.num_decode) == (2, 1)
+    held = RoleBalancer(replace(CONFIG, min_prefill=mode.min_prefill, min_decode=mode.min_decode))
+    assert run(held, [decode_heavy()] * 10 + [prefill_heavy(("prefill", "prefill", "decode"))] * 10) == []
+    assert run(RoleBalancer(CONFIG), [decode_heavy()] * 10) != []  # the same trace moves an unheld balancer

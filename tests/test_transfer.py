@@ -162,7 +162,9 @@ def test_killed_holder_gives_a_typed_error_and_frees_blocks(requester):
 
 @pytest.mark.parametrize("requester", [*BACKENDS, SHARED], indirect=True)
 def test_requester_abort_unpins_on_the_holder_and_releases_the_grant(requester):
-    holder = Holder(requester.engine.name, seed=15, requester=requester, chain=8, delay_ms=300)
+    # Its chain takes 8 s to be cached: the push gives up after 0.5 s even when it starts seconds late (a loaded
+    # machine); with 300 ms a block, a push started 2 s after the holder announced found every block cached.
+    holder = Holder(requester.engine.name, seed=15, requester=requester, chain=8, delay_ms=1000)
     try:
         ids = requester.pool.allocate(8)
         outcome = requester.requester.push(holder.node_id, ids, chain_hashes(8), request_id="a", timeout_s=0.5,

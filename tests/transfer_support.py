@@ -6,13 +6,13 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 
 import pytest
 import torch
 
 from kvmesh.auth import TOKEN_ENV, ClusterAuth
+from kvmesh.cluster.node_forkserver import start_module
 from kvmesh.kv.block_pool import BlockPool
 from kvmesh.transfer.engine import create_transfer_engine, mooncake_available
 from kvmesh.transfer.kv_agent import TransferAgent
@@ -37,12 +37,12 @@ class Holder:
             shared_memory = bool(requester is not None and requester.record.shared_memory)
         self.seed, self.num_blocks = seed, num_blocks
         trusted = ["--requester", json.dumps(dataclasses.asdict(requester.record))] if requester else []
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kvmesh.transfer.peer_process", "--backend", backend, "--seed", str(seed),
-             "--chain", str(chain), "--delay-ms", str(delay_ms), "--num-blocks", str(num_blocks),
-             "--kv-memory", kv_memory, *trusted, *(["--shared-memory"] if shared_memory else [])],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-            env={**os.environ, TOKEN_ENV: token})
+        self.proc = start_module(
+            "kvmesh.transfer.peer_process", ["--backend", backend, "--seed", str(seed), "--chain", str(chain),
+                                             "--delay-ms", str(delay_ms), "--num-blocks", str(num_blocks),
+                                             "--kv-memory", kv_memory, *trusted,
+                                             *(["--shared-memory"] if shared_memory else [])],
+            {**os.environ, TOKEN_ENV: token}, secret_env=(TOKEN_ENV,), stderr=subprocess.DEVNULL)
         self.info = json.loads(self.proc.stdout.readline())
         self.record = PeerRecord(**self.info["record"])
         self.node_id = self.record.node_id

@@ -7,6 +7,8 @@ clients, one phase after the other. Every mode runs the same requests on the sam
     auto   1 prefill + N-1 decode nodes to start, the router's role balancer moving them (--roles auto)
     2p1d   2 prefill + 1 decode node, fixed        (with --nodes N: N-1 prefill + 1 decode)
     1p2d   1 prefill + 2 decode nodes, fixed       (with --nodes N: 1 prefill + N-1 decode)
+    2p1d-held  2p1d's shape with the balancer running and the nodes able to change roles, held by its
+           floors (--min-prefill N-1): never moves; only with --modes
 
 Per mode and phase: SLO goodput (requests a second meeting both the TTFT and the TPOT bound), TTFT and
 TPOT p50 / p99; per mode: requests lost (no answer) and failed (an error), role changes, and the roles
@@ -61,9 +63,21 @@ def shifting_workload(args, vocab: int) -> list[list[ShiftRequest]]:
     return phases
 
 
-def shifting_modes(num_nodes: int) -> dict[str, tuple[int, int, bool]]:
-    """Mode -> (prefill nodes, decode nodes, roles auto)."""
-    return {"auto": (1, num_nodes - 1, True), "2p1d": (num_nodes - 1, 1, False), "1p2d": (1, num_nodes - 1, False)}
+@dataclass(frozen=True)
+class ShiftMode:
+    num_prefill: int
+    num_decode: int
+    roles_auto: bool  # the router's role balancer runs (and the nodes take --role-changes)
+    min_prefill: int = 0  # the balancer's floors: at num_prefill / num_decode, it can never move a node
+    min_decode: int = 1
+
+
+def shifting_modes(num_nodes: int) -> dict[str, ShiftMode]:
+    """The modes by name (``2p1d-held``: 2p1d's shape with everything auto runs, the balancer held by its floors
+    so it never moves: what auto costs beyond the shape it chooses)."""
+    return {"auto": ShiftMode(1, num_nodes - 1, True), "2p1d": ShiftMode(num_nodes - 1, 1, False),
+            "1p2d": ShiftMode(1, num_nodes - 1, False),
+            "2p1d-held": ShiftMode(num_nodes - 1, 1, True, min_prefill=num_nodes - 1, min_decode=1)}
 
 
 def _one(router: Router, req: ShiftRequest) -> Outcome:
@@ -76,7 +90,8 @@ def _one(router: Router, req: ShiftRequest) -> Outcome:
 
 
 def run_shifting_mode(name: str, args, phases: list[list[ShiftRequest]], bar) -> dict:
-    num_prefill, num_decode, auto = shifting_modes(args.nodes)[name]
+    mode = shifting_modes(args.nodes)[name]
+    num_prefill, num_decode, auto = mode.num_prefill, mode.num_decode, mode.roles_auto
     cluster_name = f"shift-{name}"
     node_args = ["--transfer-backend", "auto", "--kv-placement", args.kv_placement] + \
         (["--role-changes"] if auto else [])
@@ -86,7 +101,7 @@ def run_shifting_mode(name: str, args, phases: list[list[ShiftRequest]], bar) ->
             etcd=cluster.etcd_endpoint, cluster_token=cluster.token, model=args.model, cluster=cluster_name,
             max_in_flight=100_000, roles="auto" if auto else "fixed", ttft_slo_ms=args.slo_ttft_ms,
             tpot_slo_ms=args.slo_tpot_ms, role_interval_s=args.role_interval_s,
-            role_cooldown_s=args.role_cooldown_s))
+            role_cooldown_s=args.role_cooldown_s, min_prefill=mode.min_prefill, min_decode=mode.min_decode))
         timeline: list[tuple[float, dict[str, str]]] = []
         stop = threading.Event()
         start, wall_start = time.perf_counter(), time.time()  # (the balancer's history is in wall time)
@@ -147,7 +162,8 @@ def _summary(name, args, phases, outcomes, phase_s, timeline, moves, history) ->
             "lost": sum(1 for o in outcomes if not o.error and not o.num_tokens),
             "failed": sum(1 for o in outcomes if o.error), "errors": sorted({o.error for o in outcomes if o.error})[:5],
             "role_changes": sum(moves.values()), "role_moves": history, "seconds": total_s,
-            "nodes": dict(zip(("prefill", "decode"), shifting_modes(args.nodes)[name][:2])),
+            "nodes": {"prefill": shifting_modes(args.nodes)[name].num_prefill,
+                      "decode": shifting_modes(args.nodes)[name].num_decode},
             "phases": out_phases, "roles_over_time": [{"t": t, "roles": roles} for t, roles in timeline],
             "phase_ends_s": [sum(phase_s[:k + 1]) for k in range(len(phase_s))]}
 
@@ -200,7 +216,7 @@ def run(args) -> dict:
     unknown = set(names) - set(shifting_modes(args.nodes))
     if unknown:
         raise SystemExit(f"kvmesh bench cluster --workload shifting: unknown modes {sorted(unknown)} "
-                         f"(auto, 2p1d, 1p2d)")
+                         f"({', '.join(shifting_modes(args.nodes))})")
     res: dict = {"machine": machine(), "model": args.model, "workload": "shifting", "nodes": args.nodes,
                  "slo": {"ttft_ms": args.slo_ttft_ms, "tpot_ms": args.slo_tpot_ms},
                  "phases": [{"name": PHASES[k % 2], "requests": len(p), "prompt_tokens": len(p[0].prompt_ids),

@@ -31,6 +31,7 @@ from tqdm import tqdm
 
 from kvmesh.auth import TOKEN_ENV, ClusterAuth, generate_token
 from kvmesh.bench.report import machine, print_table, write_json
+from kvmesh.cluster.node_forkserver import ForkedProcess, start_module
 from kvmesh.kv import fast_crc
 from kvmesh.kv.block_pool import BlockPool
 from kvmesh.transfer.coalesce import coalesce, to_descriptors
@@ -115,16 +116,14 @@ def socket_gib_per_s(nbytes: int = 64 * 2**20, repeat: int = 5) -> float:
 
 
 def _holder(backend: str, num_blocks: int, contiguous: bool, requester: TransferAgent,
-            token: str) -> tuple[subprocess.Popen, str]:
+            token: str) -> tuple[subprocess.Popen | ForkedProcess, str]:
     """A holder process that trusts ``requester``; returns it and its node id (added to our directory)."""
-    args = [sys.executable, "-m", "kvmesh.transfer.peer_process", "--backend", backend, "--num-blocks",
-            str(num_blocks), "--chain", str(num_blocks), "--block-elems", str(BLOCK_ELEMS),
-            "--requester", json.dumps(dataclasses.asdict(requester.record))]
+    args = ["--backend", backend, "--num-blocks", str(num_blocks), "--chain", str(num_blocks), "--block-elems",
+            str(BLOCK_ELEMS), "--requester", json.dumps(dataclasses.asdict(requester.record))]
     if requester.shared_writer is not None or requester.record.shared_memory:
         args.append("--shared-memory")  # its process is then known to us: our fence for its in-place copies
-    proc = subprocess.Popen(args + (["--contiguous"] if contiguous else []), stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-                            env={**os.environ, TOKEN_ENV: token})
+    proc = start_module("kvmesh.transfer.peer_process", args + (["--contiguous"] if contiguous else []),
+                        {**os.environ, TOKEN_ENV: token}, secret_env=(TOKEN_ENV,), stderr=subprocess.DEVNULL)
     record = PeerRecord(**json.loads(proc.stdout.readline())["record"])
     requester.requester.directory.add(record)
     return proc, record.node_id
@@ -140,7 +139,7 @@ def _push(agent: TransferAgent, peer: str, dst: list[int], hashes: list[bytes], 
     return outcome.num_written
 
 
-def _wire_seconds(proc: subprocess.Popen, num_blocks: int, repeat: int, requester_id: str) -> float | None:
+def _wire_seconds(proc: subprocess.Popen | ForkedProcess, num_blocks: int, repeat: int, requester_id: str) -> float | None:
     """The holder's bare engine write of the same blocks into our landing slots (None: not a one-sided engine)."""
     proc.stdin.write(f"wire {num_blocks} {repeat} {requester_id}\n")
     proc.stdin.flush()
