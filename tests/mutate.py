@@ -314,6 +314,14 @@ MUTATIONS = (
              "    tokens = int(prefill_tokens_per_s * slice_s) // block_size * block_size",
              "    tokens = int(prefill_tokens_per_s * PROMPT_SLICE_S) // block_size * block_size",
              ("tests/test_priorities.py", "-k", "slice")),
+    Mutation("a forked node keeps the fork server's environment, not its launcher's", "cluster/node_forkserver.py",
+             '    os.environ.update(request["env"])',
+             '    os.environ.update({})',
+             ("tests/test_node_forkserver.py", "-k", "environment")),
+    Mutation("a node killed by a signal reports a clean exit", "cluster/node_forkserver.py",
+             '_send(sock, {"pid": pid, "returncode": os.waitstatus_to_exitcode(status)})',
+             '_send(sock, {"pid": pid, "returncode": max(0, os.waitstatus_to_exitcode(status))})',
+             ("tests/test_node_forkserver.py", "-k", "signal")),
 )
 
 

@@ -125,11 +125,11 @@ def test_an_engine_replaying_prompt_and_decode_steps_generates_what_the_eager_on
     """Both graph sets installed (replaying eagerly, every kernel on Triton) in an engine: the runner picks the
     prompt graph for prompt-only steps, the decode graph for decode-only ones, eager for mixed steps, and the
     greedy tokens equal an engine without graphs."""
-    monkeypatch.setenv("KVMESH_KERNELS", "triton")
     params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
     prompts = [list(range(40, 40 + n)) for n in (30, 9, 21)] + [list(range(100, 260))]
     eager = LLM("tiny-llama", max_num_seqs=4, num_kv_blocks=64, max_num_batched_tokens=128, progress=False)
-    want = [o.token_ids for o in eager.generate(prompts, params, use_tqdm=False)]
+    want = [o.token_ids for o in eager.generate(prompts, params, use_tqdm=False)]  # this CPU's own kernels
+    monkeypatch.setenv("KVMESH_KERNELS", "triton")  # what a graph holds
 
     llm = LLM("tiny-llama", max_num_seqs=4, num_kv_blocks=64, max_num_batched_tokens=128, progress=False)
     runner, engine = llm.engine.runner, llm.engine
