@@ -14,7 +14,9 @@ PYTEST_ARGS ?=
 # Tests run in file order; `make test ORDER=` shuffles them (pytest-randomly; the seed is printed first).
 ORDER ?= -p no:randomly
 # Test files spread over this many processes (pytest-xdist, a file's tests stay together); 0 runs them in one.
-WORKERS ?= 2
+# Three on two cores: part of the suite waits (capped links, timeouts, processes starting), and a third file fills
+# those waits.
+WORKERS ?= 3
 
 .PHONY: all install test test-latest mutate test-gpu gpu-check generate serve clean
 
@@ -43,8 +45,9 @@ endif
 
 install: $(STAMP)
 
+# PYTHONDONTWRITEBYTECODE emptied: every process the suite starts would otherwise compile kvmesh's modules again.
 test: $(STAMP)
-	$(PY) -m pytest -q -rs --durations=30 -n $(WORKERS) --dist loadfile $(ORDER) $(PYTEST_ARGS) --ignore=tests/gpu tests
+	PYTHONDONTWRITEBYTECODE= $(PY) -m pytest -q -rs --durations=30 -n $(WORKERS) --dist loadfile $(ORDER) $(PYTEST_ARGS) --ignore=tests/gpu tests
 
 # The suite against the newest release of every dependency (no constraints), in a venv of its own: finds
 # upstream breaks before a fresh install meets them. Prints what it installed beside what constraints.txt pins.
