@@ -22,6 +22,7 @@ from pathlib import Path
 from types import ModuleType
 
 from kvmesh.cpu_info import cpu_flags
+from kvmesh.file_lock import exclusive
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +50,13 @@ def c_compiler() -> str | None:
 
 
 def compile_library(compiler: str, flags: Sequence[str], inputs: Sequence[str], out: Path) -> str | None:
-    """``compiler *flags -o out *inputs`` through a temporary file renamed to ``out``; None, or why it failed."""
+    """``compiler *flags -o out *inputs`` through a temporary file renamed to ``out``; None, or why it failed.
+    One process builds ``out`` at a time; one that waited for another's build takes it."""
+    with exclusive(out.parent / f".{out.name}.lock"):
+        return None if out.exists() else _compile(compiler, flags, inputs, out)
+
+
+def _compile(compiler: str, flags: Sequence[str], inputs: Sequence[str], out: Path) -> str | None:
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=out.parent, suffix=".so", delete=False) as tmp:

@@ -322,6 +322,10 @@ MUTATIONS = (
              '_send(sock, {"pid": pid, "returncode": os.waitstatus_to_exitcode(status)})',
              '_send(sock, {"pid": pid, "returncode": max(0, os.waitstatus_to_exitcode(status))})',
              ("tests/test_node_forkserver.py", "-k", "signal")),
+    Mutation("loads starting together each convert the GGUF", "kvmesh/model/gguf_loader.py",
+             '    with exclusive(entry.parent / f".{entry.name}.lock"):  # processes starting at once convert it once',
+             '    if True:',
+             ("tests/test_file_lock.py",)),
 )
 
 

@@ -18,6 +18,7 @@ import numpy as np
 from tqdm import tqdm
 
 from kvmesh.errors import UnsupportedModelError
+from kvmesh.file_lock import exclusive
 from kvmesh.model.config import ModelConfig, RopeScaling
 
 _LAYER_NAMES = {
@@ -139,9 +140,14 @@ def load_gguf_cached(path: Path, progress: bool = True) -> tuple[ModelConfig, di
     Parsing and dequantizing a GGUF costs ~10 s for SmolLM2-135M; the cached copy loads in
     well under a second. A cache that cannot be written only costs the next load that time.
     """
+    entry = cache_dir() / "gguf" / file_identity_key(path)
+    with exclusive(entry.parent / f".{entry.name}.lock"):  # processes starting at once convert it once
+        return _load_or_convert(path, entry, progress)
+
+
+def _load_or_convert(path: Path, entry: Path, progress: bool) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     from safetensors.torch import load_file, save_file
 
-    entry = cache_dir() / "gguf" / file_identity_key(path)
     if (entry / "config.json").is_file() and (entry / "model.safetensors").is_file():
         cfg = json.loads((entry / "config.json").read_text())
         scaling = cfg.pop("rope_scaling")
