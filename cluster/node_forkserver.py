@@ -57,6 +57,15 @@ def _send(sock: socket.socket, message: dict) -> None:
     sock.send(json.dumps(message).encode())
 
 
+def _reply(sock: socket.socket, message: dict) -> bool:
+    """Send to the launcher; False once it is gone (the server then ends quietly)."""
+    try:
+        _send(sock, message)
+    except OSError:
+        return False
+    return True
+
+
 def serve(sock: socket.socket, preload: tuple[str, ...] = PRELOAD) -> _Child | None:
     """Fork a child per request until the launcher's end closes; returns only in a child (its job) or at EOF."""
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -79,13 +88,24 @@ def serve(sock: socket.socket, preload: tuple[str, ...] = PRELOAD) -> _Child | N
                 selector.unregister(key.fd)
                 os.close(key.fd)
                 _, status = os.waitpid(pid, 0)
-                _send(sock, {"pid": pid, "returncode": os.waitstatus_to_exitcode(status)})
+                if not _reply(sock, {"pid": pid, "returncode": os.waitstatus_to_exitcode(status)}):
+                    return None
                 continue
-            message, fds, _, _ = socket.recv_fds(sock, _MAX_MESSAGE, _MAX_FDS)
+            try:
+                message, fds, _, _ = socket.recv_fds(sock, _MAX_MESSAGE, _MAX_FDS)
+            except OSError:
+                message = b""
             if not message:
                 return None  # the launcher is gone: its children stop on their closed stdin
             request = json.loads(message)
-            pid = os.fork()
+            try:
+                pid = os.fork()
+            except OSError as e:  # no process to be had now: the launcher hears why
+                for fd in fds:
+                    os.close(fd)
+                if not _reply(sock, {"seq": request["seq"], "error": f"fork: {e}"}):
+                    return None
+                continue
             if pid == 0:
                 selector.close()
                 sock.close()
@@ -97,7 +117,8 @@ def serve(sock: socket.socket, preload: tuple[str, ...] = PRELOAD) -> _Child | N
             pidfd = os.pidfd_open(pid)
             pidfds[pidfd] = pid
             selector.register(pidfd, selectors.EVENT_READ)
-            _send(sock, {"seq": request["seq"], "pid": pid})
+            if not _reply(sock, {"seq": request["seq"], "pid": pid}):
+                return None
 
 
 def _become_child(request: dict, fds: list[int]) -> _Child:
@@ -207,7 +228,7 @@ class ForkServer:
         self._sock = mine
         self._cond = threading.Condition()
         self._seq = 0
-        self._pids: dict[int, int] = {}  # request seq -> pid
+        self._pids: dict[int, int | str] = {}  # request seq -> pid, or why the fork failed
         self._codes: dict[int, int] = {}  # pid -> exit code
         self._alive = True
         mine.settimeout(start_timeout_s)
@@ -234,7 +255,7 @@ class ForkServer:
                     return
                 record = json.loads(message)
                 if "seq" in record:
-                    self._pids[record["seq"]] = record["pid"]
+                    self._pids[record["seq"]] = record.get("pid", record.get("error", "no pid"))
                 else:
                     self._codes[record["pid"]] = record["returncode"]
                 self._cond.notify_all()
@@ -266,6 +287,8 @@ class ForkServer:
                     if not self._alive or not self._cond.wait(timeout=max(0.0, deadline - time.monotonic())):
                         raise ForkServerError("the node fork server did not fork the node")
                 pid = self._pids.pop(seq)
+                if isinstance(pid, str):
+                    raise ForkServerError(f"the node fork server could not fork: {pid}")
         except BaseException:
             os.close(stdin_w)
             os.close(stdout_r)
