@@ -31,6 +31,7 @@ import subprocess
 import sys
 import threading
 import time
+import warnings
 
 logger = logging.getLogger(__name__)
 PRELOAD = ("torch", "kvmesh.cli", "kvmesh.cluster.node_main", "kvmesh.node.runtime", "kvmesh.cluster.serving_node")
@@ -158,6 +159,8 @@ def main(argv: list[str] | None = None) -> int:
     if child is None:
         return 0
     sys.argv = [child.module, *child.argv]
+    # Preloaded, the module runs again as __main__ (as `python -m` runs a module something imported first)
+    warnings.filterwarnings("ignore", message=".*found in sys.modules after import of package", category=RuntimeWarning)
     runpy.run_module(child.module, run_name="__main__", alter_sys=True)  # its own sys.exit ends the child
     return 0
 

@@ -74,9 +74,11 @@ def test_multi_turn_reuses_earlier_turns_across_nodes(tmp_path):
                  "--json", str(path)]) == 0
     kvmesh = json.loads(path.read_text())["modes"]["kvmesh"]
     assert kvmesh["tokens_reused_remote"] > 0 and kvmesh["hit_rate_global"] > 0
-    # the router saw those fetches end and learned what fetching into the nodes costs
-    learned = kvmesh["router_fetch_costs"][0]
-    assert learned and all(c["num_samples"] > 0 and c["rtt_ms"] >= 0 for c in learned.values())
+    # the router saw those fetches end and learned what fetching into the nodes costs (each run's router learns
+    # from its own run: the first run's turns can outrun their blocks' publication on a loaded machine and fetch
+    # nothing; later runs find the earlier turns published)
+    learned = [costs for costs in kvmesh["router_fetch_costs"] if costs]
+    assert learned and all(c["num_samples"] > 0 and c["rtt_ms"] >= 0 for costs in learned for c in costs.values())
 
 
 def test_mooncake_trace_workload(tmp_path):
