@@ -259,6 +259,7 @@ class ForkServer:
                 record = json.loads(message)
                 if "seq" in record:
                     self._pids[record["seq"]] = record.get("pid", record.get("error", "no pid"))
+                    self._codes.pop(record.get("pid"), None)  # a reused pid: its earlier owner's code came first
                 else:
                     self._codes[record["pid"]] = record["returncode"]
                 self._cond.notify_all()
