@@ -215,7 +215,9 @@ def run(model: str, json_path: str | None, prefill_lens: tuple[int, ...] = (512,
     for i, batch in enumerate(batches):
         _say(f"decode at batch {batch} (warm-ups compile transformers' static cache first)" if static else
              f"decode at batch {batch}")
-        row_run = _DecodeRow(llm, hf, batch, context, decode_tokens, static, seed=i)
+        # A seed of its own: the prefill rows' prompts come from torch's default generator seeded 0, and a
+        # generator seeded 0 here would repeat their first tokens (a prefix-cache hit in kvmesh's row).
+        row_run = _DecodeRow(llm, hf, batch, context, decode_tokens, static, seed=1_000 + i)
         row = row_run.measure(repeat)
         if dev.type == "cuda":
             fresh = [[(t + 7919) % vocab for t in p] for p in row_run.prompts]
