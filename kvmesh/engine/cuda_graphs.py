@@ -60,13 +60,31 @@ class Replay(Protocol):
     def replay(self) -> None: ...
 
 
+def release_cublas_workspaces() -> None:
+    """Free cuBLAS's per-stream workspaces, so that the next matmul allocates its own.
+
+    A matmul takes a workspace allocated by the first matmul on its stream and freed by whoever clears them
+    (torch.compile's CUDA graphs do, around every recording). A graph captured while using such a workspace keeps
+    its address and writes into memory that is no longer its own once it is cleared: an illegal access when the
+    allocator has released it, someone's tensor when not. Cleared just before a capture, the matmuls inside it
+    allocate their workspace from the graphs' pool, which keeps it; cleared after, eager matmuls do not use it."""
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if clear is not None:
+        clear()
+
+
 class CudaReplay:
-    """A CUDA graph and the output tensor each replay overwrites."""
+    """A CUDA graph and the output tensor each replay overwrites. The graph owns every byte it writes: its
+    intermediates and its cuBLAS workspace come from ``pool`` (``release_cublas_workspaces`` before and after)."""
 
     def __init__(self, forward: Callable[[], torch.Tensor], pool, stream: torch.cuda.Stream):
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=pool, stream=stream):
-            self.output = forward()
+        release_cublas_workspaces()
+        try:
+            with torch.cuda.graph(self.graph, pool=pool, stream=stream):
+                self.output = forward()
+        finally:
+            release_cublas_workspaces()
 
     def replay(self) -> None:
         self.graph.replay()
