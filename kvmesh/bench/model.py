@@ -42,15 +42,19 @@ def kv_blocks_for(num_tokens: int, block_size: int = 16) -> int:
 
 
 def gpu_busy(llm, prompts: list[list[int]], steps: int = 20) -> tuple[float, float]:
-    """Graph replay GPU time over engine step wall time at one batch: (busy fraction, step ms). CUDA graphs only.
-    Each replay's events are read after the loop (reading them per step would wait for a step launched ahead)."""
+    """Graph replay GPU time over engine step wall time at one batch: (busy fraction, step ms), decode steps only
+    (timed once every prompt is computed). CUDA graphs only. Each replay's events are read after the loop (reading
+    them per step would wait for a step launched ahead)."""
     from kvmesh.engine.sampling_params import SamplingParams
 
     engine, graphs = llm.engine, llm.engine.runner.graphs
     for p in prompts:
         engine.add_request(p, SamplingParams(max_tokens=steps + 8, temperature=0.0, ignore_eos=True))
-    for _ in range(3):
-        engine.step()  # prefill, then decodes
+    sched = engine.scheduler
+    engine.step()
+    while sched.waiting or any(seq.is_prefilling for seq in sched.running):
+        engine.step()  # long prompts take several steps: only decode steps are timed
+    engine.step()
     walls, events = [], []
     replay = graphs.run
 
