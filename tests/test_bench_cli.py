@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from kvmesh.cli import main
 
 
@@ -104,4 +106,17 @@ def test_bench_model_rows_per_batch_with_the_static_baseline(tmp_path, capsys):
     for r in res["decode_batches"]:
         assert r["kvmesh_tok_s"] > 0 and r["transformers_tok_s"] > 0 and r["transformers_static_tok_s"] > 0
         assert r["speedup_vs_static"] == r["kvmesh_tok_s"] / r["transformers_static_tok_s"]
+    # a step's bytes: the weights but the embedding table (the head in full; counted from the config, not the model)
+    # and the batch's K/V at its mean context
+    from kvmesh.model.dummy_weights import num_parameters
+    from kvmesh.model.presets import PRESETS
+
+    cfg = PRESETS["tiny-qwen3"].config
+    kv_per_token = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 4
+    for r in res["decode_batches"]:
+        weights = num_parameters(cfg) - (0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size)
+        assert r["step_bytes"] == weights * 4 + r["batch"] * (48 + 24 / 2) * kv_per_token
+        assert r["roofline_fraction"] == pytest.approx(
+            r["step_bytes"] * r["kvmesh_tok_s"] / r["batch"] / res["copy_bytes_per_s"])
+    assert res["copy_bytes_per_s"] > 1e8
     assert "decode batch 4 x 24 (context 48)" in capsys.readouterr().out

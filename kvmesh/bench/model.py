@@ -8,7 +8,9 @@ of generating one (the prefill cancels out, so long contexts measure decoding on
 transformers ``generate`` with its default cache and, on request (default on CUDA), with a static
 cache (a ``StaticCache``, which ``generate`` runs through a compiled forward). On CUDA each row also reports
 ``gpu_busy`` (device time of a decode step's graph replay over the step's wall time) and the
-kernels one decode step launches per layer (profiler, eager step). Runs alternate between the
+kernels one decode step launches per layer (profiler, eager step). Each decode row also states the bytes a step
+must read (weights, the batch's keys and values) and the fraction of a device copy's measured rate its step time
+reaches (``roofline_fraction``). Runs alternate between the
 implementations and report medians: a noisy neighbour hits both alike.
 """
 from __future__ import annotations
@@ -34,6 +36,29 @@ def _hf_twin(loaded):
     if loaded.config.tie_word_embeddings:
         hf.lm_head.weight = hf.model.embed_tokens.weight
     return hf.eval()
+
+
+def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30) -> float:
+    """Bytes per second a device-to-itself copy moves (read plus written): the memory roofline a decode step is
+    held against, measured rather than taken from a data sheet."""
+    from kvmesh.device import synchronize
+
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    seconds = time_call(lambda: (dst.copy_(src), synchronize(device)), repeat=5)
+    return 2 * nbytes / seconds
+
+
+def step_bytes(llm, batch: int, mean_context: float) -> int:
+    """Bytes a decode step must read at least: every weight once (the output head in full, the embedding table
+    only where it is the head too: a step looks up one row per sequence), and each sequence's keys and values."""
+    cfg = llm.loaded.config
+    state = llm.loaded.model.hf_state_dict()
+    if "lm_head.weight" in state:
+        state = {name: t for name, t in state.items() if name != "model.embed_tokens.weight"}
+    weights = sum(t.numel() * t.element_size() for t in state.values())
+    kv_per_token = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * llm.loaded.dtype.itemsize
+    return int(weights + batch * mean_context * kv_per_token)
 
 
 def kv_blocks_for(num_tokens: int, block_size: int = 16) -> int:
@@ -200,7 +225,7 @@ def run(model: str, json_path: str | None, prefill_lens: tuple[int, ...] = (512,
                  "shape": {k: getattr(llm.loaded.config, k) for k in (
                      "num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim", "intermediate_size",
                      "vocab_size")},
-                 "prefill": [], "decode_batches": []}
+                 "copy_bytes_per_s": copy_bandwidth(dev), "prefill": [], "decode_batches": []}
     one = SamplingParams(max_tokens=1, temperature=0.0)
     for n in prefill_lens:
         if n >= llm.engine.max_model_len:
@@ -228,6 +253,8 @@ def run(model: str, json_path: str | None, prefill_lens: tuple[int, ...] = (512,
             if llm.engine.runner.graphs is not None:
                 row["gpu_busy"], row["step_ms"] = gpu_busy(llm, fresh)
             row["kernels_per_layer"] = kernels_per_layer(llm, [[(t + 1) % vocab for t in p] for p in fresh])
+        row["step_bytes"] = step_bytes(llm, batch, context + decode_tokens / 2)
+        row["roofline_fraction"] = row["step_bytes"] * row["kvmesh_tok_s"] / batch / res["copy_bytes_per_s"]
         res["decode_batches"].append(row)
         write_json(json_path, res)
     runner = llm.engine.runner
@@ -250,13 +277,14 @@ def _say(what: str) -> None:
 
 def _print(res: dict, static: bool) -> None:
     rows = [[f"prefill {p['tokens']} tokens" + (" (graph)" if p.get("graph_replayed") else ""), f"{p['kvmesh_s'] * 1e3:.0f} ms", f"{p['transformers_s'] * 1e3:.0f} ms",
-             "", f"{p['speedup']:.2f}x", ""] for p in res["prefill"]]
+             "", f"{p['speedup']:.2f}x", "", ""] for p in res["prefill"]]
     for d in res["decode_batches"]:
         rows.append([f"decode batch {d['batch']} x {d['new_tokens']} (context {d['context']})",
                      f"{d['kvmesh_tok_s']:.0f} tok/s", f"{d['transformers_tok_s']:.0f} tok/s",
                      f"{d['transformers_static_tok_s']:.0f} tok/s" if static else "-", f"{d['speedup']:.2f}x",
-                     f"{d['speedup_vs_static']:.2f}x" if static else "-"])
+                     f"{d['speedup_vs_static']:.2f}x" if static else "-", f"{d['roofline_fraction']:.2f}"])
     s = res["shape"]
     title = (f"{res['model']} ({s['num_layers']} layers x {s['hidden_size']}, {res['dtype']}, {res['device']}, "
              f"{res['threads']} threads, CPU: {' '.join(res['cpu_features']) or '?'})")
-    print_table(title, ["work", "kvmesh", "transformers", "transformers static", "speedup", "vs static"], rows)
+    print_table(title, ["work", "kvmesh", "transformers", "transformers static", "speedup", "vs static",
+                        "of copy rate"], rows)
