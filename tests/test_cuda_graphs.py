@@ -83,3 +83,34 @@ def test_staged_tables_follow_every_change_between_steps():
     step([a, b, c], [23, 18, 43])
     step([c, a], [44, 24], num_rows=4)  # the batch shrinks (row 2 becomes padding) and its rows move
     step([b, c, a, [1, 2, 3, 4]], [19, 45, 25, 60], num_rows=4)
+
+
+def test_a_capture_owns_its_cublas_workspace(monkeypatch):
+    """cuBLAS's workspaces are cleared right before a capture (its matmuls then allocate theirs from the graphs'
+    pool) and after it, also when the capture fails. CUDA itself is faked here: the order is what is checked; the
+    replay on a device is tests/gpu/test_gpu_graphs.py's."""
+    import contextlib
+
+    from kvmesh.engine.cuda_graphs import CudaReplay
+
+    events: list[str] = []
+    monkeypatch.setattr(torch._C, "_cuda_clearCublasWorkspaces", lambda: events.append("clear"), raising=False)
+
+    @contextlib.contextmanager
+    def capturing(graph, pool=None, stream=None):
+        events.append("begin")
+        yield
+        events.append("end")
+
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", object)
+    monkeypatch.setattr(torch.cuda, "graph", capturing)
+    replay = CudaReplay(lambda: events.append("forward") or torch.zeros(1), pool=None, stream=None)
+    assert events == ["clear", "begin", "forward", "end", "clear"] and replay.output.shape == (1,)
+
+    def failing():
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    events.clear()
+    with pytest.raises(RuntimeError, match="capturing"):
+        CudaReplay(failing, pool=None, stream=None)
+    assert events == ["clear", "begin", "clear"]
