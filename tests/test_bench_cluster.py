@@ -137,3 +137,17 @@ def test_the_shifting_workload_reports_every_mode_and_phase(tmp_path):
     assert all(set(work) == set(NODE_WORK_KEYS) and work["num_prefills"] >= 0 and work["prefill_tokens_per_s"] > 0
                for work in m["node_work"].values())
     assert (tmp_path / "plots" / "roles_over_time.png").stat().st_size > 0
+
+
+def test_the_moved_shifting_mode_moves_one_node_before_the_first_request_and_holds(tmp_path):
+    """``--modes 2p1d-moved``: started as 1p2d, decode-1 moved to prefill before any request (the first roles
+    sampled already show it), the balancer held by its floors from then on: no further change."""
+    path = tmp_path / "shift.json"
+    assert main(["bench", "cluster", "--workload", "shifting", "--modes", "2p1d-moved", "--phases", "2",
+                 "--per-phase", "4", "--long-prompt-len", "96", "--long-output-len", "12", "--concurrency", "2",
+                 "--role-interval-s", "0.2", "--json", str(path)]) == 0
+    m = json.loads(path.read_text())["modes"]["2p1d-moved"]
+    assert m["lost"] == 0 and m["failed"] == 0 and m["role_changes"] == 0
+    assert m["nodes"] == {"prefill": 1, "decode": 2}  # the shape it started with
+    roles = [sample["roles"] for sample in m["roles_over_time"]]
+    assert roles and all(r == {"prefill-0": "prefill", "decode-0": "decode", "decode-1": "prefill"} for r in roles)

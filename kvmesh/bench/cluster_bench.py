@@ -381,7 +381,8 @@ def add_arguments(p) -> None:
     p.add_argument("--trace", default=None, help="Mooncake JSONL trace or ShareGPT JSON file")
     p.add_argument("--modes", default="", help="comma-separated subset of kvmesh,local-rr,no-cache,colocated "
                                                 "(shifting: auto,2p1d,1p2d by default; 2p1d-held: 2p1d with the "
-                                                "balancer running, held by its floors)")
+                                                "balancer running, held by its floors; 2p1d-moved: the same, "
+                                                "started as 1p2d and moved before the first phase)")
     p.add_argument("--routing", default="", help="override every mode's routing policy")
     p.add_argument("--quick", action="store_true", help="a small run that finishes in a few minutes")
     p.add_argument("--insecure", action="store_true",

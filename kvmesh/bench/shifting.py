@@ -9,6 +9,8 @@ clients, one phase after the other. Every mode runs the same requests on the sam
     1p2d   1 prefill + 2 decode nodes, fixed       (with --nodes N: 1 prefill + N-1 decode)
     2p1d-held  2p1d's shape with the balancer running and the nodes able to change roles, held by its
            floors (--min-prefill N-1): never moves; only with --modes
+    2p1d-moved  as 2p1d-held, but started as 1p2d and N-2 decode nodes moved to prefill before the first
+           phase: what a move leaves behind on a node; only with --modes
 
 Per mode and phase: SLO goodput (requests a second meeting both the TTFT and the TPOT bound), TTFT and
 TPOT p50 / p99; per mode: requests lost (no answer) and failed (an error), role changes, and the roles
@@ -70,6 +72,7 @@ class ShiftMode:
     roles_auto: bool  # the router's role balancer runs (and the nodes take --role-changes)
     min_prefill: int = 0  # the balancer's floors: at num_prefill / num_decode, it can never move a node
     min_decode: int = 1
+    moves_at_start: int = 0  # decode nodes moved to prefill (SetRole) before the first phase
 
 
 def shifting_modes(num_nodes: int) -> dict[str, ShiftMode]:
@@ -77,7 +80,32 @@ def shifting_modes(num_nodes: int) -> dict[str, ShiftMode]:
     so it never moves: what auto costs beyond the shape it chooses)."""
     return {"auto": ShiftMode(1, num_nodes - 1, True), "2p1d": ShiftMode(num_nodes - 1, 1, False),
             "1p2d": ShiftMode(1, num_nodes - 1, False),
-            "2p1d-held": ShiftMode(num_nodes - 1, 1, True, min_prefill=num_nodes - 1, min_decode=1)}
+            "2p1d-held": ShiftMode(num_nodes - 1, 1, True, min_prefill=num_nodes - 1, min_decode=1),
+            "2p1d-moved": ShiftMode(1, num_nodes - 1, True, min_prefill=num_nodes - 1, min_decode=1,
+                                    moves_at_start=num_nodes - 2)}
+
+
+def move_at_start(cluster: LocalCluster, router: Router, num_moves: int, timeout_s: float = 60.0) -> list[str]:
+    """Move ``num_moves`` decode nodes (the last by id) to prefill (SetRole; a refusal raises) and wait until the
+    router lists them so; their ids. Before any request: nothing to drain."""
+    if not num_moves:
+        return []
+    deadline = time.monotonic() + timeout_s
+
+    def wait_until(done, what: str) -> None:
+        while not done():
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{what} within {timeout_s:.0f} s")
+            time.sleep(0.1)
+
+    wait_until(lambda: set(router.directory.nodes) >= set(cluster.nodes), "the router did not list every node")
+    decode_ids = sorted(n for n, r in router.directory.nodes.items() if r.role == "decode")
+    moved = decode_ids[len(decode_ids) - num_moves:]
+    for node_id in moved:
+        cluster.client(node_id).set_role("prefill", 30.0)
+    wait_until(lambda: all(router.directory.nodes[n].role == "prefill" for n in moved),
+               f"the router did not list {moved} as prefill nodes")
+    return moved
 
 
 def _one(router: Router, req: ShiftRequest) -> Outcome:
@@ -102,6 +130,7 @@ def run_shifting_mode(name: str, args, phases: list[list[ShiftRequest]], bar) ->
             max_in_flight=100_000, roles="auto" if auto else "fixed", ttft_slo_ms=args.slo_ttft_ms,
             tpot_slo_ms=args.slo_tpot_ms, role_interval_s=args.role_interval_s,
             role_cooldown_s=args.role_cooldown_s, min_prefill=mode.min_prefill, min_decode=mode.min_decode))
+        move_at_start(cluster, router, mode.moves_at_start)
         timeline: list[tuple[float, dict[str, str]]] = []
         stop = threading.Event()
         start, wall_start = time.perf_counter(), time.time()  # (the balancer's history is in wall time)
