@@ -65,20 +65,6 @@ class _PriorLinks:
         pass
 
 
-def busy_reason(finish_s: float, wanted_within_ms: int, deadline_ms: int) -> str:
-    """Why a prompt that would be ready here in ``finish_s`` is refused (BUSY), or "" to accept it: the requester
-    computes it itself sooner (``wanted_within_ms``; 0: it did not say), or stops waiting before then
-    (``deadline_ms``: it would compute the whole prompt again after waiting for nothing, and this node for
-    nobody)."""
-    ready_ms = finish_s * 1e3
-    if wanted_within_ms and ready_ms > wanted_within_ms:
-        return f"busy: this prompt would be ready in {ready_ms:.0f} ms here, the requester computes it in " \
-               f"{wanted_within_ms} ms"
-    if ready_ms > deadline_ms:
-        return f"busy: this prompt would be ready in {ready_ms:.0f} ms here, after the requester's {deadline_ms} ms"
-    return ""
-
-
 class PrefillRole:
     name = "prefill"
 
@@ -125,13 +111,16 @@ class PrefillRole:
             raise TransferRefused(f"the prompt has {len(hashes)} full blocks; blocks {msg.first_block}.."
                                   f"{msg.first_block + len(msg.dst_block_ids)} were asked for",
                                   code=m.ErrorCode.INVALID_PROMPT.value, request_id=msg.request_id)
-        uncached = len(prompt) - len(self.pool.match(hashes)) * bs
+        uncached = len(prompt) - len(self.pool.match(hashes)) * bs if msg.wanted_within_ms else 0
         with self._lock:
-            busy = busy_reason(self._finish_estimate_s(uncached), msg.wanted_within_ms, msg.deadline_ms)
-            if busy:
-                self.num_refused += 1
-                self.num_refused_busy += 1
-                raise TransferRefused(busy, code=m.ErrorCode.BUSY.value, request_id=msg.request_id)
+            if msg.wanted_within_ms:
+                finish_s = self._finish_estimate_s(uncached)
+                if finish_s * 1e3 > msg.wanted_within_ms:
+                    self.num_refused += 1
+                    self.num_refused_busy += 1
+                    raise TransferRefused(f"busy: this prompt would be ready in {finish_s * 1e3:.0f} ms here, the "
+                                          f"requester computes it in {msg.wanted_within_ms} ms",
+                                          code=m.ErrorCode.BUSY.value, request_id=msg.request_id)
             prefill = self._prefills[msg.request_id] = _Prefill(list(prompt), hashes, msg.cache_salt, msg.first_block)
         prefill.span = self.tracer.start("prefill.compute", msg.trace_context, {
             "kvmesh.node": self.cfg.node_id, "kvmesh.prompt_tokens": len(prompt), "kvmesh.first_block": msg.first_block,

@@ -227,16 +227,3 @@ def test_a_prefill_node_late_but_within_its_promise_is_waited_for():
     forced = Requester({"p0": 5.0})
     nodes = PrefillNodes("d0", Membership(), forced, Links(), block_size=16, prior_rtt_s=0.01, timeout_s=2.5)
     assert nodes.compute_and_push(lease, 0, 8, ["p0"], local_s=0.0).got == 0 and forced.timeouts == [2.5]
-
-
-def test_a_prefill_node_refuses_what_it_cannot_deliver_before_the_requester_stops_waiting():
-    """BUSY at once (the requester computes the prompt itself now) when the prompt would be ready after the
-    requester computes it (``wanted_within_ms``) or after it stops waiting (``deadline_ms``: a forced
-    conversation, ``--kv-placement threshold:N``, states no estimate, only the deadline); else accepted."""
-    from prefill_node.worker import busy_reason
-
-    assert busy_reason(2.0, 0, 10_000) == ""  # forced, ready well before the deadline
-    assert "after the requester's 10000 ms" in busy_reason(14.0, 0, 10_000)  # forced, ready too late: waited for nothing
-    assert busy_reason(2.0, 3_000, 13_000) == ""
-    assert "computes it in 1500 ms" in busy_reason(2.0, 1_500, 11_500)  # the requester is sooner by itself
-    assert busy_reason(10.0, 0, 10_000) == ""  # exactly at the deadline: still in time
