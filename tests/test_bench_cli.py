@@ -120,3 +120,12 @@ def test_bench_model_rows_per_batch_with_the_static_baseline(tmp_path, capsys):
             r["step_bytes"] * r["kvmesh_tok_s"] / r["batch"] / res["copy_bytes_per_s"])
     assert res["copy_bytes_per_s"] > 1e8
     assert "decode batch 4 x 24 (context 48)" in capsys.readouterr().out
+
+
+def test_a_mixture_of_experts_has_no_fixed_step_bytes():
+    """A MoE step reads the experts its tokens were routed to: no fixed lower bound, so no roofline fraction."""
+    from kvmesh import LLM
+    from kvmesh.bench.model import step_bytes
+
+    assert step_bytes(LLM("tiny-qwen3-moe", num_kv_blocks=16, progress=False), 4, 10.0) is None
+    assert step_bytes(LLM("tiny-llama", num_kv_blocks=16, progress=False), 4, 10.0) > 0

@@ -49,10 +49,13 @@ def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30) -> float:
     return 2 * nbytes / seconds
 
 
-def step_bytes(llm, batch: int, mean_context: float) -> int:
+def step_bytes(llm, batch: int, mean_context: float) -> int | None:
     """Bytes a decode step must read at least: every weight once (the output head in full, the embedding table
-    only where it is the head too: a step looks up one row per sequence), and each sequence's keys and values."""
+    only where it is the head too: a step looks up one row per sequence), and each sequence's keys and values.
+    None for a mixture of experts, whose step reads the experts its tokens were routed to (no fixed bound)."""
     cfg = llm.loaded.config
+    if cfg.num_experts:
+        return None
     state = llm.loaded.model.hf_state_dict()
     if "lm_head.weight" in state:
         state = {name: t for name, t in state.items() if name != "model.embed_tokens.weight"}
@@ -254,7 +257,8 @@ def run(model: str, json_path: str | None, prefill_lens: tuple[int, ...] = (512,
                 row["gpu_busy"], row["step_ms"] = gpu_busy(llm, fresh)
             row["kernels_per_layer"] = kernels_per_layer(llm, [[(t + 1) % vocab for t in p] for p in fresh])
         row["step_bytes"] = step_bytes(llm, batch, context + decode_tokens / 2)
-        row["roofline_fraction"] = row["step_bytes"] * row["kvmesh_tok_s"] / batch / res["copy_bytes_per_s"]
+        row["roofline_fraction"] = (None if row["step_bytes"] is None else
+                                    row["step_bytes"] * row["kvmesh_tok_s"] / batch / res["copy_bytes_per_s"])
         res["decode_batches"].append(row)
         write_json(json_path, res)
     runner = llm.engine.runner
@@ -282,7 +286,7 @@ def _print(res: dict, static: bool) -> None:
         rows.append([f"decode batch {d['batch']} x {d['new_tokens']} (context {d['context']})",
                      f"{d['kvmesh_tok_s']:.0f} tok/s", f"{d['transformers_tok_s']:.0f} tok/s",
                      f"{d['transformers_static_tok_s']:.0f} tok/s" if static else "-", f"{d['speedup']:.2f}x",
-                     f"{d['speedup_vs_static']:.2f}x" if static else "-", f"{d['roofline_fraction']:.2f}"])
+                     f"{d['speedup_vs_static']:.2f}x" if static else "-", f"{d['roofline_fraction']:.2f}" if d["roofline_fraction"] is not None else "-"])
     s = res["shape"]
     title = (f"{res['model']} ({s['num_layers']} layers x {s['hidden_size']}, {res['dtype']}, {res['device']}, "
              f"{res['threads']} threads, CPU: {' '.join(res['cpu_features']) or '?'})")
