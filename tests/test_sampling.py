@@ -109,6 +109,20 @@ def test_wrongly_typed_sampling_params_are_refused(kwargs):
         SamplingParams(**kwargs)
 
 
+def test_an_all_greedy_batch_on_the_host_matches_the_reference_row_by_row():
+    """Greedy rows without logprobs asked (a decode step's usual batch) take whole-array NumPy work: each token is
+    its row's argmax, each logprob log_softmax there, no alternatives; a NaN row fails alone."""
+    from kvmesh.engine.sampler import NON_FINITE
+
+    logits = torch.randn(9, 300, generator=torch.Generator().manual_seed(5))
+    logits[6, 11] = float("nan")
+    tokens, logprobs, tops = sample(logits, [SamplingParams(temperature=0.0)] * 9, [None] * 9)
+    want = torch.log_softmax(logits, -1)
+    assert tokens[6] == NON_FINITE and tops == [[]] * 9
+    for row in (0, 1, 2, 3, 4, 5, 7, 8):
+        assert tokens[row] == int(logits[row].argmax())
+        assert logprobs[row] == pytest.approx(want[row, tokens[row]].item(), abs=1e-6)
+
 def test_a_row_of_non_finite_logits_fails_that_request_only(monkeypatch):
     """One request's logits turn NaN (a numerics bug, a bad weight row): it ends with an error, the others
     in the same steps go on and match a run without it."""

@@ -26,6 +26,10 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
     # rows on the host go through NumPy, whose calls on small arrays cost a fraction of torch's dispatch.
     on_host = logits.device.type == "cpu" and logits.dtype == torch.float32
     finite = np.isfinite(logits.numpy().sum(axis=-1)) if on_host else torch.isfinite(logits.sum(dim=-1))
+    if on_host and not any(p.logprobs or not p.greedy for p in params):  # greedy, no alternatives: whole arrays
+        picked = np.where(finite, logits.numpy().argmax(axis=-1), 0)
+        logprobs = logprobs_all.numpy()[np.arange(len(params)), picked].tolist()
+        return np.where(finite, picked, NON_FINITE).tolist(), logprobs, [[] for _ in params]
     if logits.device.type != "cpu" and all(p.greedy for p in params):  # one copy back for the whole batch
         token_ids, logprobs = greedy_results(greedy_on_device(logits, logprobs_all, finite).tolist())
     else:
