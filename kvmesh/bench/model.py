@@ -53,15 +53,13 @@ def step_bytes(llm, batch: int, mean_context: float) -> int | None:
     """Bytes a decode step must read at least: every weight once (the output head in full, the embedding table
     only where it is the head too: a step looks up one row per sequence), and each sequence's keys and values.
     None for a mixture of experts, whose step reads the experts its tokens were routed to (no fixed bound)."""
-    cfg = llm.loaded.config
-    if cfg.num_experts:
+    if llm.loaded.config.num_experts:
         return None
     state = llm.loaded.model.hf_state_dict()
     if "lm_head.weight" in state:
         state = {name: t for name, t in state.items() if name != "model.embed_tokens.weight"}
     weights = sum(t.numel() * t.element_size() for t in state.values())
-    kv_per_token = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * llm.loaded.dtype.itemsize
-    return int(weights + batch * mean_context * kv_per_token)
+    return int(weights + batch * mean_context * llm.engine.layout.bytes_per_token)
 
 
 def kv_blocks_for(num_tokens: int, block_size: int = 16) -> int:
