@@ -193,6 +193,28 @@ def test_native_rms_norm_and_its_fused_residual_add(dtype, rows):
         native.rms_norm(x, weight, 1e-5, residual=residual[:, :10])
 
 
+@pytest.mark.parametrize("rows, vocab", [(1, 7), (9, 300), (3, 49152)])  # short of one lane group; 3 x 49152: threads
+def test_native_greedy_pick_is_each_rows_first_maximum_and_its_logprob(rows, vocab):
+    """Against a float64 oracle: the first index of each row's maximum (ties: the lowest id, as argmax), its
+    log_softmax there; a row holding a NaN, +inf or -inf anywhere (in the lanes or the tail) gets -1."""
+    gen = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(rows, vocab, generator=gen) * 6
+    if rows > 1:
+        logits[1, vocab // 2] = logits[1, vocab - 1] = logits[1].max() + 1  # a tie: the first one wins
+    ids, logprobs = native.greedy_pick(logits.numpy())
+    oracle = torch.log_softmax(logits.double(), -1)
+    for r in range(rows):
+        assert ids[r] == int(logits[r].argmax()) == int(torch.nonzero(logits[r] == logits[r].max())[0])
+        assert logprobs[r] == pytest.approx(oracle[r, ids[r]].item(), abs=1e-6)
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        for where in (0, vocab - 1):  # in the first lanes, in the tail past the last whole lane group
+            broken = logits.clone()
+            broken[rows - 1, where] = bad
+            got_ids, got_logprobs = native.greedy_pick(broken.numpy())
+            assert got_ids[rows - 1] == -1 and got_logprobs[rows - 1] != got_logprobs[rows - 1], (bad, where)
+            assert got_ids[: rows - 1] == ids[: rows - 1]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("num_tokens", [3, 600])  # 600 tokens: the threaded path
 def test_native_rope_store_equals_rotate_then_store(dtype, num_tokens):

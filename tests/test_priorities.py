@@ -183,3 +183,24 @@ def test_serve_passes_the_prompt_slice_to_its_nodes_and_refuses_a_slice_of_nothi
     for bad in ("0", "-5", "nan", "inf"):
         args = build_parser().parse_args(["serve", "--prompt-slice-ms", bad])
         assert "--prompt-slice-ms must be more than 0 and finite" in scheduling_argument_error(args), bad
+
+
+def test_every_scheduled_token_has_a_block_as_decodes_cross_block_ends():
+    """Decodes take their next token's block only when it starts one (most steps need none): after every
+    schedule each scheduled chunk's tokens fit its blocks, and the pool holds exactly the blocks the running
+    requests cover."""
+    s = _scheduler(64)
+    seqs = [_seq(f"r{i}", 0, num_tokens=13 + 7 * i) for i in range(4)]  # prompts ending at different offsets
+    for seq in seqs:
+        s.add(seq)
+    for _ in range(40):  # every request crosses two block ends or more
+        out = s.schedule()
+        for seq, n in out.batch:
+            assert len(seq.block_ids) * 16 >= seq.num_computed_tokens + n, seq.request_id
+            assert len(seq.block_ids) == -(-(seq.num_computed_tokens + n) // 16), seq.request_id  # none ahead
+        for seq, n in out.batch:
+            s.advance(seq, n)
+            if not seq.is_prefilling:
+                seq.output_token_ids.append(1)
+        s.kv.pool.check_integrity()
+    assert sum(len(seq.block_ids) for seq in seqs) == s.kv.pool.usage().num_used

@@ -1,7 +1,7 @@
 """The native CPU kernels: compiled on first use for this machine, loaded through ctypes.
 
 ``load()`` compiles the C files beside this one (``decode_attention.c``, ``prefill_attention.c``, ``rms_norm.c``,
-``rope_store.c``; helpers in ``common.h``) into one
+``rope_store.c``, ``greedy_pick.c``; helpers in ``common.h``) into one
 library with the system C compiler (``$CC``, else ``cc``/``gcc``) for the CPU it runs on
 (``-march=native``) into ``$KVMESH_CACHE_DIR/native/`` (the file name carries a hash of the
 sources, the flags, the compiler and the CPU's feature flags, so a changed source or another
@@ -24,6 +24,7 @@ import logging
 import platform
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from kvmesh.device import cpu_flags
@@ -47,6 +48,7 @@ _SIGNATURES = {
     "rope_store": [_P, _I64, _INT, _INT, _INT, _P, _P, _P, _P, _I64, _I64, _P, _P, _P, _INT],
 }
 _SUFFIXES = {torch.bfloat16: "bf16", torch.float32: "f32"}
+_FLOAT32_ONLY = {"greedy_pick_f32": [_P, _I64, _I64, _P, _P, _INT]}
 
 
 class NativeKernelError(RuntimeError):
@@ -110,6 +112,7 @@ def load() -> ctypes.CDLL | None:
     lib = _open(ctypes.CDLL)
     if lib is not None:
         _declare(lib, _SIGNATURES, tuple(_SUFFIXES.values()))
+        _declare(lib, _FLOAT32_ONLY)
     return lib
 
 
@@ -242,3 +245,17 @@ def rope_store(qkv: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, k
     if status != 0:
         raise NativeKernelError(f"rope_store returned {status} for qkv {tuple(qkv.shape)}, head_dim {head_dim}")
     return q
+
+
+def greedy_pick(logits: np.ndarray) -> tuple[list[int], list[float]] | None:
+    """Each row's first maximum and its logprob under log_softmax, for logits [rows, vocab] float32 (C order, as
+    ``tensor.numpy()`` gives a contiguous tensor): (token ids, -1 where a row holds a NaN or an infinity;
+    logprobs). None where the library is not built (the caller keeps its own path)."""
+    lib = load()
+    if lib is None:
+        return None
+    rows, vocab = logits.shape
+    ids, logprobs = np.empty(rows, dtype=np.int64), np.empty(rows, dtype=np.float64)
+    lib.greedy_pick_f32(logits.ctypes.data, rows, vocab, ids.ctypes.data, logprobs.ctypes.data,
+                        torch.get_num_threads())
+    return ids.tolist(), logprobs.tolist()

@@ -279,25 +279,24 @@ class LLMEngine:
         Called by ``step`` (and by ``kvmesh bench step``, which times the runner's phases itself)."""
         self.num_steps += 1
         finished = []
+        on_token = self.hooks.on_token if self._observed else None
+        advance = self.scheduler.advance
         for i, ((seq, n), sampled) in enumerate(zip(batch, results)):
-            tokens = sampled if isinstance(sampled, list) else ([] if sampled is None else [sampled])
-            if i in drafts:
-                self.speculator.record(seq, len(drafts[i].token_ids), len(tokens) - 1)
-            num_emitted, done = 0, False
-            if any(t.token_id == NON_FINITE for t in tokens):  # this request's logits broke: it alone fails
-                seq.finish_reason, seq.error = "error", "the model produced non-finite logits for this request"
-                self.scheduler.finish(seq, RequestStatus.FAILED)
-                finished.append(seq)
+            if sampled is None:  # a chunk short of the prompt's end
+                advance(seq, n)
                 continue
-            for token in tokens:
-                num_emitted += 1
-                if self._emit(seq, token):
-                    done = True
-                    break
-            # A verification computed K/V for the last token and the kept guesses: one per emitted token.
-            self.scheduler.advance(seq, num_emitted if i in drafts else n)
-            if done:
-                self.scheduler.finish(seq, RequestStatus.FINISHED)
+            if drafts and i in drafts:  # a verification: the kept guesses, then the target's token
+                self.speculator.record(seq, len(drafts[i].token_ids), len(sampled) - 1)
+                outcome = self._emit_verified(seq, sampled, on_token)
+            elif sampled.token_id == NON_FINITE:
+                outcome = RequestStatus.FAILED
+            else:
+                outcome = RequestStatus.FINISHED if self._emit(seq, sampled, on_token) else None
+                advance(seq, n)
+            if outcome is RequestStatus.FAILED:  # this request's logits broke: it alone fails
+                seq.finish_reason, seq.error = "error", "the model produced non-finite logits for this request"
+            if outcome is not None:
+                self.scheduler.finish(seq, outcome)
                 finished.append(seq)
         if self.speculator is not None:
             for seq in finished:
@@ -305,20 +304,35 @@ class LLMEngine:
         self.pins.refresh()
         return finished
 
-    def _emit(self, seq: Sequence, sampled) -> bool:
-        """Append one sampled token to ``seq`` and stream it; True when ``seq`` is done."""
+    def _emit_verified(self, seq: Sequence, tokens: list, on_token) -> RequestStatus | None:
+        """Emit a verification's tokens until one ends ``seq``; advance it by those emitted (the step computed
+        K/V for its last token and each kept guess: one per emitted token). FINISHED or FAILED when it ends."""
+        if any(t.token_id == NON_FINITE for t in tokens):
+            return RequestStatus.FAILED
+        num_emitted, done = 0, False
+        for token in tokens:
+            num_emitted += 1
+            if self._emit(seq, token, on_token):
+                done = True
+                break
+        self.scheduler.advance(seq, num_emitted)
+        return RequestStatus.FINISHED if done else None
+
+    def _emit(self, seq: Sequence, sampled, on_token) -> bool:
+        """Append one sampled token to ``seq`` and stream it (``on_token``, when given); True when ``seq`` is
+        done."""
         seq.output_token_ids.append(sampled.token_id)
         seq.cumulative_logprob += sampled.logprob
         seq.output_logprobs.append(sampled.logprob)
-        if seq.params.logprobs is not None:
-            seq.output_top_logprobs.append(sampled.top)
-        if self.hooks.on_token is not None and self._observed:
-            self.hooks.on_token(seq, sampled.token_id)
-        return self._check_stop(seq)
+        params = seq.params
+        if params.logprobs is not None:
+            seq.output_top_logprobs.append(list(sampled.top))
+        if on_token is not None:
+            on_token(seq, sampled.token_id)
+        return self._check_stop(seq, params, sampled.token_id)
 
-    def _check_stop(self, seq: Sequence) -> bool:
-        """Sets ``finish_reason`` and returns True when ``seq`` is done."""
-        params, last = seq.params, seq.output_token_ids[-1]
+    def _check_stop(self, seq: Sequence, params, last: int) -> bool:
+        """Sets ``finish_reason`` and returns True when ``seq`` is done (``last``: the token just emitted)."""
         if last in params.stop_token_ids or (not params.ignore_eos and last in self.tokenizer.eos_token_ids):
             seq.finish_reason = "stop"
             return True
@@ -330,7 +344,8 @@ class LLMEngine:
                 seq.output_text = text
                 seq.finish_reason = "stop"
                 return True
-        if len(seq.output_token_ids) >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+        num_output = len(seq.output_token_ids)
+        if num_output >= params.max_tokens or len(seq.prompt_token_ids) + num_output >= self.max_model_len:
             seq.finish_reason = "length"
             return True
         return False

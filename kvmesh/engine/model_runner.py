@@ -58,7 +58,7 @@ class StepInputs(NamedTuple):
 class SampledToken(NamedTuple):
     token_id: int
     logprob: float
-    top: list[tuple[int, float]]  # the most likely alternatives with their logprobs, if asked for
+    top: list[tuple[int, float]] | tuple  # the likeliest alternatives and their logprobs (else NO_ALTERNATIVES)
 
 
 class InFlight(NamedTuple):
@@ -96,6 +96,11 @@ class ModelRunner:
 
     def prepare(self, batch: list[tuple[Sequence, int]], drafts: dict[int, Proposal]) -> StepInputs:
         """The step's model inputs in host lists, decodes first (as the kernels expect)."""
+        if not drafts and all(n == 1 for _, n in batch):  # one token a row (decode-only steps): no reordering
+            positions = [seq.num_computed_tokens for seq, _ in batch]
+            return StepInputs(list(range(len(batch))), [seq.token_at(p) for (seq, _), p in zip(batch, positions)],
+                              positions, [1] * len(batch), [p + 1 for p in positions],
+                              [seq.block_ids for seq, _ in batch], self._replay_for(len(batch), None))
         order = sorted(range(len(batch)), key=lambda i: batch[i][1] != 1)  # decodes first, stable
         input_ids: list[int] = []
         positions: list[int] = []
@@ -111,16 +116,21 @@ class ModelRunner:
             query_lens.append(n)
             seq_lens.append(start + n)
             tables.append(seq.block_ids)
-        replayed = Replayed.EAGER
-        if not drafts and self.graphs is not None and len(input_ids) == len(batch) and self.graphs.can_run(len(batch)):
-            replayed = Replayed.DECODE_GRAPH
-        elif not drafts and self.prefill_graphs is not None and self.prefill_graphs.can_run(query_lens):
-            replayed = Replayed.PREFILL_GRAPH
+        replayed = Replayed.EAGER if drafts else self._replay_for(0, query_lens)  # some row has several tokens
         return StepInputs(order, input_ids, positions, query_lens, seq_lens, tables, replayed)
 
-    @torch.inference_mode()
+    def _replay_for(self, num_decode_rows: int, query_lens: list[int] | None) -> Replayed:
+        """How a step without drafts runs: a decode graph for ``num_decode_rows`` (> 0: one token a row), else a
+        prompt-step graph for ``query_lens`` (None: a decode-only step), else eagerly."""
+        if num_decode_rows and self.graphs is not None and self.graphs.can_run(num_decode_rows):
+            return Replayed.DECODE_GRAPH
+        if query_lens is not None and self.prefill_graphs is not None and self.prefill_graphs.can_run(query_lens):
+            return Replayed.PREFILL_GRAPH
+        return Replayed.EAGER
+
     def forward(self, inputs: StepInputs) -> torch.Tensor:
-        """Hidden states [tokens, hidden] of the step, or for a decode graph's replay its logits [rows, vocab]."""
+        """Hidden states [tokens, hidden] of the step, or for a decode graph's replay its logits [rows, vocab].
+        Called in inference mode (``execute`` enters it once for the step)."""
         if inputs.replayed is Replayed.DECODE_GRAPH:
             return self.graphs.run(inputs.input_ids, inputs.positions, inputs.tables, inputs.seq_lens)
         if inputs.replayed is Replayed.PREFILL_GRAPH:
@@ -131,29 +141,36 @@ class ModelRunner:
         return self.model(torch.tensor(inputs.input_ids, device=self.device),
                           torch.tensor(inputs.positions, device=self.device), self.kv_buffer, md)
 
-    @torch.inference_mode()
     def sample(self, batch: list[tuple[Sequence, int]], drafts: dict[int, Proposal], inputs: StepInputs,
                out: torch.Tensor) -> list[SampledToken | list[SampledToken] | None]:
-        """Tokens of the items whose chunk reaches their last token, verifications of the drafted ones."""
-        rows, sampled_items, verify_rows = [], [], {}
-        end = 0
-        for i, q_len in zip(inputs.order, inputs.query_lens):
-            end += q_len
-            seq, n = batch[i]
-            if i in drafts:
-                verify_rows[i] = range(end - q_len, end)
-            elif seq.num_computed_tokens + n == seq.num_tokens:
-                rows.append(end - 1)
-                sampled_items.append(i)
+        """Tokens of the items whose chunk reaches their last token, verifications of the drafted ones. Called in
+        inference mode, as ``forward``."""
+        verify_rows = {}
+        if not drafts and len(inputs.input_ids) == len(batch):  # one token a row, in the batch's order
+            rows = sampled_items = [i for i, (seq, _) in enumerate(batch) if seq.num_computed_tokens + 1 ==
+                                    len(seq.prompt_token_ids) + len(seq.output_token_ids)]  # its last token
+        else:
+            rows, sampled_items, end = [], [], 0
+            for i, q_len in zip(inputs.order, inputs.query_lens):
+                end += q_len
+                seq, n = batch[i]
+                if i in drafts:
+                    verify_rows[i] = range(end - q_len, end)
+                elif seq.num_computed_tokens + n == seq.num_tokens:
+                    rows.append(end - 1)
+                    sampled_items.append(i)
         results: list[SampledToken | list[SampledToken] | None] = [None] * len(batch)
         if rows:
             # rows rise, so ending at len(rows) - 1 means every row from 0: a view instead of a gather
-            picked = out[: len(rows)] if rows[-1] == len(rows) - 1 else out[rows]
+            picked = out if len(rows) == len(out) else out[: len(rows)] if rows[-1] == len(rows) - 1 else out[rows]
             logits = picked if inputs.replayed is Replayed.DECODE_GRAPH else self.model.compute_logits(picked)
             seqs = [batch[i][0] for i in sampled_items]
             tokens, logprobs, tops = sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
-            for i, tok, lp, top in zip(sampled_items, tokens, logprobs, tops):
-                results[i] = SampledToken(tok, lp, top)
+            if len(sampled_items) == len(batch) and len(inputs.input_ids) == len(batch):  # every row, in order
+                results = list(map(SampledToken._make, zip(tokens, logprobs, tops)))
+            else:
+                for i, tok, lp, top in zip(sampled_items, tokens, logprobs, tops):
+                    results[i] = SampledToken(tok, lp, top)
         for i, item_rows in verify_rows.items():
             logits = self.model.compute_logits(out[item_rows.start:item_rows.stop])
             results[i] = self._verify(batch[i][0], drafts[i], logits.float().cpu())  # k + 1 rows, CPU generators

@@ -5,8 +5,11 @@ import numpy as np
 import torch
 
 from kvmesh.engine.sampling_params import SamplingParams
+from kvmesh.kernels.cpu import library as native
+from kvmesh.kernels.ops import use_native
 
 NON_FINITE = -1  # the token id of a row whose logits hold a NaN or an infinity: that request fails alone
+NO_ALTERNATIVES: tuple = ()  # a row's alternatives when none were asked for (one shared, immutable)
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams],
@@ -19,17 +22,21 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
     params ask for ``logprobs=k`` also get the k most likely tokens with theirs (else []).
     A row whose logits are not all finite gets ``NON_FINITE`` (the others are unaffected).
     """
+    on_host = logits.device.type == "cpu" and logits.dtype == torch.float32
+    if on_host and all(p.argmax_only for p in params):  # greedy, no alternatives asked: a decode step's usual batch
+        picks = native.greedy_pick(logits.numpy()) if use_native(logits) and logits.is_contiguous() else None
+        if picks is not None:  # one pass over each row in C (the same picks as the whole-array path below)
+            return picks[0], picks[1], [NO_ALTERNATIVES] * len(params)
     logprobs_all = torch.log_softmax(logits, dim=-1)
     # A row's sum is finite exactly when its logits are (a NaN or an infinity carries into it; +inf and -inf
     # together make a NaN), short of finite logits summing past float32's range, which no model's do; on the
     # CPU it costs a twentieth of isfinite(logits).all(-1), which was milliseconds a step at batch 32. Float32
     # rows on the host go through NumPy, whose calls on small arrays cost a fraction of torch's dispatch.
-    on_host = logits.device.type == "cpu" and logits.dtype == torch.float32
     finite = np.isfinite(logits.numpy().sum(axis=-1)) if on_host else torch.isfinite(logits.sum(dim=-1))
-    if on_host and not any(p.logprobs or not p.greedy for p in params):  # greedy, no alternatives: whole arrays
+    if on_host and all(p.argmax_only for p in params):  # without the native kernels: whole arrays
         picked = np.where(finite, logits.numpy().argmax(axis=-1), 0)
         logprobs = logprobs_all.numpy()[np.arange(len(params)), picked].tolist()
-        return np.where(finite, picked, NON_FINITE).tolist(), logprobs, [[] for _ in params]
+        return np.where(finite, picked, NON_FINITE).tolist(), logprobs, [NO_ALTERNATIVES] * len(params)
     if logits.device.type != "cpu" and all(p.greedy for p in params):  # one copy back for the whole batch
         token_ids, logprobs = greedy_results(greedy_on_device(logits, logprobs_all, finite).tolist())
     else:

@@ -36,6 +36,8 @@ class SamplingParams:
     logprobs: int | None = None  # also return this many most likely alternatives per token (0..20)
     priority: int = 0  # lower is more urgent (admitted first, preempted last); ageing bounds waits
     cache_salt: str | None = None  # prefix-cache hits only between requests with the same salt (tenants)
+    # derived in __post_init__: greedy with no alternatives asked (the sampler's whole-batch path)
+    argmax_only: bool = field(init=False, repr=False, compare=False, default=False)
 
     def __post_init__(self) -> None:
         # Accept lists from callers while keeping the frozen record hashable.
@@ -79,6 +81,7 @@ class SamplingParams:
         if self.logprobs is not None and (isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int)
                                           or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise InvalidRequestError(f"logprobs must be an integer in 0..{MAX_LOGPROBS}, got {self.logprobs!r}")
+        object.__setattr__(self, "argmax_only", self.greedy and not self.logprobs)
 
     @property
     def greedy(self) -> bool:

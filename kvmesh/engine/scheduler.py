@@ -101,32 +101,40 @@ class Scheduler:
         self.num_steps += 1
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
-        scheduled: set[int] = set()
         while self.kv_landed and len(self.running) < self.config.max_num_seqs:  # 0. their KV arrived
             seq = self.kv_landed.pop(0)
             transition(seq, RequestStatus.RUNNING)
             self.running.append(seq)
-        for seq in list(self.running):  # 1. decodes
+        batch, block_size, running = out.batch, self.kv.block_size, RequestStatus.RUNNING
+        prefilling: list[Sequence] = []
+        for seq in list(self.running):  # 1. decodes (the steady state's whole step: kept to a few lookups a row)
             if budget == 0:
                 break
-            if seq.status is not RequestStatus.RUNNING or seq.is_prefilling:
+            if seq.status is not running:
                 continue
-            if self._make_room(seq, seq.num_computed_tokens + 1, scheduled, out):
-                out.batch.append((seq, 1))
-                scheduled.add(id(seq))
+            lacking = len(seq.prompt_token_ids) + len(seq.output_token_ids) - seq.num_computed_tokens
+            if lacking > 1:  # seq.is_prefilling
+                prefilling.append(seq)
+                continue
+            # the new token's K/V fits the blocks it has (most steps), or blocks are found for it
+            if seq.num_computed_tokens // block_size < len(seq.block_ids) or \
+                    self._make_room(seq, seq.num_computed_tokens + 1, out):
+                batch.append((seq, 1))
                 budget -= 1
         cap = self.prompt_budget.prompt_tokens(len(out.batch)) if self.prompt_budget is not None else None
         prompt_room = budget if cap is None else min(budget, cap)  # prompt tokens this step may still compute
-        for seq in self.running:  # 2. running prefill chunks
+        for seq in prefilling:  # 2. running prefill chunks
             if prompt_room == 0:
                 break
-            if seq.is_prefilling and id(seq) not in scheduled:
+            if seq.status is running:  # (not preempted by a decode above)
                 n = self._chunk(seq, prompt_room)
                 if self.kv.allocate(seq, seq.num_computed_tokens + n):
                     out.batch.append((seq, n))
-                    scheduled.add(id(seq))
                     budget -= n
                     prompt_room -= n
+        if not self.waiting:
+            out.num_batched_tokens = self.config.max_num_batched_tokens - budget
+            return out
         if len(self.waiting) > 1:
             self.waiting.sort(key=self._urgency)
         num_partial = self._num_partial_after(out.batch)
@@ -142,8 +150,8 @@ class Scheduler:
                 victim = self._least_urgent(set())
                 if victim is None or victim.params.priority <= seq.params.priority:
                     break
-                if id(victim) in scheduled:  # it leaves this step's batch too
-                    budget += self._unschedule(victim, scheduled, out)
+                if any(s is victim for s, _ in out.batch):  # it leaves this step's batch too
+                    budget += self._unschedule(victim, out)
                 self._preempt(victim)  # a more urgent request takes its blocks; try again
                 out.preempted.append(victim)
                 self.waiting.sort(key=self._urgency)
@@ -157,7 +165,6 @@ class Scheduler:
             transition(seq, RequestStatus.RUNNING)
             self.running.append(seq)
             out.batch.append((seq, n))
-            scheduled.add(id(seq))
             budget -= n
             prompt_room -= n
             num_partial += stays_partial
@@ -182,11 +189,11 @@ class Scheduler:
     def _chunk(self, seq: Sequence, budget: int) -> int:
         return min(seq.num_tokens - seq.num_computed_tokens, budget, self._threshold())
 
-    def _make_room(self, seq: Sequence, num_tokens: int, scheduled: set[int], out: SchedulerOutput) -> bool:
+    def _make_room(self, seq: Sequence, num_tokens: int, out: SchedulerOutput) -> bool:
         """Allocate for ``seq``, preempting less urgent unscheduled requests (then the newest of equals);
         when every other candidate is more urgent than ``seq``, ``seq`` itself goes (returns False)."""
         while not self.kv.allocate(seq, num_tokens):
-            victim = self._least_urgent(scheduled | {id(seq)})
+            victim = self._least_urgent({id(s) for s, _ in out.batch} | {id(seq)})
             if victim is None or (victim.params.priority, victim.arrival) < (seq.params.priority, seq.arrival):
                 victim = seq
             self._preempt(victim)
@@ -196,10 +203,9 @@ class Scheduler:
         return True
 
     @staticmethod
-    def _unschedule(seq: Sequence, scheduled: set[int], out: SchedulerOutput) -> int:
+    def _unschedule(seq: Sequence, out: SchedulerOutput) -> int:
         """Take ``seq`` out of this step's batch; returns the tokens it had been given."""
         index = next(i for i, (s, _) in enumerate(out.batch) if s is seq)
-        scheduled.discard(id(seq))
         return out.batch.pop(index)[1]
 
     def _least_urgent(self, excluded: set[int]) -> Sequence | None:
@@ -219,7 +225,8 @@ class Scheduler:
     def advance(self, seq: Sequence, num_new_tokens: int) -> None:
         """After a forward: ``num_new_tokens`` more tokens of ``seq`` have K/V in its blocks."""
         seq.num_computed_tokens += num_new_tokens
-        self.kv.cache_full_blocks(seq)
+        if seq.num_computed_tokens // self.kv.block_size > seq.num_cached_blocks:  # a block was completed
+            self.kv.cache_full_blocks(seq)
 
     def finish(self, seq: Sequence, status: RequestStatus) -> None:
         """End a request (FINISHED, FAILED or ABORTED) wherever it is; frees its blocks."""

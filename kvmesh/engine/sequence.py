@@ -58,6 +58,13 @@ class Sequence:
         """More than one token lacks K/V: a prompt (or, after preemption, a recompute) is in progress."""
         return self.num_tokens - self.num_computed_tokens > 1
 
+    def token_at(self, position: int) -> int:
+        """The token at ``position`` of prompt + output."""
+        prompt_len = len(self.prompt_token_ids)
+        if position < prompt_len:
+            return self.prompt_token_ids[position]
+        return self.output_token_ids[position - prompt_len]
+
     def token_ids(self, start: int, end: int) -> list[int]:
         """Tokens ``[start, end)`` of prompt + output."""
         prompt_len = len(self.prompt_token_ids)
