@@ -73,20 +73,38 @@ class PrefillNodes:
         best, best_s = None, float("inf")
         with self._lock:
             for node_id, record in self._membership.nodes("prefill").items():
-                published, step_s = record.probe.prefill_tokens_per_s, record.probe.decode_step_s
-                if not published > 0:
+                priced = self._price(node_id, record)
+                if priced is None:
                     continue
-                fit = self._cost(node_id, published, step_s)
-                # Never faster than the node measured itself computing: a quicker conversation found the
-                # prompt cached there (an index not yet updated), which says nothing about the next one.
-                rate = min(fit.per_s, published)
-                queue_s = self._tokens_in_flight[node_id] / rate
-                finish_s = queue_s + fit.fixed_s + num_tokens / rate
+                rate, queue_s, fixed_s = priced
+                finish_s = queue_s + fixed_s + num_tokens / rate
                 if finish_s < best_s:
                     best_s = finish_s
-                    best = PrefillOption(node_id, rate, queue_s, fit.fixed_s, self._links.bytes_per_s(node_id),
+                    best = PrefillOption(node_id, rate, queue_s, fixed_s, self._links.bytes_per_s(node_id),
                                          hits.get(node_id, 0))
         return best
+
+    def _price(self, node_id: str, record) -> tuple[float, float, float] | None:
+        """(tokens per second, seconds of work already sent there from here, fixed seconds per conversation)
+        of a prefill node's registry record; None without a published rate (caller holds ``_lock``)."""
+        if record is None or not record.probe.prefill_tokens_per_s > 0:
+            return None
+        published = record.probe.prefill_tokens_per_s
+        fit = self._cost(node_id, published, record.probe.decode_step_s)
+        # Never faster than the node measured itself computing: a quicker conversation found the
+        # prompt cached there (an index not yet updated), which says nothing about the next one.
+        rate = min(fit.per_s, published)
+        return rate, self._tokens_in_flight[node_id] / rate, fit.fixed_s
+
+    def expected_s(self, node_id: str, num_tokens: int) -> float:
+        """When ``node_id`` should have delivered ``num_tokens`` sent now, behind what this node already sent it
+        (0.0 when it published no rate)."""
+        with self._lock:
+            priced = self._price(node_id, self._membership.nodes("prefill").get(node_id))
+        if priced is None:
+            return 0.0
+        rate, queue_s, fixed_s = priced
+        return queue_s + fixed_s + num_tokens / rate
 
     def any_option(self, hits: dict[str, int]) -> PrefillOption | None:
         """The first candidate, unpriced (placements that do not price: any will do; ``reserve`` moves the
@@ -133,7 +151,8 @@ class PrefillNodes:
 
         ``local_s``: the plan's estimate without peers (0: forced, no limit): a prefill node that cannot deliver
         sooner, its backlog from every decode node included, refuses (BUSY); one that accepted is given that long
-        plus the prefill timeout before this node computes the blocks itself. ``reserved``: the (node, tokens)
+        plus the prefill timeout before this node computes the blocks itself. A forced conversation is given the
+        time the node is expected to take (``expected_s``) plus the timeout. ``reserved``: the (node, tokens)
         ``reserve``d when this conversation was planned, released here as each conversation counts its own."""
         if reserved is not None:
             self.release(*reserved)
@@ -143,10 +162,12 @@ class PrefillNodes:
             if lease.cancelled():
                 break
             wanted_within_s = max(1e-3, local_s - (time.perf_counter() - asked)) if local_s > 0 else 0.0
-            # A prefill node that accepts promises to beat ``wanted_within_s``; giving up on one that is late but
-            # still computing would only start the whole prompt again here. The timeout is the grace past that.
-            timeout_s = min(self._timeout_s + wanted_within_s, m.MAX_WAIT_MS / 1000)
             num_tokens = (end - got) * self._block_size
+            # A prefill node that accepts promises to beat ``wanted_within_s``; giving up on one that is late but
+            # still computing would only start the whole prompt again here. The timeout is the grace past that
+            # promise, or past the node's expected time where nothing was promised (a forced conversation).
+            patience_s = wanted_within_s if local_s > 0 else self.expected_s(node_id, num_tokens)
+            timeout_s = min(self._timeout_s + patience_s, m.MAX_WAIT_MS / 1000)
             with self._lock:
                 self._in_flight[node_id] += 1
                 self._tokens_in_flight[node_id] += num_tokens

@@ -227,3 +227,44 @@ def test_a_prefill_node_late_but_within_its_promise_is_waited_for():
     forced = Requester({"p0": 5.0})
     nodes = PrefillNodes("d0", Membership(), forced, Links(), block_size=16, prior_rtt_s=0.01, timeout_s=2.5)
     assert nodes.compute_and_push(lease, 0, 8, ["p0"], local_s=0.0).got == 0 and forced.timeouts == [2.5]
+
+
+def test_a_forced_conversation_is_given_the_prefill_nodes_expected_time():
+    """A forced conversation (no estimate of computing here to beat) waits for what the prefill node is expected
+    to take, this node's earlier conversations there included, plus the timeout: giving up on a node that is
+    computing the prompt as fast as it measured would compute it here a second time."""
+    from types import SimpleNamespace
+
+    from kvmesh.decode_node.prefill_nodes import PrefillNodes
+    from kvmesh.engine.kv_connector import KVLease
+    from kvmesh.transfer.requester import PushOutcome
+
+    class Requester:
+        def __init__(self):
+            self.timeouts = []
+
+        def compute_and_push(self, node_id, block_ids, prompt, first_block, *, timeout_s, wanted_within_s, **_):
+            self.timeouts.append(timeout_s)
+            return PushOutcome(len(block_ids), [], None)
+
+    class Links:
+        def record_transfer(self, *args):
+            pass
+
+    record = SimpleNamespace(probe=SimpleNamespace(prefill_tokens_per_s=32.0, decode_step_s=0.05))
+
+    class Membership:
+        def nodes(self, role):
+            return {"p0": record}
+
+    lease = KVLease("r", tuple(range(8)), (b"h" * 16,) * 8, tuple(range(130)), 0, 8)
+    requester = Requester()
+    nodes = PrefillNodes("d0", Membership(), requester, Links(), block_size=16, prior_rtt_s=0.01, timeout_s=2.5)
+    alone_s = 0.01 + 0.05 + 128 / 32.0  # the fixed part (round trip, one step there), then 8 blocks at 32 tokens/s
+    assert nodes.expected_s("p0", 128) == pytest.approx(alone_s)
+    nodes.reserve("p0", 256)  # another of this node's prompts, planned there before this one
+    assert nodes.compute_and_push(lease, 0, 8, ["p0"], local_s=0.0).got == 8
+    assert requester.timeouts == [pytest.approx(2.5 + alone_s + 256 / 32.0)]
+    assert nodes.compute_and_push(lease, 0, 8, ["p0"], local_s=3.0).got == 8  # a priced one: its promise
+    assert requester.timeouts[-1] == pytest.approx(2.5 + 3.0, abs=0.1)
+    assert nodes.expected_s("p9", 128) == 0.0  # not registered: the bare timeout
