@@ -13,7 +13,10 @@ with at most one ``RoleMove``. Two pressures are compared, each as a share of it
                       highest
 
 A decode node moves to prefill when prefill pressure is high (>= ``high``) and decode pressure low
-(<= ``low``), and back the other way; the node moved is the least loaded of its role. A cluster without a
+(<= ``low``), and back the other way; also when one role is idle (its pressure <= ``idle``) while the other
+works at ``low`` or more, short of its SLO: a node doing nothing serves the work better where the work is
+(clients waiting on their answers get them sooner, whatever the SLO's headroom). The node moved is the least
+loaded of its role. A cluster without a
 prefill node is a special case both ways: the last prefill node leaves only when decode nodes miss their SLO
 (decode pressure >= 1, not only ``high``), and with none left a decode node moves back on prefill
 pressure alone (the decode nodes compute every prompt then, so their own pressure is partly the load a
@@ -61,6 +64,7 @@ class BalancerConfig:
     tpot_slo_s: float = 0.1
     high: float = 0.8  # a pressure at or above this share of its SLO asks for capacity
     low: float = 0.5  # ... and one at or below this can give a node away
+    idle: float = 0.1  # a role this far below its SLO gives a node to the other role if that one is at ``low``
     sustain: int = 3  # ticks in a row the same verdict must hold
     cooldown_s: float = 30.0  # after a move, before the next
     min_prefill: int = 0
@@ -116,9 +120,10 @@ class RoleBalancer:
             self.unhelpful = ""  # that load is gone: the next rise is judged afresh
         num_prefill = sum(n.role == "prefill" for n in loads)
         verdict = ""
-        if prefill >= cfg.high and (decode <= cfg.low or num_prefill == 0):
+        if (prefill >= cfg.high and (decode <= cfg.low or num_prefill == 0)) or \
+                (prefill >= cfg.low and decode <= cfg.idle):
             verdict = "prefill"
-        elif decode >= cfg.high and prefill <= cfg.low:
+        elif (decode >= cfg.high and prefill <= cfg.low) or (decode >= cfg.low and prefill <= cfg.idle):
             verdict = "decode"
         self._streak = (verdict, self._streak[1] + 1 if verdict == self._streak[0] else 1)
         if not verdict or self._streak[1] < cfg.sustain or now - self._last_move_at < cfg.cooldown_s:

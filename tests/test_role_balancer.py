@@ -222,3 +222,22 @@ def test_the_held_shifting_mode_runs_a_balancer_that_can_never_move():
     held = RoleBalancer(replace(CONFIG, min_prefill=mode.min_prefill, min_decode=mode.min_decode))
     assert run(held, [decode_heavy()] * 10 + [prefill_heavy(("prefill", "prefill", "decode"))] * 10) == []
     assert run(RoleBalancer(CONFIG), [decode_heavy()] * 10) != []  # the same trace moves an unheld balancer
+
+
+def test_an_idle_role_gives_a_node_to_the_role_doing_the_work():
+    """Short of any SLO, a role with nothing to do (<= ``idle``) gives a node to one working at ``low`` or more:
+    the decode-heavy phases of the shifting workload finish sooner on more decode nodes even when their steps
+    stay within the TPOT SLO. A role that is busy, if not pressed, keeps its nodes."""
+    working_decode = [NodeLoad("prefill-0", "prefill"), NodeLoad("prefill-1", "prefill", queue_s=0.05),
+                      NodeLoad("decode-2", "decode", step_s=0.06, kv_used=0.2, num_running=8, max_num_seqs=64)]
+    moves = run(RoleBalancer(CONFIG), [working_decode] * 3)
+    assert [(m.node_id, m.to_role) for _, m in moves] == [("prefill-0", "decode")]
+    working_prefill = [NodeLoad("prefill-0", "prefill", queue_s=1.2),
+                       NodeLoad("decode-1", "decode", step_s=0.005, kv_used=0.02, num_running=1, max_num_seqs=64),
+                       NodeLoad("decode-2", "decode", step_s=0.004, kv_used=0.01, num_running=0, max_num_seqs=64)]
+    moves = run(RoleBalancer(CONFIG), [working_prefill] * 3)
+    assert [(m.node_id, m.to_role) for _, m in moves] == [("decode-2", "prefill")]
+    busy_prefill = [replace(n, queue_s=0.4) if n.role == "prefill" else n for n in working_decode]  # 0.2 of 2 s
+    assert run(RoleBalancer(CONFIG), [busy_prefill] * 10) == []
+    busy_decode = [replace(n, step_s=0.03) if n.role == "decode" else n for n in working_prefill]  # 0.3 of 0.1 s
+    assert run(RoleBalancer(CONFIG), [busy_decode] * 10) == []

@@ -320,20 +320,16 @@ class LLMEngine:
 
     def _emit(self, seq: Sequence, sampled, on_token) -> bool:
         """Append one sampled token to ``seq`` and stream it (``on_token``, when given); True when ``seq`` is
-        done."""
-        seq.output_token_ids.append(sampled.token_id)
+        done, with its ``finish_reason`` set."""
+        token_id, params = sampled.token_id, seq.params
+        seq.output_token_ids.append(token_id)
         seq.cumulative_logprob += sampled.logprob
         seq.output_logprobs.append(sampled.logprob)
-        params = seq.params
         if params.logprobs is not None:
             seq.output_top_logprobs.append(list(sampled.top))
         if on_token is not None:
-            on_token(seq, sampled.token_id)
-        return self._check_stop(seq, params, sampled.token_id)
-
-    def _check_stop(self, seq: Sequence, params, last: int) -> bool:
-        """Sets ``finish_reason`` and returns True when ``seq`` is done (``last``: the token just emitted)."""
-        if last in params.stop_token_ids or (not params.ignore_eos and last in self.tokenizer.eos_token_ids):
+            on_token(seq, token_id)
+        if token_id in params.stop_token_ids or (not params.ignore_eos and token_id in self.tokenizer.eos_token_ids):
             seq.finish_reason = "stop"
             return True
         if params.stop:
