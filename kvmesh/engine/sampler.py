@@ -19,7 +19,8 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
     Greedy rows take the argmax (ties: lowest id). Others apply temperature, then
     top-k, then top-p (smallest set whose probability reaches top_p), then draw.
     The logprob returned is that of the chosen token under the unmodified model; rows whose
-    params ask for ``logprobs=k`` also get the k most likely tokens with theirs (else []).
+    params ask for ``logprobs=k`` also get the k most likely tokens with theirs (else none: ``[]`` or
+    ``NO_ALTERNATIVES``).
     A row whose logits are not all finite gets ``NON_FINITE`` (the others are unaffected).
     """
     on_host = logits.device.type == "cpu" and logits.dtype == torch.float32
