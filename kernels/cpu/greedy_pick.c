@@ -7,8 +7,8 @@
  * (nearer the exact value than torch's float32 log_softmax, which it matches to float32 rounding). A row
  * holding a NaN or an infinity of either sign gets ids[r] = -1 (the sampler's NON_FINITE) and a NaN logprob:
  * x * 0 is 0 for every finite x and NaN otherwise, so one running sum of those flags the row in the same
- * vectorised pass as its maximum. Rows are shared among OpenMP threads from PICK_PARALLEL_MIN_ELEMENTS logits; fewer cost less than
- * waking a thread. Returns 0.
+ * vectorised pass as its maximum. Rows are shared among OpenMP threads from PICK_PARALLEL_MIN_ELEMENTS logits;
+ * fewer cost less than waking a thread. Returns 0.
  */
 #include "common.h"
 

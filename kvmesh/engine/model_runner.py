@@ -146,7 +146,8 @@ class ModelRunner:
         """Tokens of the items whose chunk reaches their last token, verifications of the drafted ones. Called in
         inference mode, as ``forward``."""
         verify_rows = {}
-        if not drafts and len(inputs.input_ids) == len(batch):  # one token a row, in the batch's order
+        in_order = not drafts and len(inputs.input_ids) == len(batch)  # one token a row, in the batch's order
+        if in_order:
             rows = sampled_items = [i for i, (seq, _) in enumerate(batch) if seq.num_computed_tokens + 1 ==
                                     len(seq.prompt_token_ids) + len(seq.output_token_ids)]  # its last token
         else:
@@ -166,7 +167,7 @@ class ModelRunner:
             logits = picked if inputs.replayed is Replayed.DECODE_GRAPH else self.model.compute_logits(picked)
             seqs = [batch[i][0] for i in sampled_items]
             tokens, logprobs, tops = sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
-            if len(sampled_items) == len(batch) and len(inputs.input_ids) == len(batch):  # every row, in order
+            if in_order and len(sampled_items) == len(batch):  # every row
                 results = list(map(SampledToken._make, zip(tokens, logprobs, tops)))
             else:
                 for i, tok, lp, top in zip(sampled_items, tokens, logprobs, tops):
@@ -189,7 +190,7 @@ class ModelRunner:
         unread at a time (their copies back take two buffers in turn)."""
         if ahead_of is None:
             positions = [seq.num_computed_tokens for seq, _ in batch]
-            input_ids = [seq.token_ids(p, p + 1)[0] for (seq, _), p in zip(batch, positions)]
+            input_ids = [seq.token_at(p) for (seq, _), p in zip(batch, positions)]
             device_ids = None
         else:
             positions = [seq.num_computed_tokens + 1 for seq, _ in batch]

@@ -24,7 +24,8 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
     A row whose logits are not all finite gets ``NON_FINITE`` (the others are unaffected).
     """
     on_host = logits.device.type == "cpu" and logits.dtype == torch.float32
-    if on_host and all(p.argmax_only for p in params):  # greedy, no alternatives asked: a decode step's usual batch
+    argmax_only = on_host and all(p.argmax_only for p in params)  # greedy, no alternatives (a decode step's batch)
+    if argmax_only:
         picks = native.greedy_pick(logits.numpy()) if use_native(logits) and logits.is_contiguous() else None
         if picks is not None:  # one pass over each row in C (the same picks as the whole-array path below)
             return picks[0], picks[1], [NO_ALTERNATIVES] * len(params)
@@ -34,7 +35,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
     # CPU it costs a twentieth of isfinite(logits).all(-1), which was milliseconds a step at batch 32. Float32
     # rows on the host go through NumPy, whose calls on small arrays cost a fraction of torch's dispatch.
     finite = np.isfinite(logits.numpy().sum(axis=-1)) if on_host else torch.isfinite(logits.sum(dim=-1))
-    if on_host and all(p.argmax_only for p in params):  # without the native kernels: whole arrays
+    if argmax_only:  # without the native kernels: whole arrays
         picked = np.where(finite, logits.numpy().argmax(axis=-1), 0)
         logprobs = logprobs_all.numpy()[np.arange(len(params)), picked].tolist()
         return np.where(finite, picked, NON_FINITE).tolist(), logprobs, [NO_ALTERNATIVES] * len(params)

@@ -37,7 +37,7 @@ class SelfDraftProposer:
         ``seq``'s blocks must already cover ``num_computed_tokens + 1 + max_tokens`` positions.
         """
         position = seq.num_computed_tokens
-        token = seq.token_ids(position, position + 1)[0]
+        token = seq.token_at(position)
         device = self.kv_buffer.device
         tokens: list[int] = []
         probs: list[torch.Tensor] = []
