@@ -463,3 +463,30 @@ def test_uncache_reports_come_after_the_lock_is_released_in_order_and_allocate_a
     assert pool.allocate_after([blocks[0]], hashes[:1], 0) is None
     pool.free(stale)
     pool.check_integrity()
+
+
+def test_queue_moved_is_set_when_the_free_queue_moves_and_only_then():
+    """A lower tier's demoter sleeps on ``queue_moved``: every way blocks join or leave the free queue sets it, a
+    reference change that leaves the queue as it was does not."""
+    pool = BlockPool(8)
+    moved = pool.queue_moved
+
+    def sets(action) -> bool:
+        moved.clear()
+        action()
+        return moved.is_set()
+
+    blocks = []
+    assert sets(lambda: blocks.extend(pool.allocate(3)))  # the head taken
+    assert not sets(lambda: pool.touch(blocks[:1]))  # ref 1 -> 2: still out of the queue
+    assert not sets(lambda: pool.free(blocks[:1]))  # 2 -> 1
+    assert sets(lambda: pool.free(blocks[:1]))  # 1 -> 0: joins the queue
+    assert sets(lambda: pool.touch(blocks[:1]))  # leaves it again
+    assert not sets(lambda: pool.match([], hold="pin"))
+    cache_chain(pool, blocks, hash_blocks(ROOT, list(range(12)), 4))
+    assert sets(lambda: pool.free(blocks))  # cached blocks become victims
+    assert sets(lambda: pool.match(hash_blocks(ROOT, list(range(12)), 4), hold="pin"))
+    assert not sets(lambda: pool.match(hash_blocks(ROOT, list(range(12)), 4), hold="pin"))  # pinned already
+    assert not sets(lambda: pool.unpin(blocks))  # one pin of two left
+    assert sets(lambda: pool.unpin(blocks))
+    pool.check_integrity()

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import random
+import time
+from dataclasses import replace
 
 import pytest
 import torch
@@ -249,3 +251,32 @@ def test_stored_checksums_go_down_with_a_block_and_come_back_up(tmp_path):
         n.check()
     finally:
         n.close()
+
+
+def test_the_demoter_sleeps_until_the_free_queue_moves(tmp_path):
+    """The demoter thread looks at the next victims when tier 0's free queue moves, not on a clock: with its
+    idle re-look an hour away, freed blocks are still copied down at once, and while nothing moves it stays
+    asleep (no look at all, where a poll would look every few milliseconds)."""
+    n = Node(tmp_path)
+    n.tiers.cfg = replace(n.tiers.cfg, idle_look_s=3600.0, look_gap_s=0.0)
+    try:
+        n.tiers.start()
+        wait_until(lambda: n.tiers.num_looks >= 1, "the demoter's first look")
+        hashes = chain(11, 4)
+        n.compute(hashes)  # allocates, caches and frees: the queue moves
+        wait_until(lambda: n.tiers.lower_run(hashes) == [HOST] * 4, "the freed chain copied to the host tier")
+        wait_until(lambda: not n.pool.queue_moved.is_set(), "the demoter's look after the copy")
+        looks = n.tiers.num_looks
+        time.sleep(0.5)  # a negative check: time for a poll to look many times over
+        assert n.tiers.num_looks - looks <= 1, "the demoter looked while the free queue did not move"
+        n.check()
+    finally:
+        n.close()
+    assert not n.tiers._thread.is_alive(), "close left the sleeping demoter running"
+
+
+def wait_until(predicate, what: str, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.01)

@@ -111,6 +111,10 @@ class BlockPool:
         self._num_queued = num_blocks
         self._num_cached_queued = 0  # of the queued blocks, those holding a hash (``usage`` in O(1))
         self._num_pinned = 0  # blocks with a pin
+        # Set whenever the free queue moves (blocks join it, leave it, allocation takes its head): what a lower
+        # tier's demoter waits on between looks at ``next_victims``, instead of polling. An event set under the
+        # lock (no code of another object runs); its waiter clears it before it looks.
+        self.queue_moved = threading.Event()
         # Told (hash, parent hash or None) whenever a block lost its hash: the lower KV tiers (kvmesh.kv.tiers)
         # keep their chains whole with it. Called after the pool's lock is released, by the thread whose call
         # uncached the blocks (it may call the pool), in the order the blocks were uncached.
@@ -230,6 +234,7 @@ class BlockPool:
         self._num_queued -= num_blocks
         self._num_cached_queued -= removed.num_removed  # every block taken was queued
         self.num_evicted += removed.num_removed  # their epochs moved on: memoised chains ending there are stale
+        self._mark_queue_moved()
         if reports and removed.num_removed:
             self._report_uncached(removed)
         return out
@@ -259,34 +264,42 @@ class BlockPool:
     def free(self, block_ids: Sequence[int]) -> None:
         """Drop one reference on each block; blocks reaching zero join the free queue in policy order."""
         with self._lock:
-            ref, pins = self._ref, self._pins
+            ref, pins, queued = self._ref, self._pins, self._num_queued
             for b in self.policy.order_for_free(block_ids):
                 if ref[b] <= 0:
                     raise ValueError(f"block {b} freed with ref count {ref[b]}")
                 ref[b] -= 1
                 if ref[b] == 0 and pins[b] == 0:
                     self._append(b)
+            if self._num_queued != queued:
+                self._mark_queue_moved()
 
     def touch(self, block_ids: Sequence[int]) -> None:
         """Take one more reference on each block (prefix hits); free ones leave the queue. ``free`` them."""
         with self._lock:
-            ref, pins = self._ref, self._pins
+            ref, pins, queued = self._ref, self._pins, self._num_queued
             for b in block_ids:
                 if ref[b] == 0 and pins[b] == 0:
                     self._unlink(b)
                 ref[b] += 1
+            if self._num_queued != queued:
+                self._mark_queue_moved()
 
     def _pin(self, block_ids: Sequence[int]) -> None:
         """Keep blocks (a system prompt, a push's source) out of eviction until ``unpin``."""
         with self._lock:
+            queued = self._num_queued
             for b in block_ids:
                 if self._ref[b] == 0 and self._pins[b] == 0:
                     self._unlink(b)
                 self._num_pinned += self._pins[b] == 0
                 self._pins[b] += 1
+            if self._num_queued != queued:
+                self._mark_queue_moved()
 
     def unpin(self, block_ids: Sequence[int]) -> None:
         with self._lock:
+            queued = self._num_queued
             for b in reversed(block_ids):
                 if self._pins[b] <= 0:
                     raise ValueError(f"block {b} is not pinned")
@@ -294,6 +307,8 @@ class BlockPool:
                 self._num_pinned -= self._pins[b] == 0
                 if self._ref[b] == 0 and self._pins[b] == 0:
                     self._append(b)
+            if self._num_queued != queued:
+                self._mark_queue_moved()
 
     # ---- the prefix cache --------------------------------------------------------------------
     def cache(self, block_ids: Sequence[int], block_hashes: Sequence[BlockHash],
@@ -463,6 +478,10 @@ class BlockPool:
 
     def _is_queued(self, block: int) -> bool:
         return self._ref[block] == 0 and self._pins[block] == 0
+
+    def _mark_queue_moved(self) -> None:
+        if not self.queue_moved.is_set():
+            self.queue_moved.set()
 
     def _unlink(self, block: int) -> None:
         prev, nxt = self._prev[block], self._next[block]

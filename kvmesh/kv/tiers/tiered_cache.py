@@ -71,6 +71,8 @@ class TierConfig:
     verify: bool = True  # check every block's checksum when it is promoted or served
     staging_blocks: int = 32  # registered buffer that disk blocks are read into before a push
     demote_window: int = 1024  # how far down tier 0's free queue (the next victims) each round looks
+    look_gap_s: float = 0.01  # the demoter's least time between two looks at the next victims
+    idle_look_s: float = 5.0  # and its longest while tier 0's free queue does not move
 
     @property
     def enabled(self) -> bool:
@@ -148,6 +150,7 @@ class TieredCache:
         self.read_rates = {store.tier: RateMeter(self._probe_read_rate(store), min_amount=self.block_bytes)
                            for store in self.stores}
         self._stop = threading.Event()
+        self.num_looks = 0  # the demoter thread's looks at the next victims
         self._thread = threading.Thread(target=self._run, name=f"kvmesh-demoter-{name}", daemon=True)
         pool.on_uncache = self._tier0_uncached
 
@@ -331,11 +334,18 @@ class TieredCache:
 
     # ---- demotion (the demoter thread) ---------------------------------------------------------------------
     def _run(self) -> None:
+        """Look at the next victims whenever tier 0's free queue moved (the pool's ``queue_moved``), at most
+        every ``look_gap_s`` (a burst of frees and allocations is one look); asleep while nothing moves."""
+        moved_event = self.pool.queue_moved
         while not self._stop.is_set():
-            moved = self.demote_now()
+            moved_event.clear()  # before the look: a move during it brings the next one
+            self.num_looks += 1
+            copied = self.demote_now()
             if self._dirty and self._on_index_change is not None:
                 self._on_index_change()
-            self._stop.wait(0.001 if moved else 0.01)
+            if not copied:
+                moved_event.wait(self.cfg.idle_look_s)
+            self._stop.wait(self.cfg.look_gap_s)
 
     def demote_now(self) -> int:
         """One round: copy the next tier-0 victims down; returns how many blocks were copied."""
@@ -529,6 +539,7 @@ class TieredCache:
 
     def close(self) -> None:
         self._stop.set()
+        self.pool.queue_moved.set()  # the demoter may be waiting for the queue to move
         if self._thread.is_alive():
             self._thread.join(timeout=5)
         if self.pool.on_uncache == self._tier0_uncached:
