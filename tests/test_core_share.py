@@ -187,3 +187,37 @@ def test_decode_only_steps_are_sized_by_the_chooser_and_timed_for_it(table):
     assert recorder.recorded == [(3, 4, 3, 0.09), (3, 4, 4, 0.07)]  # the prompt step is not a decode sample
     assert recorder.choices() == {"3-4": 4} and recorder.num_probes == 1
     decode.close()
+
+
+def test_start_up_measurements_take_turns_and_hold_every_core(table):
+    """``alone`` (a node's start-up probe): while one node of the table measures, another waits for its turn,
+    and the measuring node is marked busy and computes on every core. Probes of nodes started together used to
+    run at once and measured rates several times too slow."""
+    code = ("import sys, torch; from kvmesh.node.core_share import CoreShare; s = CoreShare.from_argument(sys.argv[1])\n"
+            "with s.alone():\n"
+            "    print(s.num_busy(), torch.get_num_threads(), flush=True); sys.stdin.readline()\n"
+            "print('out', flush=True); sys.stdin.readline()")
+    child = subprocess.Popen([sys.executable, "-c", code, table.node_argument("prefill-0")], pass_fds=(table.fd,),
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    entered, seen = threading.Event(), {}
+
+    def measure() -> None:
+        mine = share(table, "decode-0")
+        with mine.alone():
+            seen["busy"], seen["threads"] = mine.num_busy(), torch.get_num_threads()
+            entered.set()
+        seen["after"] = mine.num_busy()
+
+    try:
+        assert child.stdout.readline().split() == ["1", "4"]  # the child measures: busy, on all 4 cores
+        waiter = threading.Thread(target=measure, daemon=True)
+        waiter.start()
+        assert not entered.wait(0.5), "a second node measured while the first still did"
+        child.stdin.write("\n")
+        child.stdin.flush()
+        assert child.stdout.readline().split() == ["out"]
+        assert entered.wait(60), "the second node never got its turn"
+        waiter.join(60)
+        assert seen == {"busy": 1, "threads": 4, "after": 0}
+    finally:
+        child.communicate("\n", timeout=60)

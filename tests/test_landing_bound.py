@@ -101,3 +101,37 @@ def test_the_nodes_prompt_slice_comes_through_its_budget_without_touching_the_sc
     while not seq.is_finished:
         engine.step()
     assert seq.output_token_ids == expected
+
+
+def test_the_automatic_slice_bounds_a_whole_step_beside_running_decodes():
+    """``step_tokens`` (a decode node's automatic slice): beside running decodes a step computes that many prompt
+    tokens at most, every prompt together, oldest first; with nothing decoding, no cap. Three prompts arriving
+    at once beside a stream used to compute a slice each in every step. Outputs equal the uncapped engine's."""
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    prompts = [list(range(3 + i, 83 + i)) for i in range(4)]  # 80 tokens each
+    expected = [o.outputs[0].token_ids for o in LLM("tiny-llama", progress=False).generate(prompts, params)]
+    policy = LandingBound(16, lambda: 1.0, lambda: 0.01, lambda: 1000.0)
+    assert policy.prompt_tokens(num_decodes=2) is None  # no step cap set: none
+    policy.slice_tokens, policy.step_tokens = 0, 32  # a decode node's automatic slice
+    assert policy.prompt_tokens(num_decodes=0) is None and policy.prompt_tokens(num_decodes=2) == 32
+    engine = LLM("tiny-llama", progress=False).engine
+    engine.scheduler.prompt_budget = policy
+    first = engine.add_request(prompts[0], params)
+    engine.step()  # alone: its whole prompt in one step, however long the slice
+    assert first.num_computed_tokens == 80
+    others = [engine.add_request(p, params) for p in prompts[1:]]
+    order = []
+    while not all(s.is_finished for s in [first, *others]):
+        before = [s.num_computed_tokens for s in others]
+        out_step = engine.scheduler.schedule()
+        prompt_tokens = sum(n for s, n in out_step.batch if s is not first and s.is_prefilling)
+        decoding = sum(1 for s, n in out_step.batch if n == 1 and not s.is_prefilling)
+        results = engine.runner.execute(out_step.batch, {})
+        engine.finish_step(out_step.batch, {}, results)
+        if decoding:
+            assert prompt_tokens <= 32, f"a step beside {decoding} decodes computed {prompt_tokens} prompt tokens"
+        grew = [i for i, (s, b) in enumerate(zip(others, before)) if s.num_computed_tokens > b and b < 80]
+        order.extend(i for i in grew if i not in order)
+    assert order == [0, 1, 2], "prompts went side by side, not oldest first"
+    assert [s.output_token_ids for s in [first, *others]] == expected
+    engine.pool.check_integrity()

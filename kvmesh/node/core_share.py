@@ -16,9 +16,11 @@ others meanwhile compute on fewer threads, never on more).
 """
 from __future__ import annotations
 
+import fcntl
 import mmap
 import os
 import tempfile
+from contextlib import contextmanager
 
 from kvmesh.node.decode_threads import DecodeThreadChooser
 
@@ -69,6 +71,7 @@ class CoreShare:
         if not 0 <= slot < MAX_NODES or num_cores < 1:
             raise ValueError(f"core share slot {slot} of {MAX_NODES}, {num_cores} cores: out of range")
         self._map = mmap.mmap(fd, MAX_NODES)
+        self._fd = fd
         self.slot = slot
         self.num_cores = num_cores
         self._busy = False
@@ -85,6 +88,35 @@ class CoreShare:
         except ValueError:
             raise ValueError(f"--core-share takes FD:SLOT:CORES, not {value!r}") from None
         return cls(fd, slot, cores)
+
+    @contextmanager
+    def alone(self):
+        """Around a start-up measurement (``NodeRuntime``'s probe): waits while another node of this table measures,
+        then holds every core: the table's other nodes see this one busy and step on their share, and this one
+        computes on all of them. Start-up probes of nodes started together used to run at once, each on every core,
+        and measured rates several times too slow. An exclusive ``flock`` on the table, reopened (a lock belongs to
+        an open file, and the descriptor every node inherited is one open file); released however the node ends."""
+        try:
+            fd = os.open(f"/proc/self/fd/{self._fd}", os.O_RDWR)
+        except OSError:  # no /proc: measured unserialised, as before
+            fd = -1
+        try:
+            if fd >= 0:
+                fcntl.flock(fd, fcntl.LOCK_EX)
+            self.set_busy(True)
+            self._set_threads(self.num_cores)
+            yield
+        finally:
+            self.set_busy(False)
+            if fd >= 0:
+                os.close(fd)
+
+    def _set_threads(self, n: int) -> None:
+        if n != self.num_threads:
+            import torch
+
+            torch.set_num_threads(n)
+            self.num_threads = n
 
     def set_busy(self, busy: bool) -> None:
         """Mark whether this node has work (written only when it changes)."""
@@ -118,11 +150,7 @@ class CoreShare:
             fewer, more = self.decode_candidates()
             n = self.chooser.pick(fewer, more)
             self._step = (fewer, more, n)
-        if n != self.num_threads:
-            import torch
-
-            torch.set_num_threads(n)
-            self.num_threads = n
+        self._set_threads(n)
         return n
 
     def end_step(self, seconds: float) -> None:

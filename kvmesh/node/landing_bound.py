@@ -1,9 +1,13 @@
 """LandingBound: a node's prompt budget (the scheduler's ``PromptBudget`` policy): prompts computed in slices
 where streams decode beside them, and steps kept short while a fetch is about to land.
 
-The slice (``slice_tokens``) is the node's to set, on the engine thread, as its role changes (None: the
-scheduler's configured ``long_prefill_token_threshold``); ``prompt_slice`` sizes the automatic one: the
-tokens the node computes in ``--prompt-slice-ms`` at its measured rate.
+The node sets, on the engine thread, as its role changes: ``slice_tokens``, one prompt's tokens per step at
+most (None: the scheduler's configured ``long_prefill_token_threshold``), and ``step_tokens``, all prompts'
+tokens of a step beside running decodes at most (0: no cap). A decode node's automatic slice is the latter
+(``prompt_slice`` sizes it: the tokens the node computes in ``--prompt-slice-ms`` at its measured rate), so
+the streams wait about a slice per step however many prompts arrive at once, the prompts go one after
+another (oldest first), and a prompt with no stream beside it is computed whole. (A slice per prompt let four
+prompts arriving together make every step four slices long.)
 
 A fetch's blocks join the engine at a step boundary. A step that starts just before they land and
 computes a slice of some prompt holds them (and the request's first token) for that whole step. While a
@@ -43,6 +47,7 @@ class LandingBound:
         self._clock = clock
         self._due: dict[str, tuple[float, float]] = {}  # request id -> (expected landing, stop bounding after)
         self.slice_tokens: int | None = None  # one prompt's tokens per step, at most (0: the step's budget)
+        self.step_tokens = 0  # all prompts' tokens of a step beside running decodes, at most (0: no such cap)
         self.num_bounded_steps = 0
 
     def expect(self, request_id: str, seconds: float) -> None:
@@ -62,12 +67,13 @@ class LandingBound:
         return self.slice_tokens
 
     def prompt_tokens(self, num_decodes: int) -> int | None:
+        cap = self.step_tokens if num_decodes and self.step_tokens > 0 else None
         if not self._due:
-            return None
+            return cap
         now = self._clock()
         due = [landing for landing, until in self._due.values() if now <= until]
         if not due or min(due) - now > self._prompt_step_s():
-            return None  # nothing due before a usual step would end anyway
+            return cap  # nothing due before a usual step would end anyway
         self.num_bounded_steps += 1
         if num_decodes:
             return 0

@@ -22,6 +22,7 @@ import signal
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -163,16 +164,21 @@ class NodeRuntime:
             kv_allocator=self.shared_kv, prompt_budget=self.landings,
             hooks=EngineHooks(on_token=self.on_token, on_prefill_step=self._prefill_step_done))
         self.pool = self.engine.pool
-        # Seeded by a start-up measurement, then kept current by every step that computes prompt tokens.
-        with self.engine.unobserved():
+        # Seeded by a start-up measurement, then kept current by every step that computes prompt tokens. Nodes
+        # sharing this machine's cores measure one at a time, each on all of them (``CoreShare.alone``).
+        cores = CoreShare.from_argument(cfg.core_share) if cfg.core_share else None
+        with self.engine.unobserved(), cores.alone() if cores is not None else nullcontext():
             probe = self._probe()
         self.prefill_cost = CostFit(probe.prefill_points)
+        import os as _os
+        if _os.environ.get("KVMESH_STEPLOG"):
+            open(f"/tmp/probe_{cfg.node_id}.txt", "a").write(f"{probe} fit fixed {self.prefill_cost.fixed_s:.3f} per_s {self.prefill_cost.per_s:.1f}\n")
         self.decode_step_s = probe.decode_step_s
         # Engine thread: the events of this step per client connection, sent as one frame at its end.
         self._outbox: dict[bytes, list[bytes]] = {}
         self.num_events_sent = self.num_event_frames = 0
         self.loop = EngineLoop(self.engine, cfg.node_id, self.on_finish, self.on_failed, self._after_step,
-                               cores=CoreShare.from_argument(cfg.core_share) if cfg.core_share else None,
+                               cores=cores,
                                on_broken=self._break)
         self.call_soon = self.loop.call_soon
         self.membership = ClusterMembership(cfg.etcd, cfg.cluster, cfg.node_id,
@@ -221,20 +227,23 @@ class NodeRuntime:
 
     def prompt_step_s(self) -> float:
         """A step computing this node's usual prompt slice, estimated at its fitted prompt cost."""
+        return self.prefill_cost.fixed_s + self.prompt_tokens_per_step() / self.prefill_tokens_per_s
+
+    def prompt_tokens_per_step(self) -> int:
+        """The prompt tokens a step computes beside running decodes, at most."""
         scheduler = self.engine.scheduler
-        return self.prefill_cost.fixed_s + (scheduler.prompt_slice_tokens or scheduler.config.max_num_batched_tokens) \
-            / self.prefill_tokens_per_s
+        return self.landings.step_tokens or scheduler.prompt_slice_tokens or scheduler.config.max_num_batched_tokens
 
     def slice_prompts(self, streams_beside: bool) -> None:
         """Engine thread (or before it starts): with ``streams_beside`` (a decode node) and an automatic
-        ``long_prefill_token_threshold``, compute prompts in slices of ``prompt_slice``; else as the flag says
+        ``long_prefill_token_threshold``, a step beside running decodes computes at most ``prompt_slice`` prompt
+        tokens, all prompts together (``LandingBound.step_tokens``); else prompts are sliced as the flag says
         (prefill nodes, with no streams beside their prompts, take whole steps)."""
         cfg = self.cfg
-        tokens = max(cfg.long_prefill_token_threshold, 0)
-        if cfg.long_prefill_token_threshold < 0 and streams_beside:
-            tokens = prompt_slice(self.prefill_tokens_per_s, cfg.block_size, cfg.max_num_batched_tokens,
-                                  cfg.prompt_slice_s)
-        self.landings.slice_tokens = tokens
+        automatic = cfg.long_prefill_token_threshold < 0 and streams_beside
+        self.landings.slice_tokens = 0 if automatic else max(cfg.long_prefill_token_threshold, 0)
+        self.landings.step_tokens = prompt_slice(self.prefill_tokens_per_s, cfg.block_size,
+                                                 cfg.max_num_batched_tokens, cfg.prompt_slice_s) if automatic else 0
 
     def _start_ranks(self):
         """This node's tensor-parallel ranks (the CPU only: its ranks share one KV buffer of every head, the format
@@ -451,7 +460,7 @@ class NodeRuntime:
                  "max_num_seqs": self.engine.scheduler.config.max_num_seqs,
                  "num_cached_blocks": usage.num_cached, "num_pinned": usage.num_pinned,
                  "num_running": len(self.engine.scheduler.running), "prefill_tokens_per_s": self.prefill_tokens_per_s,
-                 "prompt_tokens_per_step": self.engine.scheduler.prompt_slice_tokens,
+                 "prompt_tokens_per_step": self.landings.step_tokens or self.engine.scheduler.prompt_slice_tokens,
                  "num_unauthenticated": self.endpoint.num_refused + self.agent.num_unauthenticated,
                  "num_transfers_refused": sum(self.agent.holder.num_refused.values()),
                  "num_refused_writes": self.agent.grants.num_refused_writes,
