@@ -18,7 +18,8 @@ def add_scheduling_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--long-prefill-token-threshold", type=int, default=-1,
                    help="a prompt's tokens in one engine step, at most: a long prompt computed over several steps "
                         "lets the streams decoding beside it keep going (0: the step's whole budget; -1: decode "
-                        "nodes take what they compute in --prompt-slice-ms, prefill nodes the whole budget)")
+                        "nodes take what they compute in --prompt-slice-ms per step beside streams, all prompts "
+                        "together; prefill nodes the whole budget)")
     p.add_argument("--prompt-slice-ms", type=float, default=PROMPT_SLICE_S * 1e3,
                    help="with --long-prefill-token-threshold -1: a node with streams decoding beside its prompts "
                         "computes the prompt tokens of this many milliseconds (at its measured rate) per step, so "

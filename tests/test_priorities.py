@@ -156,15 +156,15 @@ def test_a_long_prompt_is_computed_a_threshold_at_a_time_beside_a_decoding_strea
         SchedulerConfig(long_prefill_token_threshold=-1)
 
 
-def test_a_decode_node_slices_prompts_to_a_quarter_second_at_its_rate():
+def test_a_decode_node_slices_prompts_to_a_tenth_of_a_second_at_its_rate():
     """The automatic threshold: what the node computes in PROMPT_SLICE_S, in whole blocks; no cap where that
     reaches the step's budget (a fast device); one block at least."""
     from kvmesh.node.landing_bound import PROMPT_SLICE_S, prompt_slice
 
-    assert prompt_slice(640.0, 16, 2048) == int(640 * PROMPT_SLICE_S) // 16 * 16 == 160
+    assert prompt_slice(640.0, 16, 2048) == int(640 * PROMPT_SLICE_S) // 16 * 16 == 64
     assert prompt_slice(50_000.0, 16, 2048) == 0
     assert prompt_slice(10.0, 16, 2048) == 16
-    assert prompt_slice(640.0, 16, 2048, slice_s=0.1) == 64  # --prompt-slice-ms 100
+    assert prompt_slice(640.0, 16, 2048, slice_s=0.25) == 160  # --prompt-slice-ms 250
 
 
 def test_serve_passes_the_prompt_slice_to_its_nodes_and_refuses_a_slice_of_nothing():

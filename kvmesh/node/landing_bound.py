@@ -23,7 +23,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-PROMPT_SLICE_S = 0.25  # auto: a decode node computes at most this much of a prompt in one step, at its probed rate
+PROMPT_SLICE_S = 0.1  # auto: a decode node's step beside streams computes at most this much prompt, at its fitted rate
 
 
 def prompt_slice(prefill_tokens_per_s: float, block_size: int, step_budget: int,

@@ -147,6 +147,7 @@ class NodeRuntime:
             self.loaded = load_model(cfg.model, dtype=cfg.dtype, device=self.device, progress=False,
                                      load_format=cfg.load_format)
         self.shared_kv = SharedKVAllocator() if cfg.shared_memory_transfers else None
+        self._slices_automatically = False  # ``slice_prompts`` says (a decode node's automatic step cap)
         # Steps kept short while a fetch is about to land, so its blocks wait for no long step (the decode role
         # says when one is due; the rates it reads are the node's, set below).
         self.landings = LandingBound(cfg.block_size, self.prompt_step_s, lambda: self.decode_step_s,
@@ -170,9 +171,6 @@ class NodeRuntime:
         with self.engine.unobserved(), cores.alone() if cores is not None else nullcontext():
             probe = self._probe()
         self.prefill_cost = CostFit(probe.prefill_points)
-        import os as _os
-        if _os.environ.get("KVMESH_STEPLOG"):
-            open(f"/tmp/probe_{cfg.node_id}.txt", "a").write(f"{probe} fit fixed {self.prefill_cost.fixed_s:.3f} per_s {self.prefill_cost.per_s:.1f}\n")
         self.decode_step_s = probe.decode_step_s
         # Engine thread: the events of this step per client connection, sent as one frame at its end.
         self._outbox: dict[bytes, list[bytes]] = {}
@@ -240,10 +238,16 @@ class NodeRuntime:
         tokens, all prompts together (``LandingBound.step_tokens``); else prompts are sliced as the flag says
         (prefill nodes, with no streams beside their prompts, take whole steps)."""
         cfg = self.cfg
-        automatic = cfg.long_prefill_token_threshold < 0 and streams_beside
-        self.landings.slice_tokens = 0 if automatic else max(cfg.long_prefill_token_threshold, 0)
-        self.landings.step_tokens = prompt_slice(self.prefill_tokens_per_s, cfg.block_size,
-                                                 cfg.max_num_batched_tokens, cfg.prompt_slice_s) if automatic else 0
+        self._slices_automatically = cfg.long_prefill_token_threshold < 0 and streams_beside
+        self.landings.slice_tokens = 0 if self._slices_automatically else max(cfg.long_prefill_token_threshold, 0)
+        self._size_step_cap()
+
+    def _size_step_cap(self) -> None:
+        """The automatic cap: what ``--prompt-slice-ms`` of prompt costs at the node's fitted rate now (every prompt
+        step refits it, so the cap follows what steps beside streams really take, not the start-up probe alone)."""
+        cfg = self.cfg
+        self.landings.step_tokens = prompt_slice(self.prefill_tokens_per_s, cfg.block_size, cfg.max_num_batched_tokens,
+                                                 cfg.prompt_slice_s) if self._slices_automatically else 0
 
     def _start_ranks(self):
         """This node's tensor-parallel ranks (the CPU only: its ranks share one KV buffer of every head, the format
@@ -496,8 +500,11 @@ class NodeRuntime:
                                                           error_kind=nm.ERROR_INVALID)))
 
     def _prefill_step_done(self, num_tokens: int, seconds: float) -> None:
-        """Engine thread: a step that computed prompt tokens keeps the fitted prompt cost current."""
+        """Engine thread: a step that computed prompt tokens keeps the fitted prompt cost (and the automatic step
+        cap sized by it) current."""
         self.prefill_cost.record(num_tokens, seconds)
+        if self._slices_automatically:
+            self._size_step_cap()
 
     def on_token(self, seq: Sequence, token_id: int) -> None:
         pass
