@@ -110,10 +110,17 @@ def test_the_automatic_slice_bounds_a_whole_step_beside_running_decodes():
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     prompts = [list(range(3 + i, 83 + i)) for i in range(4)]  # 80 tokens each
     expected = [o.outputs[0].token_ids for o in LLM("tiny-llama", progress=False).generate(prompts, params)]
-    policy = LandingBound(16, lambda: 1.0, lambda: 0.01, lambda: 1000.0)
-    assert policy.prompt_tokens(num_decodes=2) is None  # no step cap set: none
-    policy.slice_tokens, policy.step_tokens = 0, 32  # a decode node's automatic slice
+    rate = [640.0]  # the node's fitted prompt rate, tokens a second
+    policy = LandingBound(16, lambda: 1.0, lambda: 0.01, lambda: rate[0])
+    assert policy.prompt_tokens(num_decodes=2) is None and policy.step_tokens == 0  # no step cap set: none
+    policy.slice_tokens = 0  # a decode node's automatic slice: no cap per prompt, 50 ms of prompt per step
+    policy.cap_steps(0.05, 2048)
     assert policy.prompt_tokens(num_decodes=0) is None and policy.prompt_tokens(num_decodes=2) == 32
+    rate[0] = 320.0  # prompt steps measured slower: the cap follows the rate
+    assert policy.step_tokens == 16 and policy.prompt_tokens(num_decodes=2) == 16
+    rate[0] = 64_000.0  # a step's whole budget in 50 ms (a GPU): no cap
+    assert policy.step_tokens == 0 and policy.prompt_tokens(num_decodes=2) is None
+    rate[0] = 640.0
     engine = LLM("tiny-llama", progress=False).engine
     engine.scheduler.prompt_budget = policy
     first = engine.add_request(prompts[0], params)

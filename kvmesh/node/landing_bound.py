@@ -2,9 +2,9 @@
 where streams decode beside them, and steps kept short while a fetch is about to land.
 
 The node sets, on the engine thread, as its role changes: ``slice_tokens``, one prompt's tokens per step at
-most (None: the scheduler's configured ``long_prefill_token_threshold``), and ``step_tokens``, all prompts'
-tokens of a step beside running decodes at most (0: no cap). A decode node's automatic slice is the latter
-(``prompt_slice`` sizes it: the tokens the node computes in ``--prompt-slice-ms`` at its measured rate), so
+most (None: the scheduler's configured ``long_prefill_token_threshold``), and ``cap_steps``, all prompts'
+tokens of a step beside running decodes at most (none by default). A decode node's automatic slice is the
+latter (``step_tokens``: what the node computes in ``--prompt-slice-ms`` at its fitted rate now), so
 the streams wait about a slice per step however many prompts arrive at once, the prompts go one after
 another (oldest first), and a prompt with no stream beside it is computed whole. (A slice per prompt let four
 prompts arriving together make every step four slices long.)
@@ -47,7 +47,7 @@ class LandingBound:
         self._clock = clock
         self._due: dict[str, tuple[float, float]] = {}  # request id -> (expected landing, stop bounding after)
         self.slice_tokens: int | None = None  # one prompt's tokens per step, at most (0: the step's budget)
-        self.step_tokens = 0  # all prompts' tokens of a step beside running decodes, at most (0: no such cap)
+        self._step_slice_s, self._step_budget = 0.0, 0  # ``cap_steps``
         self.num_bounded_steps = 0
 
     def expect(self, request_id: str, seconds: float) -> None:
@@ -65,6 +65,19 @@ class LandingBound:
 
     def prompt_slice(self) -> int | None:
         return self.slice_tokens
+
+    def cap_steps(self, slice_s: float, step_budget: int) -> None:
+        """Beside running decodes, a step computes at most ``slice_s`` of prompt at the node's rate (all prompts
+        together); ``slice_s`` 0: no such cap. ``step_budget``: the scheduler's tokens per step."""
+        self._step_slice_s, self._step_budget = slice_s, step_budget
+
+    @property
+    def step_tokens(self) -> int:
+        """The cap ``cap_steps`` set, in tokens at the node's rate now (which its prompt steps keep refitting); 0
+        where there is none or where it would fill a step's budget anyway."""
+        if self._step_slice_s <= 0:
+            return 0
+        return prompt_slice(self._tokens_per_s(), self.block_size, self._step_budget, self._step_slice_s)
 
     def prompt_tokens(self, num_decodes: int) -> int | None:
         cap = self.step_tokens if num_decodes and self.step_tokens > 0 else None

@@ -48,7 +48,7 @@ from kvmesh.node.placement import make_placement
 from kvmesh.node import messages as nm
 from kvmesh.node.core_share import CoreShare
 from kvmesh.node.engine_loop import EngineLoop
-from kvmesh.node.landing_bound import PROMPT_SLICE_S, LandingBound, prompt_slice
+from kvmesh.node.landing_bound import PROMPT_SLICE_S, LandingBound
 from kvmesh.netaddr import advertise_address
 from kvmesh.node.membership import ClusterMembership
 from kvmesh.rate_meter import CostFit
@@ -147,7 +147,6 @@ class NodeRuntime:
             self.loaded = load_model(cfg.model, dtype=cfg.dtype, device=self.device, progress=False,
                                      load_format=cfg.load_format)
         self.shared_kv = SharedKVAllocator() if cfg.shared_memory_transfers else None
-        self._slices_automatically = False  # ``slice_prompts`` says (a decode node's automatic step cap)
         # Steps kept short while a fetch is about to land, so its blocks wait for no long step (the decode role
         # says when one is due; the rates it reads are the node's, set below).
         self.landings = LandingBound(cfg.block_size, self.prompt_step_s, lambda: self.decode_step_s,
@@ -238,16 +237,9 @@ class NodeRuntime:
         tokens, all prompts together (``LandingBound.step_tokens``); else prompts are sliced as the flag says
         (prefill nodes, with no streams beside their prompts, take whole steps)."""
         cfg = self.cfg
-        self._slices_automatically = cfg.long_prefill_token_threshold < 0 and streams_beside
-        self.landings.slice_tokens = 0 if self._slices_automatically else max(cfg.long_prefill_token_threshold, 0)
-        self._size_step_cap()
-
-    def _size_step_cap(self) -> None:
-        """The automatic cap: what ``--prompt-slice-ms`` of prompt costs at the node's fitted rate now (every prompt
-        step refits it, so the cap follows what steps beside streams really take, not the start-up probe alone)."""
-        cfg = self.cfg
-        self.landings.step_tokens = prompt_slice(self.prefill_tokens_per_s, cfg.block_size, cfg.max_num_batched_tokens,
-                                                 cfg.prompt_slice_s) if self._slices_automatically else 0
+        automatic = cfg.long_prefill_token_threshold < 0 and streams_beside
+        self.landings.slice_tokens = 0 if automatic else max(cfg.long_prefill_token_threshold, 0)
+        self.landings.cap_steps(cfg.prompt_slice_s if automatic else 0.0, cfg.max_num_batched_tokens)
 
     def _start_ranks(self):
         """This node's tensor-parallel ranks (the CPU only: its ranks share one KV buffer of every head, the format
@@ -500,11 +492,9 @@ class NodeRuntime:
                                                           error_kind=nm.ERROR_INVALID)))
 
     def _prefill_step_done(self, num_tokens: int, seconds: float) -> None:
-        """Engine thread: a step that computed prompt tokens keeps the fitted prompt cost (and the automatic step
-        cap sized by it) current."""
+        """Engine thread: a step that computed prompt tokens keeps the fitted prompt cost current (and with it a
+        decode node's step cap, ``LandingBound.step_tokens``)."""
         self.prefill_cost.record(num_tokens, seconds)
-        if self._slices_automatically:
-            self._size_step_cap()
 
     def on_token(self, seq: Sequence, token_id: int) -> None:
         pass
