@@ -140,8 +140,20 @@ class DecodeRole:
             prefill = (self.prefill_nodes.best((end - held_end) * bs, hits) if self.placement.prices_prefill_nodes
                        else self.prefill_nodes.any_option(hits))
         request = PlanRequest(num_local, end, bs, self.engine.layout.bytes_per_token, self.node.prefill_tokens_per_s,
-                              local_queue_s, lower.num_blocks, lower.seconds, holders, prefill, num_streams)
+                              local_queue_s, lower.num_blocks, lower.seconds, holders, prefill, num_streams,
+                              self._spread_s_per_token(num_streams))
         return self.placement.plan(request), hits
+
+    def _spread_s_per_token(self, num_streams: int) -> float:
+        """With streams here and this node's steps beside them capped (``LandingBound.step_tokens``), a prompt
+        computed here spreads over steps that each also decode those streams: per prompt token, a decode step's
+        time over the cap (the measured decode-only step, the start-up probe's until one was measured)."""
+        cap = self.node.landings.step_tokens
+        if not num_streams or cap <= 0:
+            return 0.0
+        clock = self.node.loop.clock
+        step_s = clock.decode_wall_s / clock.num_decode_steps if clock.num_decode_steps else self.node.decode_step_s
+        return step_s / cap
 
     def _streams_here(self) -> int:
         """Sequences running here (engine thread): each one's steps wait for the prompt tokens computed here, a
@@ -185,8 +197,9 @@ class DecodeRole:
         bs = self.cfg.block_size
         end = (seq.num_prompt_tokens - 1) // bs  # the last token is always computed here
         uncached = seq.num_prompt_tokens - num_local * bs
-        local_queue_s = self._prompt_tokens_ahead(uncached) / self.node.prefill_tokens_per_s
         num_streams = self._streams_here()
+        local_queue_s = self._prompt_tokens_ahead(uncached) * (1.0 / self.node.prefill_tokens_per_s +
+                                                              self._spread_s_per_token(num_streams))
         lookup = self.placement.worth_a_lookup(uncached, self.node.prefill_tokens_per_s, self.links.rates.min_rtt_s,
                                                local_queue_s, num_streams)
         plan = None

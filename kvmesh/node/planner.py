@@ -70,6 +70,8 @@ class PlanRequest:
     prefill: PrefillOption | None = None
     num_streams: int = 0  # sequences running here (decoding or computing a prompt): each waits while this node
     #                       computes the prompt's blocks
+    local_spread_s_per_token: float = 0.0  # with streams decoding here and its steps beside them capped, what each
+    #                       prompt token computed here waits besides its own compute: its share of those steps' decodes
 
 
 class FetchPlan(NamedTuple):
@@ -133,11 +135,13 @@ def plan_fetch(req: PlanRequest) -> FetchPlan:
         raise ValueError("the local prefill rate must be positive")
     bs, start, queue_s = req.block_size, req.num_local, req.local_queue_s
 
-    def compute_here(blocks: int) -> float:
-        return blocks * bs / req.local_tokens_per_s
+    own_s_per_token = 1.0 / req.local_tokens_per_s + req.local_spread_s_per_token
 
-    def stall(blocks: int) -> float:
-        return req.num_streams * compute_here(blocks)
+    def compute_here(blocks: int) -> float:  # until the request's blocks are computed here
+        return blocks * bs * own_s_per_token
+
+    def stall(blocks: int) -> float:  # what the streams here wait: the compute alone (they decode in those steps)
+        return req.num_streams * blocks * bs / req.local_tokens_per_s
 
     promote_end, promote_s = start, 0.0
     if req.num_lower and req.lower_read_s < compute_here(req.num_lower):
