@@ -141,19 +141,20 @@ class DecodeRole:
                        else self.prefill_nodes.any_option(hits))
         request = PlanRequest(num_local, end, bs, self.engine.layout.bytes_per_token, self.node.prefill_tokens_per_s,
                               local_queue_s, lower.num_blocks, lower.seconds, holders, prefill, num_streams,
-                              self._spread_s_per_token(num_streams))
+                              self.node.landings.step_tokens, self._decode_step_s())
         return self.placement.plan(request), hits
 
-    def _spread_s_per_token(self, num_streams: int) -> float:
-        """With streams here and this node's steps beside them capped (``LandingBound.step_tokens``), a prompt
-        computed here spreads over steps that each also decode those streams: per prompt token, a decode step's
-        time over the cap (the measured decode-only step, the start-up probe's until one was measured)."""
-        cap = self.node.landings.step_tokens
-        if not num_streams or cap <= 0:
-            return 0.0
+    def _decode_step_s(self) -> float:
+        """A decode-only step here: the measured mean, the start-up probe's until one was measured."""
         clock = self.node.loop.clock
-        step_s = clock.decode_wall_s / clock.num_decode_steps if clock.num_decode_steps else self.node.decode_step_s
-        return step_s / cap
+        return clock.decode_wall_s / clock.num_decode_steps if clock.num_decode_steps else self.node.decode_step_s
+
+    def _spread_s_per_token(self, num_streams: int) -> float:
+        """With streams here and this node's steps beside them capped (``LandingBound.step_tokens``), the prompts
+        queued here spread over steps that each also decode those streams: per prompt token, a decode step over
+        the cap."""
+        cap = self.node.landings.step_tokens
+        return self._decode_step_s() / cap if num_streams and cap > 0 else 0.0
 
     def _streams_here(self) -> int:
         """Sequences running here (engine thread): each one's steps wait for the prompt tokens computed here, a

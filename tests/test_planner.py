@@ -272,15 +272,19 @@ def test_a_forced_conversation_is_given_the_prefill_nodes_expected_time():
 
 def test_a_prompt_spread_over_steps_capped_beside_streams_pays_for_their_decodes():
     """A decode node with streams caps the prompt tokens of each step (``LandingBound.step_tokens``), so a prompt
-    computed there spreads over steps that also decode the streams: its own time counts a decode step per cap's
-    worth of tokens (``local_spread_s_per_token``), while the streams' wait stays the compute alone."""
+    computed there spreads over steps that also decode the streams: its own time counts a decode step for every
+    step after its first (``local_step_tokens``, ``local_decode_step_s``), while the streams' wait stays the
+    compute alone. A prompt that fits one step pays nothing more (its step is the one a fetch would wait for)."""
     slow_prefill = prefill(tokens_per_s=400.0)  # 1,024 tokens in 2.56 s there, 1.02 s here at 1,000 tokens/s
     plain = plan_fetch(req(prefill=slow_prefill, num_streams=1))
     assert shape(plain) == (0, "", 0, "") and plain.stall_s == pytest.approx(1.024)  # 2.05 s against 2.57 s
-    spread = 0.1 / 32  # a 100 ms decode step per 32 prompt tokens
-    capped = plan_fetch(req(prefill=slow_prefill, num_streams=1, local_spread_s_per_token=spread))
-    assert shape(capped) == (0, "", 0, "p0")  # 4.22 s here (+1.02 s of stall) against 2.57 s there
-    assert capped.local_seconds == pytest.approx(1024 * (1 / 1000.0 + spread))
-    here = plan_fetch(req(num_streams=2, local_spread_s_per_token=spread))  # nowhere else to go
-    assert here.seconds == pytest.approx(1024 * (1 / 1000.0 + spread))
+    capped = plan_fetch(req(prefill=slow_prefill, num_streams=1, local_step_tokens=32, local_decode_step_s=0.1))
+    assert shape(capped) == (0, "", 0, "p0")  # 1.02 s + 31 decode steps here (+1.02 s of stall) against 2.57 s
+    assert capped.local_seconds == pytest.approx(1.024 + 31 * 0.1)
+    here = plan_fetch(req(num_streams=2, local_step_tokens=32, local_decode_step_s=0.1))  # nowhere else to go
+    assert here.seconds == pytest.approx(1.024 + 31 * 0.1)
     assert here.stall_s == pytest.approx(2 * 1.024)  # the streams decode in those steps: they wait the compute
+    one_step = plan_fetch(req(num_local=62, num_streams=2, local_step_tokens=32, local_decode_step_s=0.1))
+    assert one_step.seconds == pytest.approx(32 / 1000.0)
+    alone = plan_fetch(req(local_step_tokens=32, local_decode_step_s=0.1))  # no streams: no cap, no spread
+    assert alone.seconds == pytest.approx(1.024)

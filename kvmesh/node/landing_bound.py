@@ -80,7 +80,7 @@ class LandingBound:
         return prompt_slice(self._tokens_per_s(), self.block_size, self._step_budget, self._step_slice_s)
 
     def prompt_tokens(self, num_decodes: int) -> int | None:
-        cap = self.step_tokens if num_decodes and self.step_tokens > 0 else None
+        cap = (self.step_tokens or None) if num_decodes else None
         if not self._due:
             return cap
         now = self._clock()

@@ -70,8 +70,8 @@ class PlanRequest:
     prefill: PrefillOption | None = None
     num_streams: int = 0  # sequences running here (decoding or computing a prompt): each waits while this node
     #                       computes the prompt's blocks
-    local_spread_s_per_token: float = 0.0  # with streams decoding here and its steps beside them capped, what each
-    #                       prompt token computed here waits besides its own compute: its share of those steps' decodes
+    local_step_tokens: int = 0  # with streams decoding here: the prompt tokens a step computes beside them, at most
+    local_decode_step_s: float = 0.0  # ... and what each such step spends on their decodes (0: no cap, nothing)
 
 
 class FetchPlan(NamedTuple):
@@ -135,10 +135,12 @@ def plan_fetch(req: PlanRequest) -> FetchPlan:
         raise ValueError("the local prefill rate must be positive")
     bs, start, queue_s = req.block_size, req.num_local, req.local_queue_s
 
-    own_s_per_token = 1.0 / req.local_tokens_per_s + req.local_spread_s_per_token
+    spreads = req.num_streams > 0 and req.local_step_tokens > 0
 
-    def compute_here(blocks: int) -> float:  # until the request's blocks are computed here
-        return blocks * bs * own_s_per_token
+    def compute_here(blocks: int) -> float:  # until the request's blocks are computed here: beside streams over
+        tokens = blocks * bs                 # capped steps, each after the first also decoding them
+        more_steps = max(0, -(-tokens // req.local_step_tokens) - 1) if spreads else 0
+        return tokens / req.local_tokens_per_s + more_steps * req.local_decode_step_s
 
     def stall(blocks: int) -> float:  # what the streams here wait: the compute alone (they decode in those steps)
         return req.num_streams * blocks * bs / req.local_tokens_per_s
