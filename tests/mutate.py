@@ -388,8 +388,18 @@ MUTATIONS = (
              '    with exclusive(entry.parent / f".{entry.name}.lock"):  # processes starting at once convert it once',
              '    if True:',
              ("tests/test_file_lock.py",)),
+    Mutation("the skinny linear skips a row between two tiles of a panel",
+             "kernels/cpu/skinny_linear.c", "    for (int64_t r = 0; r < m; r += per_tile) {",
+             "    for (int64_t r = 0; r < m; r += MAX_TILE_ROWS) {",
+             ("tests/test_cpu_linear.py::test_skinny_linear_matches_a_float64_product",), requires="avx2 fma"),
+    Mutation("the skinny linear adds the first panel's bias to every panel",
+             "kernels/cpu/skinny_linear.c", "bias ? bias + p * PANEL : NULL", "bias",
+             ("tests/test_cpu_linear.py::test_skinny_linear_matches_a_float64_product",), requires="avx2 fma"),
+    Mutation("a prompt's many rows take the skinny kernel",
+             "kvmesh/model/cpu_linear.py", "x.shape[0] <= SKINNY_MAX_ROWS and", "x.shape[0] >= 1 and",
+             ("tests/test_cpu_linear.py::test_packed_linear_takes_the_skinny_kernel_for_few_rows_only",),
+             requires="avx2 fma"),
 )
-
 
 ASSERTION_FAILURES = ("AssertionError", "assert ", "Failed: DID NOT RAISE", "Failed: ")
 

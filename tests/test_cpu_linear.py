@@ -6,7 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvmesh.model.cpu_linear import PackedLinear, can_pack, pack_linears
+from kvmesh.kernels.cpu import library as native
+from kvmesh.model.cpu_linear import SKINNY_MAX_ROWS, PackedLinear, can_pack, pack_linears
 from kvmesh.model.loader import load_model
 
 CPU = torch.device("cpu")
@@ -75,3 +76,78 @@ def test_packing_is_off_by_default_where_the_cpu_has_amx(monkeypatch):
     monkeypatch.delenv("KVMESH_PACKED_LINEAR")
     monkeypatch.setattr(cpu_linear, "cpu_features", lambda: ["avx2", "avx512_bf16", "avx512f"])
     assert can_pack(CPU, torch.float32)
+
+
+needs_skinny = pytest.mark.skipif(not native.can_skinny(), reason="the skinny kernel needs a CPU with AVX2 and FMA")
+
+
+@needs_skinny
+@pytest.mark.parametrize("threads", [1, 2])
+def test_skinny_linear_matches_a_float64_product(threads):
+    """Every tile shape (1..6 rows, balanced splits of more), partial last panels, odd k, with and without bias."""
+    gen = torch.Generator().manual_seed(1)
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for out_features, in_features in ((1, 1), (16, 19), (37, 96), (200, 576), (3000, 64)):
+            weight = torch.randn(out_features, in_features, generator=gen)
+            bias = torch.randn(out_features, generator=gen)
+            packed = native.skinny_pack(weight)
+            assert packed.numel() == -(-out_features // 16) * 16 * in_features
+            for rows in (1, 2, 3, 4, 5, 6, 7, 11, 13, 16):
+                x = torch.randn(rows, in_features, generator=gen)
+                for b in (None, bias):
+                    got = native.skinny_linear(x, packed, out_features, b)
+                    want = F.linear(x.double(), weight.double(), None if b is None else b.double())
+                    assert got.shape == (rows, out_features)
+                    assert torch.allclose(got.double(), want, rtol=1e-5, atol=1e-5 * in_features ** 0.5), \
+                        (out_features, in_features, rows, b is not None)
+    finally:
+        torch.set_num_threads(saved)
+
+
+@needs_skinny
+@needs_onednn
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_linear_takes_the_skinny_kernel_for_few_rows_only(bias, monkeypatch):
+    calls = []
+    real = native.skinny_linear
+
+    def counted(x, *args):
+        calls.append(x.shape[0])
+        return real(x, *args)
+
+    monkeypatch.setattr(native, "skinny_linear", counted)
+    gen = torch.Generator().manual_seed(2)
+    dense = nn.Linear(96, 200, bias=bias)
+    packed = PackedLinear(dense, skinny=True)
+    assert "skinny" in packed.extra_repr()
+    for rows in (1, 4, SKINNY_MAX_ROWS, SKINNY_MAX_ROWS + 1, 300):
+        x = torch.randn(rows, 96, generator=gen)
+        assert torch.allclose(packed(x), F.linear(x, dense.weight, dense.bias), rtol=1e-5, atol=1e-5)
+    assert calls == [1, 4, SKINNY_MAX_ROWS]
+    assert packed(torch.randn(2, 3, 96, generator=gen)).shape == (2, 3, 200)  # not 2-D: oneDNN's
+    assert calls == [1, 4, SKINNY_MAX_ROWS]
+    assert sorted(packed.state_dict()) == (["bias", "weight"] if bias else ["weight"])  # no second copy exported
+
+
+@needs_skinny
+@needs_onednn
+def test_a_loaded_float32_model_gets_skinny_copies_unless_off_or_short_of_memory(monkeypatch):
+    from kvmesh.model import cpu_linear
+
+    monkeypatch.setenv("KVMESH_PACKED_LINEAR", "1")
+    monkeypatch.delenv("KVMESH_SKINNY_LINEAR", raising=False)
+
+    def skinny_count(loaded):
+        linears = [m for m in loaded.model.modules() if isinstance(m, PackedLinear)]
+        assert linears
+        return sum(m.skinny_weight is not None for m in linears), len(linears)
+
+    on, total = skinny_count(load_model("tiny-llama"))
+    assert on == total
+    monkeypatch.setenv("KVMESH_SKINNY_LINEAR", "0")
+    assert skinny_count(load_model("tiny-llama"))[0] == 0
+    monkeypatch.delenv("KVMESH_SKINNY_LINEAR")
+    monkeypatch.setattr(cpu_linear, "_available_memory_bytes", lambda: 1024)  # four copies' worth would not fit
+    assert skinny_count(load_model("tiny-llama"))[0] == 0
