@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvmesh.kernels.cpu import library as native
-from kvmesh.model.cpu_linear import SKINNY_MAX_ROWS, PackedLinear, can_pack, pack_linears
+from kvmesh.model.cpu_linear import PackedLinear, can_pack, pack_linears
 from kvmesh.model.loader import load_model
 
 CPU = torch.device("cpu")
@@ -78,13 +78,15 @@ def test_packing_is_off_by_default_where_the_cpu_has_amx(monkeypatch):
     assert can_pack(CPU, torch.float32)
 
 
-needs_skinny = pytest.mark.skipif(not native.can_skinny(), reason="the skinny kernel needs a CPU with AVX2 and FMA")
+
+needs_native = pytest.mark.skipif(not native.has_linear(), reason="the native linear needs a CPU with AVX2 and FMA")
 
 
-@needs_skinny
+@needs_native
 @pytest.mark.parametrize("threads", [1, 2])
-def test_skinny_linear_matches_a_float64_product(threads):
-    """Every tile shape (1..6 rows, balanced splits of more), partial last panels, odd k, with and without bias."""
+def test_native_linear_matches_a_float64_product(threads):
+    """Every tile shape (1..6 rows, balanced splits of more, groups of panels), partial last panels and groups,
+    odd k, with and without bias; the packed weight unpacks to the dense one exactly."""
     gen = torch.Generator().manual_seed(1)
     saved = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -92,12 +94,13 @@ def test_skinny_linear_matches_a_float64_product(threads):
         for out_features, in_features in ((1, 1), (16, 19), (37, 96), (200, 576), (3000, 64)):
             weight = torch.randn(out_features, in_features, generator=gen)
             bias = torch.randn(out_features, generator=gen)
-            packed = native.skinny_pack(weight)
-            assert packed.numel() == -(-out_features // 16) * 16 * in_features
-            for rows in (1, 2, 3, 4, 5, 6, 7, 11, 13, 16):
+            packed = native.pack_linear(weight)
+            assert packed.shape == (-(-out_features // 16), in_features, 16)
+            assert torch.equal(native.unpack_linear(packed, out_features), weight)
+            for rows in (1, 2, 3, 4, 5, 6, 7, 11, 13, 16, 50, 131):
                 x = torch.randn(rows, in_features, generator=gen)
                 for b in (None, bias):
-                    got = native.skinny_linear(x, packed, out_features, b)
+                    got = native.linear(x, packed, out_features, b)
                     want = F.linear(x.double(), weight.double(), None if b is None else b.double())
                     assert got.shape == (rows, out_features)
                     assert torch.allclose(got.double(), want, rtol=1e-5, atol=1e-5 * in_features ** 0.5), \
@@ -106,48 +109,40 @@ def test_skinny_linear_matches_a_float64_product(threads):
         torch.set_num_threads(saved)
 
 
-@needs_skinny
+@needs_native
 @needs_onednn
 @pytest.mark.parametrize("bias", [False, True])
-def test_packed_linear_takes_the_skinny_kernel_for_few_rows_only(bias, monkeypatch):
-    calls = []
-    real = native.skinny_linear
-
-    def counted(x, *args):
-        calls.append(x.shape[0])
-        return real(x, *args)
-
-    monkeypatch.setattr(native, "skinny_linear", counted)
+def test_a_float32_packed_linear_on_native_panels_matches_f_linear_and_exports_its_weight(bias):
     gen = torch.Generator().manual_seed(2)
     dense = nn.Linear(96, 200, bias=bias)
-    packed = PackedLinear(dense, skinny=True)
-    assert "skinny" in packed.extra_repr()
-    for rows in (1, 4, SKINNY_MAX_ROWS, SKINNY_MAX_ROWS + 1, 300):
+    packed = PackedLinear(dense, native_f32=True)
+    assert packed.packed_weight is None and "native panels" in packed.extra_repr()  # one copy of the weight
+    for rows in (1, 4, 16, 17, 300):
         x = torch.randn(rows, 96, generator=gen)
         assert torch.allclose(packed(x), F.linear(x, dense.weight, dense.bias), rtol=1e-5, atol=1e-5)
-    assert calls == [1, 4, SKINNY_MAX_ROWS]
-    assert packed(torch.randn(2, 3, 96, generator=gen)).shape == (2, 3, 200)  # not 2-D: oneDNN's
-    assert calls == [1, 4, SKINNY_MAX_ROWS]
-    assert sorted(packed.state_dict()) == (["bias", "weight"] if bias else ["weight"])  # no second copy exported
+    x3 = torch.randn(2, 3, 96, generator=gen)
+    assert torch.allclose(packed(x3), F.linear(x3, dense.weight, dense.bias), rtol=1e-5, atol=1e-5)
+    assert torch.equal(packed.weight, dense.weight.detach())
+    state = packed.state_dict()
+    assert sorted(state) == (["bias", "weight"] if bias else ["weight"])
+    assert torch.equal(state["weight"], dense.weight.detach())
 
 
-@needs_skinny
+@needs_native
 @needs_onednn
-def test_a_loaded_float32_model_gets_skinny_copies_unless_off_or_short_of_memory(monkeypatch):
-    from kvmesh.model import cpu_linear
-
+def test_a_loaded_float32_model_takes_the_native_panels_unless_turned_off(monkeypatch):
     monkeypatch.setenv("KVMESH_PACKED_LINEAR", "1")
-    monkeypatch.delenv("KVMESH_SKINNY_LINEAR", raising=False)
 
-    def skinny_count(loaded):
+    def num_native(loaded):
         linears = [m for m in loaded.model.modules() if isinstance(m, PackedLinear)]
         assert linears
-        return sum(m.skinny_weight is not None for m in linears), len(linears)
+        return sum(m.panels is not None for m in linears), len(linears)
 
-    on, total = skinny_count(load_model("tiny-llama"))
-    assert on == total
-    monkeypatch.setenv("KVMESH_SKINNY_LINEAR", "0")
-    assert skinny_count(load_model("tiny-llama"))[0] == 0
-    monkeypatch.delenv("KVMESH_SKINNY_LINEAR")
-    monkeypatch.setattr(cpu_linear, "_available_memory_bytes", lambda: 1024)  # four copies' worth would not fit
-    assert skinny_count(load_model("tiny-llama"))[0] == 0
+    monkeypatch.delenv("KVMESH_NATIVE_LINEAR", raising=False)
+    on = load_model("tiny-llama")
+    assert num_native(on)[0] == num_native(on)[1]
+    monkeypatch.setenv("KVMESH_NATIVE_LINEAR", "0")
+    off = load_model("tiny-llama")
+    assert num_native(off)[0] == 0
+    ours, theirs = on.model.hf_state_dict(), off.model.hf_state_dict()
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[name], theirs[name]) for name in ours)

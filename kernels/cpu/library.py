@@ -1,7 +1,7 @@
 """The native CPU kernels: compiled on first use for this machine, loaded through ctypes.
 
 ``load()`` compiles the C files beside this one (``decode_attention.c``, ``prefill_attention.c``, ``rms_norm.c``,
-``rope_store.c``, ``greedy_pick.c``, ``skinny_linear.c``; helpers in ``common.h``) into one
+``rope_store.c``, ``greedy_pick.c``, ``linear_f32.c``; helpers in ``common.h``) into one
 library with the system C compiler (``$CC``, else ``cc``/``gcc``) for the CPU it runs on
 (``-march=native``) into ``$KVMESH_CACHE_DIR/native/`` (the file name carries a hash of the
 sources, the flags, the compiler and the CPU's feature flags, so a changed source or another
@@ -49,8 +49,8 @@ _SIGNATURES = {
 }
 _SUFFIXES = {torch.bfloat16: "bf16", torch.float32: "f32"}
 _FLOAT32_ONLY = {"greedy_pick_f32": [_P, _I64, _I64, _P, _P, _INT],
-                 "skinny_pack_f32": [_P, _I64, _I64, _P],
-                 "skinny_linear_f32": [_P, _I64, _I64, _P, _I64, _P, _P, _INT]}
+                 "linear_pack_f32": [_P, _I64, _I64, _P],
+                 "linear_f32": [_P, _I64, _I64, _P, _I64, _P, _P, _INT]}
 
 
 class NativeKernelError(RuntimeError):
@@ -115,8 +115,8 @@ def load() -> ctypes.CDLL | None:
     if lib is not None:
         _declare(lib, _SIGNATURES, tuple(_SUFFIXES.values()))
         _declare(lib, _FLOAT32_ONLY)
-        _declare(lib, {"skinny_linear_available": []})
-        _declare(lib, {"skinny_packed_numel": [_I64, _I64]}, restype=_I64)
+        _declare(lib, {"linear_f32_available": []})
+        _declare(lib, {"linear_packed_numel": [_I64, _I64]}, restype=_I64)
     return lib
 
 
@@ -265,34 +265,39 @@ def greedy_pick(logits: np.ndarray) -> tuple[list[int], list[float]] | None:
     return ids.tolist(), logprobs.tolist()
 
 
-def can_skinny() -> bool:
-    """Whether ``skinny_pack`` / ``skinny_linear`` run here: the library built, for a CPU with AVX2 and FMA."""
+
+def has_linear() -> bool:
+    """Whether ``pack_linear`` / ``linear`` run here: the library built, for a CPU with AVX2 and FMA."""
     lib = load()
-    return lib is not None and lib.skinny_linear_available() == 1
+    return lib is not None and lib.linear_f32_available() == 1
 
 
-def skinny_pack(weight: torch.Tensor) -> torch.Tensor:
-    """A float32 weight [n, k] packed for ``skinny_linear`` (a new tensor of whole 16-column panels; check
-    ``can_skinny`` first)."""
+def pack_linear(weight: torch.Tensor) -> torch.Tensor:
+    """A float32 weight [n, k] packed for ``linear``: a new tensor [ceil(n / 16), k, 16] (output columns past
+    n zero); check ``has_linear`` first."""
     lib = load()
     dense = _as(weight.detach(), torch.float32)
     n, k = dense.shape
-    packed = torch.empty(lib.skinny_packed_numel(n, k), dtype=torch.float32)
-    status = lib.skinny_pack_f32(dense.data_ptr(), n, k, packed.data_ptr())
+    packed = torch.empty(lib.linear_packed_numel(n, k), dtype=torch.float32)
+    status = lib.linear_pack_f32(dense.data_ptr(), n, k, packed.data_ptr())
     if status != 0:
-        raise NativeKernelError(f"skinny_pack returned {status} for a weight {tuple(dense.shape)}")
-    return packed
+        raise NativeKernelError(f"linear_pack returned {status} for a weight {tuple(dense.shape)}")
+    return packed.view(-1, k, 16)
 
 
-def skinny_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int,
-                  bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ W^T + bias`` for a contiguous float32 ``x`` [m, k] with few rows (a decode step's), W packed by
-    ``skinny_pack``: the weight read from memory once, whatever ``m``. Returns a new [m, out_features] tensor."""
+def unpack_linear(packed: torch.Tensor, out_features: int) -> torch.Tensor:
+    """The dense weight [out_features, k] of a ``pack_linear`` result (a new tensor; for exports and checks)."""
+    panels, in_features, width = packed.shape
+    return packed.permute(0, 2, 1).reshape(panels * width, in_features)[:out_features].contiguous()
+
+
+def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ W^T + bias`` for a contiguous float32 ``x`` [m, k], W packed by ``pack_linear`` and ``bias`` float32
+    contiguous (or None). Returns a new [m, out_features] tensor."""
     rows, in_features = x.shape
     y = torch.empty(rows, out_features, dtype=torch.float32)
-    status = load().skinny_linear_f32(x.data_ptr(), rows, in_features, packed.data_ptr(), out_features,
-                                      None if bias is None else bias.data_ptr(), y.data_ptr(),
-                                      torch.get_num_threads())
+    status = load().linear_f32(x.data_ptr(), rows, in_features, packed.data_ptr(), out_features,
+                               None if bias is None else bias.data_ptr(), y.data_ptr(), torch.get_num_threads())
     if status != 0:
-        raise NativeKernelError(f"skinny_linear returned {status} for x {tuple(x.shape)}, {out_features} outputs")
+        raise NativeKernelError(f"linear_f32 returned {status} for x {tuple(x.shape)}, {out_features} outputs")
     return y

@@ -1,4 +1,4 @@
-"""Linear layers with their weights pre-packed for oneDNN, the fast CPU matmul path.
+"""Linear layers with their weights pre-packed once, for the fast CPU matmul paths.
 
 ``F.linear`` on the CPU re-lays-out the weight on every call (bf16) or goes through
 MKL's sgemm (fp32, which on AMD CPUs picks slow code paths). Packing each weight
@@ -14,12 +14,10 @@ packed copy, the embedding keeps the dense table. Not on CPUs with AMX, where it
 measured slower (``can_pack``). ``KVMESH_PACKED_LINEAR=0`` turns packing off, ``=1``
 forces it (for A/B runs).
 
-A float32 linear also keeps its weight in the native skinny layout (``kernels/cpu/skinny_linear.c``)
-where the CPU has AVX2 and FMA: calls of at most ``SKINNY_MAX_ROWS`` rows (decode steps) take it, since
-oneDNN's packed path streams the weight from memory at well under the machine's read rate when only a
-few rows multiply it; more rows (prompts) stay on oneDNN. That is a second copy of the weights:
-``pack_linears`` leaves it out where it would take more than ``SKINNY_MAX_MEMORY_SHARE`` of the memory
-available, and ``KVMESH_SKINNY_LINEAR=0`` turns it off (for A/B runs).
+A float32 weight is packed instead into the panels of the native kernel ``kernels/cpu/linear_f32.c``
+where the CPU has AVX2 and FMA (``has_linear``): a decode step's few rows are the time to read the
+weights from memory, which it reads at the machine's rate and oneDNN's packed path at well under it,
+and its many-row products keep pace with oneDNN's. ``KVMESH_NATIVE_LINEAR=0`` keeps oneDNN (A/B runs).
 """
 from __future__ import annotations
 
@@ -28,15 +26,11 @@ import os
 import torch
 from torch import nn
 
-from kvmesh.kernels.cpu import library as native
 from kvmesh.device import cpu_features
+from kvmesh.kernels.cpu import library as native
 
 #: The batch size oneDNN tunes the packed layout for: decode batches (larger batches run as fast).
 PACKING_BATCH_HINT = 16
-#: Calls of at most this many rows take the skinny kernel (measured no slower than oneDNN up to 16 rows here).
-SKINNY_MAX_ROWS = 16
-#: The skinny copies of a model's weights may take at most this share of the memory available when it loads.
-SKINNY_MAX_MEMORY_SHARE = 0.25
 
 
 def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
@@ -56,27 +50,38 @@ def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
     return dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
-class PackedLinear(nn.Module):
-    """``y = x W^T + b`` with W held in oneDNN's blocked layout (read-only after packing)."""
+def native_linear_wanted() -> bool:
+    """Whether float32 linears take the native panel kernel here (built for this CPU, not turned off)."""
+    return os.environ.get("KVMESH_NATIVE_LINEAR", "") != "0" and native.has_linear()
 
-    def __init__(self, linear: nn.Linear, batch_hint: int = PACKING_BATCH_HINT, skinny: bool = False):
-        """``skinny``: also keep the float32 weight in the skinny kernel's layout (check ``can_skinny``)."""
+
+class PackedLinear(nn.Module):
+    """``y = x W^T + b`` with W held packed (read-only after packing): in the native kernel's panels (float32,
+    ``native_f32=True``) or in oneDNN's blocked layout."""
+
+    def __init__(self, linear: nn.Linear, batch_hint: int = PACKING_BATCH_HINT, native_f32: bool = False):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), batch_hint)
+        if native_f32:
+            self.panels, self.packed_weight = native.pack_linear(linear.weight), None
+        else:
+            self.panels = None
+            self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), batch_hint)
         self.bias = linear.bias
-        self.skinny_weight = native.skinny_pack(linear.weight) if skinny else None
 
     @property
     def weight(self) -> torch.Tensor:
         """A dense copy of the weight (for exports and checks; not on the hot path)."""
+        if self.panels is not None:
+            return native.unpack_linear(self.panels, self.out_features)
         return self.packed_weight.to_dense()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.skinny_weight is not None and x.dim() == 2 and x.shape[0] <= SKINNY_MAX_ROWS and x.is_contiguous():
-            bias = None if self.bias is None else self.bias.detach()
-            return native.skinny_linear(x, self.skinny_weight, self.out_features, bias)
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
+        if self.panels is None:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
+        rows = x.reshape(-1, self.in_features).contiguous()
+        y = native.linear(rows, self.panels, self.out_features, None if self.bias is None else self.bias.detach())
+        return y.view(*x.shape[:-1], self.out_features)
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):  # noqa: ANN001 (torch's signature)
         destination[prefix + "weight"] = self.weight
@@ -84,41 +89,20 @@ class PackedLinear(nn.Module):
             destination[prefix + "bias"] = self.bias if keep_vars else self.bias.detach()
 
     def extra_repr(self) -> str:
-        packed = "onednn+skinny" if self.skinny_weight is not None else "onednn"
-        return f"in_features={self.in_features}, out_features={self.out_features}, packed={packed}"
-
-
-def can_skinny(weight_bytes: int) -> bool:
-    """Whether float32 linears of ``weight_bytes`` in all also get skinny copies here: the kernel built for
-    this CPU, not turned off (``KVMESH_SKINNY_LINEAR=0``), and the copies within their share of the memory
-    available."""
-    if os.environ.get("KVMESH_SKINNY_LINEAR", "") == "0" or not native.can_skinny():
-        return False
-    return weight_bytes <= SKINNY_MAX_MEMORY_SHARE * _available_memory_bytes()
-
-
-def _available_memory_bytes() -> int:
-    try:
-        with open("/proc/meminfo") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        layout = "native panels" if self.panels is not None else "onednn"
+        return f"in_features={self.in_features}, out_features={self.out_features}, packed={layout}"
 
 
 def pack_linears(model: nn.Module) -> int:
     """Replace every ``nn.Linear`` below ``model`` by a ``PackedLinear``; returns how many were packed.
 
     Call once, after the weights are loaded and before serving; the dense weights are released
-    (except those shared with another module, e.g. a tied embedding). Float32 linears also get skinny
-    copies for decode steps where ``can_skinny`` says so.
+    (except those shared with another module, e.g. a tied embedding). Float32 weights go to the native
+    kernel's panels where ``native_linear_wanted``.
     """
     targets = [(parent, name, child) for parent in model.modules()
                for name, child in parent.named_children() if type(child) is nn.Linear]
-    float32_bytes = sum(child.weight.numel() * 4 for _, _, child in targets if child.weight.dtype == torch.float32)
-    skinny = float32_bytes > 0 and can_skinny(float32_bytes)
+    native_f32 = native_linear_wanted()
     for parent, name, child in targets:
-        setattr(parent, name, PackedLinear(child, skinny=skinny and child.weight.dtype == torch.float32))
+        setattr(parent, name, PackedLinear(child, native_f32=native_f32 and child.weight.dtype == torch.float32))
     return len(targets)
