@@ -28,6 +28,9 @@
 #include <stdlib.h>
 #ifdef __AVX512F__
 #include <immintrin.h>
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define HAVE_AVX2 1
 #endif
 
 #define TILE_TOKENS 32 /* tokens per work item: 96 rows for SmolLM2's groups of 3 */
@@ -62,6 +65,38 @@ INLINE void score_rows(const float *restrict q, int n, int head_dim, const float
 }
 #endif
 
+#ifdef HAVE_AVX2
+#define ROWS_AVX2 6 /* 6 rows x 2 registers of keys: 12 accumulators, named (an array of them GCC keeps in memory) */
+/* n (<= ROWS_AVX2, a literal at each call) rows of scores against one transposed tile, 8 keys a register. */
+INLINE void score_rows_avx2(const float *restrict q, const int n, int head_dim, const float *restrict kt,
+                            float *restrict scores, int64_t stride, int64_t t0, int bf16) {
+#define ZERO(r) __m256 lo##r = _mm256_setzero_ps(), hi##r = _mm256_setzero_ps()
+    ZERO(0); ZERO(1); ZERO(2); ZERO(3); ZERO(4); ZERO(5);
+#undef ZERO
+    for (int d = 0; d < head_dim; d++) {
+        __m256 k_lo = _mm256_loadu_ps(kt + d * KEYS), k_hi = _mm256_loadu_ps(kt + d * KEYS + 8);
+#define ROW(r)                                                                    \
+        if (n > r) {                                                              \
+            __m256 qr = _mm256_broadcast_ss(q + r * head_dim + d);                \
+            lo##r = _mm256_fmadd_ps(qr, k_lo, lo##r);                             \
+            hi##r = _mm256_fmadd_ps(qr, k_hi, hi##r);                             \
+        }
+        ROW(0) ROW(1) ROW(2) ROW(3) ROW(4) ROW(5)
+#undef ROW
+    }
+#define STORE(r)                                                                  \
+    if (n > r) {                                                                  \
+        float *s = scores + (int64_t)r * stride + t0;                             \
+        _mm256_storeu_ps(s, lo##r);                                               \
+        _mm256_storeu_ps(s + 8, hi##r);                                           \
+        if (bf16)                                                                 \
+            for (int j = 0; j < KEYS; j++) s[j] = round_to(s[j], 1);             \
+    }
+    STORE(0) STORE(1) STORE(2) STORE(3) STORE(4) STORE(5)
+#undef STORE
+}
+#endif
+
 /* scores[r * stride + t0 .. + KEYS) = round(q[r] . keys) for rows [0, rows) against one transposed tile. */
 INLINE void score_tile(const float *restrict q, int rows, int head_dim, const float *restrict kt,
                        float *restrict scores, int64_t stride, int64_t t0, int bf16) {
@@ -71,6 +106,12 @@ INLINE void score_tile(const float *restrict q, int rows, int head_dim, const fl
         score_rows(q + r0 * head_dim, ROWS, head_dim, kt, scores + (int64_t)r0 * stride, stride, t0, bf16);
     for (; r0 < rows; r0++)
         score_rows(q + r0 * head_dim, 1, head_dim, kt, scores + (int64_t)r0 * stride, stride, t0, bf16);
+#elif defined(HAVE_AVX2)
+    int r0 = 0;
+    for (; r0 + ROWS_AVX2 <= rows; r0 += ROWS_AVX2)
+        score_rows_avx2(q + r0 * head_dim, ROWS_AVX2, head_dim, kt, scores + (int64_t)r0 * stride, stride, t0, bf16);
+    for (; r0 < rows; r0++)
+        score_rows_avx2(q + r0 * head_dim, 1, head_dim, kt, scores + (int64_t)r0 * stride, stride, t0, bf16);
 #else
     for (int r = 0; r < rows; r++) {
         float acc[KEYS] = {0};
@@ -110,6 +151,46 @@ INLINE void value_rows(const float *restrict p, int n, int64_t stride, int64_t t
 }
 #endif
 
+#ifdef HAVE_AVX2
+#define PV_ROWS_AVX2 2 /* 2 rows x 4 registers (32 dims): 8 accumulators, named, and the 4 value registers */
+INLINE __m256 load8(const char *row, int64_t at, int bf16) {
+    if (bf16)
+        return _mm256_castsi256_ps(_mm256_slli_epi32(
+            _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)row + at))), 16));
+    return _mm256_loadu_ps((const float *)row + at);
+}
+
+/* n (1 or 2, a literal at each call) rows x 32 dims from d0: acc += p . v over keys [0, count). */
+INLINE void value_rows_avx2(const float *restrict p, const int n, int64_t stride, int64_t t0, const char *v,
+                            int64_t row_bytes, int count, int d0, int head_dim, float *restrict acc, int bf16) {
+    float *a0 = acc + d0, *a1 = acc + head_dim + d0;
+    __m256 r0c0 = _mm256_loadu_ps(a0), r0c1 = _mm256_loadu_ps(a0 + 8), r0c2 = _mm256_loadu_ps(a0 + 16),
+           r0c3 = _mm256_loadu_ps(a0 + 24);
+    __m256 r1c0 = _mm256_setzero_ps(), r1c1 = r1c0, r1c2 = r1c0, r1c3 = r1c0;
+    if (n > 1)
+        r1c0 = _mm256_loadu_ps(a1), r1c1 = _mm256_loadu_ps(a1 + 8), r1c2 = _mm256_loadu_ps(a1 + 16),
+        r1c3 = _mm256_loadu_ps(a1 + 24);
+    for (int j = 0; j < count; j++) {
+        const char *row = v + j * row_bytes;
+        __m256 x0 = load8(row, d0, bf16), x1 = load8(row, d0 + 8, bf16), x2 = load8(row, d0 + 16, bf16),
+               x3 = load8(row, d0 + 24, bf16);
+        __m256 p0 = _mm256_broadcast_ss(p + t0 + j);
+        r0c0 = _mm256_fmadd_ps(p0, x0, r0c0), r0c1 = _mm256_fmadd_ps(p0, x1, r0c1);
+        r0c2 = _mm256_fmadd_ps(p0, x2, r0c2), r0c3 = _mm256_fmadd_ps(p0, x3, r0c3);
+        if (n > 1) {
+            __m256 p1 = _mm256_broadcast_ss(p + stride + t0 + j);
+            r1c0 = _mm256_fmadd_ps(p1, x0, r1c0), r1c1 = _mm256_fmadd_ps(p1, x1, r1c1);
+            r1c2 = _mm256_fmadd_ps(p1, x2, r1c2), r1c3 = _mm256_fmadd_ps(p1, x3, r1c3);
+        }
+    }
+    _mm256_storeu_ps(a0, r0c0), _mm256_storeu_ps(a0 + 8, r0c1), _mm256_storeu_ps(a0 + 16, r0c2);
+    _mm256_storeu_ps(a0 + 24, r0c3);
+    if (n > 1)
+        _mm256_storeu_ps(a1, r1c0), _mm256_storeu_ps(a1 + 8, r1c1), _mm256_storeu_ps(a1 + 16, r1c2),
+        _mm256_storeu_ps(a1 + 24, r1c3);
+}
+#endif
+
 /* acc[r] += sum over keys [0, count) of p[r * stride + t0 + j] * v[j], rows [0, rows); v rows row_stride apart. */
 INLINE void value_tile(const float *restrict p, int rows, int64_t stride, int64_t t0, const char *v,
                        int64_t row_stride, int count, int head_dim, float *restrict acc, int bf16) {
@@ -126,6 +207,27 @@ INLINE void value_tile(const float *restrict p, int rows, int64_t stride, int64_
             for (int c = 0; c < 4 && d0 + c * LANES < head_dim; c++)
                 value_rows(p + (int64_t)r0 * stride, 1, stride, t0, v, row_bytes, count, d0 + c * LANES, 1, head_dim,
                            acc + r0 * head_dim, bf16);
+    }
+#elif defined(HAVE_AVX2)
+    if (head_dim % 32 == 0) {
+        int64_t row_bytes = row_stride * elem;
+        for (int d0 = 0; d0 < head_dim; d0 += 32) {
+            int r0 = 0;
+            for (; r0 + PV_ROWS_AVX2 <= rows; r0 += PV_ROWS_AVX2)
+                value_rows_avx2(p + (int64_t)r0 * stride, PV_ROWS_AVX2, stride, t0, v, row_bytes, count, d0, head_dim,
+                                acc + r0 * head_dim, bf16);
+            if (r0 < rows)
+                value_rows_avx2(p + (int64_t)r0 * stride, 1, stride, t0, v, row_bytes, count, d0, head_dim,
+                                acc + r0 * head_dim, bf16);
+        }
+        return;
+    }
+    for (int j = 0; j < count; j++) {
+        const char *vj = v + j * row_stride * elem;
+        for (int r = 0; r < rows; r++) {
+            float pr = p[(int64_t)r * stride + t0 + j];
+            for (int d = 0; d < head_dim; d++) acc[r * head_dim + d] += pr * load(vj, d, bf16);
+        }
     }
 #else
     for (int j = 0; j < count; j++) {
