@@ -1,5 +1,6 @@
 /* What the native CPU kernels share: bf16 <-> float32, loads and stores by element type, the
- * rounding to the model dtype, pairwise lane sums, a vectorisable e^x and the rounded softmax of score rows.
+ * rounding to the model dtype, pairwise lane sums, a vectorisable e^x, the rounded softmax of score rows, and
+ * (AVX2 with FMA) a register tile of six rows x 16 float32 columns.
  *
  * Kernels are written once for both element types: the always-inline functions take `bf16` as a
  * compile-time constant at each exported entry point, so the compiler emits one specialised copy each.
@@ -93,5 +94,26 @@ INLINE void softmax_rows(float *restrict scores, int rows, int n, int bf16) {
         for (int t = 0; t < n; t++) s[t] = round_to(s[t] * inv, bf16);
     }
 }
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+/* A register tile of up to six rows x 16 float32 columns in named variables lo0..lo5, hi0..hi5 (an array of
+ * accumulators GCC keeps in memory, storing every one of them on every iteration). TILE6X16_ZERO declares them;
+ * TILE6X16_FMA(n, a, lda, k, b_lo, b_hi) adds a[r * lda + k] times the 16 columns (b_lo, b_hi) to rows r < n,
+ * with n a literal where it is used (the other rows' code folds away). */
+#define TILE6X16_ZERO()                                                                                \
+    __m256 lo0 = _mm256_setzero_ps(), hi0 = lo0, lo1 = lo0, hi1 = lo0, lo2 = lo0, hi2 = lo0, lo3 = lo0, \
+           hi3 = lo0, lo4 = lo0, hi4 = lo0, lo5 = lo0, hi5 = lo0
+#define TILE6X16_ROW(n, r, a, lda, k, b_lo, b_hi)                        \
+    if ((n) > r) {                                                       \
+        __m256 a_r = _mm256_broadcast_ss((a) + r * (lda) + (k));         \
+        lo##r = _mm256_fmadd_ps(a_r, (b_lo), lo##r);                     \
+        hi##r = _mm256_fmadd_ps(a_r, (b_hi), hi##r);                     \
+    }
+#define TILE6X16_FMA(n, a, lda, k, b_lo, b_hi)                                                            \
+    TILE6X16_ROW(n, 0, a, lda, k, b_lo, b_hi) TILE6X16_ROW(n, 1, a, lda, k, b_lo, b_hi)                  \
+    TILE6X16_ROW(n, 2, a, lda, k, b_lo, b_hi) TILE6X16_ROW(n, 3, a, lda, k, b_lo, b_hi)                  \
+    TILE6X16_ROW(n, 4, a, lda, k, b_lo, b_hi) TILE6X16_ROW(n, 5, a, lda, k, b_lo, b_hi)
+#endif
 
 #endif

@@ -17,11 +17,9 @@
  * Built where the compiler targets AVX2 with FMA (`linear_f32_available`); elsewhere the calls return -2 and the
  * model keeps oneDNN. Returns 0, or -2 for shapes it does not take.
  */
-#include <stdint.h>
-#include <string.h>
+#include "common.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
 #define HAVE_PANEL_LINEAR 1
 #endif
 
@@ -67,29 +65,19 @@ static inline __attribute__((always_inline)) void store_row(__m256 lo, __m256 hi
 }
 
 /* rows x[0..rows) (ldx apart) times one panel -> y (ldy apart), `cols` of its PANEL columns kept; `rows` is a
- * compile-time constant at each call below and the accumulators are named variables, not an array (which GCC
- * keeps in memory, storing every accumulator on every iteration) */
+ * compile-time constant at each call below (the register tile: common.h) */
 static inline __attribute__((always_inline)) void panel_tile(const float *restrict x, int64_t ldx, const int rows,
                                                              const float *restrict panel, int64_t k,
                                                              const float *restrict bias, float *restrict y,
                                                              int64_t ldy, int cols) {
-#define ZERO(r) __m256 lo##r = _mm256_setzero_ps(), hi##r = _mm256_setzero_ps()
-    ZERO(0); ZERO(1); ZERO(2); ZERO(3); ZERO(4); ZERO(5);
+    TILE6X16_ZERO();
     for (int64_t kk = 0; kk < k; kk++) {
         _mm_prefetch((const char *)(panel + (kk + PREFETCH_ROWS) * PANEL), _MM_HINT_T0);
         __m256 w_lo = _mm256_loadu_ps(panel + kk * PANEL), w_hi = _mm256_loadu_ps(panel + kk * PANEL + 8);
-#define FMA_ROW(r)                                                  \
-        if (rows > r) {                                             \
-            __m256 xr = _mm256_broadcast_ss(x + r * ldx + kk);      \
-            lo##r = _mm256_fmadd_ps(xr, w_lo, lo##r);               \
-            hi##r = _mm256_fmadd_ps(xr, w_hi, hi##r);               \
-        }
-        FMA_ROW(0) FMA_ROW(1) FMA_ROW(2) FMA_ROW(3) FMA_ROW(4) FMA_ROW(5)
+        TILE6X16_FMA(rows, x, ldx, kk, w_lo, w_hi)
     }
 #define STORE_ROW(r) if (rows > r) store_row(lo##r, hi##r, bias, y + r * ldy, cols);
     STORE_ROW(0) STORE_ROW(1) STORE_ROW(2) STORE_ROW(3) STORE_ROW(4) STORE_ROW(5)
-#undef ZERO
-#undef FMA_ROW
 #undef STORE_ROW
 }
 

@@ -29,7 +29,6 @@
 #ifdef __AVX512F__
 #include <immintrin.h>
 #elif defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
 #define HAVE_AVX2 1
 #endif
 
@@ -66,23 +65,14 @@ INLINE void score_rows(const float *restrict q, int n, int head_dim, const float
 #endif
 
 #ifdef HAVE_AVX2
-#define ROWS_AVX2 6 /* 6 rows x 2 registers of keys: 12 accumulators, named (an array of them GCC keeps in memory) */
+#define ROWS_AVX2 6 /* 6 rows x 2 registers of keys: the tile of common.h */
 /* n (<= ROWS_AVX2, a literal at each call) rows of scores against one transposed tile, 8 keys a register. */
 INLINE void score_rows_avx2(const float *restrict q, const int n, int head_dim, const float *restrict kt,
                             float *restrict scores, int64_t stride, int64_t t0, int bf16) {
-#define ZERO(r) __m256 lo##r = _mm256_setzero_ps(), hi##r = _mm256_setzero_ps()
-    ZERO(0); ZERO(1); ZERO(2); ZERO(3); ZERO(4); ZERO(5);
-#undef ZERO
+    TILE6X16_ZERO();
     for (int d = 0; d < head_dim; d++) {
         __m256 k_lo = _mm256_loadu_ps(kt + d * KEYS), k_hi = _mm256_loadu_ps(kt + d * KEYS + 8);
-#define ROW(r)                                                                    \
-        if (n > r) {                                                              \
-            __m256 qr = _mm256_broadcast_ss(q + r * head_dim + d);                \
-            lo##r = _mm256_fmadd_ps(qr, k_lo, lo##r);                             \
-            hi##r = _mm256_fmadd_ps(qr, k_hi, hi##r);                             \
-        }
-        ROW(0) ROW(1) ROW(2) ROW(3) ROW(4) ROW(5)
-#undef ROW
+        TILE6X16_FMA(n, q, head_dim, d, k_lo, k_hi)
     }
 #define STORE(r)                                                                  \
     if (n > r) {                                                                  \
