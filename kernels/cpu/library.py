@@ -265,7 +265,6 @@ def greedy_pick(logits: np.ndarray) -> tuple[list[int], list[float]] | None:
     return ids.tolist(), logprobs.tolist()
 
 
-
 def has_linear() -> bool:
     """Whether ``pack_linear`` / ``linear`` run here: the library built, for a CPU with AVX2 and FMA."""
     lib = load()

@@ -198,7 +198,8 @@ INLINE void value_tile(const float *restrict p, int rows, int64_t stride, int64_
                 value_rows(p + (int64_t)r0 * stride, 1, stride, t0, v, row_bytes, count, d0 + c * LANES, 1, head_dim,
                            acc + r0 * head_dim, bf16);
     }
-#elif defined(HAVE_AVX2)
+#else
+#ifdef HAVE_AVX2
     if (head_dim % 32 == 0) {
         int64_t row_bytes = row_stride * elem;
         for (int d0 = 0; d0 < head_dim; d0 += 32) {
@@ -212,14 +213,7 @@ INLINE void value_tile(const float *restrict p, int rows, int64_t stride, int64_
         }
         return;
     }
-    for (int j = 0; j < count; j++) {
-        const char *vj = v + j * row_stride * elem;
-        for (int r = 0; r < rows; r++) {
-            float pr = p[(int64_t)r * stride + t0 + j];
-            for (int d = 0; d < head_dim; d++) acc[r * head_dim + d] += pr * load(vj, d, bf16);
-        }
-    }
-#else
+#endif
     for (int j = 0; j < count; j++) {
         const char *vj = v + j * row_stride * elem;
         for (int r = 0; r < rows; r++) {
