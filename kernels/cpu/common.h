@@ -1,6 +1,6 @@
 /* What the native CPU kernels share: bf16 <-> float32, loads and stores by element type, the
  * rounding to the model dtype, pairwise lane sums, a vectorisable e^x, the rounded softmax of score rows, and
- * (AVX2 with FMA) a register tile of six rows x 16 float32 columns.
+ * (AVX2 with FMA) eight elements loaded as float32 and a register tile of six rows x 16 float32 columns.
  *
  * Kernels are written once for both element types: the always-inline functions take `bf16` as a
  * compile-time constant at each exported entry point, so the compiler emits one specialised copy each.
@@ -97,6 +97,14 @@ INLINE void softmax_rows(float *restrict scores, int rows, int n, int bf16) {
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
+/* 8 elements from p[i] on, as float32 */
+INLINE __m256 load8(const void *p, int64_t i, int bf16) {
+    if (bf16)
+        return _mm256_castsi256_ps(_mm256_slli_epi32(
+            _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + i))), 16));
+    return _mm256_loadu_ps((const float *)p + i);
+}
+
 /* A register tile of up to six rows x 16 float32 columns in named variables lo0..lo5, hi0..hi5 (an array of
  * accumulators GCC keeps in memory, storing every one of them on every iteration). TILE6X16_ZERO declares them;
  * TILE6X16_FMA(n, a, lda, k, b_lo, b_hi) adds a[r * lda + k] times the 16 columns (b_lo, b_hi) to rows r < n,

@@ -38,14 +38,6 @@
 #endif
 
 #ifdef HAVE_AVX2
-/* 8 elements from p[i] on, as float32 */
-INLINE __m256 load8(const void *p, int64_t i, int bf16) {
-    if (bf16)
-        return _mm256_castsi256_ps(_mm256_slli_epi32(
-            _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + i))), 16));
-    return _mm256_loadu_ps((const float *)p + i);
-}
-
 /* the sums of a[0..7]'s lanes, in one register (lane r: a[r]'s sum) */
 INLINE __m256 sum8x8(const __m256 *a) {
     __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));

@@ -143,13 +143,6 @@ INLINE void value_rows(const float *restrict p, int n, int64_t stride, int64_t t
 
 #ifdef HAVE_AVX2
 #define PV_ROWS_AVX2 2 /* 2 rows x 4 registers (32 dims): 8 accumulators, named, and the 4 value registers */
-INLINE __m256 load8(const char *row, int64_t at, int bf16) {
-    if (bf16)
-        return _mm256_castsi256_ps(_mm256_slli_epi32(
-            _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)row + at))), 16));
-    return _mm256_loadu_ps((const float *)row + at);
-}
-
 /* n (1 or 2, a literal at each call) rows x 32 dims from d0: acc += p . v over keys [0, count). */
 INLINE void value_rows_avx2(const float *restrict p, const int n, int64_t stride, int64_t t0, const char *v,
                             int64_t row_bytes, int count, int d0, int head_dim, float *restrict acc, int bf16) {
