@@ -110,8 +110,8 @@ static void panel_group(const float *x, int64_t m, int64_t k, const float *packe
 #endif
 
 /* y [m, n] = x [m, k] W^T + bias (bias may be NULL), W packed by linear_pack_f32; x, y contiguous */
-int linear_f32(const float *x, int64_t m, int64_t k, const float *packed, int64_t n, const float *bias,
-                      float *y, int num_threads) {
+int linear_f32(const float *x, int64_t m, int64_t k, const float *packed, int64_t n, const float *bias, float *y,
+               int num_threads) {
 #ifdef HAVE_PANEL_LINEAR
     if (m <= 0 || n <= 0 || k <= 0) return -2;
     int64_t panels = (n + PANEL - 1) / PANEL;
@@ -121,14 +121,9 @@ int linear_f32(const float *x, int64_t m, int64_t k, const float *packed, int64_
     int64_t group = m <= MAX_TILE_ROWS ? 1 : panels / (4 * threads);
     group = group < 1 ? 1 : group > MAX_GROUP_PANELS ? MAX_GROUP_PANELS : group;
     int64_t groups = (panels + group - 1) / group;
-    if (threads > 1) {
-#pragma omp parallel for num_threads(threads) schedule(static)
-        for (int64_t g = 0; g < groups; g++)
-            panel_group(x, m, k, packed, n, bias, y, g * group, g * group + group < panels ? g * group + group : panels);
-    } else {
-        for (int64_t g = 0; g < groups; g++)
-            panel_group(x, m, k, packed, n, bias, y, g * group, g * group + group < panels ? g * group + group : panels);
-    }
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
+    for (int64_t g = 0; g < groups; g++)
+        panel_group(x, m, k, packed, n, bias, y, g * group, g * group + group < panels ? g * group + group : panels);
     return 0;
 #else
     (void)x, (void)m, (void)k, (void)packed, (void)n, (void)bias, (void)y, (void)num_threads;

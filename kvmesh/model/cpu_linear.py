@@ -80,7 +80,7 @@ class PackedLinear(nn.Module):
         if self.panels is None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
         rows = x.reshape(-1, self.in_features).contiguous()
-        y = native.linear(rows, self.panels, self.out_features, None if self.bias is None else self.bias.detach())
+        y = native.linear(rows, self.panels, self.out_features, self.bias)  # (only its data pointer is read)
         return y.view(*x.shape[:-1], self.out_features)
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):  # noqa: ANN001 (torch's signature)
