@@ -106,7 +106,8 @@ class ServingNode(NodeRuntime):
         self.decode.before_serving()
 
     def on_token(self, seq: Sequence, token_id: int) -> None:
-        self.decode.on_token(seq, token_id)
+        if not self.prefill.prompt_computed(seq):  # a prefill's one token: its prompt's tail held for the holder
+            self.decode.on_token(seq, token_id)
 
     def on_finish(self, seq: Sequence) -> None:
         self.decode.on_finish(seq)  # (a prefill's blocks stay cached; its conversation ends on its own)

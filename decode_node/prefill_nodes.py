@@ -145,9 +145,10 @@ class PrefillNodes:
     def compute_and_push(self, lease: KVLease, start: int, end: int, order: list[str], local_s: float,
                          reserved: tuple[str, int] | None = None, trace_context: str = "") -> PrefillResult:
         """Blocks ``[start, end)`` of the lease's prompt computed by prefill nodes in ``order`` (at most
-        MAX_CANDIDATES) and pushed into its block ids (stopping once the lease is cancelled); returns the first
-        block not received, block ids a writer may still write, how many of the received blocks the prefill nodes
-        had cached rather than computed, and how the writes were fenced.
+        MAX_CANDIDATES) and pushed into its block ids (stopping once the lease is cancelled), and its tail after
+        them where the lease has one and ``end`` reaches it; returns the first block not received, block ids a
+        writer may still write, how many of the received blocks the prefill nodes had cached rather than computed,
+        and how the writes were fenced.
 
         ``local_s``: the plan's estimate without peers (0: forced, no limit): a prefill node that cannot deliver
         sooner, its backlog from every decode node included, refuses (BUSY); one that accepted is given that long
@@ -158,6 +159,7 @@ class PrefillNodes:
             self.release(*reserved)
         asked, got, tainted, reused = time.perf_counter(), start, [], 0
         fences, rounds = [], 0
+        last = end + 1 if lease.tail and end == lease.end else end  # the tail: the block after ``end``
         for node_id in order[:MAX_CANDIDATES]:
             if lease.cancelled():
                 break
@@ -174,10 +176,10 @@ class PrefillNodes:
             started = time.perf_counter()
             try:
                 outcome = self._requester.compute_and_push(
-                    node_id, list(lease.block_ids[got:end]), list(lease.prompt_token_ids), got,
+                    node_id, list(lease.block_ids[got:last]), list(lease.prompt_token_ids), got,
                     request_id=f"{lease.request_id}/prefill", timeout_s=timeout_s,
                     wanted_within_s=wanted_within_s, cache_salt=lease.cache_salt,
-                    trace_context=trace_context)
+                    trace_context=trace_context, with_tail=last > end)
             finally:
                 with self._lock:
                     self._in_flight[node_id] -= 1
@@ -200,7 +202,7 @@ class PrefillNodes:
             busy = isinstance(outcome.error, TransferRefused) and outcome.error.code == m.ErrorCode.BUSY.value
             log.log(logging.INFO if busy else logging.WARNING, "%s: prefill node %s for %s: %s", self._node_id,
                     node_id, lease.request_id, outcome.error)  # busy: a decision (computed here), not a fault
-            if got >= end or outcome.tainted_block_ids:
+            if got >= last or outcome.tainted_block_ids:
                 break  # tainted blocks cannot be granted again: compute the rest here
         return PrefillResult(got, tainted, reused, fences, rounds)
 

@@ -12,9 +12,9 @@ walks admit -> plan -> execute -> arrived:
    and a prefill node's conversation at the same time;
 4. **arrived** (engine thread, between two steps): ``KVLoads`` swaps blocks a stalled writer may still
    write for fresh ones and hands the request to the scheduler, which computes what is missing (at least
-   the prompt's last partial block) and decodes with continuous batching, streaming tokens back; the
-   outcome says where each block came from (the request's accounting). A failed or timed-out transfer
-   only means more local work.
+   the prompt's last token; the rest of its partial last block too unless a prefill node sent it) and
+   decodes with continuous batching, streaming tokens back; the outcome says where each block came from
+   (the request's accounting). A failed or timed-out transfer only means more local work.
 
 An abort from the caller propagates to every writer of the request; the request's blocks are freed
 once its fetch has returned.
@@ -272,7 +272,8 @@ class DecodeRole:
         request.tokens_from_host, request.tokens_from_disk = result.num_host * bs, result.num_disk * bs
         request.promote_s = result.promote_s
         request.tokens_reused_prefill = result.prefill_reused * bs
-        request.tokens_from_prefill = (result.got - result.from_holders - result.prefill_reused) * bs
+        landed = min(result.got * bs, seq.num_prompt_tokens - 1)  # a tail that arrived leaves the last token
+        request.tokens_from_prefill = landed - (result.from_holders + result.prefill_reused) * bs
         if request.fetch_span is not NO_SPAN:
             request.fetch_span.set_attributes({
                 "kvmesh.kv_wait_ms": request.kv_wait_s * 1e3, "kvmesh.fetch_ms": result.load_s * 1e3,
@@ -368,10 +369,12 @@ class DecodeRole:
                    "tokens_computed": seq.num_prompt_tokens - tier0 - host - disk - remote - prefill_cached
                    - from_prefill}
         self.prompt_token_sources.update(sources)
-        # The tail no peer can supply (the block holding the prompt's last token, computed here for its logits):
-        # what the role balancer leaves out of "decode nodes computed prompts themselves".
+        # What no holder can supply (the block holding the prompt's last token; of it only that token where a
+        # prefill node sent the rest): what the role balancer leaves out of "decode nodes computed prompts
+        # themselves".
         bs = self.cfg.block_size
-        self.num_prompt_tokens_always_here += seq.num_prompt_tokens - (seq.num_prompt_tokens - 1) // bs * bs
+        tail = seq.num_prompt_tokens - (seq.num_prompt_tokens - 1) // bs * bs
+        self.num_prompt_tokens_always_here += min(tail, sources["tokens_computed"])
         stats = nm.RequestStats(**sources, kv_wait_ms=request.kv_wait_s * 1e3, fetch_ms=request.fetch_s * 1e3,
                                 promote_ms=request.promote_s * 1e3, spec_draft_tokens=seq.num_draft_tokens,
                                 spec_accepted_tokens=seq.num_accepted_tokens)

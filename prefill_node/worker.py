@@ -45,6 +45,8 @@ class _Prefill:
     first_block: int = 0  # the first block of the chain the requester asked for
     held: list[int] = field(default_factory=list)  # blocks held before computing (hits, restored, pushed), referenced
     seq: Sequence | None = None
+    with_tail: bool = False  # the requester asked for the prompt's partial last block too
+    tail_block: int | None = None  # ... held here (referenced) once the whole prompt is computed
     released: bool = False
     span: object = NO_SPAN  # its trace span (kvmesh/tracing.py): acceptance to the conversation's end
 
@@ -105,11 +107,14 @@ class PrefillRole:
             self.num_refused += 1
             raise TransferRefused(str(e), code=m.ErrorCode.INVALID_PROMPT.value, request_id=msg.request_id) from None
         hashes = self.engine.kv.hash_prompt(prompt[: (len(prompt) - 1) // bs * bs], msg.cache_salt or None)
-        wanted = hashes[msg.first_block: msg.first_block + len(msg.dst_block_ids)]
-        if len(wanted) < len(msg.dst_block_ids):
+        num_chain = len(msg.dst_block_ids) - msg.with_tail  # blocks of the chain asked for (the tail is not one)
+        wanted = hashes[msg.first_block: msg.first_block + num_chain]
+        if len(wanted) < num_chain or msg.with_tail and (msg.first_block + num_chain != len(hashes) or
+                                                         (len(prompt) - 1) % bs == 0):
             self.num_refused += 1
-            raise TransferRefused(f"the prompt has {len(hashes)} full blocks; blocks {msg.first_block}.."
-                                  f"{msg.first_block + len(msg.dst_block_ids)} were asked for",
+            raise TransferRefused(f"the prompt has {len(hashes)} full blocks before its last token's; blocks "
+                                  f"{msg.first_block}..{msg.first_block + num_chain} were asked for"
+                                  f"{', then its partial last block' if msg.with_tail else ''}",
                                   code=m.ErrorCode.INVALID_PROMPT.value, request_id=msg.request_id)
         uncached = len(prompt) - len(self.pool.match(hashes)) * bs if msg.wanted_within_ms else 0
         with self._lock:
@@ -121,7 +126,8 @@ class PrefillRole:
                     raise TransferRefused(f"busy: this prompt would be ready in {finish_s * 1e3:.0f} ms here, the "
                                           f"requester computes it in {msg.wanted_within_ms} ms",
                                           code=m.ErrorCode.BUSY.value, request_id=msg.request_id)
-            prefill = self._prefills[msg.request_id] = _Prefill(list(prompt), hashes, msg.cache_salt, msg.first_block)
+            prefill = self._prefills[msg.request_id] = _Prefill(list(prompt), hashes, msg.cache_salt, msg.first_block,
+                                                                with_tail=msg.with_tail)
         prefill.span = self.tracer.start("prefill.compute", msg.trace_context, {
             "kvmesh.node": self.cfg.node_id, "kvmesh.prompt_tokens": len(prompt), "kvmesh.first_block": msg.first_block,
             "kvmesh.blocks": len(msg.dst_block_ids), "kvmesh.landing": msg.landing})
@@ -165,6 +171,28 @@ class PrefillRole:
         if prefill is None:
             return 0
         return max(0, len(prefill.held) - prefill.first_block)
+
+    def tail_block(self, request_id: str) -> int | None:
+        """The block holding the prompt's partial last block once it is computed, when the requester asked for it
+        (held until ``release``; any thread)."""
+        with self._lock:
+            prefill = self._prefills.get(request_id)
+            return prefill.tail_block if prefill is not None else None
+
+    def prompt_computed(self, seq: Sequence) -> bool:
+        """Engine thread, as a prompt's token is sampled (its blocks not freed yet): a prefill's prompt is computed;
+        hold its partial last block when the requester asked for it, and tell the holder. False: not a prefill."""
+        if not seq.request_id.startswith("prefill:"):
+            return False
+        with self._lock:
+            prefill = self._prefills.get(seq.request_id.removeprefix("prefill:"))
+            if prefill is None or not prefill.with_tail or prefill.tail_block is not None:
+                return True
+            block_id = seq.block_ids[(seq.num_prompt_tokens - 1) // self.cfg.block_size]
+            self.pool.touch([block_id])  # freed by ``_drop`` (engine thread, queued by ``release``)
+            prefill.tail_block = block_id
+        self.agent.holder.blocks_cached()
+        return True
 
     def release(self, request_id: str) -> None:
         with self._lock:
@@ -246,6 +274,9 @@ class PrefillRole:
         elif seq is not None and not seq.is_finished:
             self.engine.abort(seq)
         held, prefill.held = prefill.held, []
+        if prefill.tail_block is not None:
+            held.append(prefill.tail_block)
+            prefill.tail_block = None
         self.pool.free(held)
 
     @property

@@ -220,8 +220,8 @@ MUTATIONS = (
              "        self._scheduler.remote_kv_ready(seq.request_id, lease.end * self._scheduler.kv.block_size)",
              ("tests/test_kv_connector.py",)),
     Mutation("a prefill node's blocks land in reversed slots", "decode_node/prefill_nodes.py",
-             "                    node_id, list(lease.block_ids[got:end]), list(lease.prompt_token_ids), got,",
-             "                    node_id, list(lease.block_ids[got:end])[::-1], list(lease.prompt_token_ids), got,",
+             "                    node_id, list(lease.block_ids[got:last]), list(lease.prompt_token_ids), got,",
+             "                    node_id, list(lease.block_ids[got:last])[::-1], list(lease.prompt_token_ids), got,",
              ("tests/test_bench_chaos.py",)),
     Mutation("blocks promoted from a lower tier land in reversed slots", "kvmesh/kv/tiers/tiered_cache.py",
              "        for h, block in zip(block_hashes, block_ids):",
@@ -406,6 +406,16 @@ MUTATIONS = (
     Mutation("a native linear's exported weight is its panels read as rows",
              "kernels/cpu/library.py", "packed.permute(0, 2, 1).reshape(", "packed.reshape(",
              ("tests/test_cpu_linear.py",), requires="avx2 fma"),
+    Mutation("a prefill node sends the block before the prompt's partial last block as its tail",
+             "prefill_node/worker.py", "seq.block_ids[(seq.num_prompt_tokens - 1) // self.cfg.block_size]",
+             "seq.block_ids[(seq.num_prompt_tokens - 1) // self.cfg.block_size - 1]",
+             ("tests/test_cluster.py", "-k", "partial_last and zmq")),
+    Mutation("a lease that reaches the prompt's last block offers no tail", "kvmesh/engine/kv_connector.py",
+             "tail=end == last // bs and last % bs > 0", "tail=False",
+             ("tests/test_kv_connector.py", "-k", "tail")),
+    Mutation("a decode node counts a tail's whole block as pushed by the prefill node", "decode_node/worker.py",
+             "landed = min(result.got * bs, seq.num_prompt_tokens - 1)", "landed = result.got * bs",
+             ("tests/test_cluster.py", "-k", "partial_last and zmq")),
 )
 
 ASSERTION_FAILURES = ("AssertionError", "assert ", "Failed: DID NOT RAISE", "Failed: ")

@@ -19,7 +19,7 @@ from kvmesh.wire import decode
 from tests.conftest import assert_same_kv
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
-# Force the remote path: decode nodes compute nothing but the prompt's last partial block.
+# Force the remote path: decode nodes compute nothing but the prompt's last token.
 REMOTE_ONLY = ["--kv-placement", "threshold:0", "--prefill-timeout", "4"]
 BACKENDS = ["zmq"] + (["mooncake"] if mooncake_available() else [])
 
@@ -208,8 +208,24 @@ def test_a_prefill_nodes_own_cache_hits_are_counted_as_reused(reference):
             stats.append(out.stats.as_dict())
         assert stats[0]["tokens_reused_prefill_node"] == 0 and stats[0]["tokens_from_prefill_node"] >= 112
         assert stats[1]["tokens_reused_prefill_node"] == 80, stats[1]
-        assert stats[1]["tokens_from_prefill_node"] == 32, stats[1]  # the new full blocks only
+        # The new full blocks, then the 7 tokens of the partial last block before its last token (the one computed
+        # on the decode node).
+        assert stats[1]["tokens_from_prefill_node"] == 32 + 7 and stats[1]["tokens_computed"] == 1, stats[1]
         check_all(c)
+
+
+def test_a_prefill_node_sends_the_partial_last_block_and_the_decode_node_computes_one_token(cluster, reference):
+    """Every prompt token but the last reaches the decode node from a prefill node, the partial block holding the
+    last token included (``ComputeAndPush.with_tail``): the decode node computes that one token, for its logits.
+    On both decode nodes (in place and host-staged) and, by rotation, from both prefill nodes; the tail's KV,
+    completed by the decoded tokens into a full block there, equals a full recompute's."""
+    for i, node_id in enumerate(("decode-0", "decode-1", "decode-0", "decode-1")):
+        ids = prompt(950 + i, 41)  # two full blocks, then 8 tokens before the last one
+        out = cluster.client(node_id).generate(ids, GREEDY)
+        assert out.error == "" and out.token_ids == reference([ids])[0]
+        assert (out.stats.tokens_from_prefill_node, out.stats.tokens_computed) == (40, 1), out.stats
+        assert_same_kv(cluster.client(node_id), reference.llm, ids + out.token_ids[:-1], min_blocks=3)
+    check_all(cluster)
 
 
 def test_every_prompt_token_is_counted_once(cluster, reference):

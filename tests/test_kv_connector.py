@@ -90,6 +90,42 @@ def test_a_load_on_another_thread_lands_between_steps(peer, reference):
     assert len(node.engine.kv.find_cached_prefix(node.engine.prepare_request(seq.prompt_token_ids, GREEDY))) == 6
 
 
+def test_a_tail_that_arrives_leaves_only_the_last_token_to_compute(reference):
+    """A lease reaching the prompt's partial last block offers it too (``KVLease.tail``): a load that fills it
+    (here from a peer that computed the prompt and still runs it) lands ``end + 1`` blocks, the engine computes
+    the last token alone, and its KV, the tail's slots included, equals a full recompute's."""
+    from kvmesh.engine.kv_probe import compare_with_engine, prompt_kv_sums
+
+    peer = LLM("tiny-llama", num_kv_blocks=64, progress=False)
+    running = peer.engine.prepare_request(peer.tokenizer.encode(PROMPT), GREEDY, request_id="peer")
+    peer.engine.scheduler.add(running)
+    while running.num_computed_tokens < running.num_prompt_tokens:
+        peer.engine.step()
+    node = Node()
+    seq, lease = node.admit("r6")
+    assert lease.tail and lease.end == 6 and (seq.num_prompt_tokens - 1) % 16 == 8  # 8 tokens before the last
+
+    def with_tail() -> LoadReport:
+        copy_from(peer, node, lease, 6)
+        node.engine.runner.kv_buffer[lease.block_ids[6]] = peer.engine.runner.kv_buffer[running.block_ids[6]]
+        return LoadReport(7)
+
+    node.loads.run(lease, with_tail)
+    node.between_steps.pop(0)()
+    assert seq.num_computed_tokens == seq.num_prompt_tokens - 1
+    node.run()
+    assert seq.output_token_ids == reference
+    full = seq.prompt_token_ids + seq.output_token_ids[:-1]  # 116 tokens: block 6 full, cached here
+    got = prompt_kv_sums(node.engine, full)
+    assert got["num_blocks"] == 7 and compare_with_engine(LLM("tiny-llama", num_kv_blocks=64, progress=False),
+                                                         [(full, got)]) == (7, [])
+    peer.engine.abort(running)
+    peer.engine.check_integrity()
+    short = Node()  # a lease that stops short of the last block offers no tail
+    seq = short.engine.prepare_request(short.llm.tokenizer.encode(PROMPT), GREEDY, request_id="r7")
+    assert not short.loads.start(seq, 5).tail
+
+
 def test_a_load_that_raises_reports_nothing_and_the_request_is_computed(reference):
     node = Node()
     seq, lease = node.admit("r2")

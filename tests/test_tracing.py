@@ -42,18 +42,20 @@ def test_one_trace_follows_a_request_through_router_decode_and_prefill_nodes():
         assert {s["trace"] for s in (request, route, decode_span, fetch, prefill, push)} == {request["trace"]}
         assert (route["parent"], decode_span["parent"], fetch["parent"], prefill["parent"], push["parent"]) == \
             (request["id"], request["id"], decode_span["id"], fetch["id"], fetch["id"])
-        assert push["service"] == "kvmesh-prefill" and push["attributes"]["kvmesh.blocks_written"].int_value == 4
+        # 70 tokens: 4 full blocks, then the partial last one (its 5 tokens before the last)
+        assert push["service"] == "kvmesh-prefill" and push["attributes"]["kvmesh.blocks_written"].int_value == 5
         assert [s["service"] for s in (request, decode_span, prefill)] == \
             ["kvmesh-router", "kvmesh-decode", "kvmesh-prefill"]
         assert route["attributes"]["kvmesh.node"].string_value == "decode-0"
         assert "first_token" in request["events"] and "first_token" in decode_span["events"]
         assert fetch["attributes"]["kvmesh.prefill_node"].string_value == "prefill-0"
-        assert fetch["attributes"]["kvmesh.blocks_from_prefill_node"].int_value == 4  # 70 tokens: 4 full blocks
+        assert fetch["attributes"]["kvmesh.blocks_from_prefill_node"].int_value == 5
         assert fetch["attributes"]["kvmesh.bytes_received"].int_value > 0
         assert [v.string_value for v in fetch["attributes"]["kvmesh.fences"].array_value.values] == ["process"]
         assert fetch["attributes"]["kvmesh.transfer_rounds"].int_value == 1
         assert fetch["attributes"]["kvmesh.step_boundary_wait_ms"].double_value >= 0
-        assert decode_span["attributes"]["kvmesh.tokens_from_prefill_node"].int_value == 64
+        assert decode_span["attributes"]["kvmesh.tokens_from_prefill_node"].int_value == 69
+        assert decode_span["attributes"]["kvmesh.tokens_computed"].int_value == 1
         assert request["attributes"]["kvmesh.completion_tokens"].int_value == 4
         tree = render(collector.spans).splitlines()  # what docs/traces.md shows
         assert tree[0].startswith("request ") and sum(line.lstrip().startswith("holder.push") for line in tree) == 1

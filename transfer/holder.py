@@ -8,7 +8,9 @@ per chunk (at most the request's ``chunk_blocks``), each chunk reported with a
 PushResult. Pending pushes are driven by one watcher thread that sleeps on the
 holder's own change counter (no thread is parked per push), bumped by its
 messages, its finished writes and the node when blocks become matchable
-(``blocks_cached``); the writes themselves run on a small worker pool.
+(``blocks_cached``); the writes themselves run on a small worker pool. A
+ComputeAndPush ``with_tail`` is written its prompt's partial last block after
+the chain, once the compute hook holds it (``ComputeHook.tail_block``).
 
 Before every write the push's abort flag and deadline are checked; its deadline
 starts when the message arrives and is capped at MAX_WAIT_MS. The final
@@ -39,6 +41,7 @@ from typing import Protocol
 from kvmesh.kv.block_hash import BlockHash
 from kvmesh.kv.block_pool import BlockPool
 from kvmesh.kv.change_signal import ChangeSignal
+from kvmesh.kv.tiers.tiered_cache import SendBlocks
 from kvmesh.tracing import NO_SPAN, Tracer
 from kvmesh.transfer import messages as m
 from kvmesh.transfer.block_source import BlockSource, PoolSource, TieredSource
@@ -65,6 +68,10 @@ class ComputeHook(Protocol):
 
     def release(self, request_id: str) -> None:
         """The conversation ended (done, aborted, expired): drop whatever admit started."""
+
+    def tail_block(self, request_id: str) -> int | None:
+        """The pool block holding the prompt's partial last block, once the whole prompt is computed (referenced
+        until ``release``); None before, or when the conversation asked for no tail."""
 
     def num_reused(self, request_id: str) -> int:
         """Of the granted blocks, how many (leading) this node had (cached, promoted or pulled) rather than
@@ -94,6 +101,7 @@ class _Push:
     landing: bool = False  # dst ids are the requester's landing slots
     in_place: bool = False  # the requester fences same-host copies into its shared memory (else: the engine)
     chunk_blocks: int = 0  # at most this many blocks per write (0: every block available)
+    tail: bool = False  # ComputeAndPush ``with_tail``: the last dst id takes the prompt's partial last block
     span: object = NO_SPAN  # its trace span (kvmesh/tracing.py), when the requester's request is traced
 
 
@@ -164,7 +172,9 @@ class KVHolder:
         push = _Push(msg.request_id, identity, requester, msg.grant_id, list(msg.dst_block_ids),
                      now + msg.deadline_ms / 1000, now + wait_ms / 1000, written=[False] * len(msg.dst_block_ids),
                      ready=not is_compute, compute=is_compute, landing=msg.landing, in_place=msg.in_place)
-        if not is_compute:
+        if is_compute:
+            push.tail = msg.with_tail
+        else:
             push.block_hashes = list(msg.block_hashes)
             push.chunk_blocks = msg.chunk_blocks
         push.span = self.tracer.start("holder.push", msg.trace_context, {
@@ -216,8 +226,8 @@ class KVHolder:
         """Worker thread: a prefill node takes the prompt (or refuses it) and answers at once."""
         try:
             hashes = self.compute.admit(msg)
-            if len(hashes) != len(push.dst_block_ids):
-                raise TransferRefused("the prompt has fewer full blocks than were granted",
+            if len(hashes) != len(push.dst_block_ids) - push.tail:
+                raise TransferRefused("the prompt's blocks do not match the granted ones",
                                       code=m.ErrorCode.INVALID_PROMPT.value)
         except Exception as e:
             code = e.code if isinstance(e, TransferRefused) else m.ErrorCode.INVALID_PROMPT.value
@@ -250,13 +260,32 @@ class KVHolder:
             with self._lock:
                 pushes = [p for p in self._pushes.values() if not p.busy and p.ready]
             for push in pushes:
-                more = self.source.num_available(push.block_hashes) > push.num_written
+                more = self._num_available(push) > push.num_written
                 if push.abort_reason or push.code or now > push.expires_at or \
                         push.num_written == len(push.written) or (not more and now > push.wait_until):
                     self._finish(push, now)
                 elif more:
                     push.busy = True
                     self._workers.submit(self._write_next, push)
+
+    def _num_available(self, push: _Push) -> int:
+        """Leading blocks of the push this node can send now: its chain's, then its tail once computed."""
+        num = self.source.num_available(push.block_hashes)
+        if push.tail and num == len(push.block_hashes) and self.compute.tail_block(push.request_id) is not None:
+            num += 1
+        return num
+
+    def _acquire(self, push: _Push, max_blocks: int) -> SendBlocks:
+        """The push's next blocks from the source; past its chain, the tail (held by the compute hook until the
+        conversation is released)."""
+        if not push.tail or push.num_written < len(push.block_hashes):
+            return self.source.acquire(push.block_hashes, push.num_written, max_blocks)
+        block_id = self.compute.tail_block(push.request_id)
+        if block_id is None:
+            return SendBlocks([], lambda: None)
+        if self.stage_out is not None:
+            self.stage_out([block_id])
+        return SendBlocks([self.base_addr + block_id * self.block_bytes], lambda: None)
 
     def _finish(self, push: _Push, now: float) -> None:
         if not push.code:
@@ -286,8 +315,7 @@ class KVHolder:
         checksums: Future | None = None
         try:
             left = len(push.written) - push.num_written
-            acquired = self.source.acquire(push.block_hashes, push.num_written,
-                                           min(left, push.chunk_blocks) if push.chunk_blocks else left)
+            acquired = self._acquire(push, min(left, push.chunk_blocks) if push.chunk_blocks else left)
             release = acquired.release
             num = len(acquired.src_addrs)
             remaining = push.expires_at - time.monotonic()

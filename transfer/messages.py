@@ -111,7 +111,10 @@ class ComputeAndPush:
 
     The prefill node hashes the prompt itself; block ``first_block + i`` of the
     prompt's chain goes to ``dst_block_ids[i]``. Answered at once with Accepted or
-    Refused, then like a PushRequest. ``wanted_within_ms``: the requester would
+    Refused, then like a PushRequest. With ``with_tail`` the last id takes the
+    prompt's partial last block (the one holding its last token), written once the
+    whole prompt is computed: the requester then computes only the last token; the
+    blocks before it must run up to that block. ``wanted_within_ms``: the requester would
     have the blocks by computing them itself in about this long, so a prefill node
     that cannot deliver them sooner (its own backlog included) refuses with BUSY
     (0: no limit).
@@ -130,6 +133,7 @@ class ComputeAndPush:
     in_place: bool = False  # a writer on our host may copy into our shared memory (we fence it by its process)
     cache_salt: str = ""  # the request's (its chain's root is salted with it)
     trace_context: str = ""  # the requester's span (W3C traceparent: kvmesh/tracing.py); "": not traced
+    with_tail: bool = False  # the last dst id takes the prompt's partial last block
 
     def validate(self) -> None:
         _check_grant(self.TYPE, self.grant_id, self.dst_block_ids, self.deadline_ms)

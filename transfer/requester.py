@@ -132,8 +132,9 @@ class KVRequester:
 
     def compute_and_push(self, peer_id: str, block_ids: list[int], prompt_token_ids: list[int], first_block: int,
                          *, request_id: str, timeout_s: float, wanted_within_s: float = 0.0,
-                         cache_salt: str = "", trace_context: str = "") -> PushOutcome:
-        """Ask prefill node ``peer_id`` to compute the prompt and write blocks ``first_block..`` into ``block_ids``.
+                         cache_salt: str = "", trace_context: str = "", with_tail: bool = False) -> PushOutcome:
+        """Ask prefill node ``peer_id`` to compute the prompt and write blocks ``first_block..`` into ``block_ids``
+        (``with_tail``: the last id takes the prompt's partial last block, ``ComputeAndPush.with_tail``).
 
         ``wanted_within_s``: we would have them sooner by computing them ourselves; the prefill node refuses
         (BUSY) when it cannot beat that (0: no limit). A refusal comes back as a TransferRefused error with
@@ -146,7 +147,8 @@ class KVRequester:
                                   cid, self.node_id, g.grant_id, list(prompt_token_ids), first_block + offset,
                                   list(g.block_ids), deadline_ms, wanted_ms, landing=g.fence is Fence.LANDING,
                                   in_place=g.fence is Fence.PROCESS, cache_salt=cache_salt,
-                                  trace_context=trace_context),
+                                  trace_context=trace_context,
+                                  with_tail=with_tail and offset + len(g.block_ids) == len(block_ids)),
                               compute=True)
 
     def abort(self, request_id: str, reason: str = "aborted by the requester") -> int:

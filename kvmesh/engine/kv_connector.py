@@ -28,7 +28,9 @@ log = logging.getLogger("kvmesh.engine")
 
 @dataclass(frozen=True, slots=True)
 class KVLease:
-    """Blocks ``[start, end)`` of one request's block table, which its load may write until it reports.
+    """Blocks ``[start, end)`` of one request's block table, which its load may write until it reports; with
+    ``tail``, block ``end`` too: the prompt's partial last block, which only a connector computing the prompt can
+    supply (its tokens but the last), so that a report's ``got`` of ``end + 1`` leaves the last token to compute.
 
     Immutable copies of what the load needs: the engine thread may change the request meanwhile (an abort),
     never these. ``cancelled()`` turns true when the request's caller went away: a load stops writing as soon
@@ -41,6 +43,7 @@ class KVLease:
     start: int
     end: int
     cache_salt: str = ""
+    tail: bool = False
     _cancel: threading.Event = field(default_factory=threading.Event, repr=False, compare=False)
 
     def cancelled(self) -> bool:
@@ -52,7 +55,8 @@ class KVLease:
 
 @dataclass(slots=True)
 class LoadReport:
-    """How a load ended: blocks ``[lease.start, got)`` hold the KV they were leased for."""
+    """How a load ended: blocks ``[lease.start, got)`` hold the KV they were leased for (``got`` past the lease's
+    ``end``: its tail too)."""
 
     got: int
     tainted: list[int] = field(default_factory=list)  # block ids a stalled writer may still write
@@ -75,14 +79,18 @@ class KVLoads:
 
     def start(self, seq: Sequence, end: int) -> KVLease | None:
         """Allocate every prompt block of ``seq`` (its own hits adopted) and lease blocks [hits, ``end``) to a
-        load; None (nothing allocated) when the pool has no room: the caller computes the request instead."""
+        load, and the partial last block after them where ``end`` reaches it and it holds more than the last token
+        (``KVLease.tail``); None (nothing allocated) when the pool has no room: the caller computes the request
+        instead."""
         try:
             self._scheduler.add_awaiting_remote_kv(seq)
         except OutOfBlocksError:
             return None
         bs = self._scheduler.kv.block_size
+        last = seq.num_prompt_tokens - 1
         lease = KVLease(seq.request_id, tuple(seq.block_ids), tuple(seq.block_hashes), tuple(seq.prompt_token_ids),
-                        seq.num_prefix_hit_tokens // bs, end, seq.params.cache_salt or "")
+                        seq.num_prefix_hit_tokens // bs, end, seq.params.cache_salt or "",
+                        tail=end == last // bs and last % bs > 0)
         self._leases[seq.request_id] = (seq, lease)
         return lease
 

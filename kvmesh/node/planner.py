@@ -55,8 +55,9 @@ class PrefillOption:
 
 @dataclass(frozen=True, slots=True)
 class PlanRequest:
-    """What a plan is a function of. Blocks are counted from the prompt's start; ``end`` is the first block
-    that is always computed here (the prompt's last token needs its logits)."""
+    """What a plan is a function of. Blocks are counted from the prompt's start; ``end`` is the block holding
+    the prompt's last token, whose logits are always computed here (a prefill node may send its tokens before
+    that one with the blocks it computes: ``KVLease.tail``)."""
 
     num_local: int
     end: int

@@ -332,6 +332,9 @@ class NodeRuntime:
     def num_reused(self, request_id: str) -> int:
         return self.prefill.num_reused(request_id) if self.prefill is not None else 0
 
+    def tail_block(self, request_id: str) -> int | None:
+        return self.prefill.tail_block(request_id) if self.prefill is not None else None
+
     def _peer(self, node_id: str):
         """A peer's transfer record from the directory; our own is known without it."""
         return self.agent.record if node_id == self.cfg.node_id else self.membership.peer(node_id)
