@@ -70,7 +70,7 @@ class Fetcher:
             try:
                 order = self._prefill_nodes.candidates(hits, plan.prefill_node)
                 computing = self._conversations.submit(self._prefill_nodes.compute_and_push, lease, split, end,
-                                                       order, plan.local_seconds, reserved, trace_context)
+                                                       order, plan.local_cost, reserved, trace_context)
             except BaseException:
                 self._prefill_nodes.release(*reserved)  # the conversation never starts: nor does its count
                 raise

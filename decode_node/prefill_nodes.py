@@ -150,9 +150,10 @@ class PrefillNodes:
         writer may still write, how many of the received blocks the prefill nodes had cached rather than computed,
         and how the writes were fenced.
 
-        ``local_s``: the plan's estimate without peers (0: forced, no limit): a prefill node that cannot deliver
-        sooner, its backlog from every decode node included, refuses (BUSY); one that accepted is given that long
-        plus the prefill timeout before this node computes the blocks itself. A forced conversation is given the
+        ``local_s``: the plan's cost without peers (``FetchPlan.local_cost``: the time it takes here and the wait
+        that puts on the streams decoding here; 0: forced, no limit): a prefill node that cannot deliver sooner,
+        its backlog from every decode node included, refuses (BUSY); one that accepted is given that long plus the
+        prefill timeout before this node computes the blocks itself. A forced conversation is given the
         time the node is expected to take (``expected_s``) plus the timeout. ``reserved``: the (node, tokens)
         ``reserve``d when this conversation was planned, released here as each conversation counts its own."""
         if reserved is not None:

@@ -141,7 +141,8 @@ class DecodeRole:
                        else self.prefill_nodes.any_option(hits))
         request = PlanRequest(num_local, end, bs, self.engine.layout.bytes_per_token, self.node.prefill_tokens_per_s,
                               local_queue_s, lower.num_blocks, lower.seconds, holders, prefill, num_streams,
-                              self.node.landings.step_tokens, self._decode_step_s())
+                              self.node.landings.step_tokens, self._decode_step_s(),
+                              tail_tokens=max(0, seq.num_prompt_tokens - 1 - end * bs))
         return self.placement.plan(request), hits
 
     def _decode_step_s(self) -> float:

@@ -54,6 +54,10 @@ GOLDEN = [  # (situation, request, (promote_end, holder, holders_end, prefill_no
      req(prefill=prefill(tokens_per_s=500.0), num_streams=4), (0, "", 0, "p0")),
     ("... a slow holder beats holding 4 streams up too",
      req(holders=(holder("d1", 64, gib_per_s=0.002),), num_streams=4), (0, "d1", 64, "")),
+    ("one block, a prefill node 2x faster: its fixed cost outweighs 16 tokens",
+     req(end=1, prefill=prefill(tokens_per_s=2000.0)), (0, "", 0, "")),
+    ("... not with the 15 tokens of the partial last block, which it sends too",
+     req(end=1, tail_tokens=15, prefill=prefill(tokens_per_s=2000.0)), (0, "", 0, "p0")),
 ]
 
 
@@ -71,7 +75,7 @@ def test_streams_decoding_here_are_counted_once_per_stream_unless_the_policy_say
     assert out.prefill_node == "p0" and out.stall_s == 0.0
     assert out.seconds > out.local_seconds  # slower for the request itself ...
     local_cost = out.local_seconds + 4 * out.local_seconds  # ... than the request and four streams held up
-    assert out.cost < local_cost
+    assert out.cost < local_cost and out.local_cost == pytest.approx(local_cost)  # what the prefill node must beat
     alone = make_placement("cost:request").plan(r)
     assert shape(alone) == (0, "", 0, "") and alone.stall_s == 0.0 and alone == plan_fetch(req(prefill=r.prefill))
     assert make_placement("cost").plan(r) == out
@@ -134,7 +138,7 @@ def _random_request(rng: random.Random) -> PlanRequest:
         rng.choice([0.0, 10 ** rng.uniform(5, 10)]), rng.randrange(0, end + 1))
     return PlanRequest(num_local, end, rng.choice([1, 16]), rng.randrange(1, 8192), 10 ** rng.uniform(1, 5),
                        rng.uniform(0, 2) * (rng.random() < 0.5), num_lower, rng.uniform(0, 1), holders, pf,
-                       rng.choice([0, 0, 1, 7]))
+                       rng.choice([0, 0, 1, 7]), tail_tokens=rng.choice([0, rng.randrange(0, 16)]))
 
 
 def test_no_plan_costs_more_than_computing_here():
@@ -143,11 +147,11 @@ def test_no_plan_costs_more_than_computing_here():
     for _ in range(5000):
         r = _random_request(rng)
         plan = plan_fetch(r)
-        compute_s = (r.end - r.num_local) * r.block_size / r.local_tokens_per_s
+        compute_s = ((r.end - r.num_local) * r.block_size + r.tail_tokens) / r.local_tokens_per_s
         compute_all_here = r.local_queue_s + compute_s + r.num_streams * compute_s
         assert plan.cost <= compute_all_here + 1e-12, (r, plan)
-        assert plan.stall_s == pytest.approx(r.num_streams * (plan.end - plan.compute_from) * r.block_size
-                                             / r.local_tokens_per_s)
+        here = (plan.end - plan.compute_from) * r.block_size + (0 if plan.prefill_node else r.tail_tokens)
+        assert plan.stall_s == pytest.approx(r.num_streams * here / r.local_tokens_per_s)
         if not r.num_streams:
             assert plan.seconds <= plan.local_seconds <= compute_all_here + 1e-12, (r, plan)
         assert r.num_local <= plan.promote_end <= plan.holders_end <= plan.end == r.end, (r, plan)

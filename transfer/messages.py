@@ -114,8 +114,9 @@ class ComputeAndPush:
     Refused, then like a PushRequest. With ``with_tail`` the last id takes the
     prompt's partial last block (the one holding its last token), written once the
     whole prompt is computed: the requester then computes only the last token; the
-    blocks before it must run up to that block. ``wanted_within_ms``: the requester would
-    have the blocks by computing them itself in about this long, so a prefill node
+    blocks before it must run up to that block. ``wanted_within_ms``: computing the blocks itself
+    would cost the requester about this long (its own time and the wait that puts on
+    the streams it decodes: ``FetchPlan.local_cost``), so a prefill node
     that cannot deliver them sooner (its own backlog included) refuses with BUSY
     (0: no limit).
     """

@@ -10,6 +10,8 @@ names every part and its estimated seconds:
            [promote_end, holders_end)       ``holder`` pushes them        its round trip + bytes / its link
            [holders_end, end)               ``prefill_node`` computes and its fixed cost + queue + max(tokens / its
                                             pushes them (or nobody)       rate, bytes / its link), after the prefix
+           block end, but its last token    the prefill node too, with    (``tail_tokens``)
+                                            its blocks; else computed here
            [compute_from, prompt)           computed here                 after the queue here, at this node's rate
 
 Holders and the prefill node work at the same time; what is computed here waits for the prefix
@@ -56,8 +58,9 @@ class PrefillOption:
 @dataclass(frozen=True, slots=True)
 class PlanRequest:
     """What a plan is a function of. Blocks are counted from the prompt's start; ``end`` is the block holding
-    the prompt's last token, whose logits are always computed here (a prefill node may send its tokens before
-    that one with the blocks it computes: ``KVLease.tail``)."""
+    the prompt's last token, whose logits are always computed here. That block's ``tail_tokens`` before the last
+    token are computed here too, unless a prefill node computes blocks up to ``end``: it sends them with its
+    blocks (``KVLease.tail``)."""
 
     num_local: int
     end: int
@@ -73,6 +76,7 @@ class PlanRequest:
     #                       computes the prompt's blocks
     local_step_tokens: int = 0  # with streams decoding here: the prompt tokens a step computes beside them, at most
     local_decode_step_s: float = 0.0  # ... and what each such step spends on their decodes (0: no cap, nothing)
+    tail_tokens: int = 0
 
 
 class FetchPlan(NamedTuple):
@@ -90,11 +94,18 @@ class FetchPlan(NamedTuple):
     seconds: float  # promote_s + ready_s: the plan's estimate
     local_seconds: float  # the best plan without peers (promotion, then compute here): what fetching must beat
     stall_s: float = 0.0  # the sequences running here, waiting while it computes blocks here: num_streams x that time
+    local_stall_s: float = 0.0  # ... and what the best plan without peers would make them wait
 
     @property
     def cost(self) -> float:
         """What plans are compared by: this request's estimate and the wait it puts on the streams here."""
         return self.seconds + self.stall_s
+
+    @property
+    def local_cost(self) -> float:
+        """The cost of the best plan without peers: a fetch delivering within it is no worse than computing here
+        (a prefill node is asked to beat it, ``ComputeAndPush.wanted_within_ms``)."""
+        return self.local_seconds + self.local_stall_s
 
     @property
     def use_prefill(self) -> bool:
@@ -138,21 +149,24 @@ def plan_fetch(req: PlanRequest) -> FetchPlan:
 
     spreads = req.num_streams > 0 and req.local_step_tokens > 0
 
-    def compute_here(blocks: int) -> float:  # until the request's blocks are computed here: beside streams over
-        tokens = blocks * bs                 # capped steps, each after the first also decoding them
+    def compute_here(tokens: int) -> float:  # until the request's tokens are computed here: beside streams over
+        #                                      capped steps, each after the first also decoding them
         more_steps = max(0, -(-tokens // req.local_step_tokens) - 1) if spreads else 0
         return tokens / req.local_tokens_per_s + more_steps * req.local_decode_step_s
 
-    def stall(blocks: int) -> float:  # what the streams here wait: the compute alone (they decode in those steps)
-        return req.num_streams * blocks * bs / req.local_tokens_per_s
+    def stall(tokens: int) -> float:  # what the streams here wait: the compute alone (they decode in those steps)
+        return req.num_streams * tokens / req.local_tokens_per_s
+
+    def here_from(block: int) -> int:  # the tokens computed here when blocks [block, end) are (the tail with them)
+        return (req.end - block) * bs + req.tail_tokens
 
     promote_end, promote_s = start, 0.0
-    if req.num_lower and req.lower_read_s < compute_here(req.num_lower):
+    if req.num_lower and req.lower_read_s < compute_here(req.num_lower * bs):
         promote_end, promote_s = start + req.num_lower, req.lower_read_s
-    alone = queue_s + compute_here(req.end - promote_end)
-    local = promote_s + alone
+    alone = queue_s + compute_here(here_from(promote_end))
+    local, local_stall = promote_s + alone, stall(here_from(promote_end))
     best = FetchPlan(start, promote_end, "", promote_end, "", req.end, promote_s, 0.0, 0.0, alone, local, local,
-                     stall(req.end - promote_end))
+                     local_stall, local_stall)
     options: list[HolderOption | None] = [None]
     options += [h for h in req.holders if min(h.end, req.end) > promote_end and h.bytes_per_s > 0]
     for holder in options:
@@ -161,20 +175,21 @@ def plan_fetch(req: PlanRequest) -> FetchPlan:
         from_holder = 0.0 if holder is None else \
             holder.rtt_s + _move(held_end - promote_end, bs, req.bytes_per_token, holder.bytes_per_s)
         if holder is not None:
-            ready = max(from_holder, queue_s) + compute_here(req.end - held_end)
+            ready = max(from_holder, queue_s) + compute_here(here_from(held_end))
             best = _cheaper(best, FetchPlan(start, promote_end, holder_id, held_end, "", req.end, promote_s,
                                             from_holder, 0.0, ready, promote_s + ready, local,
-                                            stall(req.end - held_end)))
+                                            stall(here_from(held_end)), local_stall))
         pf = req.prefill
         if pf is None or pf.tokens_per_s <= 0 or pf.bytes_per_s <= 0 or held_end >= req.end:
             continue
         rest = req.end - held_end
         its_prefix = 0.0 if pf.holds >= held_end else from_holder
-        remote = pf.fixed_s + pf.queue_s + its_prefix + max(rest * bs / pf.tokens_per_s,
-                                                            _move(rest, bs, req.bytes_per_token, pf.bytes_per_s))
+        remote = pf.fixed_s + pf.queue_s + its_prefix + max(here_from(held_end) / pf.tokens_per_s,
+                                                            _move(rest + (req.tail_tokens > 0), bs,
+                                                                  req.bytes_per_token, pf.bytes_per_s))
         ready = max(from_holder, remote, queue_s)
         best = _cheaper(best, FetchPlan(start, promote_end, holder_id, held_end, pf.node_id, req.end, promote_s,
-                                        from_holder, remote, ready, promote_s + ready, local))
+                                        from_holder, remote, ready, promote_s + ready, local, 0.0, local_stall))
     return best
 
 
