@@ -292,3 +292,37 @@ def test_a_prompt_spread_over_steps_capped_beside_streams_pays_for_their_decodes
     assert one_step.seconds == pytest.approx(32 / 1000.0)
     alone = plan_fetch(req(local_step_tokens=32, local_decode_step_s=0.1))  # no streams: no cap, no spread
     assert alone.seconds == pytest.approx(1.024)
+
+
+def test_a_prefill_node_is_asked_to_beat_the_cost_of_computing_here_the_streams_wait_included():
+    """A decode node that sends a prompt out to spare its streams asks the prefill node to beat what computing it
+    here would cost (``FetchPlan.local_cost``), not the request's time alone: a prefill node somewhat slower than
+    this node but sparing its streams is the plan, and must not refuse it as too slow (``wanted_within_ms``)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from kvmesh.decode_node.fetcher import Fetcher
+    from kvmesh.decode_node.prefill_nodes import PrefillResult
+    from kvmesh.engine.kv_connector import KVLease
+    from kvmesh.node.connectors import HolderLoad
+
+    plan = plan_fetch(req(prefill=prefill(tokens_per_s=500.0), num_streams=4))
+    assert plan.prefill_node == "p0" and plan.prefill_s > plan.local_seconds
+    asked = []
+
+    class PrefillNodes:
+        def candidates(self, hits, *first):
+            return list(first)
+
+        def compute_and_push(self, lease, start, end, order, local_s, reserved, trace_context):
+            asked.append(local_s)
+            return PrefillResult(end, [], 0, [], 1)
+
+    class Holders:
+        def load(self, lease, start, end, hits, planned, trace_context=""):
+            return HolderLoad(start, "", [], [], 0)
+
+    lease = KVLease("r", tuple(range(64)), (b"h" * 16,) * 64, tuple(range(1025)), 0, 64)
+    with ThreadPoolExecutor(1) as conversations:
+        outcome = Fetcher(None, Holders(), PrefillNodes(), conversations, BS).fetch(lease, plan, {})
+    assert outcome.got == 64 and asked == [pytest.approx(plan.local_cost)]
+    assert plan.local_cost == pytest.approx(5 * plan.local_seconds)  # the request and its four streams' wait
