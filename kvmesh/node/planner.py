@@ -76,7 +76,7 @@ class PlanRequest:
     #                       computes the prompt's blocks
     local_step_tokens: int = 0  # with streams decoding here: the prompt tokens a step computes beside them, at most
     local_decode_step_s: float = 0.0  # ... and what each such step spends on their decodes (0: no cap, nothing)
-    tail_tokens: int = 0
+    tail_tokens: int = 0  # block ``end``'s tokens before the prompt's last (see above)
 
 
 class FetchPlan(NamedTuple):
