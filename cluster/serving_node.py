@@ -4,10 +4,11 @@ Every node can serve streams (``DecodeRole``) and prefill conversations (``Prefi
 and one pool; its ``NodeRole`` (``kvmesh/node/roles.py``) says which it takes now and is published in its
 record, which is what the router and the decode nodes route by. ``SetRole`` changes it at run time without
 a restart or a reload: prefill -> decode at once; decode -> prefill through DRAINING (no new streams; those
-without a token yet are handed back to the router at once, the running ones finish, those left at the
-drain deadline are handed back too; the router continues each on another decode node). Every role change
-is applied on the engine thread, at a step boundary; the record is re-published off it, one write at a
-time, each with the role of that moment (so a slow write can never leave an older role published last).
+without a token yet and no KV on its way are handed back to the router at once, the running ones and those
+whose KV is being fetched finish, those left at the drain deadline are handed back too; the router
+continues each on another decode node). Every role change is applied on the engine thread, at a step
+boundary; the record is re-published off it, one write at a time, each with the role of that moment (so
+a slow write can never leave an older role published last).
 """
 from __future__ import annotations
 

@@ -340,11 +340,12 @@ class DecodeRole:
                 error_kind=nm.ERROR_NODE_LOST)))
 
     def hand_back(self, why: str, unstarted_only: bool = False) -> None:
-        """Engine thread: end every stream here (``unstarted_only``: those without a token yet, still waiting for
-        their prompt's KV or a place in a step) with ERROR_NODE_LOST (the router continues each on another decode
-        node from the tokens it has) and free its blocks (after any fetch into them)."""
+        """Engine thread: end every stream here (``unstarted_only``: those without a token yet and no KV on its way,
+        waiting for a place in a step; one whose fetch is in flight starts here as soon as its KV lands, sooner than
+        anywhere else) with ERROR_NODE_LOST (the router continues each on another decode node from the tokens it
+        has) and free its blocks (after any fetch into them)."""
         for rid, request in list(self._requests.items()):
-            if unstarted_only and request.seq.output_token_ids:
+            if unstarted_only and (request.seq.output_token_ids or self.loads.loading(rid)):
                 continue
             self.num_handed_back += 1
             self.node.send_event(request.identity, nm.TokenEvent(rid, [], finished=True, finish_reason="error",

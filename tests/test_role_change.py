@@ -5,6 +5,7 @@ block leaks."""
 from __future__ import annotations
 
 import random
+import signal
 import threading
 import time
 
@@ -131,6 +132,35 @@ def test_a_decode_node_becomes_a_prefill_node_and_its_streams_continue_elsewhere
     settle(cluster)
     cluster.client(busy).set_role("decode")  # back as it was for the next test
     wait_for(lambda: roles(router).get(busy) == "decode", "the router to see it decode again")
+
+
+def test_a_draining_node_keeps_a_stream_whose_kv_is_on_its_way(served, reference):
+    """A stream without a token yet whose prefill node is computing its KV is not handed back when its decode node
+    starts draining: the KV lands there and the stream finishes there (handing it back would throw the prefill
+    node's work away and start the request again elsewhere). The prefill node is stopped (SIGSTOP) until the change
+    has arrived, so the KV is still on its way then."""
+    cluster, router = served
+    node, ids, sp = "decode-0", prompt(300, 70), params(8)
+    expected = reference([ids], sp)[0]
+    before = cluster.client(node).stats()
+    prefill, result = cluster.nodes["prefill-0"].proc, {}
+    asking = threading.Thread(target=lambda: result.update(out=cluster.client(node).generate(ids, sp)))
+    prefill.send_signal(signal.SIGSTOP)
+    try:
+        asking.start()
+        wait_for(lambda: cluster.client(node).stats()["num_remote"] > before["num_remote"], "the fetch to start")
+        assert cluster.client(node).set_role("prefill", drain_timeout_s=60.0).state == "draining"
+    finally:
+        prefill.send_signal(signal.SIGCONT)
+    asking.join(60)
+    out = result["out"]
+    assert out.error == "" and out.token_ids == expected
+    assert (out.stats.tokens_from_prefill_node, out.stats.tokens_computed) == (69, 1), out.stats
+    stats = wait_for(lambda: (s := cluster.client(node).stats())["role"] == "prefill" and s, "the drain to end")
+    assert stats["num_streams_handed_back"] == before["num_streams_handed_back"]
+    settle(cluster)
+    cluster.client(node).set_role("decode")  # back as it was for the next test
+    wait_for(lambda: roles(router).get(node) == "decode", "the router to see it decode again")
 
 
 def test_a_prefill_node_becomes_a_decode_node_and_a_change_while_draining_is_refused(served, reference):
