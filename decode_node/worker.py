@@ -273,7 +273,7 @@ class DecodeRole:
         request.tokens_from_host, request.tokens_from_disk = result.num_host * bs, result.num_disk * bs
         request.promote_s = result.promote_s
         request.tokens_reused_prefill = result.prefill_reused * bs
-        landed = min(result.got * bs, seq.num_prompt_tokens - 1)  # a tail that arrived leaves the last token
+        landed = seq.num_computed_tokens  # as the landing left it (a tail that arrived: all but the last token)
         request.tokens_from_prefill = landed - (result.from_holders + result.prefill_reused) * bs
         if request.fetch_span is not NO_SPAN:
             request.fetch_span.set_attributes({
