@@ -7,7 +7,7 @@ with at most one ``RoleMove``. Two pressures are compared, each as a share of it
                       prefill node's accepted prompts, a decode node's own) over the TTFT SLO; and, where decode
                       nodes compute prompts themselves beside prefill nodes, the share
                       of prompt tokens they computed since the last tick that a prefill node could have
-                      (each prompt's tail, the block of its last token, is computed there whatever happens)
+                      (left out: what of each prompt's last block no other node could compute for them)
     decode pressure   the slowest decode node's recent decode-only step (one output token per stream) over the TPOT
                       SLO, or its KV blocks in use, or its streams over its ``max_num_seqs``, whichever is
                       highest
@@ -97,7 +97,7 @@ class RoleBalancer:
                 continue
             now = (n.prompt_tokens_computed, n.prompt_tokens_total, n.prompt_tokens_always_here)
             before = self._last_counts.get(n.node_id, now)
-            # Tokens a prefill node could have computed: each prompt's tail is computed here whatever happens.
+            # Tokens a prefill node could have computed (what of each tail only this node could compute left out).
             computed += max(0, (now[0] - before[0]) - (now[2] - before[2]))
             total += (now[1] - before[1]) - (now[2] - before[2])
             self._last_counts[n.node_id] = now

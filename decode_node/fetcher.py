@@ -93,4 +93,5 @@ class Fetcher:
             outcome.num_rounds += computed.num_rounds
             if outcome.from_holders == split:
                 outcome.got, outcome.prefill_reused = computed.got, min(computed.reused, computed.got - split)
+                outcome.first_token = computed.first_token
         return outcome

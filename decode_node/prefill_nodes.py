@@ -34,6 +34,7 @@ class PrefillResult(NamedTuple):
     reused: int  # received blocks the prefill nodes had cached rather than computed
     fences: list[str]  # per conversation, what fenced its writes (``transfer.grants.Fence``)
     num_rounds: int  # conversations in all (landing rounds included)
+    first_token: tuple[int, float] | None = None  # the tail received: the token picked after the prompt, its logprob
 
 
 class PrefillNodes:
@@ -148,7 +149,7 @@ class PrefillNodes:
         MAX_CANDIDATES) and pushed into its block ids (stopping once the lease is cancelled), and its tail after
         them where the lease has one and ``end`` reaches it; returns the first block not received, block ids a
         writer may still write, how many of the received blocks the prefill nodes had cached rather than computed,
-        and how the writes were fenced.
+        how the writes were fenced, and with the tail the token the prefill node picked after the prompt.
 
         ``local_s``: the plan's cost without peers (``FetchPlan.local_cost``: the time it takes here and the wait
         that puts on the streams decoding here; 0: forced, no limit): a prefill node that cannot deliver sooner,
@@ -159,7 +160,7 @@ class PrefillNodes:
         if reserved is not None:
             self.release(*reserved)
         asked, got, tainted, reused = time.perf_counter(), start, [], 0
-        fences, rounds = [], 0
+        fences, rounds, first = [], 0, None
         last = end + 1 if lease.tail and end == lease.end else end  # the tail: the block after ``end``
         for node_id in order[:MAX_CANDIDATES]:
             if lease.cancelled():
@@ -194,6 +195,8 @@ class PrefillNodes:
             reused += outcome.num_reused
             fences.append(outcome.fence)
             rounds += outcome.num_rounds
+            if got >= last > end:  # the tail arrived: the token after the prompt with it
+                first = outcome.first_token
             if outcome.error is None:
                 break
             if isinstance(outcome.error, TransferRefused):
@@ -205,7 +208,7 @@ class PrefillNodes:
                     node_id, lease.request_id, outcome.error)  # busy: a decision (computed here), not a fault
             if got >= last or outcome.tainted_block_ids:
                 break  # tainted blocks cannot be granted again: compute the rest here
-        return PrefillResult(got, tainted, reused, fences, rounds)
+        return PrefillResult(got, tainted, reused, fences, rounds, first)
 
     def stats(self) -> dict:
         with self._lock:

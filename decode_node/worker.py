@@ -11,10 +11,11 @@ walks admit -> plan -> execute -> arrived:
    connectors (``connectors.py``, ``prefill_nodes.py``) write into the lease's block ids, a holder's push
    and a prefill node's conversation at the same time;
 4. **arrived** (engine thread, between two steps): ``KVLoads`` swaps blocks a stalled writer may still
-   write for fresh ones and hands the request to the scheduler, which computes what is missing (at least
-   the prompt's last token; the rest of its partial last block too unless a prefill node sent it) and
-   decodes with continuous batching, streaming tokens back; the outcome says where each block came from
-   (the request's accounting). A failed or timed-out transfer only means more local work.
+   write for fresh ones and hands the request to the scheduler, which computes what is missing (the
+   prompt's last block unless a prefill node sent it, and then at least the last token, unless the
+   request is greedy and the prefill node's pick after the prompt came with it: streamed at once as its
+   first token) and decodes with continuous batching, streaming tokens back; the outcome says where each
+   block came from (the request's accounting). A failed or timed-out transfer only means more local work.
 
 An abort from the caller propagates to every writer of the request; the request's blocks are freed
 once its fetch has returned.
@@ -98,7 +99,7 @@ class DecodeRole:
         self.holders = HolderConnector(self.agent.requester, self.links, self.membership, cfg.holder_timeout_s)
         self.fetcher = Fetcher(self.tier_connector, self.holders, self.prefill_nodes, self._conversations,
                                cfg.block_size)
-        self.loads = KVLoads(self.engine.scheduler, self.call_soon, self._kv_arrived)
+        self.loads = KVLoads(self.engine, self.call_soon, self._kv_arrived)
         self.landings = node.landings  # the scheduler's steps kept short while a fetch is about to land
 
     def before_serving(self) -> None:
@@ -273,7 +274,8 @@ class DecodeRole:
         request.tokens_from_host, request.tokens_from_disk = result.num_host * bs, result.num_disk * bs
         request.promote_s = result.promote_s
         request.tokens_reused_prefill = result.prefill_reused * bs
-        landed = seq.num_computed_tokens  # as the landing left it (a tail that arrived: all but the last token)
+        # As the landing left it: a tail that arrived, all but the last token, or all of them with the first token.
+        landed = seq.num_computed_tokens
         request.tokens_from_prefill = landed - (result.from_holders + result.prefill_reused) * bs
         if request.fetch_span is not NO_SPAN:
             request.fetch_span.set_attributes({
@@ -288,6 +290,8 @@ class DecodeRole:
             request.fetch_span.end()
         if request.abort_after_fetch:
             self._abort(seq.request_id)
+        elif seq.is_finished:  # the first token, which came with the KV, ended it
+            self.on_finish(seq)
 
     def _abort(self, request_id: str) -> None:
         """Stop a request whose caller went away; its blocks are freed (after any transfer into them)."""

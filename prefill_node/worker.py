@@ -45,8 +45,9 @@ class _Prefill:
     first_block: int = 0  # the first block of the chain the requester asked for
     held: list[int] = field(default_factory=list)  # blocks held before computing (hits, restored, pushed), referenced
     seq: Sequence | None = None
-    with_tail: bool = False  # the requester asked for the prompt's partial last block too
+    with_tail: bool = False  # the requester asked for the prompt's last block too (and the token after it)
     tail_block: int | None = None  # ... held here (referenced) once the whole prompt is computed
+    first_token: tuple[int, float] | None = None  # ... and the token picked greedily after it, with its logprob
     released: bool = False
     span: object = NO_SPAN  # its trace span (kvmesh/tracing.py): acceptance to the conversation's end
 
@@ -85,7 +86,7 @@ class PrefillRole:
         self.holders = HolderConnector(self.agent.requester, _PriorLinks(self.cfg.transfer_gib_per_s * 2**30,
                                                                          self.cfg.transfer_rtt_s),
                                        node.membership, self.cfg.holder_timeout_s)
-        self.loads = KVLoads(self.engine.scheduler, self.call_soon, self._prefix_landed)
+        self.loads = KVLoads(self.engine, self.call_soon, self._prefix_landed)
         self.num_prefills = 0
         self.num_refused = 0
         self.num_refused_busy = 0  # of those: it could not beat the requester computing the prompt itself
@@ -109,12 +110,11 @@ class PrefillRole:
         hashes = self.engine.kv.hash_prompt(prompt[: (len(prompt) - 1) // bs * bs], msg.cache_salt or None)
         num_chain = len(msg.dst_block_ids) - msg.with_tail  # blocks of the chain asked for (the tail is not one)
         wanted = hashes[msg.first_block: msg.first_block + num_chain]
-        if len(wanted) < num_chain or msg.with_tail and (msg.first_block + num_chain != len(hashes) or
-                                                         (len(prompt) - 1) % bs == 0):
+        if len(wanted) < num_chain or msg.with_tail and msg.first_block + num_chain != len(hashes):
             self.num_refused += 1
             raise TransferRefused(f"the prompt has {len(hashes)} full blocks before its last token's; blocks "
                                   f"{msg.first_block}..{msg.first_block + num_chain} were asked for"
-                                  f"{', then its partial last block' if msg.with_tail else ''}",
+                                  f"{', then its last block' if msg.with_tail else ''}",
                                   code=m.ErrorCode.INVALID_PROMPT.value, request_id=msg.request_id)
         uncached = len(prompt) - len(self.pool.match(hashes)) * bs if msg.wanted_within_ms else 0
         with self._lock:
@@ -173,15 +173,23 @@ class PrefillRole:
         return max(0, len(prefill.held) - prefill.first_block)
 
     def tail_block(self, request_id: str) -> int | None:
-        """The block holding the prompt's partial last block once it is computed, when the requester asked for it
-        (held until ``release``; any thread)."""
+        """The block holding the prompt's last token once the whole prompt is computed, when the requester asked
+        for it (held until ``release``; any thread)."""
         with self._lock:
             prefill = self._prefills.get(request_id)
             return prefill.tail_block if prefill is not None else None
 
+    def first_token(self, request_id: str) -> tuple[int, float] | None:
+        """The token picked greedily after the whole prompt and its logprob, once computed, when the requester asked
+        for the tail (any thread)."""
+        with self._lock:
+            prefill = self._prefills.get(request_id)
+            return prefill.first_token if prefill is not None else None
+
     def prompt_computed(self, seq: Sequence) -> bool:
         """Engine thread, as a prompt's token is sampled (its blocks not freed yet): a prefill's prompt is computed;
-        hold its partial last block when the requester asked for it, and tell the holder. False: not a prefill."""
+        hold its last block and keep the token when the requester asked for them, and tell the holder. False: not
+        a prefill."""
         if not seq.request_id.startswith("prefill:"):
             return False
         with self._lock:
@@ -191,6 +199,7 @@ class PrefillRole:
             block_id = seq.block_ids[(seq.num_prompt_tokens - 1) // self.cfg.block_size]
             self.pool.touch([block_id])  # freed by ``_drop`` (engine thread, queued by ``release``)
             prefill.tail_block = block_id
+            prefill.first_token = (seq.output_token_ids[0], seq.output_logprobs[0])
         self.agent.holder.blocks_cached()
         return True
 

@@ -19,7 +19,7 @@ from kvmesh.wire import decode
 from tests.conftest import assert_same_kv
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
-# Force the remote path: decode nodes compute nothing but the prompt's last token.
+# Force the remote path: decode nodes compute no prompt token (a sampled request: its last one).
 REMOTE_ONLY = ["--kv-placement", "threshold:0", "--prefill-timeout", "4"]
 BACKENDS = ["zmq"] + (["mooncake"] if mooncake_available() else [])
 
@@ -208,23 +208,33 @@ def test_a_prefill_nodes_own_cache_hits_are_counted_as_reused(reference):
             stats.append(out.stats.as_dict())
         assert stats[0]["tokens_reused_prefill_node"] == 0 and stats[0]["tokens_from_prefill_node"] >= 112
         assert stats[1]["tokens_reused_prefill_node"] == 80, stats[1]
-        # The new full blocks, then the 7 tokens of the partial last block before its last token (the one computed
-        # on the decode node).
-        assert stats[1]["tokens_from_prefill_node"] == 32 + 7 and stats[1]["tokens_computed"] == 1, stats[1]
+        # The new full blocks, then the partial last block, its last token included: a greedy request's first
+        # token came with it, so the decode node computed none.
+        assert stats[1]["tokens_from_prefill_node"] == 32 + 8 and stats[1]["tokens_computed"] == 0, stats[1]
         check_all(c)
 
 
-def test_a_prefill_node_sends_the_partial_last_block_and_the_decode_node_computes_one_token(cluster, reference):
-    """Every prompt token but the last reaches the decode node from a prefill node, the partial block holding the
-    last token included (``ComputeAndPush.with_tail``): the decode node computes that one token, for its logits.
-    On both decode nodes (in place and host-staged) and, by rotation, from both prefill nodes; the tail's KV,
+def test_a_prefill_node_sends_the_last_block_and_a_greedy_first_token(cluster, reference):
+    """Every prompt token reaches the decode node from a prefill node, the block holding the last token included
+    (``ComputeAndPush.with_tail``), with the token the prefill node picked after the prompt: a greedy request
+    streams it as its first and computes no prompt token (a last token alone in its block included); a sampled
+    one computes the last token itself, for its own draw, and draws what the engine alone draws with its seed. On
+    both decode nodes (in place and host-staged) and, by rotation, from both prefill nodes; the last block's KV,
     completed by the decoded tokens into a full block there, equals a full recompute's."""
     for i, node_id in enumerate(("decode-0", "decode-1", "decode-0", "decode-1")):
-        ids = prompt(950 + i, 41)  # two full blocks, then 8 tokens before the last one
+        ids = prompt(950 + i, 41 if i < 2 else 33)  # two full blocks, then 9 tokens or the last one alone
         out = cluster.client(node_id).generate(ids, GREEDY)
         assert out.error == "" and out.token_ids == reference([ids])[0]
+        assert (out.stats.tokens_from_prefill_node, out.stats.tokens_computed) == (len(ids), 0), out.stats
+        full = ids + out.token_ids[:-1]  # the last block completed by the decoded tokens (three blocks, or two)
+        assert_same_kv(cluster.client(node_id), reference.llm, full, min_blocks=len(full) // 16)
+    sampled = SamplingParams(max_tokens=6, temperature=0.9, seed=11, ignore_eos=True)
+    for i, node_id in enumerate(("decode-0", "decode-1")):
+        ids = prompt(960 + i, 41)
+        out = cluster.client(node_id).generate(ids, sampled)
+        alone = reference.llm.generate([ids], sampled, use_tqdm=False)[0].outputs[0].token_ids
+        assert out.error == "" and out.token_ids == alone
         assert (out.stats.tokens_from_prefill_node, out.stats.tokens_computed) == (40, 1), out.stats
-        assert_same_kv(cluster.client(node_id), reference.llm, ids + out.token_ids[:-1], min_blocks=3)
     check_all(cluster)
 
 

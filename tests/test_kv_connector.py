@@ -44,7 +44,7 @@ class Node:
         self.engine = self.llm.engine
         self.between_steps: list = []
         self.landed: list[tuple[str, LoadReport]] = []
-        self.loads = KVLoads(self.engine.scheduler, self.between_steps.append,
+        self.loads = KVLoads(self.engine, self.between_steps.append,
                              lambda seq, report: self.landed.append((seq.request_id, report)))
 
     def admit(self, request_id: str):
@@ -124,6 +124,74 @@ def test_a_tail_that_arrives_leaves_only_the_last_token_to_compute(reference):
     short = Node()  # a lease that stops short of the last block offers no tail
     seq = short.engine.prepare_request(short.llm.tokenizer.encode(PROMPT), GREEDY, request_id="r7")
     assert not short.loads.start(seq, 5).tail
+
+
+def test_a_first_token_with_the_tail_is_streamed_at_landing_for_greedy_requests_only(reference):
+    """A tail that comes with the token a prefill node picked after the prompt (``LoadReport.first_token``): a
+    greedy request lands every prompt token and has that token as its first output at once, before any step, then
+    decodes on token-exact with its KV equal to a full recompute's; a request that token ends finishes at landing
+    with its blocks freed; a sampled request ignores it and computes the last token itself. A greedy request's
+    lease takes the last block even when it holds only the last token."""
+    from kvmesh.engine.kv_probe import compare_with_engine, prompt_kv_sums
+
+    peer = LLM("tiny-llama", num_kv_blocks=64, progress=False)
+    running = peer.engine.prepare_request(peer.tokenizer.encode(PROMPT), GREEDY, request_id="peer")
+    peer.engine.scheduler.add(running)
+    while not running.output_token_ids:
+        peer.engine.step()
+    first = (running.output_token_ids[0], running.output_logprobs[0])
+    assert first[0] == reference[0]
+
+    def landing(node, lease, token=first):
+        def load() -> LoadReport:
+            copy_from(peer, node, lease, 6)
+            node.engine.runner.kv_buffer[lease.block_ids[6]] = peer.engine.runner.kv_buffer[running.block_ids[6]]
+            return LoadReport(7, first_token=token)
+        return load
+
+    node = Node()
+    seq, lease = node.admit("g1")
+    node.loads.run(lease, landing(node, lease))
+    node.between_steps.pop(0)()
+    assert seq.num_computed_tokens == seq.num_prompt_tokens and seq.output_token_ids == [reference[0]]
+    assert seq.output_logprobs == [first[1]]
+    node.run()
+    assert seq.output_token_ids == reference
+    full = seq.prompt_token_ids + seq.output_token_ids[:-1]
+    got = prompt_kv_sums(node.engine, full)
+    assert compare_with_engine(LLM("tiny-llama", num_kv_blocks=64, progress=False), [(full, got)]) == (7, [])
+    node.engine.check_integrity()
+
+    one = Node()  # the first token ends it: finished at landing, nothing left to run
+    seq = one.engine.prepare_request(one.llm.tokenizer.encode(PROMPT), dataclasses.replace(GREEDY, max_tokens=1),
+                                     request_id="g2")
+    lease = one.loads.start(seq, 6)
+    one.loads.run(lease, landing(one, lease))
+    one.between_steps.pop(0)()
+    assert seq.status is RequestStatus.FINISHED and seq.output_token_ids == [reference[0]]
+    assert one.landed[0][0] == "g2" and not one.engine.has_unfinished()
+    one.engine.check_integrity()
+    assert one.engine.pool.usage().num_used == 0
+
+    sampled = Node()  # not greedy: the token is not this request's draw; it computes the last token itself
+    params = SamplingParams(max_tokens=4, temperature=0.8, seed=7, ignore_eos=True)
+    seq = sampled.engine.prepare_request(sampled.llm.tokenizer.encode(PROMPT), params, request_id="s1")
+    lease = sampled.loads.start(seq, 6)
+    assert lease.tail
+    sampled.loads.run(lease, landing(sampled, lease))
+    sampled.between_steps.pop(0)()
+    assert seq.num_computed_tokens == seq.num_prompt_tokens - 1 and not seq.output_token_ids
+    sampled.run()
+    alone = LLM("tiny-llama", num_kv_blocks=64, progress=False)
+    assert seq.output_token_ids == alone.generate(PROMPT, params, use_tqdm=False)[0].outputs[0].token_ids
+    peer.engine.abort(running)
+    peer.engine.check_integrity()
+
+    # A prompt whose last token starts its block: a greedy lease still takes that block, a sampled one does not.
+    short = Node()
+    ids = short.llm.tokenizer.encode(PROMPT)[:97]  # 96 tokens before the last: six full blocks
+    assert short.loads.start(short.engine.prepare_request(ids, GREEDY, request_id="g3"), 6).tail
+    assert not short.loads.start(short.engine.prepare_request(ids, params, request_id="s3"), 6).tail
 
 
 def test_a_load_that_raises_reports_nothing_and_the_request_is_computed(reference):

@@ -54,8 +54,9 @@ def test_one_trace_follows_a_request_through_router_decode_and_prefill_nodes():
         assert [v.string_value for v in fetch["attributes"]["kvmesh.fences"].array_value.values] == ["process"]
         assert fetch["attributes"]["kvmesh.transfer_rounds"].int_value == 1
         assert fetch["attributes"]["kvmesh.step_boundary_wait_ms"].double_value >= 0
-        assert decode_span["attributes"]["kvmesh.tokens_from_prefill_node"].int_value == 69
-        assert decode_span["attributes"]["kvmesh.tokens_computed"].int_value == 1
+        # Every prompt token from the prefill node, the last included: a greedy request's first token came with it.
+        assert decode_span["attributes"]["kvmesh.tokens_from_prefill_node"].int_value == 70
+        assert decode_span["attributes"]["kvmesh.tokens_computed"].int_value == 0
         assert request["attributes"]["kvmesh.completion_tokens"].int_value == 4
         tree = render(collector.spans).splitlines()  # what docs/traces.md shows
         assert tree[0].startswith("request ") and sum(line.lstrip().startswith("holder.push") for line in tree) == 1

@@ -9,8 +9,9 @@ PushResult. Pending pushes are driven by one watcher thread that sleeps on the
 holder's own change counter (no thread is parked per push), bumped by its
 messages, its finished writes and the node when blocks become matchable
 (``blocks_cached``); the writes themselves run on a small worker pool. A
-ComputeAndPush ``with_tail`` is written its prompt's partial last block after
-the chain, once the compute hook holds it (``ComputeHook.tail_block``).
+ComputeAndPush ``with_tail`` is written its prompt's last block after the
+chain, once the compute hook holds it (``ComputeHook.tail_block``), and told
+the token picked after the prompt in its final answer (``first_token``).
 
 Before every write the push's abort flag and deadline are checked; its deadline
 starts when the message arrives and is capped at MAX_WAIT_MS. The final
@@ -76,6 +77,10 @@ class ComputeHook(Protocol):
     def num_reused(self, request_id: str) -> int:
         """Of the granted blocks, how many (leading) this node had (cached, promoted or pulled) rather than
         computed for this conversation; asked before ``release``."""
+
+    def first_token(self, request_id: str) -> tuple[int, float] | None:
+        """The token picked greedily after the whole prompt, and its logprob, once computed; None before, or when
+        the conversation asked for no tail. Asked before ``release``."""
 
 
 @dataclass(slots=True)
@@ -295,9 +300,11 @@ class KVHolder:
                 push.code, push.error = m.ErrorCode.EXPIRED.value, "deadline passed before every block was written"
         with self._lock:
             self._pushes.pop(push.request_id, None)
-        num_reused = 0
+        num_reused, first = 0, None
         if push.compute:
             num_reused = min(self.compute.num_reused(push.request_id), push.num_written)
+            if push.tail and push.num_written == len(push.written):  # the tail written: the token after it too
+                first = self.compute.first_token(push.request_id)
             self.compute.release(push.request_id)
         if push.span is not NO_SPAN:
             push.span.set_attributes({"kvmesh.blocks_written": push.num_written, "kvmesh.write_ms": push.write_s * 1e3,
@@ -306,7 +313,9 @@ class KVHolder:
             push.span.end()
         self._reply(push.identity, m.PushResult(push.request_id, list(push.written), final=True, code=push.code,
                                                 error=push.error, write_us=int(push.write_s * 1e6),
-                                                checksums=list(push.checksums), num_reused=num_reused))
+                                                checksums=list(push.checksums), num_reused=num_reused,
+                                                **({} if first is None else {"first_token_id": first[0],
+                                                                             "first_token_logprob": first[1]})))
 
     # ---- writes (worker threads) ----------------------------------------------------------------------
     def _write_next(self, push: _Push) -> None:

@@ -112,9 +112,11 @@ class ComputeAndPush:
     The prefill node hashes the prompt itself; block ``first_block + i`` of the
     prompt's chain goes to ``dst_block_ids[i]``. Answered at once with Accepted or
     Refused, then like a PushRequest. With ``with_tail`` the last id takes the
-    prompt's partial last block (the one holding its last token), written once the
-    whole prompt is computed: the requester then computes only the last token; the
-    blocks before it must run up to that block. ``wanted_within_ms``: computing the blocks itself
+    prompt's last block (the one holding its last token, partial or whole), written
+    once the whole prompt is computed, and the final PushResult carries the token
+    the prefill node picked greedily after the prompt (``first_token_id``): a
+    greedy requester streams it and decodes from there, any other computes the
+    last token itself; the blocks before it must run up to that block. ``wanted_within_ms``: computing the blocks itself
     would cost the requester about this long (its own time and the wait that puts on
     the streams it decodes: ``FetchPlan.local_cost``), so a prefill node
     that cannot deliver them sooner (its own backlog included) refuses with BUSY
@@ -189,9 +191,13 @@ class PushResult:
     write_us: int = 0  # time the writer spent in the transfer engine so far (the receiver's bandwidth sample)
     checksums: list[int] = field(default_factory=list)  # crc32 of each written block's source bytes (0: none)
     num_reused: int = 0  # final, ComputeAndPush: leading written blocks the writer had cached (not computed)
+    first_token_id: int = -1  # final, ComputeAndPush with its tail written: the greedy token after the prompt
+    first_token_logprob: float = 0.0  # ... and its logprob (-1: no token)
 
     def validate(self) -> None:
         _check_code(self.TYPE, self.code)
+        if not isinstance(self.first_token_id, int) or self.first_token_id < -1:
+            raise MessageError("push_result: first_token_id must be a token id or -1")
         if self.write_us < 0:
             raise MessageError("push_result: negative write_us")
         if not 0 <= self.num_reused <= len(self.written):

@@ -63,6 +63,8 @@ class PushOutcome(NamedTuple):
     num_reused: int = 0  # of num_written, leading blocks the writer had cached rather than computed (prefill)
     fence: str = ""  # what fenced the writes (``Fence``: refusable, process, landing)
     num_rounds: int = 0  # conversations it took (landing: one per slotful of blocks)
+    first_token: tuple[int, float] | None = None  # ComputeAndPush with its tail written: the greedy token after the
+    #                                               prompt and its logprob
 
 
 class _PeerGone(Exception):
@@ -134,7 +136,8 @@ class KVRequester:
                          *, request_id: str, timeout_s: float, wanted_within_s: float = 0.0,
                          cache_salt: str = "", trace_context: str = "", with_tail: bool = False) -> PushOutcome:
         """Ask prefill node ``peer_id`` to compute the prompt and write blocks ``first_block..`` into ``block_ids``
-        (``with_tail``: the last id takes the prompt's partial last block, ``ComputeAndPush.with_tail``).
+        (``with_tail``: the last id takes the prompt's last block, and the outcome carries the token picked after
+        the prompt, ``ComputeAndPush.with_tail``).
 
         ``wanted_within_s``: we would have them sooner by computing them ourselves; the prefill node refuses
         (BUSY) when it cannot beat that (0: no limit). A refusal comes back as a TransferRefused error with
@@ -221,7 +224,7 @@ class KVRequester:
             rounds += 1
             got_all = asked > 0 and more.num_written == asked
             outcome = PushOutcome(outcome.num_written + more.num_written, more.tainted_block_ids, more.error,
-                                  outcome.write_s + more.write_s)
+                                  outcome.write_s + more.write_s, outcome.num_reused, first_token=more.first_token)
         return outcome._replace(fence=fence.value, num_rounds=rounds)
 
     def _converse_once(self, peer: PeerRecord, block_ids: list[int], slots: list[int], offset: int,
@@ -309,8 +312,10 @@ class KVRequester:
                     if msg.code:
                         cls = TransferAborted if msg.code == m.ErrorCode.ABORTED.value else TransferError
                         error = cls(f"{msg.code}: {msg.error}", request_id=cid, peer=peer_id)
+                    first = (msg.first_token_id, msg.first_token_logprob) \
+                        if msg.first_token_id >= 0 and num == len(written) else None
                     return PushOutcome(num, [], error, write_s,  # the dispatcher closed the grant
-                                       min(msg.num_reused, num))
+                                       min(msg.num_reused, num), first_token=first)
         # The caller gives up: stop the writer, fence the grant, keep listening for its final.
         with self._lock:
             conv.abandoned = cid in self._conversations

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from kvmesh.engine.kv_cache_manager import KVCacheManager
-from kvmesh.engine.model_runner import ModelRunner
+from kvmesh.engine.model_runner import ModelRunner, SampledToken
 from kvmesh.engine.outputs import CompletionOutput, RequestOutput
 from kvmesh.engine.pinned_prefixes import PinnedPrefix, PinnedPrefixes
 from kvmesh.engine.request_state import RequestStatus
@@ -303,6 +303,20 @@ class LLMEngine:
                 self.speculator.forget(seq)
         self.pins.refresh()
         return finished
+
+    def accept_first_token(self, seq: Sequence, token_id: int, logprob: float) -> bool:
+        """Engine thread, between steps: ``seq``'s whole prompt's KV landed (all but its last token counted
+        computed, ``Scheduler.remote_kv_ready``) with the token a prefill node picked greedily after it: stream it as
+        the first token (stop checks included) and count the last token computed, so the request decodes on from
+        it. True when that token ended the request (finished, its blocks freed)."""
+        if seq.output_token_ids or seq.num_computed_tokens != seq.num_prompt_tokens - 1:
+            raise ValueError(f"request {seq.request_id}: a first token needs the prompt's KV landed and no output")
+        if self._emit(seq, SampledToken(token_id, logprob, []), self.hooks.on_token if self._observed else None):
+            self.scheduler.finish(seq, RequestStatus.FINISHED)
+            return True
+        seq.num_computed_tokens = seq.num_prompt_tokens
+        self.kv.cache_full_blocks(seq)
+        return False
 
     def _emit_verified(self, seq: Sequence, tokens: list, on_token) -> RequestStatus | None:
         """Emit a verification's tokens until one ends ``seq``; advance it by those emitted (the step computed

@@ -18,10 +18,13 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from kvmesh.engine.scheduler import Scheduler
 from kvmesh.engine.sequence import Sequence
 from kvmesh.errors import OutOfBlocksError
+
+if TYPE_CHECKING:
+    from kvmesh.engine.engine import LLMEngine
 
 log = logging.getLogger("kvmesh.engine")
 
@@ -29,8 +32,10 @@ log = logging.getLogger("kvmesh.engine")
 @dataclass(frozen=True, slots=True)
 class KVLease:
     """Blocks ``[start, end)`` of one request's block table, which its load may write until it reports; with
-    ``tail``, block ``end`` too: the prompt's partial last block, which only a connector computing the prompt can
-    supply (its tokens but the last), so that a report's ``got`` of ``end + 1`` leaves the last token to compute.
+    ``tail``, block ``end`` too: the prompt's last block, which only a connector computing the whole prompt can
+    supply. A report's ``got`` of ``end + 1`` lands its tokens but the last, which the request computes itself,
+    or, for a greedy request (``SamplingParams.argmax_only``) whose report carries the token picked after the
+    prompt (``first_token``), all of them: that token is streamed as the request's first and it decodes on.
 
     Immutable copies of what the load needs: the engine thread may change the request meanwhile (an abort),
     never these. ``cancelled()`` turns true when the request's caller went away: a load stops writing as soon
@@ -61,17 +66,20 @@ class LoadReport:
     got: int
     tainted: list[int] = field(default_factory=list)  # block ids a stalled writer may still write
     load_s: float = 0.0  # the load's own time (its wait for a step boundary is the engine's)
+    first_token: tuple[int, float] | None = None  # with the tail: the greedy token after the prompt, its logprob
 
 
 class KVLoads:
     """The engine side of the seam: one lease per request whose KV is loaded (engine thread, except ``run``).
 
     ``call_soon``: runs a function on the engine thread between two steps. ``on_landed(seq, report)``: engine
-    thread, after the request's blocks are ready for the scheduler (its accounting, an abort held back)."""
+    thread, after the request's blocks are ready for the scheduler and a first token that came with them streamed
+    (its accounting, an abort held back; a request that token ended is finished, its blocks freed)."""
 
-    def __init__(self, scheduler: Scheduler, call_soon: Callable[[Callable[[], None]], None],
+    def __init__(self, engine: LLMEngine, call_soon: Callable[[Callable[[], None]], None],
                  on_landed: Callable[[Sequence, LoadReport], None]):
-        self._scheduler = scheduler
+        self._engine = engine
+        self._scheduler = engine.scheduler
         self._call_soon = call_soon
         self._on_landed = on_landed
         self._leases: dict[str, tuple[Sequence, KVLease]] = {}
@@ -79,9 +87,9 @@ class KVLoads:
 
     def start(self, seq: Sequence, end: int) -> KVLease | None:
         """Allocate every prompt block of ``seq`` (its own hits adopted) and lease blocks [hits, ``end``) to a
-        load, and the partial last block after them where ``end`` reaches it and it holds more than the last token
-        (``KVLease.tail``); None (nothing allocated) when the pool has no room: the caller computes the request
-        instead."""
+        load, and the prompt's last block after them where ``end`` reaches it and it holds more than the last token
+        or the request is greedy (``KVLease.tail``); None (nothing allocated) when the pool has no room: the caller
+        computes the request instead."""
         try:
             self._scheduler.add_awaiting_remote_kv(seq)
         except OutOfBlocksError:
@@ -90,7 +98,7 @@ class KVLoads:
         last = seq.num_prompt_tokens - 1
         lease = KVLease(seq.request_id, tuple(seq.block_ids), tuple(seq.block_hashes), tuple(seq.prompt_token_ids),
                         seq.num_prefix_hit_tokens // bs, end, seq.params.cache_salt or "",
-                        tail=end == last // bs and last % bs > 0)
+                        tail=end == last // bs and (last % bs > 0 or seq.params.argmax_only))
         self._leases[seq.request_id] = (seq, lease)
         return lease
 
@@ -134,6 +142,9 @@ class KVLoads:
                 kv.release_from(seq, next((i for i, b in enumerate(seq.block_ids) if b in tainted),
                                           len(seq.block_ids)))
         self._scheduler.remote_kv_ready(seq.request_id, report.got * self._scheduler.kv.block_size)
+        if report.first_token is not None and report.got > lease.end and seq.params.argmax_only and \
+                not lease.cancelled():
+            self._engine.accept_first_token(seq, *report.first_token)
         self._on_landed(seq, report)
 
     @property

@@ -8,6 +8,8 @@
 
 A transfer that fails still goes WAITING_FOR_REMOTE_KV -> RUNNING, with whatever
 prefix arrived (possibly none) counted as computed; the rest is computed locally.
+A request whose KV came with its first token (a prefill node's greedy pick) that
+ended it goes WAITING_FOR_REMOTE_KV -> FINISHED.
 """
 from __future__ import annotations
 
@@ -37,7 +39,8 @@ class IllegalTransitionError(KvmeshError, RuntimeError):
 _S = RequestStatus
 _ALLOWED: dict[RequestStatus, frozenset[RequestStatus]] = {
     _S.WAITING: frozenset({_S.RUNNING, _S.WAITING_FOR_REMOTE_KV, _S.FAILED, _S.ABORTED}),
-    _S.WAITING_FOR_REMOTE_KV: frozenset({_S.RUNNING, _S.FAILED, _S.ABORTED}),
+    # (FINISHED: the token that came with its KV ended it, ``LLMEngine.accept_first_token``)
+    _S.WAITING_FOR_REMOTE_KV: frozenset({_S.RUNNING, _S.FINISHED, _S.FAILED, _S.ABORTED}),
     _S.RUNNING: frozenset({_S.FINISHED, _S.PREEMPTED, _S.FAILED, _S.ABORTED}),
     _S.PREEMPTED: frozenset({_S.WAITING, _S.FAILED, _S.ABORTED}),
     _S.FINISHED: frozenset(),

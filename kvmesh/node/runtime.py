@@ -335,6 +335,9 @@ class NodeRuntime:
     def tail_block(self, request_id: str) -> int | None:
         return self.prefill.tail_block(request_id) if self.prefill is not None else None
 
+    def first_token(self, request_id: str) -> tuple[int, float] | None:
+        return self.prefill.first_token(request_id) if self.prefill is not None else None
+
     def _peer(self, node_id: str):
         """A peer's transfer record from the directory; our own is known without it."""
         return self.agent.record if node_id == self.cfg.node_id else self.membership.peer(node_id)
