@@ -444,6 +444,9 @@ MUTATIONS = (
     Mutation("a holder's final answer leaves out the token after the prompt", "transfer/holder.py",
              "                first = self.compute.first_token(push.request_id)", "                first = None",
              ("tests/test_cluster.py", "-k", "last_block and zmq")),
+    Mutation("what commands stream between two steps waits for the next step's end", "kvmesh/node/engine_loop.py",
+             "            if self._after_commands is not None:\n                self._after_commands()\n", "",
+             ("tests/test_engine_loop.py",)),
 )
 
 ASSERTION_FAILURES = ("AssertionError", "assert ", "Failed: DID NOT RAISE", "Failed: ")

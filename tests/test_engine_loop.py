@@ -99,3 +99,33 @@ def test_changes_as_the_owner_run_on_the_engine_thread_in_order_and_at_once_wher
                            ("from the engine thread", "at once")]
     finally:
         loop.close()
+
+
+def test_what_commands_queue_leaves_before_the_next_step():
+    """``after_commands`` runs once the commands waiting between two steps have run, before the step they start:
+    what they streamed (a first token that came with its KV, streamed by the landing, a command) leaves at once,
+    not a step later."""
+    llm = LLM("tiny-llama", progress=False)
+    finished, seen, state = [], [], {}
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+
+    def command() -> None:
+        llm.engine.add_request([1, 2, 3, 4, 5], params)
+        state["steps_then"] = llm.engine.num_steps
+
+    def after_commands() -> None:
+        if "steps_then" in state and not seen:
+            seen.append(llm.engine.num_steps)
+
+    loop = EngineLoop(llm.engine, "t", finished.append, lambda seq, why: None, lambda: None,
+                      after_commands=after_commands)
+    loop.start()
+    try:
+        loop.call_soon(command)
+        deadline = time.monotonic() + 30
+        while not finished and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert finished and seen == [state["steps_then"]]  # before the request's first step, not after it
+    finally:
+        loop.close()
+    llm.engine.check_integrity()

@@ -4,7 +4,9 @@ Other threads hand it work with ``call_soon``; between commands it steps the
 engine while there is work (idle, it sleeps until a command arrives: no poll),
 reports finished requests (``on_finish``), requests failed by a broken step
 (``on_failed``: exactly that step's batch, already FAILED and freed) and runs
-``after_step`` (the block publisher's drain).
+``after_step`` (the block publisher's drain); ``after_commands`` runs once the
+commands waiting between two steps have run, before the next step (what they
+streamed leaves then, not a step later).
 With a ``CoreShare`` it marks whether the node has work and sizes the step's compute
 threads to the cores the machine's other nodes leave (``kvmesh/node/core_share.py``).
 Construction starts nothing; ``start`` starts the thread.
@@ -36,7 +38,8 @@ def _nothing() -> None:
 class EngineLoop:
     def __init__(self, engine: LLMEngine, name: str, on_finish: Callable[[Sequence], None],
                  on_failed: Callable[[Sequence, str], None], after_step: Callable[[], None],
-                 cores: CoreShare | None = None, on_broken: Callable[[str], None] | None = None):
+                 cores: CoreShare | None = None, on_broken: Callable[[str], None] | None = None,
+                 after_commands: Callable[[], None] | None = None):
         """``on_broken(why)``: a step failed because the model's tensor-parallel group broke (called before the
         batch's ``on_failed``): the engine cannot step again."""
         self.engine = engine
@@ -44,6 +47,7 @@ class EngineLoop:
         self._on_finish = on_finish
         self._on_failed = on_failed
         self._after_step = after_step
+        self._after_commands = after_commands
         self._on_broken = on_broken
         self._cores = cores
         self._commands: queue.Queue[Callable[[], None]] = queue.Queue()
@@ -108,6 +112,8 @@ class EngineLoop:
                 pass
             except Exception:
                 log.exception("%s: command failed", self.name)
+            if self._after_commands is not None:
+                self._after_commands()
             has_work = scheduler.has_runnable()
             if self._cores is not None:
                 self._cores.set_busy(has_work)

@@ -171,12 +171,12 @@ class NodeRuntime:
             probe = self._probe()
         self.prefill_cost = CostFit(probe.prefill_points)
         self.decode_step_s = probe.decode_step_s
-        # Engine thread: the events of this step per client connection, sent as one frame at its end.
+        # Engine thread: the events of this step (or of the commands run between two steps) per client connection,
+        # sent as one frame at its end.
         self._outbox: dict[bytes, list[bytes]] = {}
         self.num_events_sent = self.num_event_frames = 0
         self.loop = EngineLoop(self.engine, cfg.node_id, self.on_finish, self.on_failed, self._after_step,
-                               cores=cores,
-                               on_broken=self._break)
+                               cores=cores, on_broken=self._break, after_commands=self._send_events)
         self.call_soon = self.loop.call_soon
         self.membership = ClusterMembership(cfg.etcd, cfg.cluster, cfg.node_id,
                                             index_namespace(self.engine.namespace), cfg.lease_ttl_s,
@@ -383,15 +383,22 @@ class NodeRuntime:
     # ---- engine-thread hooks ---------------------------------------------------------------------------
     def send_event(self, identity: bytes, event: nm.TokenEvent) -> None:
         """Engine thread: queue ``event`` for its connection; every connection's events of a step leave together,
-        in order, when the step ends (one sealed frame: the event alone, or a ``TokenBatch``)."""
+        in order, when the step ends (one sealed frame: the event alone, or a ``TokenBatch``), and those of the
+        commands run between two steps (a first token that came with its KV) before the next step starts."""
         self._outbox.setdefault(identity, []).append(encode(event))
 
-    def _after_step(self) -> None:
+    def _send_events(self) -> None:
+        """Engine thread: what ``send_event`` queued, one frame per connection."""
+        if not self._outbox:
+            return
         outbox, self._outbox = self._outbox, {}
         for identity, events in outbox.items():
             self.endpoint.send(identity, events[0] if len(events) == 1 else encode(nm.TokenBatch(events)))
             self.num_events_sent += len(events)
             self.num_event_frames += 1
+
+    def _after_step(self) -> None:
+        self._send_events()
         publisher = self.membership.publisher
         if publisher is None:  # not registered yet: the changes wait for the first publication
             return
