@@ -191,8 +191,8 @@ class PushResult:
     write_us: int = 0  # time the writer spent in the transfer engine so far (the receiver's bandwidth sample)
     checksums: list[int] = field(default_factory=list)  # crc32 of each written block's source bytes (0: none)
     num_reused: int = 0  # final, ComputeAndPush: leading written blocks the writer had cached (not computed)
-    first_token_id: int = -1  # final, ComputeAndPush with its tail written: the greedy token after the prompt
-    first_token_logprob: float = 0.0  # ... and its logprob (-1: no token)
+    first_token_id: int = -1  # final, ComputeAndPush with its tail written: the greedy token after the prompt, or -1
+    first_token_logprob: float = 0.0  # ... and its logprob
 
     def validate(self) -> None:
         _check_code(self.TYPE, self.code)
