@@ -143,7 +143,7 @@ class KVLoads:
                                           len(seq.block_ids)))
         self._scheduler.remote_kv_ready(seq.request_id, report.got * self._scheduler.kv.block_size)
         if report.first_token is not None and report.got > lease.end and seq.params.argmax_only and \
-                not lease.cancelled() and seq.num_computed_tokens == seq.num_prompt_tokens - 1:
+                not lease.cancelled():
             self._engine.accept_first_token(seq, *report.first_token)
         self._on_landed(seq, report)
 
