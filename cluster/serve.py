@@ -9,9 +9,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import faulthandler
 import json
+import signal
 import sys
 
+from kvmesh import lifecycle
 from kvmesh.auth import add_secret_arguments, generate_token, is_loopback, secret_from_args
 from kvmesh.cluster.api_keys import api_keys_from_args
 from kvmesh.cluster.local_launcher import LocalCluster
@@ -180,27 +184,57 @@ def run_front_ends(args: argparse.Namespace, etcd: str, cluster: str, cluster_to
                                                tls=tls_pem)
 
     async def main() -> None:
-        runner, http_port = await start_http_server(router, args.host, args.http_port, token=keys,
-                                                    tls=tls_files)
-        freeze_start_up()  # the router's imports and tokenizer: never garbage, out of every full collection
-        scheme = "https" if tls_files else "http"
-        print(json.dumps({"grpc": f"{args.host}:{grpc_port}", "http": f"{scheme}://{args.host}:{http_port}/v1",
-                          "model": args.model, "etcd": etcd}), flush=True)
-        print(f"ready: OpenAI base_url {scheme}://{args.host}:{http_port}/v1, gRPC {args.host}:{grpc_port} "
-              "(kvmesh.v1.Router; reflection and health on). Ctrl-C stops.", file=sys.stderr)
-        try:
-            while True:  # dead nodes are the supervisor's business: the front ends keep serving
-                await asyncio.sleep(3600)
-        finally:
-            await runner.cleanup()
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        with _signals_set(loop, stop):
+            runner, http_port = await start_http_server(router, args.host, args.http_port, token=keys,
+                                                        tls=tls_files)
+            freeze_start_up()  # the router's imports and tokenizer: never garbage, out of every full collection
+            scheme = "https" if tls_files else "http"
+            print(json.dumps({"grpc": f"{args.host}:{grpc_port}", "http": f"{scheme}://{args.host}:{http_port}/v1",
+                              "model": args.model, "etcd": etcd}), flush=True)
+            print(f"ready: OpenAI base_url {scheme}://{args.host}:{http_port}/v1, gRPC {args.host}:{grpc_port} "
+                  "(kvmesh.v1.Router; reflection and health on). Ctrl-C stops.", file=sys.stderr)
+            try:  # dead nodes are the supervisor's business: the front ends serve until a signal
+                await stop.wait()
+            finally:
+                faulthandler.dump_traceback_later(STOP_BOUND_S, exit=True)
+                await runner.cleanup()
 
     try:
         asyncio.run(main())
-    except KeyboardInterrupt:
-        pass
+    except KeyboardInterrupt:  # during start-up, before the loop took the signals
+        faulthandler.dump_traceback_later(STOP_BOUND_S, exit=True)
     finally:
         grpc_server.stop(grace=2)
         router.close()
+        faulthandler.cancel_dump_traceback_later()
+
+
+# How long the front ends may take to stop once signalled; past it, every thread's stack goes to stderr and the
+# process exits with status 1 rather than hang (what its supervisor or the test that stops it sees).
+STOP_BOUND_S = 30.0
+
+
+@contextlib.contextmanager
+def _signals_set(loop: asyncio.AbstractEventLoop, stop: asyncio.Event):
+    """SIGINT and SIGTERM set ``stop`` (and ``lifecycle.stopping``) instead of raising KeyboardInterrupt.
+
+    An exception raised by a signal lands wherever the main thread happens to be, inside the event loop's
+    own code or a lock it holds, and the loop's teardown can then wait forever; a handler that only sets an
+    event leaves the loop intact. The previous handlers come back on leaving (a later signal is ignored by
+    them: ``stopping`` is set)."""
+    def handle(signum, frame) -> None:
+        if not lifecycle.stopping.is_set():
+            lifecycle.stopping.set()
+            loop.call_soon_threadsafe(stop.set)
+
+    previous = {sig: signal.signal(sig, handle) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def run_serve(args: argparse.Namespace) -> int:

@@ -447,6 +447,9 @@ MUTATIONS = (
     Mutation("what commands stream between two steps waits for the next step's end", "kvmesh/node/engine_loop.py",
              "            if self._after_commands is not None:\n                self._after_commands()\n", "",
              ("tests/test_engine_loop.py",)),
+    Mutation("the front ends' signal raises inside the event loop again", "cluster/serve.py",
+             "            loop.call_soon_threadsafe(stop.set)\n", "            raise KeyboardInterrupt\n",
+             ("tests/test_lifecycle.py", "-k", "event_never")),
 )
 
 ASSERTION_FAILURES = ("AssertionError", "assert ", "Failed: DID NOT RAISE", "Failed: ")

@@ -23,6 +23,7 @@ from kvmesh.auth import TOKEN_ENV, generate_token
 from kvmesh.bench.late_writes import PATHS, LateWritesConfig, run_one
 from kvmesh.cluster.hosts import Hosts, can_create
 from kvmesh.cluster.local_launcher import LocalCluster
+from kvmesh.cluster.serve import STOP_BOUND_S
 from kvmesh.metadata.block_index import read_holdings
 from kvmesh.metadata.sealed_store import open_store
 from kvmesh.metadata.keys import KeyLayout
@@ -110,13 +111,14 @@ def wait_until(predicate, timeout_s: float = 60.0, what: str = "condition", poll
         time.sleep(poll_s)
 
 
-def start_router(hosts: Hosts, cluster: LocalCluster) -> tuple[subprocess.Popen, str]:
-    """``kvmesh router`` alone on host 1, learning the model from the nodes; returns it and its HTTP base URL."""
+def start_router(hosts: Hosts, cluster: LocalCluster, stderr) -> tuple[subprocess.Popen, str]:
+    """``kvmesh router`` alone on host 1, learning the model from the nodes, its stderr into the file ``stderr``;
+    returns it and its HTTP base URL."""
     h1 = hosts[1]
     proc = subprocess.Popen([*h1.exec_prefix, sys.executable, "-m", "kvmesh.cli", "router", "--etcd",
                              cluster.etcd_endpoint, "--cluster", cluster.cluster, "--host", h1.address,
                              "--http-port", "0", "--grpc-port", "0"],
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                            stdout=subprocess.PIPE, stderr=stderr, text=True,
                             env={**os.environ, TOKEN_ENV: cluster.token})
     info = json.loads(proc.stdout.readline())
     return proc, info["http"]
@@ -180,7 +182,8 @@ def _three_hosts(hosts, endpoint: str, placement: dict, args: list[str], token: 
         decode_stats = cluster.client("decode-0").stats(check=True)
         assert prefill_stats["bytes_sent"] > 0 and decode_stats["bytes_received"] == prefill_stats["bytes_sent"]
         assert prefill_stats["bytes_sent_shared_memory"] == 0  # other hosts' memory is never shared
-        router, url = start_router(hosts, cluster)
+        router_log = tempfile.TemporaryFile("w+")
+        router, url = start_router(hosts, cluster, router_log)
         try:
             shared = prompt(7, 96)
             first = complete(url, shared + prompt(8, 20))
@@ -189,12 +192,15 @@ def _three_hosts(hosts, endpoint: str, placement: dict, args: list[str], token: 
             assert second["usage"]["prompt_tokens_details"]["cached_tokens"] >= 80  # the shared prefix, reused
         finally:
             router.terminate()
-            try:
-                assert router.wait(timeout=30) == 0  # a SIGTERM'd router exits cleanly
+            try:  # a SIGTERM'd router exits cleanly (one that cannot prints every thread's stack and exits 1)
+                code = router.wait(timeout=STOP_BOUND_S + 15)
+                router_log.seek(0)
+                assert code == 0, f"the router exited with {code}: {router_log.read()[-6000:]}"
             finally:
                 if router.poll() is None:  # never leave it behind, even when the assertion fails
                     router.kill()
                     router.wait()
+                router_log.close()
 
 
 def test_a_host_link_going_down_and_coming_back(hosts):

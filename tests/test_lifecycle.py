@@ -113,6 +113,41 @@ def test_a_stopping_process_restarts_no_child():
         supervisor.close()
 
 
+def test_the_front_ends_take_a_signal_as_an_event_never_as_an_exception_inside_the_loop():
+    """A SIGTERM while the router's event loop runs its own code (here: inside a critical section) raises nothing
+    there: it sets the loop's stop event and ``lifecycle.stopping``, and the loop winds down intact; the
+    process's own handlers come back afterwards."""
+    import asyncio
+    import threading
+
+    from kvmesh import lifecycle
+    from kvmesh.cluster.serve import _signals_set
+
+    previous = {sig: signal.signal(sig, lifecycle.sigterm_handler()) for sig in (signal.SIGTERM, signal.SIGINT)}
+    lock = threading.Lock()
+
+    async def main() -> bool:
+        stop = asyncio.Event()
+        with _signals_set(asyncio.get_running_loop(), stop):
+            with lock:
+                os.kill(os.getpid(), signal.SIGTERM)
+                sum(range(100_000))  # the handler runs here, between two bytecodes of the loop's thread
+            await asyncio.wait_for(stop.wait(), 10)
+            return stop.is_set()
+
+    try:
+        try:
+            assert asyncio.run(main())
+        except KeyboardInterrupt:
+            pytest.fail("the signal raised KeyboardInterrupt inside the event loop")
+        assert lifecycle.stopping.is_set() and not lock.locked()
+        assert signal.getsignal(signal.SIGTERM) is lifecycle.sigterm_handler()
+    finally:
+        lifecycle.stopping.clear()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
 def test_supervisor_backoff_doubles_and_max_restarts_count_within_the_window():
     """The restart policy on its own clock: 0.5, 1, 2 s backoffs (capped), left down at the window's limit;
     restarts older than the window no longer count."""
