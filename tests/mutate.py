@@ -450,6 +450,9 @@ MUTATIONS = (
     Mutation("the front ends' signal raises inside the event loop again", "cluster/serve.py",
              "            loop.call_soon_threadsafe(stop.set)\n", "            raise KeyboardInterrupt\n",
              ("tests/test_lifecycle.py", "-k", "event_never")),
+    Mutation("bench serve counts a prompt sent after a gap as beside it", "kvmesh/bench/serve_bench.py",
+             "for _, first in pending[:bisect.bisect_left(starts, b)])", "for _, first in pending)",
+             ("tests/test_router.py", "-k", "splits_gaps")),
 )
 
 ASSERTION_FAILURES = ("AssertionError", "assert ", "Failed: DID NOT RAISE", "Failed: ")

@@ -525,6 +525,26 @@ def test_one_client_holds_at_most_its_share_of_the_router(served):
             stream.close()
 
 
+def test_the_serve_benchmark_splits_gaps_by_whether_another_prompt_was_pending():
+    """A gap counts as beside a prompt when another request was sent before it ended and got its first token
+    after it began; a stream's own prompt never counts."""
+    from kvmesh.bench.serve_bench import Stream, gaps_beside_prompts
+
+    def stream(sent_at: float, *arrivals: float) -> Stream:
+        return Stream(arrivals[0] - sent_at, arrivals[-1] - sent_at, [], len(arrivals), sent_at, arrivals)
+
+    a = stream(0.0, 1.0, 2.0, 3.2, 4.0)  # gaps 1.0 and 1.2 s beside b's prompt (sent 1.5, first token 2.5)
+    b = stream(1.5, 2.5, 3.0)  # its gap: a's prompt long done
+    split = gaps_beside_prompts([a, b])
+    assert split["itl_beside_prompt_share"] == pytest.approx(2 / 4)
+    assert split["itl_beside_prompt_p99_ms"] == pytest.approx(1200.0)
+    assert split["itl_decode_only_p99_ms"] == pytest.approx(800.0)  # a's last gap (0.8 s) and b's (0.5 s)
+    alone = gaps_beside_prompts([stream(0.0, 1.0, 3.0)])
+    assert alone["itl_beside_prompt_share"] == 0.0 and alone["itl_decode_only_p99_ms"] == pytest.approx(2000.0)
+    late = gaps_beside_prompts([stream(0.0, 1.0, 2.0), stream(2.0, 2.5)])  # sent as the gap ended: not beside it
+    assert late["itl_beside_prompt_share"] == 0.0
+
+
 def test_the_serve_benchmark_client_times_every_streamed_token(served):
     """``kvmesh bench serve``'s client against the real endpoint: every request streams its max_tokens, one
     inter-token gap per token after the first, TTFT within the request's time; an error event is raised."""
@@ -539,6 +559,9 @@ def test_the_serve_benchmark_client_times_every_streamed_token(served):
     assert all(0 < s.ttft_s <= s.e2e_s <= seconds for s in streams)
     summary = serve_bench.summarize(streams, seconds)
     assert summary["requests"] == 5 and summary["output_tok_s"] == pytest.approx(sum(6 + i for i in range(5)) / seconds)
+    assert all(len(s.arrivals) == s.num_tokens and s.arrivals[0] - s.sent_at == pytest.approx(s.ttft_s)
+               for s in streams)
+    assert 0.0 < summary["itl_beside_prompt_share"] < 1.0  # 5 requests, 3 at a time: the last two start mid-stream
     with pytest.raises(RuntimeError, match="HTTP 400"):
         serve_bench.drive(target, "tiny-llama", [BenchRequest([], 4)], concurrency=1)
 

@@ -15,6 +15,7 @@ Every process this starts is stopped when it ends, however it ends.
 """
 from __future__ import annotations
 
+import bisect
 import http.client
 import json
 import os
@@ -38,6 +39,8 @@ class Stream(NamedTuple):
     e2e_s: float
     itl_s: list[float]  # between successive chunks that carried tokens
     num_tokens: int
+    sent_at: float = 0.0  # when the request was sent (the client's perf_counter)
+    arrivals: tuple[float, ...] = ()  # when each token's chunk came (same clock)
 
 
 class Target(NamedTuple):
@@ -76,7 +79,7 @@ def _post_stream(base_url: str, body: dict, timeout_s: float) -> Stream:
         # the token count are such flushes.
         arrivals = arrivals[:num_tokens]
         itl = [b - a for a, b in zip(arrivals, arrivals[1:])]
-        return Stream(arrivals[0] - start if arrivals else 0.0, end - start, itl, num_tokens)
+        return Stream(arrivals[0] - start if arrivals else 0.0, end - start, itl, num_tokens, start, tuple(arrivals))
     finally:
         conn.close()
 
@@ -106,7 +109,27 @@ def summarize(streams: list[Stream], seconds: float, client_cpu_s: float = 0.0) 
         for q in (50, 90, 99):
             out[f"{name}_p{q}_ms"] = percentile(values, q / 100)
     out["itl_max_ms"] = max(itl, default=0.0)  # the longest stall any stream saw
+    out.update(gaps_beside_prompts(streams))
     return out
+
+
+def gaps_beside_prompts(streams: list[Stream]) -> dict:
+    """Inter-token gaps split by whether another request's prompt was pending during them (sent, its first
+    token not yet back): what a server's ITL tail is made of, read from the client side alone (any server).
+    A gap beside a prompt is one where that server may have computed the prompt between two of this stream's
+    tokens; a decode-only gap is one where no request was waiting for its first token."""
+    pending = sorted((s.sent_at, s.arrivals[0]) for s in streams if s.arrivals)
+    starts = [sent_at for sent_at, _ in pending]
+    beside, alone = [], []
+    for s in streams:
+        for a, b in zip(s.arrivals, s.arrivals[1:]):
+            # a prompt sent before the gap ended whose first token came after it began (never the stream's own:
+            # its first token came before any of its gaps)
+            hit = any(first > a for _, first in pending[:bisect.bisect_left(starts, b)])
+            (beside if hit else alone).append((b - a) * 1e3)
+    total = len(beside) + len(alone)
+    return {"itl_beside_prompt_share": len(beside) / total if total else 0.0,
+            "itl_beside_prompt_p99_ms": percentile(beside, 0.99), "itl_decode_only_p99_ms": percentile(alone, 0.99)}
 
 
 def _wait_http(base_url: str, path: str, timeout_s: float, proc: subprocess.Popen) -> None:
@@ -289,12 +312,14 @@ def run(args) -> dict:
         t.update(ratios)
         rows.append([name, f"{t['ttft_p50_ms']:.0f}", f"{t['ttft_p99_ms']:.0f}", f"{t['itl_p50_ms']:.1f}",
                      f"{t['itl_p99_ms']:.1f}", f"{t['itl_max_ms']:.0f}", f"{t['tpot_p50_ms']:.1f}",
-                     f"{t['output_tok_s']:.0f}",
+                     f"{t['output_tok_s']:.0f}", f"{t['itl_beside_prompt_share']:.2f}",
+                     f"{t['itl_beside_prompt_p99_ms']:.1f}", f"{t['itl_decode_only_p99_ms']:.1f}",
                      f"{ratios[f'ttft_p50_ms_vs_{first}']:.2f}x", f"{ratios[f'itl_p50_ms_vs_{first}']:.2f}x",
                      f"{t['client_cpu_share']:.2f}"])
     print_table(f"{args.model}, concurrency {args.concurrency}, {len(rounds[0])} requests x {args.rounds} rounds "
                 f"({args.groups} prefixes of {args.system_len} tokens)",
                 ["target", "TTFT p50 ms", "p99", "ITL p50 ms", "p99", "max", "TPOT p50 ms", "out tok/s",
+                 "gaps beside a prompt", "their ITL p99", "decode-only ITL p99",
                  f"TTFT vs {first}", f"ITL vs {first}", "client CPU (cores)"], rows)
     write_json(args.json, res)
     return res
