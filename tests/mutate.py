@@ -453,6 +453,9 @@ MUTATIONS = (
     Mutation("bench serve counts a prompt sent after a gap as beside it", "kvmesh/bench/serve_bench.py",
              "for _, first in pending[:bisect.bisect_left(starts, b)])", "for _, first in pending)",
              ("tests/test_router.py", "-k", "splits_gaps")),
+    Mutation("a decode step another node shared the cores of is a chooser sample", "kvmesh/node/core_share.py",
+             "            if self.num_busy() == busy:\n", "            if True:\n",
+             ("tests/test_core_share.py", "-k", "no_sample")),
 )
 
 ASSERTION_FAILURES = ("AssertionError", "assert ", "Failed: DID NOT RAISE", "Failed: ")

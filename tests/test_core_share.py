@@ -189,6 +189,25 @@ def test_decode_only_steps_are_sized_by_the_chooser_and_timed_for_it(table):
     decode.close()
 
 
+def test_a_decode_step_another_node_shared_the_cores_of_is_no_sample(table):
+    """A decode-only step during which another node started (or ended) work ran on cores it was not sized for:
+    the chooser never sees it, so a probe cannot pick the slower count for the whole hold."""
+    recorder = _Recorder()
+    decode = CoreShare(table.fd, table.slot_of("decode-0"), 2, chooser=recorder)
+    prefill = CoreShare(table.fd, table.slot_of("prefill-0"), 2)
+    decode.set_busy(True)
+    assert decode.fit_threads(False) == 1  # the probe's first count
+    prefill.set_busy(True)  # mid-step
+    decode.end_step(0.30)
+    assert recorder.recorded == [] and decode.num_mixed_steps == 1
+    assert decode.fit_threads(False) == 1  # (1, 1) now: one candidate, nothing to probe
+    decode.end_step(0.12)
+    prefill.set_busy(False)
+    assert decode.fit_threads(False) == 1  # the probe of (1, 2) starts again where it was
+    decode.end_step(0.09)
+    assert recorder.recorded == [(1, 1, 1, 0.12), (1, 2, 1, 0.09)]  # steps the share held through: samples
+
+
 def test_start_up_measurements_take_turns_and_hold_every_core(table):
     """``alone`` (a node's start-up probe): while one node of the table measures, another waits for its turn,
     and the measuring node is marked busy and computes on every core. Probes of nodes started together used to

@@ -64,18 +64,40 @@ def test_loaded_cpu_model_is_packed_and_exports_its_dense_weights(monkeypatch):
     assert not can_pack(CPU, torch.float16)
 
 
-def test_packing_is_off_by_default_where_the_cpu_has_amx(monkeypatch):
-    """Measured: packed linears are slower than F.linear where oneDNN has AMX kernels (docs/benchmarks.md)."""
+def test_onednn_packing_is_off_by_default_where_the_cpu_has_amx_and_the_native_panels_are_not(monkeypatch):
+    """Measured: oneDNN-packed linears are slower than F.linear where oneDNN has AMX kernels (docs/benchmarks.md);
+    float32 weights still go to the native kernel's panels there (AMX has no float32 tiles; a decode step on
+    them measured faster than F.linear's sgemm on a 2-core AMX machine)."""
     from kvmesh.model import cpu_linear
 
     monkeypatch.delenv("KVMESH_PACKED_LINEAR", raising=False)
     monkeypatch.setattr(cpu_linear, "cpu_features", lambda: ["amx_bf16", "amx_tile", "avx512_bf16", "avx512f"])
-    assert not can_pack(CPU, torch.float32) and not can_pack(CPU, torch.bfloat16)
+    assert not can_pack(CPU, torch.bfloat16)
+    monkeypatch.setattr(cpu_linear, "native_linear_wanted", lambda: True)
+    assert can_pack(CPU, torch.float32)  # the native panels
+    monkeypatch.setattr(cpu_linear, "native_linear_wanted", lambda: False)
+    assert not can_pack(CPU, torch.float32)  # oneDNN's layout: off with AMX
     monkeypatch.setenv("KVMESH_PACKED_LINEAR", "1")
     assert can_pack(CPU, torch.float32)
+    monkeypatch.setenv("KVMESH_PACKED_LINEAR", "0")
+    monkeypatch.setattr(cpu_linear, "native_linear_wanted", lambda: True)
+    assert not can_pack(CPU, torch.float32)
     monkeypatch.delenv("KVMESH_PACKED_LINEAR")
+    monkeypatch.setattr(cpu_linear, "native_linear_wanted", lambda: False)
     monkeypatch.setattr(cpu_linear, "cpu_features", lambda: ["avx2", "avx512_bf16", "avx512f"])
     assert can_pack(CPU, torch.float32)
+
+
+def test_a_float32_model_on_a_cpu_with_the_native_kernel_decodes_on_its_panels(monkeypatch):
+    """Where the native kernel is built, a float32 CPU model's linears are its panels, AMX or not."""
+    if not native.has_linear():
+        pytest.skip("the native float32 kernel is not built for this CPU (no AVX2 with FMA)")
+    monkeypatch.delenv("KVMESH_PACKED_LINEAR", raising=False)
+    monkeypatch.delenv("KVMESH_NATIVE_LINEAR", raising=False)
+    model = load_model("tiny-llama").model
+    packed = [m for m in model.modules() if isinstance(m, PackedLinear)]
+    assert packed and not any(isinstance(m, nn.Linear) for m in model.modules())
+    assert all(m.panels is not None for m in packed)
 
 
 

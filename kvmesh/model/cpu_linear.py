@@ -10,9 +10,9 @@ equal to rounding in fp32 (accumulation order).
 ``pack_linears(model)`` swaps every ``nn.Linear`` of a CPU model for a
 ``PackedLinear`` in place; ``state_dict()`` still yields the dense weights (so
 ``hf_state_dict`` and reference models keep working). A tied head gets its own
-packed copy, the embedding keeps the dense table. Not on CPUs with AMX, where it
-measured slower (``can_pack``). ``KVMESH_PACKED_LINEAR=0`` turns packing off, ``=1``
-forces it (for A/B runs).
+packed copy, the embedding keeps the dense table. oneDNN's layout not on CPUs with AMX,
+where it measured slower (``can_pack``); the native float32 panels below everywhere they
+are built. ``KVMESH_PACKED_LINEAR=0`` turns packing off, ``=1`` forces it (for A/B runs).
 
 A float32 weight is packed instead into the panels of the native kernel ``kernels/cpu/linear_f32.c``
 where the CPU has AVX2 and FMA (``has_linear``): a decode step's few rows are the time to read the
@@ -34,14 +34,20 @@ PACKING_BATCH_HINT = 16
 
 
 def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
-    """True where packing is available and wanted: CPU without AMX, oneDNN built in, a dtype it packs.
+    """True where packing is available and wanted: float32 weights into the native kernel's panels wherever it is
+    built (AMX or not: AMX has no float32 tiles, and ``F.linear``'s sgemm reads a decode step's weights slower
+    than the panels do); otherwise oneDNN's layout on a CPU without AMX, for a dtype it packs.
 
-    On a CPU with AMX tiles (an Intel Sapphire Rapids, 16 threads) packing measured 1.85x *slower*
+    On a CPU with AMX tiles (an Intel Sapphire Rapids, 16 threads) oneDNN packing measured 1.85x *slower*
     in a batch-16 bf16 decode (393 vs 728 tok/s): there ``F.linear`` already reaches oneDNN's AMX
     kernels, while the packed path does not. ``KVMESH_PACKED_LINEAR=1`` forces it, ``=0`` turns it off.
     """
     forced = os.environ.get("KVMESH_PACKED_LINEAR", "")
-    if forced == "0" or device.type != "cpu" or not torch.backends.mkldnn.is_available():
+    if forced == "0" or device.type != "cpu":
+        return False
+    if dtype == torch.float32 and native_linear_wanted():
+        return True
+    if not torch.backends.mkldnn.is_available():
         return False
     if forced != "1" and "amx_tile" in cpu_features():
         return False

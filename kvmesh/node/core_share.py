@@ -78,7 +78,9 @@ class CoreShare:
         self._map[slot] = 0  # a restart clears what a dead predecessor left marked
         self.num_threads = 0  # what this thread computes on now (0: not set yet)
         self.chooser = chooser or DecodeThreadChooser()
-        self._step: tuple[int, int, int] | None = None  # the decode-only step sized last: (fewer, more, threads)
+        self._step: tuple[int, int, int, int] | None = None  # the decode-only step sized last: (fewer, more,
+        #                                                       threads, nodes with work then)
+        self.num_mixed_steps = 0  # decode-only steps left out of the chooser: other nodes' work changed during them
 
     @classmethod
     def from_argument(cls, value: str) -> CoreShare:
@@ -149,14 +151,20 @@ class CoreShare:
         else:
             fewer, more = self.decode_candidates()
             n = self.chooser.pick(fewer, more)
-            self._step = (fewer, more, n)
+            self._step = (fewer, more, n, self.num_busy())
         self._set_threads(n)
         return n
 
     def end_step(self, seconds: float) -> None:
-        """After the step ``fit_threads`` sized, with its wall time: a decode-only one's goes to the chooser."""
+        """After the step ``fit_threads`` sized, with its wall time: a decode-only one's goes to the chooser, unless
+        the nodes with work changed while it ran (another node's step shared the cores it was sized for: a sample
+        of neither count, and a probe that kept it could pick the slower one for the whole hold)."""
         if self._step is not None:
-            self.chooser.record(*self._step, seconds)
+            fewer, more, threads, busy = self._step
+            if self.num_busy() == busy:
+                self.chooser.record(fewer, more, threads, seconds)
+            else:
+                self.num_mixed_steps += 1
             self._step = None
 
     def close(self) -> None:

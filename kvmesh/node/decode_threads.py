@@ -34,7 +34,7 @@ class _PairState:
 
 
 class DecodeThreadChooser:
-    def __init__(self, probe_steps: int = 12, hold_steps: int = 1500, margin: float = 0.05):
+    def __init__(self, probe_steps: int = 12, hold_steps: int = 400, margin: float = 0.05):
         if probe_steps < 1 or hold_steps < 1 or not 0 <= margin < 1:
             raise ValueError(f"probe_steps {probe_steps}, hold_steps {hold_steps}, margin {margin}: out of range")
         self.probe_steps = probe_steps
