@@ -19,7 +19,7 @@
  *
  * A query head h reads KV head h / (num_heads / num_kv_heads) (grouped-query attention); the group's
  * query rows are processed together so every key row is loaded once per KV head. Keys are read in one pass
- * and values in a second, each prefetching the next block of what it reads; on AVX2 machines without AVX-512,
+ * and values in a second, each prefetching the next block of what it reads; on AVX2 machines (AVX-512 ones too),
  * eight key rows are dotted at a time (one horizontal sum per eight scores) and value rows are summed into
  * accumulators held in registers over a block's rows.
  * Returns 0, -1 when scratch space cannot be allocated, -2 for shapes it does not take.
@@ -32,7 +32,8 @@
 #ifdef __AVX512BF16__
 #define HAVE_AVX512_BF16 1
 #endif
-#elif defined(__AVX2__) && defined(__FMA__)
+#endif
+#if defined(__AVX2__) && defined(__FMA__) /* AVX-512 machines too: the block paths below beat a row at a time */
 #include <immintrin.h>
 #define HAVE_AVX2 1
 #endif
