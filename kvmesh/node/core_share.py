@@ -130,10 +130,10 @@ class CoreShare:
         """Nodes with work now, this one counted if it has."""
         return self._map[:].count(1)
 
-    def decode_candidates(self) -> tuple[int, int]:
+    def decode_candidates(self, num_busy: int | None = None) -> tuple[int, int]:
         """A decode-only step's two thread counts: the share of the cores less the one left to the machinery,
-        and the whole share (each at least 1)."""
-        busy = max(1, self.num_busy())
+        and the whole share (each at least 1), among ``num_busy`` nodes with work (None: the table now)."""
+        busy = max(1, self.num_busy() if num_busy is None else num_busy)
         return max(1, (self.num_cores - 1) // busy), max(1, self.num_cores // busy)
 
     def threads_now(self, computes_prompts: bool = True) -> int:
@@ -149,9 +149,10 @@ class CoreShare:
         if computes_prompts:
             n, self._step = self.threads_now(), None
         else:
-            fewer, more = self.decode_candidates()
+            busy = self.num_busy()  # one read: what the step is sized for is what its sample is checked against
+            fewer, more = self.decode_candidates(busy)
             n = self.chooser.pick(fewer, more)
-            self._step = (fewer, more, n, self.num_busy())
+            self._step = (fewer, more, n, busy)
         self._set_threads(n)
         return n
 
