@@ -129,3 +129,22 @@ def test_a_mixture_of_experts_has_no_fixed_step_bytes():
 
     assert step_bytes(LLM("tiny-qwen3-moe", num_kv_blocks=16, progress=False), 4, 10.0) is None
     assert step_bytes(LLM("tiny-llama", num_kv_blocks=16, progress=False), 4, 10.0) > 0
+
+
+def test_the_benchmarks_memory_warmup_touches_every_page_then_frees_it():
+    import subprocess
+    import sys
+
+    from kvmesh.bench.memory_warmup import available_gib, resolve_gib
+
+    code = ("from kvmesh.bench.memory_warmup import touch_and_free\n"
+            "def mib(key): return [int(l.split()[1]) // 1024 for l in open('/proc/self/status') if l.startswith(key)][0]\n"
+            "before = mib('VmRSS:')\n"
+            "touch_and_free(0.25)\n"
+            "print(before, mib('VmHWM:'), mib('VmRSS:'))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
+    before, peak, after = map(int, out.stdout.split())
+    assert peak - before >= 240  # MiB: every page of the 256 was written once (the process's own high-water mark)
+    assert after - before < 32  # and given back
+    assert resolve_gib(0) == 0 and resolve_gib(2.5) == 2.5
+    assert 0 < resolve_gib(-1) <= available_gib()

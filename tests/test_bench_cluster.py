@@ -123,9 +123,10 @@ def test_the_shifting_workload_reports_every_mode_and_phase(tmp_path):
     path = tmp_path / "shift.json"
     assert main(["bench", "cluster", "--workload", "shifting", "--modes", "auto", "--phases", "2",
                  "--per-phase", "6", "--long-prompt-len", "96", "--long-output-len", "16", "--concurrency", "3",
-                 "--role-interval-s", "0.2", "--json", str(path), "--plots", str(tmp_path / "plots")]) == 0
+                 "--role-interval-s", "0.2", "--touch-memory-gib", "0.1", "--json", str(path),
+                 "--plots", str(tmp_path / "plots")]) == 0
     res = json.loads(path.read_text())
-    assert set(res["modes"]) == {"auto"}
+    assert set(res["modes"]) == {"auto"} and res["memory_touched_gib"] == 0.1
     m = res["modes"]["auto"]
     assert m["lost"] == 0 and m["failed"] == 0 and m["goodput_rps"] >= 0 and m["role_changes"] >= 0
     assert [p["name"] for p in m["phases"]] == ["prefill-heavy", "decode-heavy"]
@@ -145,7 +146,7 @@ def test_the_moved_shifting_mode_moves_one_node_before_the_first_request_and_hol
     path = tmp_path / "shift.json"
     assert main(["bench", "cluster", "--workload", "shifting", "--modes", "2p1d-moved", "--phases", "2",
                  "--per-phase", "4", "--long-prompt-len", "96", "--long-output-len", "12", "--concurrency", "2",
-                 "--role-interval-s", "0.2", "--json", str(path)]) == 0
+                 "--role-interval-s", "0.2", "--touch-memory-gib", "0", "--json", str(path)]) == 0
     m = json.loads(path.read_text())["modes"]["2p1d-moved"]
     assert m["lost"] == 0 and m["failed"] == 0 and m["role_changes"] == 0
     assert m["nodes"] == {"prefill": 1, "decode": 2}  # the shape it started with

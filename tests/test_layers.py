@@ -12,7 +12,7 @@ from tests.source_tree import source_modules
 LAYERS = [
     ("base", ["kvmesh.errors", "kvmesh.wire", "kvmesh.auth", "kvmesh.lifecycle", "kvmesh.netaddr", "kvmesh.cpu_info",
               "kvmesh.device", "kvmesh.rate_meter", "kvmesh.router_endpoint", "kvmesh.native_build",
-              "kvmesh.gc_pauses", "kvmesh.tracing", "kvmesh.file_lock"]),
+              "kvmesh.gc_pauses", "kvmesh.tracing", "kvmesh.file_lock", "kvmesh.openmp_pool"]),
     ("kernels", ["kvmesh.kernels"]),
     ("model", ["kvmesh.model", "kvmesh.tokenizer", "kvmesh.detokenizer"]),
     ("kv", ["kvmesh.kv"]),

@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from kvmesh.kv import fast_crc
+from kvmesh.openmp_pool import serial_this_thread
 
 _PARALLEL_CHECKSUM_BYTES = 8 * 2**20  # shorter lists are checksummed on the calling thread
 
@@ -25,7 +26,8 @@ class KVChecksummer:
         self.kv_buffer = kv_buffer
         self.block_bytes = kv_buffer[0].numel() * kv_buffer.element_size()
         self._num_threads = min(4, os.cpu_count() or 1)
-        self._threads = ThreadPoolExecutor(self._num_threads, thread_name_prefix=f"kvmesh-crc-{name}") \
+        self._threads = ThreadPoolExecutor(self._num_threads, thread_name_prefix=f"kvmesh-crc-{name}",
+                                           initializer=serial_this_thread) \
             if self._num_threads > 1 else None
 
     def per_block(self, fn: Callable[[list], list[int]], items: list) -> list[int]:

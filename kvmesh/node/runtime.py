@@ -44,6 +44,7 @@ from kvmesh.kv.shared_buffer import SharedKVAllocator
 from kvmesh.kv.tiers.tiered_cache import TierConfig, TieredCache, auto_host_bytes
 from kvmesh.metadata.records import ComputeProbe, KVLayoutRecord, ModelCard, NodeRecord
 from kvmesh.model.loader import load_model
+from kvmesh.openmp_pool import release_this_threads_pool, serial_this_thread
 from kvmesh.node.placement import make_placement
 from kvmesh.node import messages as nm
 from kvmesh.node.core_share import CoreShare
@@ -208,7 +209,8 @@ class NodeRuntime:
                                    checksummer=checksummer, checksums=checksums, tiers=self.tiers,
                                    compute=self)  # ComputeAndPush: this node's prefill work, when it has any
         self.gc_pauses = GCPauses()  # installed when serving starts (stats: every collection's pause)
-        self.workers = ThreadPoolExecutor(16, thread_name_prefix=f"kvmesh-{cfg.node_id}")
+        # (restores from tiers into leases copy with torch: alone on their thread, no OpenMP team of their own)
+        self.workers = ThreadPoolExecutor(16, thread_name_prefix=f"kvmesh-{cfg.node_id}", initializer=serial_this_thread)
         self.endpoint = RouterEndpoint(cfg.host, self._on_request, f"requests-{cfg.node_id}", self.auth,
                                        advertise=self.advertise_host)
 
@@ -280,6 +282,7 @@ class NodeRuntime:
         self.before_serving()
         freeze_start_up()  # the model, the pool, the stacks: never garbage, no longer walked by full collections
         self.gc_pauses.install()
+        release_this_threads_pool()  # the start-up computed here; from now on only the engine thread's team runs
         self.loop.start()
         if self.tiers is not None:
             self.tiers.start()

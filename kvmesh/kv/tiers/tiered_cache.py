@@ -42,6 +42,7 @@ from kvmesh.kv.block_pool import NO_BLOCK, BlockPool
 from kvmesh.kv.tiers.media import DiskLayout, DiskMedium, HostMedium
 from kvmesh.kv.block_checksums import BlockChecksums
 from kvmesh.kv.tiers.tier_store import TierEntry, TierStore, block_checksum
+from kvmesh.openmp_pool import serial_this_thread
 from kvmesh.rate_meter import RateMeter
 
 log = logging.getLogger("kvmesh.tiers")
@@ -336,6 +337,7 @@ class TieredCache:
     def _run(self) -> None:
         """Look at the next victims whenever tier 0's free queue moved (the pool's ``queue_moved``), at most
         every ``look_gap_s`` (a burst of frees and allocations is one look); asleep while nothing moves."""
+        serial_this_thread()  # its copies make no OpenMP team beside the engine thread's (kvmesh/openmp_pool.py)
         moved_event = self.pool.queue_moved
         while not self._stop.is_set():
             moved_event.clear()  # before the look: a move during it brings the next one
