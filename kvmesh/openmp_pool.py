@@ -15,7 +15,6 @@ both do nothing.
 from __future__ import annotations
 
 import ctypes
-import functools
 import logging
 import sys
 
@@ -24,9 +23,13 @@ log = logging.getLogger(__name__)
 OMP_PAUSE_SOFT = 1  # omp_pause_resource_t: threads released, the runtime's state kept
 
 
-@functools.cache
+_loaded: list[ctypes.CDLL] = []  # the library once found (a search that found none is repeated: torch may load later)
+
+
 def _libgomp() -> ctypes.CDLL | None:
     """The GNU OpenMP library this process has loaded (PyTorch's own copy where it ships one), else None."""
+    if _loaded:
+        return _loaded[0]
     try:
         with open("/proc/self/maps") as maps:
             paths = {line.split()[-1] for line in maps if "libgomp" in line and line.rstrip().endswith(".so.1")}
@@ -38,9 +41,10 @@ def _libgomp() -> ctypes.CDLL | None:
             lib.omp_pause_resource_all.argtypes = [ctypes.c_int]
             lib.omp_pause_resource_all.restype = ctypes.c_int
             lib.omp_set_num_threads.argtypes = [ctypes.c_int]
-            return lib
         except (OSError, AttributeError):
             continue
+        _loaded.append(lib)
+        return lib
     return None
 
 
@@ -61,9 +65,9 @@ def serial_this_thread() -> bool:
     own and no one else's), so a side thread that copies KV (a tier's demotions, a restore into a lease) makes
     no team of its own beside the engine thread's. Called at the start of such threads (a pool's
     ``initializer``); False where torch or GNU OpenMP is not loaded (nothing to do)."""
-    lib = _libgomp()
     torch = sys.modules.get("torch")
-    if lib is None or torch is None:
+    lib = _libgomp() if torch is not None else None
+    if lib is None:
         return False
     torch.get_num_threads()  # torch sets a thread's OpenMP count at its first parallel loop: done now, not later
     lib.omp_set_num_threads(1)

@@ -456,6 +456,18 @@ MUTATIONS = (
     Mutation("a decode step another node shared the cores of is a chooser sample", "kvmesh/node/core_share.py",
              "            if self.num_busy() == busy:\n", "            if True:\n",
              ("tests/test_core_share.py", "-k", "no_sample")),
+    Mutation("the tier demoter's copies make an OpenMP team of their own", "kvmesh/kv/tiers/tiered_cache.py",
+             "        serial_this_thread()  # its copies", "        pass  # its copies",
+             ("tests/test_openmp_pool.py", "-k", "demoter")),
+    Mutation("a serial side thread keeps its OpenMP thread count", "kvmesh/openmp_pool.py",
+             "    lib.omp_set_num_threads(1)\n", "",
+             ("tests/test_openmp_pool.py", "-k", "released_pool")),
+    Mutation("a released OpenMP pool is kept", "kvmesh/openmp_pool.py",
+             "    refused = lib.omp_pause_resource_all(OMP_PAUSE_SOFT)\n", "    refused = 0\n",
+             ("tests/test_openmp_pool.py", "-k", "released_pool")),
+    Mutation("the benchmarks' memory warm-up touches one page in 64", "kvmesh/bench/memory_warmup.py",
+             "        pages[::PAGE] = 1", "        pages[::PAGE * 64] = 1",
+             ("tests/test_bench_cli.py", "-k", "memory_warmup")),
 )
 
 ASSERTION_FAILURES = ("AssertionError", "assert ", "Failed: DID NOT RAISE", "Failed: ")

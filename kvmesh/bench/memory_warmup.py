@@ -1,12 +1,11 @@
-"""Memory touched once before a benchmark starts its servers, so that every server starts on equal memory.
+"""Memory touched once before a benchmark starts its servers, so that none starts on memory never touched before.
 
-On this project's machines (a sandboxed VM) a process that allocates memory nobody touched since the sandbox
-grew computes slower on it than one that gets memory touched and freed before: with two identical ``kvmesh
-serve`` targets in one ``kvmesh bench serve`` run, the one started first decoded about a fifth slower in every
-run, whichever configuration it was, and after a process had touched and freed several GiB first the two
-were within a few percent of each other (``docs/benchmarks.md``, session 41). A benchmark comparing servers
-started one after another therefore touches that much memory page by page and frees it before it starts
-any of them (``touch_and_free``).
+On this project's machines (a sandboxed VM) servers started one after another in one benchmark do not compute
+equally fast: with two identical ``kvmesh serve`` targets in one ``kvmesh bench serve`` run, the one started
+first decoded about a fifth slower, and once a process had touched and freed several GiB first the two were
+within a few percent. Over more runs the warm-up made the gap smaller, not always gone
+(``docs/benchmarks.md``, session 41), so a benchmark that starts servers one after another touches that much
+memory page by page and frees it before it starts any of them (``touch_and_free``), and says so in its JSON.
 """
 from __future__ import annotations
 
