@@ -258,11 +258,12 @@ def test_every_prompt_token_is_counted_once(cluster, reference):
     assert run("decode-0", shared + prompt(501, 30))["tokens_from_prefill_node"] > 0
     assert run("decode-0", shared + prompt(502, 5))["tokens_reused_local"] >= 80
     assert run("decode-1", prompt(503, 9))["tokens_computed"] == 9  # under a block: nothing to fetch
-    for attempt in range(100):  # until decode-1 sees the shared prefix in the global index (asynchronous)
-        if run("decode-1", shared + prompt(600 + attempt, 21))["tokens_reused_remote"] >= 80:
-            break
-    else:
-        pytest.fail("decode-1 never reused the shared prefix from a peer")
+    # A prefix held by a peer only: decode-2 computes it (no prefill node holds it, so no prefill node can offer it
+    # from its own cache), and decode-1 fetches it from there once the global index has it.
+    held_by_peer = prompt(504, 80)
+    assert cluster.client("decode-2").generate(held_by_peer + prompt(505, 7), GREEDY).error == ""
+    wait_until_published(cluster, held_by_peer, 5)
+    assert run("decode-1", held_by_peer + prompt(506, 21))["tokens_reused_remote"] >= 80
     for node_id, stats in before.items():
         after = cluster.client(node_id).stats()
         assert {k: after[f"prompt_{k}"] - stats[f"prompt_{k}"] for k in keys} == totals[node_id]
