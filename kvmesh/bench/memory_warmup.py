@@ -10,6 +10,7 @@ memory page by page and frees it before it starts any of them (``touch_and_free`
 from __future__ import annotations
 
 import mmap
+import sys
 import time
 
 PAGE = 4096
@@ -50,3 +51,19 @@ def touch_and_free(gib: float) -> float:
     finally:
         region.close()
     return time.perf_counter() - start
+
+
+def add_argument(p, before: str) -> None:
+    """``--touch-memory-gib`` on a benchmark's parser (or group); ``before``: what the touch comes before."""
+    p.add_argument("--touch-memory-gib", type=float, default=-1.0,
+                   help=f"GiB of memory touched page by page and freed before {before} (kvmesh/bench/memory_warmup.py; "
+                        "-1: 60%% of the memory available; 0: none)")
+
+
+def warm_up(gib: float, res: dict) -> None:
+    """``--touch-memory-gib``'s value resolved, touched and freed (said on stderr), and recorded in the benchmark's
+    JSON ``res`` as ``memory_touched_gib``."""
+    touched = res["memory_touched_gib"] = round(resolve_gib(gib), 1)
+    if touched > 0:
+        print(f"touching {touched:.1f} GiB of memory before anything starts ...", file=sys.stderr)
+        touch_and_free(touched)

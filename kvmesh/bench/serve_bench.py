@@ -31,7 +31,7 @@ from contextlib import ExitStack, contextmanager
 from typing import NamedTuple
 
 from kvmesh.bench import workloads as wl
-from kvmesh.bench.memory_warmup import resolve_gib, touch_and_free
+from kvmesh.bench import memory_warmup
 from kvmesh.bench.report import percentile
 
 
@@ -265,11 +265,7 @@ def run(args) -> dict:
                               "question_len": args.question_len, "output_len": args.output_len},
                  "rounds": args.rounds, "targets": {}}
     ctx_per_slot = args.system_len + args.question_len + args.output_len + 64
-    touched = resolve_gib(args.touch_memory_gib)
-    if touched > 0:  # every target starts on memory touched before (kvmesh/bench/memory_warmup.py)
-        print(f"touching {touched:.1f} GiB of memory before the targets start ...", file=sys.stderr)
-        touch_and_free(touched)
-    res["memory_touched_gib"] = round(touched, 1)
+    memory_warmup.warm_up(args.touch_memory_gib, res)  # every target starts on memory touched before
     with ExitStack() as stack:
         targets = []
         for name in names:
@@ -355,6 +351,4 @@ def add_arguments(p) -> None:
     p.add_argument("--rounds", type=int, default=2, help="every target runs the workload this many times, in turns")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--start-timeout", type=float, default=600.0, help="seconds a target may take to start")
-    p.add_argument("--touch-memory-gib", type=float, default=-1.0,
-                   help="GiB of memory touched page by page and freed before any target starts, so that each starts "
-                        "on memory touched before (-1: 60%% of the memory available; 0: none)")
+    memory_warmup.add_argument(p, "any target starts")

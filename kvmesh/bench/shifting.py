@@ -24,6 +24,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+from kvmesh.bench import memory_warmup
 from kvmesh.bench.cluster_bench import stream_one
 from kvmesh.bench.report import percentile
 from kvmesh.cluster.local_launcher import LocalCluster
@@ -233,7 +234,6 @@ def plot_roles(res: dict, folder: str) -> str:
 def run(args) -> dict:
     from tqdm import tqdm
 
-    from kvmesh.bench.memory_warmup import resolve_gib, touch_and_free
     from kvmesh.bench.report import machine, print_table, write_json
     from kvmesh.model.card import load_tokenizer
 
@@ -254,8 +254,7 @@ def run(args) -> dict:
                  "concurrency": args.concurrency, "role_interval_s": args.role_interval_s,
                  "threads_per_node": args.threads_per_node, "kv_placement": args.kv_placement,
                  "role_cooldown_s": args.role_cooldown_s, "modes": {}}
-    touched = res["memory_touched_gib"] = round(resolve_gib(args.touch_memory_gib), 1)
-    touch_and_free(touched)  # the first mode's nodes start on memory touched before, as the others do
+    memory_warmup.warm_up(args.touch_memory_gib, res)  # the first mode's nodes too start on memory touched before
     with tqdm(total=sum(map(len, phases)) * len(names), desc="bench cluster (shifting)") as bar:
         for name in names:
             bar.set_postfix_str(name)
@@ -288,6 +287,4 @@ def add_arguments(p) -> None:
     g.add_argument("--threads-per-node", type=int, default=0,
                    help="compute threads of each node, fixed (each node as on a machine of its own); 0: the nodes "
                         "divide this machine's cores among those with work at each step")
-    g.add_argument("--touch-memory-gib", type=float, default=-1.0,
-                   help="GiB of memory touched and freed before the first mode starts (kvmesh/bench/memory_warmup.py; "
-                        "-1: 60%% of the memory available; 0: none)")
+    memory_warmup.add_argument(g, "the first mode starts")

@@ -210,7 +210,8 @@ class NodeRuntime:
                                    compute=self)  # ComputeAndPush: this node's prefill work, when it has any
         self.gc_pauses = GCPauses()  # installed when serving starts (stats: every collection's pause)
         # (restores from tiers into leases copy with torch: alone on their thread, no OpenMP team of their own)
-        self.workers = ThreadPoolExecutor(16, thread_name_prefix=f"kvmesh-{cfg.node_id}", initializer=serial_this_thread)
+        self.workers = ThreadPoolExecutor(16, thread_name_prefix=f"kvmesh-{cfg.node_id}",
+                                          initializer=serial_this_thread)
         self.endpoint = RouterEndpoint(cfg.host, self._on_request, f"requests-{cfg.node_id}", self.auth,
                                        advertise=self.advertise_host)
 
