@@ -48,7 +48,7 @@ for bench in $benches; do
     graphs) python3 tests/gpu/graphs_bench.py --json "$results/graphs_gpu.json" || status=1 ;;
     serve) $limit python3 -m kvmesh.cli bench serve --model smollm2-135m-dummy --targets "kvmesh,kvmesh --enforce-eager" \
              --serve-args "--device cuda --dtype bfloat16" --concurrency 32 --groups 64 --per-group 1 --system-len 0 \
-             --question-len 512 --output-len 128 --rounds 1 --json "$results/serve_gpu.json" || status=1 ;;
+             --question-len 512 --output-len 128 --rounds 1 --touch-memory-gib 0 --json "$results/serve_gpu.json" || status=1 ;;
     none) ;;
     *) echo "unknown benchmark $bench (kernels, model, model8b, graphs, serve, none)"; status=2 ;;
   esac

@@ -153,13 +153,15 @@ stream = torch.cuda.Stream()
 with torch.cuda.stream(stream):
     forward(); forward()  # warm-ups: a workspace for this stream, outside any pool
     replay = CudaReplay(forward, torch.cuda.graph_pool_handle(), stream)
+    replay.replay()  # a capture records the kernels without running them: the first replay computes the output
 torch.cuda.synchronize()
 want = replay.output.clone()
 before = torch.cuda.memory_allocated()
 torch._C._cuda_clearCublasWorkspaces()  # what torch.compile's CUDA graphs do around every recording
 freed = before - torch.cuda.memory_allocated()
-fillers = [torch.full((freed,), 77, dtype=torch.uint8, device="cuda") for _ in range(4)] if freed else []
-replay.replay()
+with torch.cuda.stream(stream):  # the allocator hands a freed block only to allocations on the stream that freed it
+    fillers = [torch.full((freed,), 77, dtype=torch.uint8, device="cuda") for _ in range(4)] if freed else []
+    replay.replay()
 torch.cuda.synchronize()
 print("freed", freed)
 print("output", "same" if torch.allclose(replay.output, want) else "differs")

@@ -31,8 +31,12 @@ def test_qwen3_30b_a3b_shape_loads_and_decodes_like_transformers_on_its_weights(
               progress=False)
     ids = torch.randint(0, 151936, (32,), generator=torch.Generator().manual_seed(0)).tolist()
     out = llm.generate([ids], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True), use_tqdm=False)[0]
-    assert len(out.token_ids) == 8 and len(set(out.token_ids)) > 1
+    assert len(out.token_ids) == 8
+    # transformers' greedy pick after the prompt and after each of our tokens (random weights may well repeat
+    # one token: the check is that transformers picks the same ones on the same prefixes)
     hf = _hf_twin(llm.loaded)
     with torch.inference_mode():
-        ref = hf(torch.tensor([ids], device=DEVICE)).logits[0, -1].float()
-    assert int(ref.argmax()) == out.token_ids[0]
+        logits = hf(torch.tensor([ids + out.token_ids[:-1]], device=DEVICE)).logits[0, len(ids) - 1:].float()
+    picks = logits.argmax(-1).tolist()
+    assert picks[0] == out.token_ids[0]
+    assert sum(p == t for p, t in zip(picks, out.token_ids)) >= 6, (picks, out.token_ids)  # bf16 routing: near-ties

@@ -11,44 +11,36 @@ import pytest
 import torch
 
 from kvmesh import LLM, SamplingParams
+from kvmesh.bench.model import _hf_twin
 from kvmesh.cluster.local_launcher import LocalCluster
 from kvmesh.transfer.kv_memory import KVMemory, MemoryChoice
 from tests.conftest import run_prefill
 
-PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village"]
+PROMPTS = [[(i * 977 + j * 31) % 49152 for j in range(n)] for i, n in enumerate((6, 17, 40))]  # token ids
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 
 
-def _hf_smollm2(dtype: torch.dtype):
-    from transformers import AutoModelForCausalLM
-
-    from kvmesh.model.presets import PRESETS
-
-    path = PRESETS["smollm2-135m"].gguf_path()
-    return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype).to("cuda").eval()
-
-
-@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 2e-3), (torch.bfloat16, 0.5)])
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-4), (torch.bfloat16, 0.05)])
 def test_smollm2_on_the_gpu_matches_transformers_on_the_gpu(dtype, tolerance):
-    """Logits of every prompt position within the dtype's rounding; in fp32 (Triton's ieee dots) the
-    greedy streams of the batched engine equal transformers' ``generate``."""
-    hf = _hf_smollm2(dtype)
-    llm = LLM("smollm2-135m", dtype=dtype, device="cuda", num_kv_blocks=256, progress=False)
+    """SmolLM2's shape (seeded weights: the GGUF is more than a device call carries) against transformers' model
+    holding the same tensors: logits of every prompt position within the dtype's rounding of their scale; in fp32 (Triton's ieee
+    dots) the greedy streams of the batched engine equal transformers' ``generate``."""
+    llm = LLM("smollm2-135m-dummy", dtype=dtype, device="cuda", num_kv_blocks=256, progress=False)
     assert llm.loaded.device.type == "cuda"
-    for prompt in PROMPTS:
-        ids = llm.tokenizer.encode(prompt)
+    hf = _hf_twin(llm.loaded)
+    for ids in PROMPTS:
         ours, _, _ = run_prefill(llm.loaded, ids)
         with torch.inference_mode():
             ref = hf(torch.tensor([ids], device="cuda")).logits[0].float()
-        assert (ours.float() - ref).abs().max().item() < tolerance, prompt
+        scale = ref.abs().max().item()  # seeded weights' logits reach the hundreds: the bound is relative
+        assert (ours.float() - ref).abs().max().item() < tolerance * scale, ids
     if dtype == torch.float32:
         outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
-        for prompt, out in zip(PROMPTS, outs):
-            ids = llm.tokenizer.encode(prompt)
+        for ids, out in zip(PROMPTS, outs):
             with torch.inference_mode():
                 want = hf.generate(torch.tensor([ids], device="cuda"), max_new_tokens=24, min_new_tokens=24,
                                    do_sample=False)[0, len(ids):].tolist()
-            assert out.token_ids == want, prompt
+            assert out.token_ids == want, ids
     llm.engine.check_integrity()
 
 
@@ -85,7 +77,7 @@ def test_one_prefill_one_decode_on_one_gpu_match_the_single_node_engine():
         out = cluster.client("decode-0").generate_many(prompts, params)
         assert [c.error for c in out] == [""] * len(prompts)
         assert [c.token_ids for c in out] == want
-        assert all(c.stats["tokens_from_prefill_node"] > 0 for c, p in zip(out, prompts) if len(p) > 32)
+        assert all(c.stats.tokens_from_prefill_node > 0 for c, p in zip(out, prompts) if len(p) > 32)
         decode = cluster.client("decode-0").stats(check=True)
         assert decode["device"].startswith("cuda:0")
         memory = decode["kv_memory"]
