@@ -468,6 +468,14 @@ MUTATIONS = (
     Mutation("the benchmarks' memory warm-up touches one page in 64", "kvmesh/bench/memory_warmup.py",
              "        pages[::PAGE] = 1", "        pages[::PAGE * 64] = 1",
              ("tests/test_bench_cli.py", "-k", "memory_warmup")),
+    Mutation("bench serve keeps a turn's server alive through the later turns", "kvmesh/bench/serve_bench.py",
+             "target = _open_target(this_turn, name, args, ctx_per_slot, res)",
+             "target = _open_target(whole_run, name, args, ctx_per_slot, res)",
+             ("tests/test_bench_cli.py", "-k", "for_its_turn")),
+    Mutation("bench serve keeps the last life's decode steps of a target only", "kvmesh/bench/serve_bench.py",
+             "            have = into.setdefault(node, {}).setdefault(threads, {\"steps\": 0, \"mean_ms\": 0.0})",
+             "            have = into.setdefault(node, {})[threads] = {\"steps\": 0, \"mean_ms\": 0.0}",
+             ("tests/test_bench_cli.py", "-k", "adds_up")),
 )
 
 ASSERTION_FAILURES = ("AssertionError", "assert ", "Failed: DID NOT RAISE", "Failed: ")

@@ -148,3 +148,32 @@ def test_the_benchmarks_memory_warmup_touches_every_page_then_frees_it():
     assert after - before < 32  # and given back
     assert resolve_gib(0) == 0 and resolve_gib(2.5) == 2.5
     assert 0 < resolve_gib(-1) <= available_gib()
+
+
+def test_bench_serve_starts_each_target_for_its_turn_alone(tmp_path):
+    """``--alive one`` (the default): every turn starts its target and stops it before the next turn starts, turns
+    alternate their order by round, and each kvmesh life's decode steps are added up; every request streamed."""
+    out = tmp_path / "serve.json"
+    main(["bench", "serve", "--model", "tiny-llama", "--targets", "kvmesh,kvmesh --kv-placement threshold:0", "--rounds", "2",
+          "--concurrency", "2", "--groups", "1", "--per-group", "2", "--system-len", "16", "--question-len", "8",
+          "--output-len", "4", "--touch-memory-gib", "0", "--json", str(out)])
+    res = json.loads(out.read_text())
+    assert res["alive"] == "one"
+    assert [(t["round"], t["target"]) for t in res["turns"]] == [
+        (1, "kvmesh"), (1, "kvmesh --kv-placement threshold:0"), (2, "kvmesh --kv-placement threshold:0"), (2, "kvmesh")]
+    for before, after in zip(res["turns"], res["turns"][1:]):
+        assert before["end_s"] <= after["start_s"]
+    assert [t["servers_alive_beside"] for t in res["turns"]] == [0] * 4  # no earlier server alive beside a turn
+    for name, target in res["targets"].items():
+        assert target["requests"] == 4 and target["command"].startswith("kvmesh serve --model tiny-llama")
+        assert sum(v["steps"] for v in target["decode_steps_by_threads"]["decode-0"].values()) > 0
+
+
+def test_bench_serve_adds_up_the_decode_steps_of_a_targets_lives():
+    from kvmesh.bench.serve_bench import _add_decode_steps
+
+    record: dict = {}
+    _add_decode_steps(record, {"decode-0": {"2": {"steps": 10, "mean_ms": 50.0}}})
+    _add_decode_steps(record, {"decode-0": {"2": {"steps": 30, "mean_ms": 70.0}, "1": {"steps": 0, "mean_ms": 0.0}}})
+    assert record["decode_steps_by_threads"] == {"decode-0": {"2": {"steps": 40, "mean_ms": 65.0},
+                                                              "1": {"steps": 0, "mean_ms": 0.0}}}

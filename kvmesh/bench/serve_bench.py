@@ -1,9 +1,11 @@
 """``kvmesh bench serve``: OpenAI endpoints under one streaming client, side by side.
 
 Drives ``/v1/completions`` (token-id prompts, greedy, ``ignore_eos``, streamed) of each target
-with the same shared-prefix workload at a fixed concurrency, targets taking turns per round,
-and reports TTFT, ITL and TPOT percentiles and throughput per target, with each target's
-ratio to the first. Targets:
+with the same shared-prefix workload at a fixed concurrency, targets taking turns per round (the order
+reversed every other round), and reports TTFT, ITL and TPOT percentiles and throughput per target, with each
+target's ratio to the first. By default (``--alive one``) each target this starts is started for its turn and
+stopped after it, so that no target idles beside another's turn and no start order favours one; ``--alive all``
+starts every target first. Targets:
 
 - ``kvmesh``: ``kvmesh serve`` started here (``--serve-args`` added to its command line; ``kvmesh ARGS``:
   with ARGS added too, so that two configurations meet in one run);
@@ -47,6 +49,7 @@ class Stream(NamedTuple):
 class Target(NamedTuple):
     name: str
     base_url: str  # http://host:port/v1
+    pid: int | None = None  # the server's process, when this benchmark started it
 
 
 def _post_stream(base_url: str, body: dict, timeout_s: float) -> Stream:
@@ -220,7 +223,7 @@ def kvmesh_serve(name: str, model: str, extra_args: list[str], timeout_s: float)
             raise RuntimeError(f"kvmesh serve exited ({proc.wait()}) before it was ready")
         base_url = json.loads(line)["http"]
         _wait_http(base_url, "/ready", timeout_s, proc)
-        yield Target(name, base_url)
+        yield Target(name, base_url, proc.pid)
 
 
 @contextmanager
@@ -232,7 +235,7 @@ def llama_server(name: str, binary: str, gguf: str, slots: int, ctx_per_slot: in
     with _process(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) as proc:
         base_url = f"http://127.0.0.1:{port}/v1"
         _wait_http(base_url, "/health", timeout_s, proc)
-        yield Target(name, base_url)
+        yield Target(name, base_url, proc.pid)
 
 
 def workload(args, vocab: int) -> list[wl.BenchRequest]:
@@ -266,43 +269,42 @@ def run(args) -> dict:
                  "rounds": args.rounds, "targets": {}}
     ctx_per_slot = args.system_len + args.question_len + args.output_len + 64
     memory_warmup.warm_up(args.touch_memory_gib, res)  # every target starts on memory touched before
-    with ExitStack() as stack:
-        targets = []
-        for name in names:
-            print(f"starting {name} ...", file=sys.stderr)
-            if name.split()[0] == "kvmesh":
-                extra = shlex.split(args.serve_args) + shlex.split(name)[1:]
-                targets.append(stack.enter_context(kvmesh_serve(name, args.model, extra, args.start_timeout)))
-                res["targets"][name] = {"command": shlex.join(["kvmesh", "serve", "--model", args.model, *extra])}
-            elif name.split()[0] == "llama.cpp":
-                if not args.llama_server or not args.gguf:
-                    raise SystemExit("kvmesh bench serve: the llama.cpp target needs --llama-server and --gguf")
-                extra = shlex.split(name)[1:]
-                targets.append(stack.enter_context(llama_server(name, args.llama_server, args.gguf, args.slots,
-                                                                ctx_per_slot, extra, args.start_timeout)))
-                res["targets"][name] = {"gguf": os.path.basename(args.gguf), "slots": args.slots,
-                                        "arguments": shlex.join(extra)}
-            elif "=" in name:
-                label, url = name.split("=", 1)
-                targets.append(Target(label, url))
-                res["targets"][label] = {"url": url}
-            else:
-                raise SystemExit(f"kvmesh bench serve: unknown target {name!r} (kvmesh, llama.cpp or NAME=URL)")
-        streams = {t.name: [] for t in targets}
-        seconds = {t.name: 0.0 for t in targets}
-        client_cpu = {t.name: 0.0 for t in targets}
-        for target in targets:
-            drive(target, args.model, warmup, args.concurrency)  # first-request costs and the warm-up prefix
+    clock = time.monotonic()
+    streams: dict[str, list[Stream]] = {name_of(n): [] for n in names}
+    seconds = {name: 0.0 for name in streams}
+    client_cpu = {name: 0.0 for name in streams}
+    res["alive"], res["turns"] = args.alive, []
+    server_pids: list[int] = []  # of every server this run started
+    with ExitStack() as whole_run:
+        started: dict[str, Target] = {}
+        if args.alive == "all":  # every target started first and alive throughout
+            for name in names:
+                started[name] = _open_target(whole_run, name, args, ctx_per_slot, res)
+            for name in names:
+                drive(started[name], args.model, warmup, args.concurrency)  # first-request costs, the warm-up prefix
         for r, requests in enumerate(rounds):
-            for target in targets if r % 2 == 0 else targets[::-1]:
-                print(f"round {r + 1}/{args.rounds}: {target.name} ...", file=sys.stderr)
-                got, secs, cpu = drive(target, args.model, requests, args.concurrency)
-                streams[target.name] += got
-                seconds[target.name] += secs
-                client_cpu[target.name] += cpu
-        for target in targets:
-            if target.name.split()[0] == "kvmesh":  # what its decode-only steps ran on (kvmesh/node/decode_threads.py)
-                res["targets"][target.name]["decode_steps_by_threads"] = node_decode_steps(target.base_url)
+            for name in names if r % 2 == 0 else names[::-1]:
+                turn = {"round": r + 1, "target": name_of(name), "start_s": time.monotonic() - clock}
+                with ExitStack() as this_turn:
+                    target = started.get(name)
+                    if target is None:  # started for this turn only, stopped when it ends
+                        target = _open_target(this_turn, name, args, ctx_per_slot, res)
+                        drive(target, args.model, warmup, args.concurrency)
+                    if target.pid is not None:
+                        server_pids.append(target.pid)
+                    turn["servers_alive_beside"] = sum(_alive(pid) for pid in set(server_pids) - {target.pid})
+                    print(f"round {r + 1}/{args.rounds}: {target.name} ...", file=sys.stderr)
+                    got, secs, cpu = drive(target, args.model, requests, args.concurrency)
+                    streams[target.name] += got
+                    seconds[target.name] += secs
+                    client_cpu[target.name] += cpu
+                    if args.alive != "all" and name.split()[0] == "kvmesh":
+                        _add_decode_steps(res["targets"][target.name], node_decode_steps(target.base_url))
+                turn["end_s"] = time.monotonic() - clock  # after the target stopped, when it was this turn's
+                res["turns"].append(turn)
+        for name, target in started.items():
+            if name.split()[0] == "kvmesh":  # what its decode-only steps ran on (kvmesh/node/decode_threads.py)
+                _add_decode_steps(res["targets"][target.name], node_decode_steps(target.base_url))
     for name, got in streams.items():
         res["targets"][name].update(summarize(got, seconds[name], client_cpu[name]))
     first = next(iter(streams))
@@ -327,6 +329,54 @@ def run(args) -> dict:
     return res
 
 
+def name_of(target: str) -> str:
+    """A ``--targets`` entry's name in the results: ``NAME=URL`` is NAME, anything else itself."""
+    return target.split("=", 1)[0] if "=" in target and target.split()[0] not in ("kvmesh", "llama.cpp") else target
+
+
+def _open_target(stack: ExitStack, name: str, args, ctx_per_slot: int, res: dict) -> Target:
+    """Target ``name`` of ``--targets`` ready to drive, started (when this benchmark starts it) inside ``stack``,
+    which stops it; its command or URL recorded in ``res``."""
+    print(f"starting {name} ...", file=sys.stderr)
+    if name.split()[0] == "kvmesh":
+        extra = shlex.split(args.serve_args) + shlex.split(name)[1:]
+        res["targets"].setdefault(name, {})["command"] = shlex.join(["kvmesh", "serve", "--model", args.model, *extra])
+        return stack.enter_context(kvmesh_serve(name, args.model, extra, args.start_timeout))
+    if name.split()[0] == "llama.cpp":
+        if not args.llama_server or not args.gguf:
+            raise SystemExit("kvmesh bench serve: the llama.cpp target needs --llama-server and --gguf")
+        extra = shlex.split(name)[1:]
+        res["targets"].setdefault(name, {}).update(gguf=os.path.basename(args.gguf), slots=args.slots,
+                                                   arguments=shlex.join(extra))
+        return stack.enter_context(llama_server(name, args.llama_server, args.gguf, args.slots, ctx_per_slot, extra,
+                                                args.start_timeout))
+    if "=" in name:
+        label, url = name.split("=", 1)
+        res["targets"].setdefault(label, {})["url"] = url
+        return Target(label, url)
+    raise SystemExit(f"kvmesh bench serve: unknown target {name!r} (kvmesh, llama.cpp or NAME=URL)")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def _add_decode_steps(record: dict, steps: dict[str, dict[str, dict[str, float]]]) -> None:
+    """Adds one server life's decode steps (``node_decode_steps``) into a target's ``decode_steps_by_threads``."""
+    into = record.setdefault("decode_steps_by_threads", {})
+    for node, by_threads in steps.items():
+        for threads, v in by_threads.items():
+            have = into.setdefault(node, {}).setdefault(threads, {"steps": 0, "mean_ms": 0.0})
+            total = have["steps"] + v["steps"]
+            if total:
+                have["mean_ms"] = (have["mean_ms"] * have["steps"] + v["mean_ms"] * v["steps"]) / total
+            have["steps"] = total
+
+
 def _with(args, **changes):
     return type(args)(**{**vars(args), **changes})
 
@@ -349,6 +399,10 @@ def add_arguments(p) -> None:
     p.add_argument("--question-len", type=int, default=32, help="tokens after it, different per prompt")
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--rounds", type=int, default=2, help="every target runs the workload this many times, in turns")
+    p.add_argument("--alive", choices=("one", "all"), default="one",
+                   help="one: each target started for its turn and stopped after it, so none idles beside another's "
+                        "turn and no start order favours one; all: every target started first and alive throughout "
+                        "(faster)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--start-timeout", type=float, default=600.0, help="seconds a target may take to start")
     memory_warmup.add_argument(p, "any target starts")
