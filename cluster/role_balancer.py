@@ -11,10 +11,14 @@ with at most one ``RoleMove``. Two pressures are compared, each as a share of it
     decode pressure   the slowest decode node's recent decode-only step (one output token per stream) over the TPOT
                       SLO, or its KV blocks in use, or its streams over its ``max_num_seqs``, whichever is
                       highest
+    decode busy       the busiest decode node's share of wall time in decode-only steps since the last tick: its
+                      load where a step's time is not (a step has a floor, the weights read once per step, that on a
+                      CPU is a good part of the TPOT SLO however few streams it carries)
 
 A decode node moves to prefill when prefill pressure is high (>= ``high``) and decode pressure low
-(<= ``low``), and back the other way; also when one role is idle (its pressure <= ``idle``) while the other
-works at ``low`` or more, short of its SLO: a node doing nothing serves the work better where the work is
+(<= ``low``), and back the other way; also when one role is idle (its pressure <= ``idle``, or for decode nodes
+within ``low`` of their SLO and stepping ``idle_busy`` of the time or less) while the other works at ``low`` or
+more, short of its SLO: a node doing nothing serves the work better where the work is
 (clients waiting on their answers get them sooner, whatever the SLO's headroom). The node moved is the least
 loaded of its role. A cluster without a
 prefill node is a special case both ways: the last prefill node leaves only when decode nodes miss their SLO
@@ -49,6 +53,7 @@ class NodeLoad:
     prompt_tokens_computed: int = 0  # decode: prompt tokens it computed itself, ever
     prompt_tokens_total: int = 0  # decode: prompt tokens of its finished requests, ever
     prompt_tokens_always_here: int = 0  # decode: of those, each prompt's tail no other node could compute, ever
+    busy_share: float | None = None  # decode: share of wall time in decode-only steps since the last tick (None: unknown)
 
 
 @dataclass(frozen=True)
@@ -65,6 +70,7 @@ class BalancerConfig:
     high: float = 0.8  # a pressure at or above this share of its SLO asks for capacity
     low: float = 0.5  # ... and one at or below this can give a node away
     idle: float = 0.1  # a role this far below its SLO gives a node to the other role if that one is at ``low``
+    idle_busy: float = 0.25  # ... as do decode nodes within ``low`` of theirs that step this share of the time or less
     sustain: int = 3  # ticks in a row the same verdict must hold
     cooldown_s: float = 30.0  # after a move, before the next
     min_prefill: int = 0
@@ -119,9 +125,11 @@ class RoleBalancer:
         if self.unhelpful and self._pressure_of(self.unhelpful) <= cfg.low:
             self.unhelpful = ""  # that load is gone: the next rise is judged afresh
         num_prefill = sum(n.role == "prefill" for n in loads)
+        busy = [n.busy_share for n in loads if n.role == "decode"]
+        decode_idle = decode <= cfg.idle or (decode <= cfg.low and bool(busy) and None not in busy
+                                             and max(busy) <= cfg.idle_busy)
         verdict = ""
-        if (prefill >= cfg.high and (decode <= cfg.low or num_prefill == 0)) or \
-                (prefill >= cfg.low and decode <= cfg.idle):
+        if (prefill >= cfg.high and (decode <= cfg.low or num_prefill == 0)) or (prefill >= cfg.low and decode_idle):
             verdict = "prefill"
         elif (decode >= cfg.high and prefill <= cfg.low) or (decode >= cfg.low and prefill <= cfg.idle):
             verdict = "decode"

@@ -51,8 +51,8 @@ class RoleController:
         self._set_role = set_role
         self.interval_s = interval_s
         self.drain_timeout_s = drain_timeout_s
-        # node -> its decode-only steps' (seconds, count) at the last tick
-        self._steps: dict[str, tuple[float, int]] = {}
+        # node -> its decode-only steps' (seconds, count) at the last tick, and when that was
+        self._steps: dict[str, tuple[float, int, float]] = {}
         self.moves: Counter[str] = Counter()  # role moved to -> how many times
         self.history: list[tuple[float, str, str, str]] = []  # (time, node, role or add/remove, reason)
         self.scaler, self.supply = (scaler, supply) if scaler is not None and supply is not None else (None, None)
@@ -67,8 +67,10 @@ class RoleController:
         self._thread.start()
         return self
 
-    def loads(self, entries: list[dict]) -> list[NodeLoad]:
-        """The balancer's inputs from ``Router.status`` entries (nodes that did not answer are left out)."""
+    def loads(self, entries: list[dict], now: float | None = None) -> list[NodeLoad]:
+        """The balancer's inputs from ``Router.status`` entries read at ``now`` (default: the monotonic clock);
+        nodes that did not answer are left out."""
+        now = time.monotonic() if now is None else now
         out = []
         for entry in entries:
             load = entry["load"]
@@ -78,9 +80,10 @@ class RoleController:
             # Decode-only steps: a stream's next token when no prompt shares the step (steps computing prompt
             # tokens are prefill work, whoever does it).
             wall, steps = load.engine_decode_step_s, load.engine_decode_steps
-            before = self._steps.get(node_id, (wall, steps))
-            self._steps[node_id] = (wall, steps)
+            before = self._steps.get(node_id, (wall, steps, now))
+            self._steps[node_id] = (wall, steps, now)
             step_s = (wall - before[0]) / (steps - before[1]) if steps > before[1] else 0.0
+            busy_share = min(1.0, (wall - before[0]) / (now - before[2])) if now > before[2] else None
             used, total = load.num_used_blocks, load.num_kv_blocks
             out.append(NodeLoad(
                 # Every node reports both (its prefill role's accepted prompts, its engine's own prompt backlog;
@@ -89,14 +92,14 @@ class RoleController:
                 queue_s=max(load.prefill_queue_s, load.prompt_queue_s), step_s=step_s,
                 kv_used=used / total if total else 0.0, num_running=load.num_running, max_num_seqs=load.max_num_seqs,
                 prompt_tokens_computed=load.prompt_tokens_computed, prompt_tokens_total=load.prompt_tokens_total,
-                prompt_tokens_always_here=load.prompt_tokens_always_here))
+                prompt_tokens_always_here=load.prompt_tokens_always_here, busy_share=busy_share))
         return out
 
     def tick(self, now: float) -> RoleMove | None:
         """One look at the cluster; the move made, if any (else, with a supply, perhaps a node added or
         removed)."""
         entries = self._status()
-        loads = self.loads(entries)
+        loads = self.loads(entries, now)
         if self.supply is not None:
             roles = {e["node_id"]: e["role"] for e in entries}
             self._finish_retirements(roles)

@@ -147,6 +147,32 @@ def test_the_controller_reads_recent_decode_steps_from_the_step_clock_totals():
     assert controller.loads(entries)[0].step_s == pytest.approx(0.1)  # 2 s over the 20 steps since the last tick
 
 
+def test_the_controller_reads_a_decode_nodes_busy_share_between_two_ticks():
+    entries = [{"node_id": "decode-0", "role": "decode", "load": NodeLoadStats(
+        engine_decode_step_s=10.0, engine_decode_steps=100)}]
+    controller = RoleController(RoleBalancer(CONFIG), lambda: entries, lambda *a: None)
+    assert controller.loads(entries, now=50.0)[0].busy_share is None  # no interval yet
+    entries[0]["load"] = replace(entries[0]["load"], engine_decode_step_s=10.5, engine_decode_steps=110)
+    assert controller.loads(entries, now=52.0)[0].busy_share == pytest.approx(0.25)  # 0.5 s of steps in 2 s
+    assert controller.loads(entries, now=54.0)[0].busy_share == 0.0  # no step since
+
+
+def test_decode_nodes_that_mostly_wait_give_a_node_to_prompts_queueing_short_of_their_slo():
+    """On a CPU a decode step is slow however few streams it carries (64-74 ms of a 400 ms TPOT SLO, 0.16-0.19:
+    never ``idle``), so the step alone cannot say the decode nodes are waiting for work; their busy share can.
+    Prompts queued at half the TTFT SLO then take a decode node that stepped a tenth of the time, not one that
+    stepped most of it, nor one whose steps are past ``low``."""
+    def cluster(step_s: float, busy: float | None) -> list[NodeLoad]:
+        return [NodeLoad("prefill-0", "prefill", queue_s=1.1)] + [
+            NodeLoad(f"decode-{i}", "decode", step_s=step_s, kv_used=0.05, num_running=i, max_num_seqs=64,
+                     busy_share=busy) for i in (1, 2)]
+    moves = run(RoleBalancer(CONFIG), [cluster(0.018, 0.1)] * 3)  # prefill 0.55, decode 0.18 of their SLOs
+    assert [(m.node_id, m.to_role) for _, m in moves] == [("decode-1", "prefill")]
+    assert run(RoleBalancer(CONFIG), [cluster(0.018, 0.8)] * 10) == []  # the decode nodes are busy
+    assert run(RoleBalancer(CONFIG), [cluster(0.018, None)] * 10) == []  # not known yet
+    assert run(RoleBalancer(CONFIG), [cluster(0.06, 0.1)] * 10) == []  # their steps past low (0.6)
+
+
 def test_the_controller_makes_the_move_and_counts_it_only_when_the_node_takes_it():
     answers = []
 

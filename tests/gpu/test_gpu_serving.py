@@ -16,15 +16,15 @@ from kvmesh.cluster.local_launcher import LocalCluster
 from kvmesh.transfer.kv_memory import KVMemory, MemoryChoice
 from tests.conftest import run_prefill
 
-PROMPTS = [[(i * 977 + j * 31) % 49152 for j in range(n)] for i, n in enumerate((6, 17, 40))]  # token ids
+PROMPTS = [[(i * 977 + j * 31) % 49152 for j in range(n)] for i, n in enumerate((6, 17, 40))]  # ids
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 
 
 @pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-4), (torch.bfloat16, 0.05)])
 def test_smollm2_on_the_gpu_matches_transformers_on_the_gpu(dtype, tolerance):
     """SmolLM2's shape (seeded weights: the GGUF is more than a device call carries) against transformers' model
-    holding the same tensors: logits of every prompt position within the dtype's rounding of their scale; in fp32 (Triton's ieee
-    dots) the greedy streams of the batched engine equal transformers' ``generate``."""
+    holding the same tensors: logits of every prompt position within the dtype's rounding of their scale; in fp32
+    (Triton's ieee dots) the greedy streams of the batched engine equal transformers' ``generate``."""
     llm = LLM("smollm2-135m-dummy", dtype=dtype, device="cuda", num_kv_blocks=256, progress=False)
     assert llm.loaded.device.type == "cuda"
     hf = _hf_twin(llm.loaded)
