@@ -83,7 +83,7 @@ class RoleController:
             before = self._steps.get(node_id, (wall, steps, now))
             self._steps[node_id] = (wall, steps, now)
             step_s = (wall - before[0]) / (steps - before[1]) if steps > before[1] else 0.0
-            busy_share = min(1.0, (wall - before[0]) / (now - before[2])) if now > before[2] else None
+            busy_share = min(1.0, max(0.0, wall - before[0]) / (now - before[2])) if now > before[2] else None
             used, total = load.num_used_blocks, load.num_kv_blocks
             out.append(NodeLoad(
                 # Every node reports both (its prefill role's accepted prompts, its engine's own prompt backlog;
