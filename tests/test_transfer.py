@@ -105,8 +105,11 @@ def test_a_push_into_landing_slots_is_received_in_chunks_each_checked_while_the_
         assert outcome.error is None and outcome.num_written == 20
         for i, block in enumerate(dst):
             assert torch.equal(agent.kv_buffer[block], holder.expected_block(i)), f"block {i}"
-        # Every chunk but the last landed on its partial report (the final answer covers the last one).
-        assert agent.requester.num_blocks_landed_early == 20 - (20 % chunk or chunk)
+        # Chunks landed on their partial reports, before the final answer (which covers the last one). How many is
+        # timing: a report can come before its chunk's bytes are in the slots, and when the final answer comes
+        # first those blocks land after it (a fresh-clone CI under load saw 12 of 18). At least the first chunk
+        # landed early: the next report comes only after the holder wrote another chunk.
+        assert chunk <= agent.requester.num_blocks_landed_early <= 20 - (20 % chunk or chunk)
         assert agent.landing.num_landed == 20 and agent.requester.num_checksum_failures == 0
         assert holder.wire_seconds(20, agent.node_id) > 0  # the bench's bare write into the same slots
         assert holder.check()["num_pinned"] == 0
