@@ -29,6 +29,7 @@ import sys
 import time
 import urllib.parse
 from concurrent.futures import ThreadPoolExecutor
+from collections import defaultdict
 from contextlib import ExitStack, contextmanager
 from typing import NamedTuple
 
@@ -270,9 +271,10 @@ def run(args) -> dict:
     ctx_per_slot = args.system_len + args.question_len + args.output_len + 64
     memory_warmup.warm_up(args.touch_memory_gib, res)  # every target starts on memory touched before
     clock = time.monotonic()
-    streams: dict[str, list[Stream]] = {name_of(n): [] for n in names}
-    seconds = {name: 0.0 for name in streams}
-    client_cpu = {name: 0.0 for name in streams}
+    # by target name, in the order of --targets (every first turn, and every start with --alive all, follows it)
+    streams: dict[str, list[Stream]] = defaultdict(list)
+    seconds: dict[str, float] = defaultdict(float)
+    client_cpu: dict[str, float] = defaultdict(float)
     res["alive"], res["turns"] = args.alive, []
     server_pids: list[int] = []  # of every server this run started
     with ExitStack() as whole_run:
@@ -284,12 +286,13 @@ def run(args) -> dict:
                 drive(started[name], args.model, warmup, args.concurrency)  # first-request costs, the warm-up prefix
         for r, requests in enumerate(rounds):
             for name in names if r % 2 == 0 else names[::-1]:
-                turn = {"round": r + 1, "target": name_of(name), "start_s": time.monotonic() - clock}
+                turn = {"round": r + 1, "start_s": time.monotonic() - clock}
                 with ExitStack() as this_turn:
                     target = started.get(name)
                     if target is None:  # started for this turn only, stopped when it ends
                         target = _open_target(this_turn, name, args, ctx_per_slot, res)
                         drive(target, args.model, warmup, args.concurrency)
+                    turn["target"] = target.name
                     if target.pid is not None:
                         server_pids.append(target.pid)
                     turn["servers_alive_beside"] = sum(_alive(pid) for pid in set(server_pids) - {target.pid})
@@ -327,11 +330,6 @@ def run(args) -> dict:
                  f"TTFT vs {first}", f"ITL vs {first}", "client CPU (cores)"], rows)
     write_json(args.json, res)
     return res
-
-
-def name_of(target: str) -> str:
-    """A ``--targets`` entry's name in the results: ``NAME=URL`` is NAME, anything else itself."""
-    return target.split("=", 1)[0] if "=" in target and target.split()[0] not in ("kvmesh", "llama.cpp") else target
 
 
 def _open_target(stack: ExitStack, name: str, args, ctx_per_slot: int, res: dict) -> Target:
