@@ -282,6 +282,7 @@ def run(args) -> dict:
         if args.alive == "all":  # every target started first and alive throughout
             for name in names:
                 started[name] = _open_target(whole_run, name, args, ctx_per_slot, res)
+            server_pids += [t.pid for t in started.values() if t.pid is not None]
             for name in names:
                 drive(started[name], args.model, warmup, args.concurrency)  # first-request costs, the warm-up prefix
         for r, requests in enumerate(rounds):
