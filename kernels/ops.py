@@ -89,28 +89,33 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                                 md.per_step)
     if not d:
         return prefill_attention(query, k_cache, v_cache, md.block_tables, md.seq_lens, md.query_start_loc,
-                                 md.query_lens_cpu, md.seq_lens_cpu, md.max_query_len, scale)
+                                 md.query_lens_cpu, md.seq_lens_cpu, md.max_query_len, scale, md.per_step)
     out = torch.empty_like(query)
     out[:d] = decode_attention(query[:d], k_cache, v_cache, md.block_tables[:d], md.seq_lens[:d],
                                max(md.seq_lens_cpu[:d]), scale, md.per_step)
     out[d:] = prefill_attention(query[d:], k_cache, v_cache, md.block_tables[d:], md.seq_lens[d:],
                                 md.query_start_loc[d:] - d, md.query_lens_cpu[d:], md.seq_lens_cpu[d:],
-                                max(md.query_lens_cpu[d:]), scale)
+                                max(md.query_lens_cpu[d:]), scale, md.per_step)
     return out
 
 
 NATIVE_BF16_PREFILL_MAX_TOKENS = 32
+# Where the CPU has AMX, torch's flash kernel computes bf16 faster, but for a few new tokens over a cached context its
+# gathered copy of the context and its mask cost more than the native kernel's whole work over the blocks in place.
+NATIVE_BF16_AMX_PREFILL_MAX_TOKENS = 16
 NATIVE_FP32_PREFILL_SHORT_TOKENS = 8  # fp32 chunks this short take the native kernel without a measurement
 
 
-def can_prefill_natively(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, max_query_len: int) -> bool:
+def can_prefill_natively(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, max_query_len: int,
+                         over_context: bool = True) -> bool:
     """fp32: the native kernel for a few new tokens, else where it measured faster than torch's SDPA on this
-    machine (``native_fp32_prefill_is_faster``: one CPU had it 1.7-2.7x SDPA from 32 to 2,048 new tokens,
-    another 0.13-0.23x). bf16: only a few new tokens over a context (up to 32: 1.2-2x the chunked GEMMs, which
-    are faster for long prompts since they multiply in bf16), and not where the CPU has AMX (torch's flash kernel
-    serves bf16 there)."""
-    if query.dtype == torch.bfloat16 and (max_query_len > NATIVE_BF16_PREFILL_MAX_TOKENS or
-                                          "amx_tile" in cpu_features()):
+    machine (``native_fp32_prefill_is_faster``: its lead differs by CPU). bf16: only a few new tokens (the chunked
+    GEMMs are faster for long prompts since they multiply in bf16); where the CPU has AMX, fewer still and only
+    ``over_context`` (every sequence's new tokens after cached ones): torch's flash kernel serves bf16 there once its
+    gather and mask are worth it, and fresh prompts keep its roundings."""
+    if query.dtype == torch.bfloat16 and ("amx_tile" in cpu_features() and
+                                          (max_query_len > NATIVE_BF16_AMX_PREFILL_MAX_TOKENS or not over_context)
+                                          or max_query_len > NATIVE_BF16_PREFILL_MAX_TOKENS):
         return False
     if query.dtype not in (torch.float32, torch.bfloat16) or not native.can_attend(query, k_cache, v_cache):
         return False
@@ -154,15 +159,17 @@ def native_fp32_prefill_is_faster(num_heads: int, num_kv_heads: int, head_dim: i
 
 def prefill_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
                       query_lens_cpu: list[int], seq_lens_cpu: list[int], max_query_len: int,
-                      scale: float) -> torch.Tensor:
+                      scale: float, per_step: dict | None = None) -> torch.Tensor:
+    """``per_step`` (the batch's ``AttentionMetadata.per_step``) keeps what every layer can share."""
     if use_triton(query):
         from kvmesh.kernels.triton import attention
         return attention.prefill_attention(query, k_cache, v_cache, block_tables, seq_lens,
                                            query_start_loc, max_query_len, scale)
-    if use_native(query) and can_prefill_natively(query, k_cache, v_cache, max_query_len):
+    if use_native(query) and can_prefill_natively(query, k_cache, v_cache, max_query_len,
+                                                  all(map(int.__lt__, query_lens_cpu, seq_lens_cpu))):
         return native.prefill_attention(query, k_cache, v_cache, block_tables, query_lens_cpu, seq_lens_cpu, scale)
     return ref_attention.prefill_attention(query, k_cache, v_cache, block_tables,
-                                           query_lens_cpu, seq_lens_cpu, scale)
+                                           query_lens_cpu, seq_lens_cpu, scale, per_step)
 
 
 # Steps of prompts with no cached prefix, one of them this long, take SDPA on CUDA. On an H200 (docs/gpu.md) SDPA

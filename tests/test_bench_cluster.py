@@ -123,10 +123,10 @@ def test_the_shifting_workload_reports_every_mode_and_phase(tmp_path):
     path = tmp_path / "shift.json"
     assert main(["bench", "cluster", "--workload", "shifting", "--modes", "auto", "--phases", "2",
                  "--per-phase", "6", "--long-prompt-len", "96", "--long-output-len", "16", "--concurrency", "3",
-                 "--role-interval-s", "0.2", "--touch-memory-gib", "0.1", "--json", str(path),
+                 "--role-interval-s", "0.2", "--touch-memory-gib", "0.1", "--max-num-seqs", "5", "--json", str(path),
                  "--plots", str(tmp_path / "plots")]) == 0
     res = json.loads(path.read_text())
-    assert set(res["modes"]) == {"auto"} and res["memory_touched_gib"] == 0.1
+    assert set(res["modes"]) == {"auto"} and res["memory_touched_gib"] == 0.1 and res["max_num_seqs_per_node"] == 5
     m = res["modes"]["auto"]
     assert m["lost"] == 0 and m["failed"] == 0 and m["goodput_rps"] >= 0 and m["role_changes"] >= 0
     assert [p["name"] for p in m["phases"]] == ["prefill-heavy", "decode-heavy"]
@@ -136,7 +136,7 @@ def test_the_shifting_workload_reports_every_mode_and_phase(tmp_path):
 
     assert set(m["node_work"]) == {"prefill-0", "decode-0", "decode-1"}
     assert all(set(work) == set(NODE_WORK_KEYS) and work["num_prefills"] >= 0 and work["prefill_tokens_per_s"] > 0
-               for work in m["node_work"].values())
+               and work["max_num_seqs"] == 5 for work in m["node_work"].values())  # --max-num-seqs reached every node
     assert (tmp_path / "plots" / "roles_over_time.png").stat().st_size > 0
 
 

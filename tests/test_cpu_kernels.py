@@ -114,22 +114,27 @@ def test_native_prefill_attention_matches_the_reference_and_the_oracle(case_args
 
 def test_prefill_dispatch_takes_the_native_kernel_where_it_is_faster(monkeypatch):
     """fp32 for a few new tokens, and past that where it measured faster on this machine; bf16 for up to 32 new
-    tokens, and never on AMX CPUs (torch's flash kernel is faster there)."""
+    tokens, and on AMX CPUs up to 16 over a cached context (past that, and for fresh prompts, torch's flash kernel)."""
     calls = []
     real = native.prefill_attention
     monkeypatch.setattr(native, "prefill_attention", lambda *a: calls.append(a[0].dtype) or real(*a))
-    for dtype, q_len, faster, features, expected in [(torch.float32, 70, True, {"avx512f"}, [torch.float32]),
-                                                     (torch.float32, 70, False, {"avx512f"}, []),
-                                                     (torch.float32, 8, False, {"avx512f"}, [torch.float32]),
-                                                     (torch.bfloat16, 32, False, {"avx512f"}, [torch.bfloat16]),
-                                                     (torch.bfloat16, 33, True, {"avx512f"}, []),
-                                                     (torch.bfloat16, 8, True, {"avx512f", "amx_tile"}, [])]:
+    amx = {"avx512f", "amx_tile"}
+    for dtype, q_len, s_len, faster, features, expected in [
+            (torch.float32, 70, 100, True, {"avx512f"}, [torch.float32]),
+            (torch.float32, 70, 100, False, {"avx512f"}, []),
+            (torch.float32, 8, 100, False, {"avx512f"}, [torch.float32]),
+            (torch.bfloat16, 32, 100, False, {"avx512f"}, [torch.bfloat16]),
+            (torch.bfloat16, 33, 100, True, {"avx512f"}, []),
+            (torch.bfloat16, 16, 100, True, amx, [torch.bfloat16]),
+            (torch.bfloat16, 17, 100, True, amx, []),
+            (torch.bfloat16, 16, 16, True, amx, []),  # a fresh prompt: no context
+            (torch.bfloat16, 16, 16, True, {"avx512f"}, [torch.bfloat16])]:
         monkeypatch.setattr(ops, "cpu_features", lambda features=features: features)
         monkeypatch.setattr(ops, "native_fp32_prefill_is_faster", lambda *shape, faster=faster: faster)
-        case = make_case(4, [q_len], [100], 4, 2, 32, 16, dtype)
+        case = make_case(4, [q_len], [s_len], 4, 2, 32, 16, dtype)
         calls.clear()
         out = ops.prefill_attention(case.query, case.k_cache, case.v_cache, case.block_tables, None, None,
-                                    [q_len], [100], q_len, 0.2)
+                                    [q_len], [s_len], q_len, 0.2)
         assert calls == expected
         assert (out.double() - dense_oracle(case, 0.2)).abs().max().item() < (1e-5 if dtype == torch.float32 else 0.05)
 

@@ -97,6 +97,13 @@ def test_reference_prefill_attention_matches_dense_oracle(shape):
     out = ref_attn.prefill_attention(case.query, case.k_cache, case.v_cache, case.block_tables,
                                      q_lens, s_lens, scale)
     assert (out.cpu().double() - dense_oracle(case, scale)).abs().max().item() < 1e-5
+    # A step's layers share each sequence's block ids and mask: the second call (as the next layer) reads them back.
+    per_step: dict = {}
+    for _ in range(2):
+        shared = ref_attn.prefill_attention(case.query, case.k_cache, case.v_cache, case.block_tables, q_lens, s_lens,
+                                            scale, per_step)
+        assert torch.equal(shared, out)
+    assert len([key for key in per_step if key[0] == "prefill_mask"]) == sum(q < s for q, s in zip(q_lens, s_lens))
 
 
 CHUNKED_SHAPES = [

@@ -32,9 +32,10 @@ from kvmesh.cluster.router import Router, RouterConfig
 
 PHASES = ("prefill-heavy", "decode-heavy")
 # Each node's account at the end of a mode: prompts it computed for others and refused as busy; as a decode node,
-# conversations with prefill nodes that failed or were refused, and the rate it fitted to each prefill node.
+# conversations with prefill nodes that failed or were refused, and the rate it fitted to each prefill node; the
+# most requests it runs at once.
 NODE_WORK_KEYS = ("num_prefills", "num_prefills_refused_busy", "prefill_tokens_per_s", "num_fallbacks",
-                  "num_prefill_refusals", "prefill_node_tokens_per_s")
+                  "num_prefill_refusals", "prefill_node_tokens_per_s", "max_num_seqs")
 
 
 @dataclass
@@ -123,7 +124,7 @@ def run_shifting_mode(name: str, args, phases: list[list[ShiftRequest]], bar) ->
     num_prefill, num_decode, auto = mode.num_prefill, mode.num_decode, mode.roles_auto
     cluster_name = f"shift-{name}"
     node_args = ["--transfer-backend", "auto", "--kv-placement", args.kv_placement] + \
-        (["--role-changes"] if auto else [])
+        (["--role-changes"] if auto else []) + (["--max-num-seqs", str(args.max_num_seqs)] if args.max_num_seqs else [])
     with LocalCluster(num_prefill, num_decode, model=args.model, cluster=cluster_name, node_args=node_args,
                       start_timeout_s=300, dtype=args.dtype, threads_per_node=args.threads_per_node) as cluster:
         router = Router(RouterConfig(
@@ -253,7 +254,8 @@ def run(args) -> dict:
                              "output_tokens": p[0].max_tokens} for k, p in enumerate(phases)],
                  "concurrency": args.concurrency, "role_interval_s": args.role_interval_s,
                  "threads_per_node": args.threads_per_node, "kv_placement": args.kv_placement,
-                 "role_cooldown_s": args.role_cooldown_s, "modes": {}}
+                 "role_cooldown_s": args.role_cooldown_s, "max_num_seqs_per_node": args.max_num_seqs or None,
+                 "modes": {}}
     memory_warmup.warm_up(args.touch_memory_gib, res)  # the first mode's nodes too start on memory touched before
     with tqdm(total=sum(map(len, phases)) * len(names), desc="bench cluster (shifting)") as bar:
         for name in names:
@@ -284,6 +286,9 @@ def add_arguments(p) -> None:
     g.add_argument("--long-output-len", type=int, default=96)
     g.add_argument("--role-interval-s", type=float, default=1.0, help="auto: between the balancer's looks")
     g.add_argument("--role-cooldown-s", type=float, default=10.0, help="auto: after a move, before the next")
+    g.add_argument("--max-num-seqs", type=int, default=0,
+                   help="requests each node runs at once, at most (as a GPU's KV memory bounds its streams); 0: the "
+                        "nodes' default")
     g.add_argument("--threads-per-node", type=int, default=0,
                    help="compute threads of each node, fixed (each node as on a machine of its own); 0: the nodes "
                         "divide this machine's cores among those with work at each step")

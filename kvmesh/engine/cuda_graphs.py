@@ -297,6 +297,7 @@ class DecodeGraphs(CapturedForwards):
         md = self.inputs.metadata(batch)
 
         def forward() -> torch.Tensor:
+            md.per_step.clear()  # a replay is a new step (an eager one reads its own inputs, not the last one's)
             hidden = self.model(self.inputs.input_ids[:batch], self.inputs.positions[:batch], self.kv_buffer, md)
             return self.model.compute_logits(hidden)
         return forward

@@ -136,6 +136,7 @@ class PrefillGraphs(CapturedForwards):
         md = self.inputs.metadata(num_tokens)
 
         def forward() -> torch.Tensor:
+            md.per_step.clear()  # a replay is a new step (an eager one reads its own inputs, not the last one's)
             return self.model(self.inputs.input_ids[:num_tokens], self.inputs.positions[:num_tokens],
                               self.kv_buffer, md)
         return forward
