@@ -89,7 +89,7 @@ class PrefillRole:
         self.loads = KVLoads(self.engine, self.call_soon, self._prefix_landed)
         self.num_prefills = 0
         self.num_refused = 0
-        self.num_refused_busy = 0  # of those: it could not beat the requester computing the prompt itself
+        self.num_refused_busy = 0  # of those: it could not beat the requester computing the prompt itself, or its deadline
         self.tokens_pulled = 0
         self.tokens_promoted = 0
 
@@ -116,16 +116,19 @@ class PrefillRole:
                                   f"{msg.first_block}..{msg.first_block + num_chain} were asked for"
                                   f"{', then its last block' if msg.with_tail else ''}",
                                   code=m.ErrorCode.INVALID_PROMPT.value, request_id=msg.request_id)
-        uncached = len(prompt) - len(self.pool.match(hashes)) * bs if msg.wanted_within_ms else 0
+        uncached = len(prompt) - len(self.pool.match(hashes)) * bs
         with self._lock:
+            finish_s = self._finish_estimate_s(uncached)
+            # Past the requester's deadline it would give up and compute the prompt itself: both would compute it.
+            limits = [(msg.deadline_ms, "the conversation's deadline is")]
             if msg.wanted_within_ms:
-                finish_s = self._finish_estimate_s(uncached)
-                if finish_s * 1e3 > msg.wanted_within_ms:
-                    self.num_refused += 1
-                    self.num_refused_busy += 1
-                    raise TransferRefused(f"busy: this prompt would be ready in {finish_s * 1e3:.0f} ms here, the "
-                                          f"requester computes it in {msg.wanted_within_ms} ms",
-                                          code=m.ErrorCode.BUSY.value, request_id=msg.request_id)
+                limits.append((msg.wanted_within_ms, "the requester computes it in"))
+            limit_ms, limit = min(limits)
+            if finish_s * 1e3 > limit_ms:
+                self.num_refused += 1
+                self.num_refused_busy += 1
+                raise TransferRefused(f"busy: this prompt would be ready in {finish_s * 1e3:.0f} ms here, {limit} "
+                                      f"{limit_ms} ms", code=m.ErrorCode.BUSY.value, request_id=msg.request_id)
             prefill = self._prefills[msg.request_id] = _Prefill(list(prompt), hashes, msg.cache_salt, msg.first_block,
                                                                 with_tail=msg.with_tail)
         prefill.span = self.tracer.start("prefill.compute", msg.trace_context, {

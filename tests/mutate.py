@@ -483,6 +483,19 @@ MUTATIONS = (
              "            have = into.setdefault(node, {}).setdefault(threads, {\"steps\": 0, \"mean_ms\": 0.0})",
              "            have = into.setdefault(node, {})[threads] = {\"steps\": 0, \"mean_ms\": 0.0}",
              ("tests/test_bench_cli.py", "-k", "adds_up")),
+    Mutation("a prefill node accepts a prompt it cannot deliver before the conversation's deadline",
+             "prefill_node/worker.py", "            limits = [(msg.deadline_ms, \"the conversation's deadline is\")]",
+             "            limits = [(10**9, \"the conversation's deadline is\")]",
+             ("tests/test_node_policies.py", "-k", "refuses_what")),
+    Mutation("a step's layers share one prompt's block ids among all its prompts", "kernels/reference/attention.py",
+             "        block_ids = shared.get((\"prefill_block_ids\", i))\n        if block_ids is None:\n"
+             "            block_ids = shared[(\"prefill_block_ids\", i)] =",
+             "        block_ids = shared.get((\"prefill_block_ids\", 0))\n        if block_ids is None:\n"
+             "            block_ids = shared[(\"prefill_block_ids\", 0)] =",
+             ("tests/test_kernels.py", "-k", "reference_prefill_attention_matches")),
+    Mutation("bf16 chunks over a cached context never take the native kernel on AMX CPUs", "kernels/ops.py",
+             "NATIVE_BF16_AMX_PREFILL_MAX_TOKENS = 16", "NATIVE_BF16_AMX_PREFILL_MAX_TOKENS = 0",
+             ("tests/test_cpu_kernels.py", "-k", "dispatch")),
 )
 
 ASSERTION_FAILURES = ("AssertionError", "assert ", "Failed: DID NOT RAISE", "Failed: ")

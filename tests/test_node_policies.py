@@ -371,3 +371,43 @@ def test_a_busy_node_sends_out_what_an_idle_one_computes():
 
     assert not worth_a_lookup(768, 100_000.0, 0.010)  # 7.7 ms here: no fetch can win
     assert worth_a_lookup(768, 100_000.0, 0.010, local_queue_s=0.005)
+
+
+def test_a_prefill_node_refuses_what_it_could_not_deliver_within_the_conversations_deadline():
+    """A prompt accepted behind a backlog the node cannot clear before the requester's deadline would be computed
+    twice (the requester gives up and computes it itself): refused BUSY at once instead, also where the requester
+    set no ``wanted_within_ms`` (a forced placement); one it can deliver in time is accepted."""
+    from types import SimpleNamespace
+
+    from kvmesh.engine.llm import LLM
+    from kvmesh.prefill_node.worker import PrefillRole, _Prefill
+    from kvmesh.tracing import Tracer
+    from kvmesh.transfer import messages as m
+    from kvmesh.transfer.errors import TransferRefused
+
+    llm = LLM("tiny-llama", num_kv_blocks=64, progress=False)
+    engine = llm.engine
+    began = []
+    node = SimpleNamespace(
+        cfg=SimpleNamespace(node_id="prefill-0", block_size=16, transfer_gib_per_s=1.0, transfer_rtt_s=0.001,
+                            holder_timeout_s=1.0),
+        engine=engine, pool=engine.kv.pool, agent=SimpleNamespace(requester=None), tiers=None,
+        tracer=Tracer("test"), placement=None, workers=None, call_soon=began.append, membership=None,
+        prefill_cost=SimpleNamespace(fixed_s=0.0), prefill_tokens_per_s=1000.0)
+    role = PrefillRole(node)
+    role._prefills["earlier"] = _Prefill(list(range(3000)), [])  # 3,000 tokens ahead: 3 s at 1,000 tokens/s
+
+    def ask(request_id: str, deadline_ms: int, wanted_within_ms: int = 0):
+        prompt = list(range(1, 34))  # two full blocks before its last token's
+        return role.admit(m.ComputeAndPush(request_id, "decode-0", "g", prompt, 0, [5, 6], deadline_ms,
+                                           wanted_within_ms))
+
+    with pytest.raises(TransferRefused) as refused:
+        ask("late", deadline_ms=2_000)  # ready in ~3.03 s, given 2
+    assert refused.value.code == m.ErrorCode.BUSY.value and "deadline" in str(refused.value)
+    with pytest.raises(TransferRefused):
+        ask("slower-than-local", deadline_ms=10_000, wanted_within_ms=1_000)
+    assert role.num_refused_busy == 2 and not began and set(role._prefills) == {"earlier"}
+    assert len(ask("in-time", deadline_ms=10_000)) == 2  # the granted blocks' hashes; computing starts on the engine
+    assert set(role._prefills) == {"earlier", "in-time"} and len(began) == 1
+    engine.check_integrity()

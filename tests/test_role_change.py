@@ -140,7 +140,7 @@ def test_a_draining_node_keeps_a_stream_whose_kv_is_on_its_way(served, reference
     node's work away and start the request again elsewhere). The prefill node is stopped (SIGSTOP) until the change
     has arrived, so the KV is still on its way then."""
     cluster, router = served
-    node, ids, sp = "decode-0", prompt(300, 70), params(8)
+    node, ids, sp = "decode-0", prompt(300, 70), params(8)  # (no other test's prompt shares its prefix)
     expected = reference([ids], sp)[0]
     before = cluster.client(node).stats()
     prefill, result = cluster.nodes["prefill-0"].proc, {}
@@ -168,7 +168,7 @@ def test_a_prefill_node_becomes_a_decode_node_and_a_change_while_draining_is_ref
     changes_before = cluster.client("prefill-0").stats()["num_role_changes"]  # (other tests of the module move it)
     assert cluster.client("prefill-0").set_role("decode").state == "decode"  # at once
     wait_for(lambda: roles(router).get("prefill-0") == "decode", "the router to see prefill-0 decode")
-    long_prompt, sp = prompt(300, 60), params(400)
+    long_prompt, sp = prompt(350, 60), params(400)
     events = cluster.client("prefill-0").submit(GenerateRequest("long-1", long_prompt, to_wire(sp)))
     wait_for(lambda: cluster.client("prefill-0").stats()["num_running"], "the stream to run on prefill-0")
     assert cluster.client("prefill-0").set_role("prefill", drain_timeout_s=120.0).state == "draining"

@@ -120,7 +120,7 @@ class ComputeAndPush:
     would cost the requester about this long (its own time and the wait that puts on
     the streams it decodes: ``FetchPlan.local_cost``), so a prefill node
     that cannot deliver them sooner (its own backlog included) refuses with BUSY
-    (0: no limit).
+    (0: no limit); as does one that could not deliver them within ``deadline_ms``.
     """
 
     TYPE: ClassVar[str] = "compute_and_push"
