@@ -107,7 +107,7 @@ NATIVE_FP32_PREFILL_SHORT_TOKENS = 8  # fp32 chunks this short take the native k
 
 
 def can_prefill_natively(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, max_query_len: int,
-                         over_context: bool = True) -> bool:
+                         over_context: bool) -> bool:
     """fp32: the native kernel for a few new tokens, else where it measured faster than torch's SDPA on this
     machine (``native_fp32_prefill_is_faster``: its lead differs by CPU). bf16: only a few new tokens (the chunked
     GEMMs are faster for long prompts since they multiply in bf16); where the CPU has AMX, fewer still and only
