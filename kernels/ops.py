@@ -113,10 +113,11 @@ def can_prefill_natively(query: torch.Tensor, k_cache: torch.Tensor, v_cache: to
     GEMMs are faster for long prompts since they multiply in bf16); where the CPU has AMX, fewer still and only
     ``over_context`` (every sequence's new tokens after cached ones): torch's flash kernel serves bf16 there once its
     gather and mask are worth it, and fresh prompts keep its roundings."""
-    if query.dtype == torch.bfloat16 and ("amx_tile" in cpu_features() and
-                                          (max_query_len > NATIVE_BF16_AMX_PREFILL_MAX_TOKENS or not over_context)
-                                          or max_query_len > NATIVE_BF16_PREFILL_MAX_TOKENS):
-        return False
+    if query.dtype == torch.bfloat16:
+        amx = "amx_tile" in cpu_features()
+        if max_query_len > (NATIVE_BF16_AMX_PREFILL_MAX_TOKENS if amx else NATIVE_BF16_PREFILL_MAX_TOKENS) or \
+                amx and not over_context:
+            return False
     if query.dtype not in (torch.float32, torch.bfloat16) or not native.can_attend(query, k_cache, v_cache):
         return False
     return query.dtype == torch.bfloat16 or max_query_len <= NATIVE_FP32_PREFILL_SHORT_TOKENS or \
@@ -166,7 +167,7 @@ def prefill_attention(query, k_cache, v_cache, block_tables, seq_lens, query_sta
         return attention.prefill_attention(query, k_cache, v_cache, block_tables, seq_lens,
                                            query_start_loc, max_query_len, scale)
     if use_native(query) and can_prefill_natively(query, k_cache, v_cache, max_query_len,
-                                                  all(map(int.__lt__, query_lens_cpu, seq_lens_cpu))):
+                                                  all(q < s for q, s in zip(query_lens_cpu, seq_lens_cpu))):
         return native.prefill_attention(query, k_cache, v_cache, block_tables, query_lens_cpu, seq_lens_cpu, scale)
     return ref_attention.prefill_attention(query, k_cache, v_cache, block_tables,
                                            query_lens_cpu, seq_lens_cpu, scale, per_step)

@@ -58,10 +58,9 @@ def prefill_attention(
         if context_len == 0:  # plain causal: the fastest path
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
         else:  # causal, offset by the cached prefix
-            mask = shared.get(("prefill_mask", i, query.dtype))
+            mask = shared.get(("prefill_mask", i))
             if mask is None:
-                mask = shared[("prefill_mask", i, query.dtype)] = offset_causal_mask(q_len, s_len, query.dtype,
-                                                                                   query.device)
+                mask = shared[("prefill_mask", i)] = offset_causal_mask(q_len, s_len, query.dtype, query.device)
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
         out[start : start + q_len] = o[0].transpose(0, 1)
         start += q_len
